@@ -1,0 +1,175 @@
+"""Runs an :class:`LLMEngine` on its own thread and streams results to asyncio.
+
+The HTTP event loop never runs model code: requests and aborts are queued to
+the engine thread, which applies them between steps; each step's chunks are
+handed back to the event loop in one ``call_soon_threadsafe`` per loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+from xllm.core.engine import LLMEngine
+from xllm.core.errors import EngineDeadError, EngineOverloadedError
+from xllm.proto.engine.v1 import engine_pb2
+from xllm.proto.registry.v1 import instance_pb2
+
+log = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """The chunks of one request, in order; iteration ends after the final chunk.
+
+    Leaving the iteration early (client gone) aborts the request in the engine.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: engine_pb2.GenerateResponse | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        try:
+            while True:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                if item.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                    self.finished = True
+                yield item
+                if self.finished:
+                    return
+        finally:
+            if not self.finished:
+                self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Thread-backed engine front. ``submit`` validates synchronously."""
+
+    def __init__(self, engine: LLMEngine, idle_wait: float = 0.05) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._idle_wait = idle_wait
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dead_reason: str | None = None
+
+    # ---- lifecycle --------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="xllm-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
+
+    # ---- requests ---------------------------------------------------------
+    def submit(self, req: engine_pb2.GenerateRequest) -> RequestStream:
+        """Queue ``req``; raises InvalidRequestError / EngineOverloadedError / EngineDeadError now."""
+        if not self.is_running:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        self.engine.validate(req)
+        if len(self.engine.waiting) + self._commands.qsize() >= self.engine.config.max_waiting_requests:
+            raise EngineOverloadedError("too many requests waiting; retry later")
+        stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
+        self._commands.put(("add", req, stream))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+        self._wake.set()
+
+    def load_report(self) -> instance_pb2.LoadReport:
+        return self.engine.load_report()
+
+    # ---- engine thread ----------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_work():
+                    self._wake.wait(self._idle_wait)
+                    self._wake.clear()
+                    continue
+                self._deliver(self.engine.step())
+        except Exception as exc:  # the engine is unusable: fail every stream loudly
+            log.exception("engine loop crashed")
+            self.dead_reason = f"engine loop crashed: {exc!r}"
+            err = EngineDeadError(self.dead_reason)
+            self._deliver_error_all(err)
+        finally:
+            if self.dead_reason is None:
+                self.dead_reason = "engine shut down"
+            self._deliver_error_all(EngineDeadError(self.dead_reason))
+
+    def _drain_commands(self) -> None:
+        out: list[engine_pb2.GenerateResponse] = []
+        while True:
+            try:
+                kind, payload, stream = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                try:
+                    self.engine.add_request(payload)
+                    self._streams[payload.request_id] = stream
+                except Exception as exc:  # validation raced with another request: report to the caller
+                    stream._loop.call_soon_threadsafe(stream._put, exc)
+            else:
+                final = self.engine.abort(payload)
+                if final is not None:
+                    out.append(final)
+        if out:
+            self._deliver(out)
+
+    def _deliver(self, chunks: list[engine_pb2.GenerateResponse]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for chunk in chunks:
+            stream = self._streams.get(chunk.request_id)
+            if stream is None:
+                continue
+            if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                del self._streams[chunk.request_id]
+            by_loop[stream._loop].append((stream, chunk))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_dispatch, items)
+            except RuntimeError:  # that event loop is closed; its clients are gone
+                pass
+
+    def _deliver_error_all(self, err: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            try:
+                stream._loop.call_soon_threadsafe(stream._put, err)
+            except RuntimeError:
+                pass
+
+
+def _dispatch(items: list) -> None:
+    for stream, chunk in items:
+        stream._put(chunk)

@@ -1,0 +1,66 @@
+"""Engine configuration, validated with real errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """An engine setting is out of range or inconsistent."""
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"``/``"bf16"``/``"float32"``/... -> ``torch.dtype``."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {name!r}; choose one of {sorted(set(_DTYPES))}") from None
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine instance.
+
+    ``max_model_len`` of ``None`` takes the model's context length.
+    ``kv_cache_memory_gib`` bounds the physical KV memory; the token capacity
+    is that divided by the model's KV bytes per token.
+    """
+
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_gib: float = 2.0
+    kv_cache_backend: str = "contiguous"
+    max_waiting_requests: int = 4096
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.dtype = parse_dtype(self.dtype)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    def resolve_max_model_len(self, model_max: int) -> int:
+        """The effective context length: the configured one, never above the model's."""
+        if self.max_model_len is None:
+            return model_max
+        if self.max_model_len > model_max:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's context length {model_max}")
+        return self.max_model_len

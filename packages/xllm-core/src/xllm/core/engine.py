@@ -1,0 +1,230 @@
+"""The synchronous engine: one ``step()`` = schedule, forward, sample, emit.
+
+Not thread-safe: all methods are called from one thread (the
+:class:`~xllm.core.async_engine.AsyncEngine` loop thread in a server).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+
+import torch
+
+from xllm.core.config import EngineConfig
+from xllm.core.errors import EngineOverloadedError, InvalidRequestError
+from xllm.core.kv import KVCacheLayout, create_kv_cache
+from xllm.core.model_api import CausalLM
+from xllm.core.model_runner import ModelRunner
+from xllm.core.output_processor import OutputProcessor, RequestOutput
+from xllm.core.platform import Platform, configure_threads, detect_platform
+from xllm.core.sampler import Sampler
+from xllm.core.sampling_params import SamplingParams
+from xllm.core.sequence import Sequence, SeqStatus
+from xllm.core.stats import EngineCounters, FinishedRequest, StatsObserver, StepStats
+from xllm.proto.engine.v1 import engine_pb2
+from xllm.proto.registry.v1 import instance_pb2
+from xllm.sched import batch_policy
+
+log = logging.getLogger(__name__)
+
+_REASON_NAMES = {
+    engine_pb2.FINISH_REASON_STOP: "stop",
+    engine_pb2.FINISH_REASON_LENGTH: "length",
+    engine_pb2.FINISH_REASON_ABORT: "abort",
+    engine_pb2.FINISH_REASON_ERROR: "error",
+}
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model instance.
+
+    ``model`` satisfies :class:`~xllm.core.model_api.CausalLM` and carries
+    ``max_context_len``; ``tokenizer`` decodes ids (``decode``) and names its
+    ``eos_token_ids``.
+    """
+
+    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig,
+                 observers: list[StatsObserver] | None = None, instance_id: str = "engine-0") -> None:
+        self.config = config
+        self.instance_id = instance_id
+        self.platform: Platform = detect_platform(config.device)
+        if not self.platform.supports_dtype(config.dtype):
+            raise ValueError(f"dtype {config.dtype} is not supported on {self.platform.name}")
+        configure_threads(config.num_threads)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = config.resolve_max_model_len(int(model.max_context_len))
+        spec = model.kv_cache_spec()
+        per_block = spec.bytes_per_token(config.dtype) * config.block_size
+        num_blocks = int(config.kv_cache_memory_gib * 2**30 // per_block)
+        if num_blocks < 1:
+            raise ValueError("kv_cache_memory_gib is too small for a single KV block")
+        self.layout = KVCacheLayout(spec, config.dtype, self.platform.device, config.max_num_seqs,
+                                    self.max_model_len, config.block_size, num_blocks)
+        self.kv = create_kv_cache(config.kv_cache_backend, self.layout)
+        self.runner = ModelRunner(model, self.kv, self.platform.device)
+        eos = frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        self.sampler = Sampler(eos)
+        self.outputs = OutputProcessor(tokenizer, eos, self.max_model_len)
+        self.policy = batch_policy("decode_first", max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.running: list[Sequence] = []
+        self.waiting: deque[Sequence] = deque()
+        self.requests: dict[str, RequestOutput] = {}
+        self.counters = EngineCounters()
+        self.observers = list(observers or [])
+        self._seed_source = random.Random(config.seed)
+        log.info("engine %s: max_model_len=%d kv_blocks=%d (%d tokens, %s) max_num_seqs=%d",
+                 instance_id, self.max_model_len, num_blocks, self.layout.capacity_tokens,
+                 config.kv_cache_backend, config.max_num_seqs)
+
+    # ---- requests -------------------------------------------------------
+    def validate(self, req: engine_pb2.GenerateRequest) -> SamplingParams:
+        """Check a request against this engine's limits without queuing it.
+
+        Safe to call from any thread (reads only immutable settings). Raises
+        :class:`InvalidRequestError` naming the offending parameter.
+        """
+        if not req.request_id:
+            raise InvalidRequestError("request_id is required", "request_id")
+        params = SamplingParams.from_proto(req.sampling)
+        prompt = req.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = int(getattr(self.model, "vocab_size", 0))
+        if vocab and (min(prompt) < 0 or max(prompt) >= vocab):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens but the context length is {self.max_model_len}", "prompt")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
+                f"length {self.max_model_len}", "max_tokens")
+        return params
+
+    def add_request(self, req: engine_pb2.GenerateRequest) -> None:
+        """Queue a request; raises :class:`InvalidRequestError` or :class:`EngineOverloadedError`."""
+        params = self.validate(req)
+        if req.request_id in self.requests:
+            raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight", "request_id")
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"{len(self.waiting)} requests already waiting")
+        prompt = list(req.prompt_token_ids)
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(params.seed if params.seed is not None else self._seed_source.getrandbits(63))
+        seq = Sequence(req.request_id, prompt, params, req.arrival_time or time.time(), req.priority, gen)
+        self.requests[req.request_id] = self.outputs.new_request(seq)
+        self._enqueue(seq)
+
+    def abort(self, request_id: str) -> engine_pb2.GenerateResponse | None:
+        """Cancel a request; returns its final (aborted) chunk, or None if unknown."""
+        out = self.requests.pop(request_id, None)
+        if out is None:
+            return None
+        seq = out.seq
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if any(s is seq for s in self.running):
+            self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SeqStatus.FINISHED
+        self.outputs.abort(out)
+        return self.outputs.take_chunk(out)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- the step -------------------------------------------------------
+    def step(self) -> list[engine_pb2.GenerateResponse]:
+        """Run one scheduling + forward + sampling iteration; return stream chunks."""
+        t0 = time.perf_counter()
+        plan = self.policy.schedule(self.running, self.waiting, self.kv)
+        for seq in plan.preempted:
+            seq.num_computed_tokens = 0
+            seq.status = SeqStatus.WAITING
+            seq.num_preemptions += 1
+        for seq in plan.admitted:
+            seq.status = SeqStatus.RUNNING
+        self.counters.num_preemptions += len(plan.preempted)
+        if not plan:
+            return []
+        chunks = [(c.seq, c.num_tokens) for c in plan.chunks]
+        batch = self.runner.prepare(chunks)
+        logits = self.runner.execute(batch)
+        for seq, n in chunks:
+            seq.num_computed_tokens += n
+        prompt_tokens = 0
+        responses: list[engine_pb2.GenerateResponse] = []
+        now = time.time()
+        ttfts: list[float] = []
+        itls: list[float] = []
+        finished: list[FinishedRequest] = []
+        if batch.sample_seqs:
+            result = self.sampler(logits, batch.sample_seqs)
+            for i, seq in enumerate(batch.sample_seqs):
+                token = result.token_ids[i]
+                seq.output_ids.append(token)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                    ttfts.append(now - seq.arrival_time)
+                    prompt_tokens += seq.num_prompt_tokens
+                else:
+                    itls.append(now - seq.last_token_time)
+                seq.last_token_time = now
+                out = self.requests[seq.request_id]
+                self.outputs.append_token(out, token, result.logprobs[i])
+                responses.append(self.outputs.take_chunk(out))
+                if out.finished:
+                    finished.append(self._retire(out, now))
+        step_time = time.perf_counter() - t0
+        self._account(plan, batch, prompt_tokens, ttfts, itls, finished, step_time)
+        return responses
+
+    def _retire(self, out: RequestOutput, now: float) -> FinishedRequest:
+        seq = out.seq
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SeqStatus.FINISHED
+        del self.requests[seq.request_id]
+        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+        return FinishedRequest(seq.request_id, _REASON_NAMES.get(out.finish_reason, "stop"), seq.num_prompt_tokens,
+                               len(seq.output_ids), now - seq.arrival_time, ttft)
+
+    def _account(self, plan, batch, prompt_tokens, ttfts, itls, finished, step_time) -> None:
+        c = self.counters
+        c.steps += 1
+        c.prompt_tokens += prompt_tokens
+        c.generation_tokens += len(batch.sample_seqs)
+        c.finished_requests += len(finished)
+        c.max_batch_size = max(c.max_batch_size, len(plan.chunks))
+        if batch.num_decode > 1:
+            c.multi_seq_decode_steps += 1
+        c.observe_latency(ttfts, itls)
+        if not self.observers:
+            return
+        stats = StepStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), batch_size=len(plan.chunks),
+            num_decode_tokens=batch.num_decode, num_prefill_tokens=plan.num_tokens - batch.num_decode,
+            num_preempted=len(plan.preempted), kv_usage=self.kv.usage, step_time=step_time,
+            prompt_tokens=prompt_tokens, ttfts=ttfts, inter_token_latencies=itls, finished=finished)
+        for obs in self.observers:
+            obs.on_step(stats)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Insert into ``waiting`` in (priority, arrival) order."""
+        key = (seq.priority, seq.arrival_time)
+        idx = len(self.waiting)
+        while idx > 0 and (self.waiting[idx - 1].priority, self.waiting[idx - 1].arrival_time) > key:
+            idx -= 1
+        self.waiting.insert(idx, seq)
+
+    # ---- reports ----------------------------------------------------------
+    def load_report(self) -> instance_pb2.LoadReport:
+        return instance_pb2.LoadReport(
+            instance_id=self.instance_id, num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage, kv_free_tokens=self.kv.free_tokens, recent_ttft=self.counters.recent_ttft,
+            recent_tpot=self.counters.recent_tpot, timestamp=time.time())

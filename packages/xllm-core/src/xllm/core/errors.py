@@ -1,0 +1,26 @@
+"""Errors the engine raises to its callers."""
+
+from __future__ import annotations
+
+
+class EngineError(RuntimeError):
+    """Base class of engine errors."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request cannot be served as given (bad parameter, prompt too long).
+
+    ``param`` names the offending field when there is one.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineOverloadedError(EngineError):
+    """The waiting queue is full; retry later."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop has stopped (shut down or crashed)."""

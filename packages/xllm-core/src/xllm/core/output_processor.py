@@ -1,0 +1,124 @@
+"""Stop conditions, incremental detokenization and streamed output chunks.
+
+Stop strings may span token boundaries: streamed text holds back the last
+``max(len(stop)) - 1`` characters until they can no longer start a stop
+string, so text once sent is never retracted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xllm.core.detokenizer import IncrementalDetokenizer, TokenDecoder
+from xllm.core.sequence import Sequence
+from xllm.proto.engine.v1 import engine_pb2
+
+STOP = engine_pb2.FINISH_REASON_STOP
+LENGTH = engine_pb2.FINISH_REASON_LENGTH
+ABORT = engine_pb2.FINISH_REASON_ABORT
+
+
+@dataclass
+class RequestOutput:
+    """Output-side state of one request."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    text: str = ""
+    sent_chars: int = 0
+    finish_reason: int = engine_pb2.FINISH_REASON_UNSPECIFIED
+    stop_reason: str = ""
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class OutputProcessor:
+    """Applies one sampled token to a request and builds its stream chunk."""
+
+    def __init__(self, decoder: TokenDecoder, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.decoder = decoder
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def new_request(self, seq: Sequence) -> RequestOutput:
+        detok = IncrementalDetokenizer.for_prompt(self.decoder, seq.prompt_ids, seq.params.skip_special_tokens)
+        return RequestOutput(seq, detok)
+
+    def append_token(self, out: RequestOutput, token: int,
+                     logprob: tuple[float, list[tuple[int, float]]] | None) -> None:
+        """Record ``token`` (already appended to ``seq.output_ids``) and decide whether the request ends."""
+        seq, p = out.seq, out.seq.params
+        out.pending_ids.append(token)
+        if logprob is not None:
+            chosen, top = logprob
+            out.pending_logprobs.append(engine_pb2.TokenLogprob(
+                token_id=token, logprob=chosen,
+                top=[engine_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top]))
+        if token in p.stop_token_ids:
+            self._finish(out, STOP, str(token))
+        elif not p.ignore_eos and token in self.eos_token_ids:
+            self._finish(out, STOP, "")
+        else:
+            before = len(out.text)
+            out.text += out.detok.push([token])
+            if p.stop and self._check_stop_strings(out, before):
+                return
+        if not out.finished:
+            if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                self._finish(out, LENGTH, "")
+
+    def abort(self, out: RequestOutput) -> None:
+        self._finish(out, ABORT, "")
+
+    def take_chunk(self, out: RequestOutput) -> engine_pb2.GenerateResponse:
+        """The stream chunk for everything produced since the last call; the final
+        chunk (finish reason set) carries all remaining text and the usage."""
+        p = out.seq.params
+        if out.finished:
+            limit = len(out.text)
+        else:
+            hold = max((len(s) for s in p.stop), default=1) - 1
+            limit = max(out.sent_chars, len(out.text) - hold)
+        chunk = engine_pb2.GenerateResponse(
+            request_id=out.seq.request_id,
+            token_ids=out.pending_ids,
+            text=out.text[out.sent_chars:limit],
+            logprobs=out.pending_logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+        out.sent_chars = limit
+        out.pending_ids = []
+        out.pending_logprobs = []
+        if out.finished:
+            chunk.usage.CopyFrom(engine_pb2.Usage(
+                prompt_tokens=out.seq.num_prompt_tokens,
+                completion_tokens=len(out.seq.output_ids),
+                cached_prompt_tokens=out.seq.num_cached_prompt_tokens))
+        return chunk
+
+    def _check_stop_strings(self, out: RequestOutput, before: int) -> bool:
+        p = out.seq.params
+        longest = max(len(s) for s in p.stop)
+        start = max(0, before - longest + 1)
+        best: tuple[int, str] | None = None
+        for s in p.stop:
+            idx = out.text.find(s, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return False
+        idx, s = best
+        out.text = out.text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
+        out.finish_reason, out.stop_reason = STOP, s
+        return True
+
+    @staticmethod
+    def _finish(out: RequestOutput, reason: int, stop_reason: str) -> None:
+        """End the request, releasing any text the detokenizer still held back."""
+        out.finish_reason, out.stop_reason = reason, stop_reason
+        out.text += out.detok.flush()

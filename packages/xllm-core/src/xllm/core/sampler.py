@@ -1,0 +1,110 @@
+"""Per-step sampling over a batch with per-request parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from xllm.core.sequence import Sequence
+from xllm.kernels.sampling import (
+    apply_frequency_presence_penalties,
+    apply_repetition_penalty,
+    apply_top_k_top_p_min_p,
+    sample_from_probs,
+)
+
+
+@dataclass
+class SampleResult:
+    """Chosen tokens plus, for requests that asked, logprob information.
+
+    ``logprobs[i]`` is ``None`` or ``(chosen_logprob, [(token, logprob), ...])``
+    with the top alternatives, from the model's raw distribution.
+    """
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    """Applies each sequence's logit processors and draws its next token.
+
+    Order: logit bias, penalties, min-tokens masking, then greedy argmax or
+    temperature -> top-k -> top-p -> min-p -> seeded categorical draw.
+    """
+
+    def __init__(self, eos_token_ids: frozenset[int]) -> None:
+        self.eos_token_ids = eos_token_ids
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        params = [s.params for s in seqs]
+        want_lp = [p.logprobs or p.top_logprobs > 0 for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        logits = self._process(logits, seqs)
+        greedy = torch.tensor([p.greedy for p in params])
+        chosen = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=logits.dtype)
+            scaled = logits / temps.unsqueeze(1)
+            top_k = torch.tensor([p.top_k for p in params]) if any(p.top_k for p in params) else None
+            top_p = torch.tensor([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None
+            min_p = torch.tensor([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None
+            scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+            probs = scaled.softmax(dim=-1)
+            sampled = sample_from_probs(probs, [s.generator for s in seqs])
+            chosen = torch.where(greedy, chosen, sampled)
+        token_ids = chosen.tolist()
+        out_lp: list = [None] * len(seqs)
+        if raw_logprobs is not None:
+            for i, p in enumerate(params):
+                if not want_lp[i]:
+                    continue
+                row = raw_logprobs[i]
+                top: list[tuple[int, float]] = []
+                if p.top_logprobs:
+                    vals, idx = row.topk(p.top_logprobs)
+                    top = list(zip(idx.tolist(), vals.tolist()))
+                out_lp[i] = (float(row[token_ids[i]]), top)
+        return SampleResult(token_ids, out_lp)
+
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        rows_bias = [(i, s.params.logit_bias) for i, s in enumerate(seqs) if s.params.logit_bias]
+        if rows_bias:
+            logits = logits.clone()
+            for i, bias in rows_bias:
+                ids = torch.tensor([t for t in bias if 0 <= t < vocab], dtype=torch.long)
+                vals = torch.tensor([bias[t] for t in bias if 0 <= t < vocab], dtype=logits.dtype)
+                logits[i].index_add_(0, ids, vals)
+        if any(s.params.needs_penalties for s in seqs):
+            logits = self._penalties(logits, seqs)
+        masked = [(i, s) for i, s in enumerate(seqs) if len(s.output_ids) < s.params.min_tokens]
+        if masked:
+            logits = logits.clone()
+            for i, s in masked:
+                banned = set(s.params.stop_token_ids)
+                if not s.params.ignore_eos:
+                    banned |= self.eos_token_ids
+                if banned:
+                    logits[i, sorted(t for t in banned if 0 <= t < vocab)] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        b, vocab = logits.shape
+        counts = torch.zeros(b, vocab, dtype=torch.int32)
+        seen = torch.zeros(b, vocab, dtype=torch.bool)
+        for i, s in enumerate(seqs):
+            if s.output_ids:
+                out = torch.tensor(s.output_ids, dtype=torch.long)
+                counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+            if s.params.repetition_penalty != 1.0:
+                seen[i, torch.tensor(s.prompt_ids, dtype=torch.long)] = True
+        seen |= counts > 0
+        rep = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=logits.dtype)
+        freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=logits.dtype)
+        pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=logits.dtype)
+        logits = apply_repetition_penalty(logits, seen, rep)
+        return apply_frequency_presence_penalties(logits, counts, freq, pres)

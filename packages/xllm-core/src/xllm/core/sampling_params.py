@@ -1,0 +1,94 @@
+"""Engine-side sampling parameters, built from the ``SamplingParams`` proto."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xllm.core.errors import InvalidRequestError
+from xllm.proto.engine.v1 import engine_pb2
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated per-request sampling and stopping settings (OpenAI semantics)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not 0 <= self.temperature <= 100:
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}", "temperature")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 disables), got {self.top_k}", "top_k")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                                      "repetition_penalty")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})",
+                                      "min_tokens")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @classmethod
+    def from_proto(cls, msg: engine_pb2.SamplingParams) -> SamplingParams:
+        def opt(name: str, default):
+            return getattr(msg, name) if msg.HasField(name) else default
+
+        return cls(
+            max_tokens=int(msg.max_tokens),
+            temperature=float(opt("temperature", 1.0)),
+            top_p=float(opt("top_p", 1.0)),
+            top_k=int(opt("top_k", 0)),
+            min_p=float(opt("min_p", 0.0)),
+            presence_penalty=float(opt("presence_penalty", 0.0)),
+            frequency_penalty=float(opt("frequency_penalty", 0.0)),
+            repetition_penalty=float(opt("repetition_penalty", 1.0)),
+            seed=int(msg.seed) if msg.HasField("seed") else None,
+            min_tokens=int(msg.min_tokens),
+            stop=tuple(msg.stop),
+            stop_token_ids=frozenset(int(t) for t in msg.stop_token_ids),
+            ignore_eos=bool(msg.ignore_eos),
+            logprobs=bool(msg.logprobs),
+            top_logprobs=int(msg.top_logprobs),
+            logit_bias={int(k): float(v) for k, v in msg.logit_bias.items()},
+            include_stop_str_in_output=bool(msg.include_stop_str_in_output),
+            skip_special_tokens=bool(opt("skip_special_tokens", True)),
+        )

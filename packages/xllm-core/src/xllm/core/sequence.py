@@ -1,0 +1,62 @@
+"""Per-request state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from xllm.core.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens and progress.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache; the engine
+    feeds ``token_ids[num_computed_tokens:]`` (in chunks) and samples a new
+    token once all known tokens are computed. Identity-compared.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    slot: int | None = None
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output without building the full list."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]

@@ -1,0 +1,63 @@
+"""What the engine reports about itself, per step and cumulatively."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    request_id: str
+    finish_reason: str  # "stop", "length", "abort", "error"
+    prompt_tokens: int
+    completion_tokens: int
+    e2e_latency: float
+    ttft: float | None
+
+
+@dataclass
+class StepStats:
+    """One engine step, handed to observers after the step completes."""
+
+    num_running: int
+    num_waiting: int
+    batch_size: int              # sequences in the forward
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    num_preempted: int
+    kv_usage: float
+    step_time: float
+    prompt_tokens: int = 0       # prompts whose first token came out this step
+    ttfts: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class StatsObserver(Protocol):
+    """Receives every step's stats (called on the engine thread; must be quick)."""
+
+    def on_step(self, stats: StepStats) -> None: ...
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative totals since the engine started."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished_requests: int = 0
+    num_preemptions: int = 0
+    max_batch_size: int = 0
+    multi_seq_decode_steps: int = 0  # decode steps that ran more than one sequence
+    recent_ttft: float = 0.0         # exponential moving averages (seconds)
+    recent_tpot: float = 0.0
+
+    def observe_latency(self, ttfts: list[float], itls: list[float], alpha: float = 0.1) -> None:
+        for v in ttfts:
+            self.recent_ttft = v if self.recent_ttft == 0.0 else (1 - alpha) * self.recent_ttft + alpha * v
+        for v in itls:
+            self.recent_tpot = v if self.recent_tpot == 0.0 else (1 - alpha) * self.recent_tpot + alpha * v

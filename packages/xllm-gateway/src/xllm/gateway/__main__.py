@@ -1,0 +1,5 @@
+import sys
+
+from xllm.gateway.cli import main
+
+sys.exit(main())

@@ -1,0 +1,108 @@
+"""The FastAPI application: OpenAI routes, health, metrics, error mapping."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from xllm.gateway.metrics import EngineMetrics
+from xllm.gateway.openai.errors import APIError, bad_request, internal
+from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from xllm.gateway.openai.serving import Dispatcher
+from xllm.gateway.openai.serving_chat import ChatServing
+from xllm.gateway.openai.serving_completion import CompletionServing
+from xllm.gateway.registry import EmbeddedRegistry
+from xllm.models import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayState:
+    """Everything the routes need; built by :mod:`xllm.gateway.server`."""
+
+    registry: EmbeddedRegistry
+    tokenizer: Tokenizer
+    metrics: EngineMetrics
+    default_model: str
+    max_model_len: int
+    on_shutdown: list[Callable[[], None]] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('msg')}", None
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def create_app(state: GatewayState) -> FastAPI:
+    dispatcher = Dispatcher(state.registry, state.default_model)
+    chat = ChatServing(dispatcher, state.tokenizer, state.max_model_len)
+    completions = CompletionServing(dispatcher, state.tokenizer, state.max_model_len)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        for fn in state.on_shutdown:
+            fn()
+
+    app = FastAPI(title="xLLM", version="0.1.0", lifespan=lifespan)
+    app.state.gateway = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_req: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return bad_request(message, param).response()
+
+    @app.exception_handler(APIError)
+    async def _on_api_error(_req: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def _on_error(_req: Request, exc: Exception):
+        log.exception("unhandled error")
+        return internal(f"{type(exc).__name__}: {exc}").response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await chat.create(body, raw)
+
+    @app.post("/v1/completions")
+    async def create_completions(body: CompletionRequest, raw: Request):
+        return await completions.create(body, raw)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "xllm",
+                 "max_model_len": state.max_model_len} for name in state.registry.served_models()]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        instances = state.registry.instances()
+        reports = {c.info.instance_id: await c.health() for c in instances}
+        ok = bool(reports) and all(r.healthy for r in reports.values())
+        body = {"status": "ok" if ok else "unhealthy",
+                "instances": {k: {"healthy": r.healthy, "status": r.status} for k, r in reports.items()}}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

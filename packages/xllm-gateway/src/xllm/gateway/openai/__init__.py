@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: request/response schemas and the serving logic."""

@@ -1,0 +1,27 @@
+"""Compute ops of xLLM.
+
+Every op here is a plain function on torch tensors with a stated contract and a
+pure-torch reference implementation; faster native paths may replace the body
+but never the contract.
+
+- :mod:`xllm.kernels.norm`: RMSNorm, optionally fused with the residual add.
+- :mod:`xllm.kernels.rotary`: rotary position embedding tables and application.
+- :mod:`xllm.kernels.activation`: SiLU-and-multiply.
+- :mod:`xllm.kernels.attention`: prefill (varlen, chunked) and decode attention
+  over per-sequence contiguous KV regions addressed by slot and length.
+- :mod:`xllm.kernels.sampling`: penalties, logit bias, top-k/top-p/min-p, seeded sampling.
+"""
+
+from xllm.kernels.activation import silu_and_mul
+from xllm.kernels.attention import decode_attention, prefill_attention
+from xllm.kernels.norm import rms_norm
+from xllm.kernels.rotary import RotaryTable, apply_rotary
+
+__all__ = [
+    "RotaryTable",
+    "apply_rotary",
+    "decode_attention",
+    "prefill_attention",
+    "rms_norm",
+    "silu_and_mul",
+]

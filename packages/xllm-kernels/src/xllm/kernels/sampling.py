@@ -1,0 +1,75 @@
+"""Logit processing and sampling ops (batched, per-row parameters).
+
+All ops take float32 logits ``[B, V]`` and per-row parameter tensors ``[B]``;
+a row whose parameter is at its neutral value is left unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF/vLLM repetition penalty: for tokens in ``seen`` (bool ``[B, V]``, prompt
+    and output), divide positive logits by ``penalty`` and multiply negative ones.
+    ``penalty`` is ``[B]`` (1.0 = off)."""
+    p = penalty.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_frequency_presence_penalties(
+    logits: torch.Tensor, output_counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI penalties on generated tokens: ``logit -= frequency * count +
+    presence * (count > 0)``; ``output_counts`` is ``[B, V]`` of generated-token counts."""
+    counts = output_counts.to(logits.dtype)
+    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """Mask (set to ``-inf``) tokens outside each row's top-k, nucleus and min-p set.
+
+    ``top_k`` int ``[B]`` (0 or >= V = off), ``top_p`` float ``[B]`` in (0, 1]
+    (1 = off), ``min_p`` float ``[B]`` in [0, 1] (0 = off). Applied in that order,
+    each on the distribution left by the previous one; the most likely token is
+    always kept.
+    """
+    if top_k is None and top_p is None and min_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k).clamp(max=vocab)
+        drop |= ranks >= k.unsqueeze(1)
+    if top_p is not None or min_p is not None:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        if top_p is not None:
+            # Drop a token when the mass strictly before it already reaches top_p.
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop |= mass_before >= top_p.unsqueeze(1)
+        if min_p is not None:
+            drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
+    drop[:, 0] = False
+    masked_sorted = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, masked_sorted)
+
+
+def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Draw one token per row from ``probs`` ``[B, V]`` with row ``b``'s generator.
+
+    Uses the exponential race (argmax of ``p / E`` with ``E ~ Exp(1)``), which is
+    an exact categorical sample; each row consumes only its own generator, so a
+    seeded row's draw does not depend on the rest of the batch.
+    """
+    noise = torch.empty_like(probs)
+    for b, gen in enumerate(generators):
+        noise[b].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)

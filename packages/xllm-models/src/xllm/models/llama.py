@@ -1,0 +1,141 @@
+"""Llama-architecture decoder (Llama 2/3, SmolLM, Mistral-style), our own implementation.
+
+Also the base for Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm): the attention block
+takes those as options, so those models only change their config reading.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xllm.core.model_api import AttentionContext, KVCacheSpec
+from xllm.kernels import RotaryTable, apply_rotary, silu_and_mul
+from xllm.models.config import ModelConfig, ModelConfigError
+from xllm.models.layers import MergedLinear, RMSNorm, build_rotary
+from xllm.models.weights import StackedName, load_named_weights
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=bool(cfg.get("attention_bias", False)) and not qk_norm)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.scale = self.head_dim**-0.5
+        self.q_size, self.kv_size = q_size, kv_size
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ctx.attention(self.layer, q, k, v, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, {"gate": intermediate, "up": intermediate}, bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer, qkv_bias, qk_norm)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden, residual, cos, sin, ctx):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM with the HF Llama weight names (fused at load time)."""
+
+    qkv_bias = False
+    qk_norm = False
+    stacked_names = (
+        StackedName(".qkv_proj", ".q_proj", "q"),
+        StackedName(".qkv_proj", ".k_proj", "k"),
+        StackedName(".qkv_proj", ".v_proj", "v"),
+        StackedName(".gate_up_proj", ".gate_proj", "gate"),
+        StackedName(".gate_up_proj", ".up_proj", "up"),
+    )
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"hidden_act {act!r} is not supported by {type(self).__name__} (only silu)")
+        self.cfg = cfg
+        self.max_context_len = cfg.max_position_embeddings
+        self.vocab_size = cfg.vocab_size
+        layers = [
+            LlamaDecoderLayer(cfg, i, self.qkv_bias, self.qk_norm, self.build_mlp(cfg, i))
+            for i in range(cfg.num_layers)
+        ]
+        self.model = LlamaModel(cfg, layers)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary: RotaryTable | None = None
+
+    def post_load(self) -> None:
+        """Build non-parameter state (RoPE table) once parameters are materialized."""
+        self.rotary = build_rotary(self.cfg, self.cfg.head_dim)
+
+    def build_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        return LlamaMLP(cfg.hidden_size, int(cfg.raw["intermediate_size"]), bool(cfg.get("mlp_bias", False)))
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        c = self.cfg
+        return KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, c.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions, hidden.dtype)
+        residual = None
+        for layer in self.model.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, ctx)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights) -> None:
+        """Copy ``(hf_name, tensor)`` pairs into the parameters; every parameter must be set."""
+        skip = ("rotary_emb.inv_freq",)
+        if self.lm_head is None:
+            skip += ("lm_head.weight",)
+        load_named_weights(self, weights, self.stacked_names, skip_suffixes=skip)

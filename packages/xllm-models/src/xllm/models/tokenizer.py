@@ -1,0 +1,63 @@
+"""Tokenizer, chat template and incremental detokenization for a model directory."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered with the model's chat template."""
+
+
+class Tokenizer:
+    """A model directory's tokenizer (HF fast tokenizer) plus its chat template.
+
+    Thread-safety: encoding and decoding are safe from several threads.
+    """
+
+    def __init__(self, model_dir: str | pathlib.Path) -> None:
+        from transformers import AutoTokenizer
+
+        model_dir = pathlib.Path(model_dir)
+        self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self.vocab_size = len(self._tok)
+        self.eos_token_ids = _eos_ids(model_dir, self._tok.eos_token_id)
+        self.bos_token_id = self._tok.bos_token_id
+        self.all_special_ids = frozenset(self._tok.all_special_ids)
+        self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Printable text of each token on its own (for logprob entries)."""
+        return [self._tok.decode([i], skip_special_tokens=False) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> list[int]:
+        """Render ``messages`` with the model's template and tokenize (no extra BOS)."""
+        if not self.has_chat_template:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        try:
+            text = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=False, **kwargs)
+        except Exception as exc:  # jinja errors (e.g. a role the template rejects)
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        return self.encode(text, add_special_tokens=False)
+
+
+def _eos_ids(model_dir: pathlib.Path, tok_eos: int | None) -> frozenset[int]:
+    ids: set[int] = set() if tok_eos is None else {int(tok_eos)}
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)

@@ -1,0 +1,82 @@
+"""Mapping checkpoint tensors onto model parameters (fused shards, casting, completeness)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class WeightLoadError(RuntimeError):
+    """The checkpoint does not match the model: missing, unexpected or misshapen tensors."""
+
+
+@dataclass(frozen=True)
+class StackedName:
+    """Checkpoint tensor ``...<ckpt_part>.weight`` goes to shard ``shard`` of
+    fused parameter ``...<fused_part>.weight``."""
+
+    fused_part: str
+    ckpt_part: str
+    shard: str
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: Iterable[StackedName] = (),
+    skip_suffixes: tuple[str, ...] = (),
+) -> None:
+    """Copy (and cast) each checkpoint tensor straight into its parameter.
+
+    Raises :class:`WeightLoadError` naming unexpected checkpoint tensors and
+    parameters the checkpoint never set. A fused parameter counts as set when
+    all of its shards arrived.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    stacked = tuple(stacked)
+    expected_shards: dict[str, set[str]] = {}
+    for name, module in modules.items():
+        for s in getattr(module, "shard_offsets", {}):
+            for kind in ("weight", "bias"):
+                if getattr(module, kind, None) is not None:
+                    expected_shards.setdefault(f"{name}.{kind}", set()).add(s)
+    seen_shards: dict[str, set[str]] = {}
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if name.endswith(skip_suffixes):
+            continue
+        for rule in stacked:
+            if rule.ckpt_part + "." in name:
+                fused = name.replace(rule.ckpt_part + ".", rule.fused_part + ".")
+                mod_name, kind = fused.rsplit(".", 1)
+                module = modules.get(mod_name)
+                if module is None or not hasattr(module, "load_shard"):
+                    unexpected.append(name)
+                    break
+                module.load_shard(rule.shard, kind, tensor)
+                seen_shards.setdefault(fused, set()).add(rule.shard)
+                break
+        else:
+            param = params.get(name)
+            if param is None:
+                unexpected.append(name)
+                continue
+            if param.shape != tensor.shape:
+                raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            loaded.add(name)
+    for fused, shards in expected_shards.items():
+        if seen_shards.get(fused) == shards:
+            loaded.add(fused)
+    missing = sorted(set(params) - loaded)
+    if unexpected or missing:
+        raise WeightLoadError(
+            f"checkpoint does not match {type(model).__name__}: "
+            f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )

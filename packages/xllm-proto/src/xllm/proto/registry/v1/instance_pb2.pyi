@@ -1,0 +1,64 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InstanceRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INSTANCE_ROLE_UNSPECIFIED: _ClassVar[InstanceRole]
+    INSTANCE_ROLE_MIXED: _ClassVar[InstanceRole]
+    INSTANCE_ROLE_PREFILL: _ClassVar[InstanceRole]
+    INSTANCE_ROLE_DECODE: _ClassVar[InstanceRole]
+INSTANCE_ROLE_UNSPECIFIED: InstanceRole
+INSTANCE_ROLE_MIXED: InstanceRole
+INSTANCE_ROLE_PREFILL: InstanceRole
+INSTANCE_ROLE_DECODE: InstanceRole
+
+class ModelInfo(_message.Message):
+    __slots__ = ("served_name", "max_model_len", "dtype", "block_size")
+    SERVED_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    served_name: str
+    max_model_len: int
+    dtype: str
+    block_size: int
+    def __init__(self, served_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class InstanceInfo(_message.Message):
+    __slots__ = ("instance_id", "address", "role", "model", "start_time")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    address: str
+    role: InstanceRole
+    model: ModelInfo
+    start_time: float
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., start_time: _Optional[float] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_usage", "kv_free_tokens", "recent_ttft", "recent_tpot", "timestamp")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    KV_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_TTFT_FIELD_NUMBER: _ClassVar[int]
+    RECENT_TPOT_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    kv_free_tokens: int
+    recent_ttft: float
+    recent_tpot: float
+    timestamp: float
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., recent_ttft: _Optional[float] = ..., recent_tpot: _Optional[float] = ..., timestamp: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Generative recommendation for xLLM (xLLM §4.5)."""
