@@ -135,7 +135,8 @@ def build(session: nox.Session) -> None:
     dist = pathlib.Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     for p in PACKAGES:
-        session.run("python", "-m", "build", "--no-isolation", "--wheel", "--outdir", str(dist), f"packages/{p}", silent=True)
+        session.run("python", "-m", "build", "--no-isolation", "--wheel", "--outdir", str(dist), f"packages/{p}",
+                    silent=True)
     wheels = sorted(str(w) for w in dist.glob("*.whl"))
     if len(wheels) != len(PACKAGES):
         session.error(f"expected {len(PACKAGES)} wheels, got {wheels}")

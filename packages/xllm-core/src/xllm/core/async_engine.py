@@ -8,6 +8,7 @@ handed back to the event loop in one ``call_soon_threadsafe`` per loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -156,18 +157,14 @@ class AsyncEngine:
                 del self._streams[chunk.request_id]
             by_loop[stream._loop].append((stream, chunk))
         for loop, items in by_loop.items():
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed event loop: its clients are gone
                 loop.call_soon_threadsafe(_dispatch, items)
-            except RuntimeError:  # that event loop is closed; its clients are gone
-                pass
 
     def _deliver_error_all(self, err: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            try:
+            with contextlib.suppress(RuntimeError):
                 stream._loop.call_soon_threadsafe(stream._put, err)
-            except RuntimeError:
-                pass
 
 
 def _dispatch(items: list) -> None:

@@ -22,7 +22,7 @@ from xllm.core.output_processor import OutputProcessor, RequestOutput
 from xllm.core.platform import Platform, configure_threads, detect_platform
 from xllm.core.sampler import Sampler
 from xllm.core.sampling_params import SamplingParams
-from xllm.core.sequence import Sequence, SeqStatus
+from xllm.core.sequence import SeqStatus, Sequence
 from xllm.core.stats import EngineCounters, FinishedRequest, StatsObserver, StepStats
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.registry.v1 import instance_pb2
@@ -104,6 +104,13 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
                 f"length {self.max_model_len}", "max_tokens")
+        # A sequence that cannot fit the whole KV pool on its own would be preempted and
+        # re-admitted forever (the engine would never finish it): reject it up front.
+        capacity = self.layout.capacity_tokens
+        if self.layout.blocks_for(len(prompt) + params.max_tokens) > self.layout.num_blocks:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV cache "
+                f"capacity of {capacity} tokens", "prompt" if len(prompt) > capacity else "max_tokens")
         return params
 
     def add_request(self, req: engine_pb2.GenerateRequest) -> None:

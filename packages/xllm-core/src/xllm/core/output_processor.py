@@ -67,9 +67,8 @@ class OutputProcessor:
             out.text += out.detok.push([token])
             if p.stop and self._check_stop_strings(out, before):
                 return
-        if not out.finished:
-            if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-                self._finish(out, LENGTH, "")
+        if not out.finished and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            self._finish(out, LENGTH, "")
 
     def abort(self, out: RequestOutput) -> None:
         self._finish(out, ABORT, "")

@@ -26,9 +26,8 @@ class Platform:
             torch.npu.synchronize(self.device)  # type: ignore[attr-defined]
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
-        if self.name == "cpu" and dtype == torch.float16:
-            return False  # fp16 matmuls on CPU are emulated and slow; bf16 is native on AVX-512 bf16
-        return True
+        # fp16 matmuls on CPU are emulated and slow; bf16 is native on AVX-512 bf16
+        return not (self.name == "cpu" and dtype == torch.float16)
 
 
 def detect_platform(requested: str = "auto") -> Platform:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xllm.gateway.metrics import EngineMetrics
 from xllm.gateway.openai.errors import APIError, bad_request, internal
@@ -37,17 +38,29 @@ class GatewayState:
     started: float = field(default_factory=time.time)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def _is_type_tag(part: object) -> bool:
+    """Pydantic names the member of a union it tried (``str``, ``list[int]``, ...) in ``loc``."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg')}", None
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid value")
-    return (f"{param}: {msg}" if param else msg), param
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    loc = [str(x) for x in loc if not _is_type_tag(x)]
+    param = loc[0] if loc else None  # the request parameter, as in OpenAI's error bodies
+    where = ".".join(loc)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return (f"{where}: {msg}" if where else msg), param
 
 
 def create_app(state: GatewayState) -> FastAPI:
@@ -72,6 +85,11 @@ def create_app(state: GatewayState) -> FastAPI:
     @app.exception_handler(APIError)
     async def _on_api_error(_req: Request, exc: APIError):
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(_req: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), kind).response()
 
     @app.exception_handler(Exception)
     async def _on_error(_req: Request, exc: Exception):
@@ -103,6 +121,13 @@ def create_app(state: GatewayState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        for c in state.registry.instances():
+            try:
+                report = await c.load()
+            except Exception:  # an unreachable instance keeps its last reported values
+                log.warning("load report of %s failed", c.info.instance_id, exc_info=True)
+                continue
+            state.metrics.set_load(c.info.model.served_name, c.info.instance_id, report)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

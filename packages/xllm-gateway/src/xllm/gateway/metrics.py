@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from xllm.core.stats import StepStats
+from xllm.proto.registry.v1 import instance_pb2
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0)
@@ -30,7 +31,7 @@ class EngineMetrics:
         self.generation_tokens = Counter("xllm:generation_tokens", "Tokens generated.", labels, registry=r)
         self.preemptions = Counter("xllm:num_preemptions", "Sequences preempted for KV memory.", labels, registry=r)
         self.request_success = Counter("xllm:request_success", "Finished requests by finish reason.",
-                                       labels + ["finished_reason"], registry=r)
+                                       [*labels, "finished_reason"], registry=r)
         self.ttft = Histogram("xllm:time_to_first_token_seconds", "Time to first token.", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("xllm:inter_token_latency_seconds", "Time between consecutive output tokens.", labels,
@@ -47,6 +48,17 @@ class EngineMetrics:
     def observer(self, model_name: str, instance: str) -> _InstanceObserver:
         """A StatsObserver that records one instance's steps."""
         return _InstanceObserver(self, model_name, instance)
+
+    def set_load(self, model_name: str, instance: str, report: instance_pb2.LoadReport) -> None:
+        """Refresh the gauges from an instance's live load report (done at scrape time).
+
+        The per-step observer alone leaves them stale whenever the engine goes idle
+        without a step, e.g. after the last running request was aborted.
+        """
+        lb = (model_name, instance)
+        self.running.labels(*lb).set(report.num_running)
+        self.waiting.labels(*lb).set(report.num_waiting)
+        self.kv_usage.labels(*lb).set(report.kv_usage)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -77,8 +77,12 @@ def decode_attention(
     K/V already written). ``slots`` and ``context_lens`` are int64 ``[B]``.
     """
     max_len = int(context_lens.max())
-    k = k_cache[slots, :max_len].transpose(1, 2)  # [B, KVH, L, D]
-    v = v_cache[slots, :max_len].transpose(1, 2)
-    valid = torch.arange(max_len).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
+    valid = torch.arange(max_len, device=context_lens.device).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
+    # The gather copies [slot, :max_len] for every row, which for shorter rows includes
+    # memory past their length (stale, possibly NaN/Inf bit patterns). Zero it: a masked
+    # NaN still poisons softmax(QK^T)V (0 * NaN = NaN).
+    invalid = ~valid[:, :, None, None]
+    k = k_cache[slots, :max_len].masked_fill_(invalid, 0).transpose(1, 2)  # [B, KVH, L, D]
+    v = v_cache[slots, :max_len].masked_fill_(invalid, 0).transpose(1, 2)
     o = _sdpa(q.unsqueeze(2), k, v, valid[:, None, None, :], False, scale)
     return o.squeeze(2)

@@ -52,9 +52,10 @@ def apply_top_k_top_p_min_p(
     if top_p is not None or min_p is not None:
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         if top_p is not None:
-            # Drop a token when the mass strictly before it already reaches top_p.
+            # Drop a token when the mass strictly before it already reaches top_p. Rows at
+            # top_p = 1 are exempt: float32 cumsum can exceed 1.0 and would cut their tail.
             mass_before = probs.cumsum(dim=-1) - probs
-            drop |= mass_before >= top_p.unsqueeze(1)
+            drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
         if min_p is not None:
             drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
     drop[:, 0] = False

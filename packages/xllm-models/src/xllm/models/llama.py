@@ -101,8 +101,10 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.max_context_len = cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
+        # HF Llama/Mistral put a bias on q, k, v and o alike when ``attention_bias`` is set.
+        qkv_bias = self.qkv_bias or bool(cfg.get("attention_bias", False))
         layers = [
-            LlamaDecoderLayer(cfg, i, self.qkv_bias, self.qk_norm, self.build_mlp(cfg, i))
+            LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm, self.build_mlp(cfg, i))
             for i in range(cfg.num_layers)
         ]
         self.model = LlamaModel(cfg, layers)

@@ -58,7 +58,10 @@ def load_named_weights(
                 if module is None or not hasattr(module, "load_shard"):
                     unexpected.append(name)
                     break
-                module.load_shard(rule.shard, kind, tensor)
+                try:
+                    module.load_shard(rule.shard, kind, tensor)
+                except ValueError as exc:  # misshapen shard, or a bias the layer does not have
+                    raise WeightLoadError(f"{name}: {exc}") from exc
                 seen_shards.setdefault(fused, set()).add(rule.shard)
                 break
         else:
@@ -67,7 +70,8 @@ def load_named_weights(
                 unexpected.append(name)
                 continue
             if param.shape != tensor.shape:
-                raise WeightLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
+                raise WeightLoadError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
             param.data.copy_(tensor)
             loaded.add(name)
     for fused, shards in expected_shards.items():

@@ -128,7 +128,9 @@ class DecodeFirstPolicy:
         return plan
 
     def _pick_victim(self, running: list, scheduled: set[int], current: SchedulableSeq) -> SchedulableSeq:
-        candidates = [s for s in running if id(s) not in scheduled and s is not current]
+        """The least important running sequence not yet scheduled this step, ``current``
+        included: a sequence never evicts one that outranks it (it yields itself instead)."""
+        candidates = [s for s in running if id(s) not in scheduled]
         if not candidates:
             return current
         return max(candidates, key=self.victim_order)

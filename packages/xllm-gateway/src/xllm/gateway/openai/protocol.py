@@ -15,6 +15,13 @@ from xllm.core.sampling_params import MAX_TOP_LOGPROBS
 
 StopField = str | list[str] | None
 
+# Bounds of the engine message's integer fields (xllm.engine.v1.SamplingParams, GenerateRequest): larger
+# values cannot be encoded, so they are rejected here as a 400 instead of failing later as a 500.
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+MaxTokens = Annotated[int, Field(ge=1, le=UINT32_MAX)]
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -40,15 +47,15 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM-style extensions
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0
 
     @field_validator("stop")
     @classmethod
@@ -64,7 +71,7 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.lstrip("-").isdigit():
+            if not (key.isascii() and key.isdigit() and int(key) <= INT32_MAX):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return v
 
@@ -104,8 +111,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
@@ -124,7 +131,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | \
         Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] = 16
+    max_tokens: MaxTokens = 16
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1)] | None = None

@@ -67,6 +67,7 @@ class Dispatcher:
     def __init__(self, registry: EmbeddedRegistry, default_model: str) -> None:
         self.registry = registry
         self.default_model = default_model
+        self._cleanup: set[asyncio.Future] = set()  # keeps abort tasks alive until they ran
 
     def resolve_model(self, requested: str | None) -> str:
         served = self.registry.served_models()
@@ -89,7 +90,9 @@ class Dispatcher:
                 streams.append(client.submit(r))
         except BaseException as exc:
             for r in reqs[: len(streams)]:
-                asyncio.ensure_future(client.abort(r.request_id))
+                task = asyncio.ensure_future(client.abort(r.request_id))
+                self._cleanup.add(task)
+                task.add_done_callback(self._cleanup.discard)
             raise to_api_error(exc) from exc
         return client, streams
 
@@ -157,7 +160,12 @@ async def collect(streams: list, prompt_tokens: list[int], request: Request) -> 
                 break
             if await request.is_disconnected():
                 raise APIError(499, "client disconnected", "client_closed_request")
-        task.result()  # re-raises an engine error
+        try:
+            task.result()  # re-raises an engine error
+        except APIError:
+            raise
+        except Exception as exc:  # e.g. the engine died: the same status as when submit fails
+            raise to_api_error(exc) from exc
         return choices
     finally:
         if not task.done():

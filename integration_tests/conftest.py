@@ -1,0 +1,198 @@
+"""A real ``xllm serve`` process for the end-to-end tests.
+
+The session-scoped :func:`server` fixture starts ``python -m xllm.gateway serve``
+(the default model, SmolLM2-135M-Instruct) on a free loopback port in its own
+process group, waits for ``/health`` and kills the whole group at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+STARTUP_TIMEOUT = 120.0
+STOP_TIMEOUT = 20.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running ``xllm serve`` subprocess."""
+
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "<no log>"
+
+    def stop(self) -> None:
+        """Terminate the process group (SIGTERM, then SIGKILL) and check nothing is left."""
+        pgid = self.proc.pid  # start_new_session: the child leads its own group
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(STOP_TIMEOUT)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        self.proc.wait(STOP_TIMEOUT)
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group_alive(pgid), f"processes of group {pgid} survived the server shutdown"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start_server(log_dir: Path, *extra: str, timeout: float = STARTUP_TIMEOUT) -> Server:
+    """Start ``xllm serve`` with ``extra`` flags and wait until ``/health`` answers 200."""
+    port = free_port()
+    log_path = log_dir / f"xllm-serve-{port}.log"
+    cmd = [sys.executable, "-m", "xllm.gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--no-progress", *extra]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    server = Server(proc, port, log_path)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"xllm serve exited with {proc.returncode}:\n{server.log_tail()}")
+            try:
+                if httpx.get(f"{server.url}/health", timeout=5, trust_env=False).status_code == 200:
+                    return server
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"xllm serve not healthy after {timeout:.0f} s:\n{server.log_tail()}")
+            time.sleep(0.25)
+    except BaseException:
+        server.stop()
+        raise
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Iterator[Server]:
+    """``xllm serve`` with the default model and settings."""
+    srv = start_server(tmp_path_factory.mktemp("server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def launch_server(tmp_path_factory) -> Callable[..., Server]:
+    """``launch_server(*flags)`` starts another ``xllm serve``; the caller stops it (``.stop()``)."""
+    log_dir = tmp_path_factory.mktemp("servers")
+
+    def _launch(*extra: str) -> Server:
+        return start_server(log_dir, *extra)
+
+    return _launch
+
+
+@pytest.fixture(scope="session")
+def client(server) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120,
+                      http_client=openai.DefaultHttpxClient(trust_env=False))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session")
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120, trust_env=False) as c:
+        yield c
+
+
+def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text -> ``{sample name: [(labels, value), ...]}``."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+def _metric_value(samples: dict, name: str, missing_ok: bool = False, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``.
+
+    KeyError if there is none, unless ``missing_ok`` (then 0: a labelled series appears on first use).
+    """
+    rows = [v for lb, v in samples.get(name, []) if all(lb.get(k) == want for k, want in labels.items())]
+    if not rows:
+        if missing_ok:
+            return 0.0
+        raise KeyError(f"{name}{labels}")
+    return sum(rows)
+
+
+@pytest.fixture(scope="session")
+def metric_value() -> Callable[..., float]:
+    """``metric_value(samples, name, missing_ok=False, **labels)``: sum of matching samples of a scrape."""
+    return _metric_value
+
+
+@pytest.fixture(scope="session")
+def scrape(http) -> Callable[[], dict]:
+    """Fetch and parse ``/metrics``."""
+
+    def _scrape() -> dict:
+        r = http.get("/metrics")
+        assert r.status_code == 200, r.text
+        return parse_metrics(r.text)
+
+    return _scrape
+
+
+@pytest.fixture(scope="session")
+def wait_idle(scrape) -> Callable[[float], dict]:
+    """Poll ``/metrics`` until nothing runs or waits; returns the last scrape (fails after ``timeout``)."""
+
+    def _wait(timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = scrape()
+            busy = (_metric_value(m, "xllm:num_requests_running", missing_ok=True)
+                    + _metric_value(m, "xllm:num_requests_waiting", missing_ok=True))
+            if busy == 0:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine still busy after {timeout} s: running+waiting={busy}")
+            time.sleep(0.25)
+
+    return _wait

@@ -1,0 +1,134 @@
+"""ContiguousKVCache accounting, the backend registry, EngineConfig and SamplingParams validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xllm.core import ConfigError, EngineConfig, InvalidRequestError, parse_dtype
+from xllm.core.kv import KVCacheLayout, create_kv_cache
+from xllm.core.kv.contiguous import ContiguousKVCache
+from xllm.core.model_api import KVCacheSpec
+from xllm.core.sampling_params import SamplingParams
+from xllm.core.sequence import Sequence
+from xllm.proto.engine.v1 import engine_pb2
+
+SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, v_head_dim=4)
+
+
+def layout(num_blocks=10, max_num_seqs=3, max_model_len=64, block_size=4) -> KVCacheLayout:
+    return KVCacheLayout(SPEC, torch.float32, torch.device("cpu"), max_num_seqs, max_model_len, block_size, num_blocks)
+
+
+def new_seq(n_prompt: int = 5) -> Sequence:
+    return Sequence("s", list(range(n_prompt)), SamplingParams(max_tokens=8), 0.0)
+
+
+def test_spec_bytes_per_token():
+    assert SPEC.bytes_per_token(torch.float32) == 3 * 2 * (8 + 4) * 4
+    assert SPEC.bytes_per_token(torch.bfloat16) == 3 * 2 * (8 + 4) * 2
+    assert KVCacheSpec(2, 1, 576, 0).bytes_per_token(torch.float32) == 2 * 576 * 4  # latent cache
+
+
+def test_contiguous_tensors_follow_the_layout():
+    kv = create_kv_cache("contiguous", layout())
+    assert isinstance(kv, ContiguousKVCache)
+    k, v = kv.layer_kv(2)
+    assert k.shape == (3, 64, 2, 8) and v.shape == (3, 64, 2, 4) and k.dtype == torch.float32
+    latent = ContiguousKVCache(KVCacheLayout(KVCacheSpec(1, 1, 16, 0), torch.bfloat16, torch.device("cpu"),
+                                             2, 8, 4, 4))
+    assert latent.layer_kv(0)[1] is None
+    with pytest.raises(ValueError, match="contiguous"):
+        create_kv_cache("paged-v9", layout())
+
+
+def test_allocate_and_free_accounting():
+    kv = ContiguousKVCache(layout(num_blocks=10, block_size=4))
+    a, b = new_seq(), new_seq()
+    assert kv.allocate(a, 5)                     # 5 tokens -> 2 blocks
+    assert a.slot is not None and kv.num_free_blocks == 8
+    a.num_computed_tokens = 5
+    assert kv.allocate(a, 3) and kv.num_free_blocks == 8    # 8 tokens still fit in 2 blocks
+    a.num_computed_tokens = 8
+    assert kv.allocate(a, 1) and kv.num_free_blocks == 7    # the 9th token opens block 3
+    assert kv.allocate(b, 16) and kv.num_free_blocks == 3 and b.slot != a.slot
+    assert kv.usage == pytest.approx(0.7) and kv.free_tokens == 12
+    kv.free(a)
+    assert a.slot is None and kv.num_free_blocks == 6
+    kv.free(a)                                    # freeing twice is harmless
+    assert kv.num_free_blocks == 6
+    kv.free(b)
+    assert kv.num_free_blocks == 10 and kv.usage == 0.0
+
+
+def test_failed_allocation_changes_nothing():
+    kv = ContiguousKVCache(layout(num_blocks=4, block_size=4))
+    a, b = new_seq(), new_seq()
+    assert kv.allocate(a, 12)                     # 3 blocks
+    assert not kv.allocate(b, 8)                  # needs 2, only 1 left
+    assert b.slot is None and kv.num_free_blocks == 1
+    a.num_computed_tokens = 12
+    assert not kv.allocate(a, 5)                  # 17 tokens -> 5 blocks > 4
+    assert kv.num_free_blocks == 1
+    assert kv.allocate(b, 4) and kv.num_free_blocks == 0
+
+
+def test_slots_and_context_limit():
+    kv = ContiguousKVCache(layout(num_blocks=100, max_num_seqs=2, max_model_len=16))
+    s1, s2, s3 = new_seq(), new_seq(), new_seq()
+    assert kv.allocate(s1, 1) and kv.allocate(s2, 1)
+    assert not kv.allocate(s3, 1) and s3.slot is None   # out of slots
+    assert {s1.slot, s2.slot} == {0, 1}
+    s1.num_computed_tokens = 1
+    assert not kv.allocate(s1, 16)                      # past max_model_len
+    kv.free(s2)
+    assert kv.allocate(s3, 1) and s3.slot in (0, 1)
+
+
+def test_engine_config_validation():
+    assert EngineConfig(dtype="bf16").dtype == torch.bfloat16
+    assert parse_dtype("FLOAT32") == torch.float32 and parse_dtype(torch.float16) == torch.float16
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        parse_dtype("int3")
+    for bad in (dict(max_num_seqs=0), dict(max_num_batched_tokens=0), dict(block_size=0), dict(max_model_len=1),
+                dict(kv_cache_memory_gib=0), dict(num_threads=0), dict(max_waiting_requests=0)):
+        with pytest.raises(ConfigError):
+            EngineConfig(**bad)
+    cfg = EngineConfig(max_model_len=100)
+    assert cfg.resolve_max_model_len(200) == 100
+    assert EngineConfig().resolve_max_model_len(300) == 300
+    with pytest.raises(ConfigError, match="exceeds"):
+        cfg.resolve_max_model_len(50)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 0), ("temperature", -0.1), ("temperature", 101.0), ("top_p", 0.0), ("top_p", 1.5),
+    ("top_k", -1), ("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+    ("repetition_penalty", 0.0), ("top_logprobs", 21), ("stop", ("ok", "")),
+])
+def test_sampling_params_reject_out_of_range_values(field, value):
+    kwargs = {"max_tokens": 8, field: value}
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == field
+
+
+def test_sampling_params_from_proto_defaults_and_fields():
+    p = SamplingParams.from_proto(engine_pb2.SamplingParams(max_tokens=5))
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (1.0, 1.0, 0, 0.0, 1.0)
+    assert p.seed is None and p.skip_special_tokens and not p.greedy and not p.needs_penalties
+    p = SamplingParams.from_proto(engine_pb2.SamplingParams(
+        max_tokens=5, temperature=0.0, seed=0, stop=["x"], stop_token_ids=[3], logit_bias={4: -1.0},
+        skip_special_tokens=False, frequency_penalty=0.5, min_tokens=2))
+    assert p.greedy and p.seed == 0 and p.stop == ("x",) and p.stop_token_ids == frozenset({3})
+    assert p.logit_bias == {4: -1.0} and not p.skip_special_tokens and p.needs_penalties and p.min_tokens == 2
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams.from_proto(engine_pb2.SamplingParams(max_tokens=2, min_tokens=3))
+    assert err.value.param == "min_tokens"
+
+
+def test_sequence_token_slice():
+    s = Sequence("s", [1, 2, 3], SamplingParams(max_tokens=4), 0.0, output_ids=[4, 5])
+    assert s.token_slice(0, 5) == [1, 2, 3, 4, 5]
+    assert s.token_slice(1, 2) == [2] and s.token_slice(3, 5) == [4, 5] and s.token_slice(2, 4) == [3, 4]
+    assert s.num_tokens == 5 and s.last_token == 5

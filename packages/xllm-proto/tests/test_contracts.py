@@ -1,0 +1,44 @@
+import subprocess
+import sys
+
+from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from xllm.proto.registry.v1 import instance_pb2
+
+
+def test_engine_service_methods():
+    service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
+    methods = {m.name: m for m in service.methods}
+    assert set(methods) == {"Generate", "Abort", "Health", "GetLoad"}
+    assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
+    assert methods["GetLoad"].output_type.full_name == "xllm.registry.v1.LoadReport"
+    assert hasattr(engine_pb2_grpc, "EngineServiceStub") and hasattr(engine_pb2_grpc, "EngineServiceServicer")
+
+
+def test_packages_are_versioned():
+    assert engine_pb2.DESCRIPTOR.package == "xllm.engine.v1"
+    assert instance_pb2.DESCRIPTOR.package == "xllm.registry.v1"
+
+
+def test_optional_fields_track_presence():
+    sp = engine_pb2.SamplingParams(max_tokens=8)
+    assert not sp.HasField("temperature") and not sp.HasField("seed")
+    sp.temperature = 0.0
+    assert sp.HasField("temperature")  # an explicit 0 (greedy) differs from "unset" (1.0)
+
+
+def test_round_trip_generate_messages():
+    req = engine_pb2.GenerateRequest(
+        request_id="r1", prompt_token_ids=[1, 2, 3], priority=-1, model="m", arrival_time=1.5,
+        sampling=engine_pb2.SamplingParams(max_tokens=4, top_k=5, stop=["\n"], logit_bias={7: -100.0}, seed=2**63))
+    assert engine_pb2.GenerateRequest.FromString(req.SerializeToString()) == req
+    resp = engine_pb2.GenerateResponse(
+        request_id="r1", token_ids=[9], text="hi", finish_reason=engine_pb2.FINISH_REASON_LENGTH,
+        logprobs=[engine_pb2.TokenLogprob(token_id=9, logprob=-0.5, top=[engine_pb2.TopLogprob(token_id=9,
+                                                                                              logprob=-0.5)])],
+        usage=engine_pb2.Usage(prompt_tokens=3, completion_tokens=1))
+    assert engine_pb2.GenerateResponse.FromString(resp.SerializeToString()) == resp
+
+
+def test_contracts_import_without_torch():
+    code = "import sys, xllm.proto.engine.v1.engine_pb2_grpc; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
