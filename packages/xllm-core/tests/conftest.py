@@ -16,6 +16,9 @@ from xllm.core.model_api import KVCacheSpec
 from xllm.kernels import RotaryTable, apply_rotary, rms_norm, silu_and_mul
 from xllm.proto.engine.v1 import engine_pb2
 
+KV_BACKENDS = ("xtensor", "paged", "contiguous")
+_backend = {"name": "xtensor"}  # set per test by the ``kv_backend`` fixture
+
 
 class PieceTokenizer:
     """Decodes ids by joining byte pieces as UTF-8 (errors -> U+FFFD), like byte-level BPE."""
@@ -119,12 +122,21 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=KV_BACKENDS)
+def kv_backend(request):
+    """Run a test once per KV backend: engines built by ``kit.engine`` use it by default."""
+    _backend["name"] = request.param
+    yield request.param
+    _backend["name"] = "xtensor"
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> TinyLM:
     return TinyLM()
 
 
 def make_engine(model=None, **config) -> LLMEngine:
+    config.setdefault("kv_cache_backend", _backend["name"])
     config.setdefault("dtype", torch.float32)
     config.setdefault("max_num_seqs", 8)
     config.setdefault("num_threads", 1)  # see _one_torch_thread

@@ -12,7 +12,8 @@ from xllm.gateway.cli import _engine_config, build_parser, main
 
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--dtype", "--max-num-seqs",
                "--max-num-batched-tokens", "--max-model-len", "--kv-cache-memory", "--max-waiting", "--device",
-               "--threads", "--seed", "--no-progress", "--log-level"]
+               "--threads", "--seed", "--no-progress", "--log-level", "--kv-cache-backend", "--block-size",
+               "--no-prefix-cache"]
 
 
 def _serve_parser():

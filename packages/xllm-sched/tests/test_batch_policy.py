@@ -57,6 +57,10 @@ class FakeKV:
         self.held[id(seq)] = max(need, self.held.get(id(seq), 0))
         return True
 
+    def admit(self, seq, max_new_tokens: int) -> int:
+        n = min(seq.num_tokens - seq.num_computed_tokens, max_new_tokens)
+        return n if self.allocate(seq, n) else 0
+
     def free(self, seq) -> None:
         self.held.pop(id(seq), None)
         self.freed.append(seq)

@@ -30,7 +30,11 @@ class EngineConfig:
 
     ``max_model_len`` of ``None`` takes the model's context length.
     ``kv_cache_memory_gib`` bounds the physical KV memory; the token capacity
-    is that divided by the model's KV bytes per token.
+    is that divided by the model's KV bytes per token. ``block_size`` of
+    ``None`` picks the backend's natural size (xTensor: the smallest multiple of
+    16 tokens whose per-layer K/V block is a whole OS page). ``kv_cache_backend``
+    is ``"xtensor"`` (virtual-contiguous, Linux), ``"paged"`` (block tables) or
+    ``"contiguous"`` (max-length reservation per slot, no prefix cache).
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -38,18 +42,24 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    block_size: int = 16
+    block_size: int | None = None
     kv_cache_memory_gib: float = 2.0
-    kv_cache_backend: str = "contiguous"
+    kv_cache_backend: str = "xtensor"
+    enable_prefix_cache: bool = True
     max_waiting_requests: int = 4096
     num_threads: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting_requests"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_backend not in ("xtensor", "paged", "contiguous"):
+            raise ConfigError(f"unknown kv_cache_backend {self.kv_cache_backend!r}; "
+                              "choose xtensor, paged or contiguous")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory_gib <= 0:

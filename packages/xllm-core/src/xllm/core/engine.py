@@ -15,7 +15,7 @@ import torch
 
 from xllm.core.config import EngineConfig
 from xllm.core.errors import EngineOverloadedError, InvalidRequestError
-from xllm.core.kv import KVCacheLayout, create_kv_cache
+from xllm.core.kv import build_kv_cache
 from xllm.core.model_api import CausalLM
 from xllm.core.model_runner import ModelRunner
 from xllm.core.output_processor import OutputProcessor, RequestOutput
@@ -57,14 +57,10 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = config.resolve_max_model_len(int(model.max_context_len))
-        spec = model.kv_cache_spec()
-        per_block = spec.bytes_per_token(config.dtype) * config.block_size
-        num_blocks = int(config.kv_cache_memory_gib * 2**30 // per_block)
-        if num_blocks < 1:
-            raise ValueError("kv_cache_memory_gib is too small for a single KV block")
-        self.layout = KVCacheLayout(spec, config.dtype, self.platform.device, config.max_num_seqs,
-                                    self.max_model_len, config.block_size, num_blocks)
-        self.kv = create_kv_cache(config.kv_cache_backend, self.layout)
+        self.kv = build_kv_cache(config.kv_cache_backend, model.kv_cache_spec(), config.dtype, self.platform.device,
+                                 config.max_num_seqs, self.max_model_len, config.kv_cache_memory_gib,
+                                 config.block_size, config.enable_prefix_cache)
+        self.layout = self.kv.layout
         self.runner = ModelRunner(model, self.kv, self.platform.device)
         eos = frozenset(getattr(tokenizer, "eos_token_ids", ()))
         self.sampler = Sampler(eos)
@@ -77,9 +73,11 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.observers = list(observers or [])
         self._seed_source = random.Random(config.seed)
-        log.info("engine %s: max_model_len=%d kv_blocks=%d (%d tokens, %s) max_num_seqs=%d",
-                 instance_id, self.max_model_len, num_blocks, self.layout.capacity_tokens,
-                 config.kv_cache_backend, config.max_num_seqs)
+        self._reported_prefix = (0, 0)
+        log.info("engine %s: max_model_len=%d kv=%s blocks=%d x %d tokens (%d tokens) prefix_cache=%s "
+                 "max_num_seqs=%d", instance_id, self.max_model_len, type(self.kv).__name__, self.layout.num_blocks,
+                 self.layout.block_size, self.layout.capacity_tokens, self.layout.enable_prefix_cache,
+                 config.max_num_seqs)
 
     # ---- requests -------------------------------------------------------
     def validate(self, req: engine_pb2.GenerateRequest) -> SamplingParams:
@@ -140,7 +138,16 @@ class LLMEngine:
         self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
         self.outputs.abort(out)
-        return self.outputs.take_chunk(out)
+        chunk = self.outputs.take_chunk(out)
+        now = time.time()
+        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+        self.counters.finished_requests += 1
+        self._notify(StepStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), batch_size=0, num_decode_tokens=0,
+            num_prefill_tokens=0, num_preempted=0, kv_usage=self.kv.usage, step_time=0.0,
+            finished=[FinishedRequest(request_id, "abort", seq.num_prompt_tokens, len(seq.output_ids),
+                                      now - seq.arrival_time, ttft)]))
+        return chunk
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -161,9 +168,11 @@ class LLMEngine:
             return []
         chunks = [(c.seq, c.num_tokens) for c in plan.chunks]
         batch = self.runner.prepare(chunks)
+        self.kv.prefetch(batch.sample_seqs)  # map next step's pages while this one computes
         logits = self.runner.execute(batch)
         for seq, n in chunks:
             seq.num_computed_tokens += n
+            self.kv.on_computed(seq)
         prompt_tokens = 0
         responses: list[engine_pb2.GenerateResponse] = []
         now = time.time()
@@ -213,11 +222,18 @@ class LLMEngine:
         c.observe_latency(ttfts, itls)
         if not self.observers:
             return
+        queries = getattr(self.kv, "prefix_queries", 0)
+        hits = getattr(self.kv, "prefix_hits", 0)
         stats = StepStats(
             num_running=len(self.running), num_waiting=len(self.waiting), batch_size=len(plan.chunks),
             num_decode_tokens=batch.num_decode, num_prefill_tokens=plan.num_tokens - batch.num_decode,
             num_preempted=len(plan.preempted), kv_usage=self.kv.usage, step_time=step_time,
-            prompt_tokens=prompt_tokens, ttfts=ttfts, inter_token_latencies=itls, finished=finished)
+            prompt_tokens=prompt_tokens, ttfts=ttfts, inter_token_latencies=itls, finished=finished,
+            prefix_cache_queries=queries - self._reported_prefix[0], prefix_cache_hits=hits - self._reported_prefix[1])
+        self._reported_prefix = (queries, hits)
+        self._notify(stats)
+
+    def _notify(self, stats: StepStats) -> None:
         for obs in self.observers:
             obs.on_step(stats)
 
@@ -228,6 +244,10 @@ class LLMEngine:
         while idx > 0 and (self.waiting[idx - 1].priority, self.waiting[idx - 1].arrival_time) > key:
             idx -= 1
         self.waiting.insert(idx, seq)
+
+    def close(self) -> None:
+        """Release the KV memory's OS resources; the engine is unusable afterwards."""
+        self.kv.close()
 
     # ---- reports ----------------------------------------------------------
     def load_report(self) -> instance_pb2.LoadReport:

@@ -3,14 +3,20 @@ backend, and the logits of the sequences that sample this step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from xllm.core.kv.base import KVCacheBackend
 from xllm.core.model_api import CausalLM
 from xllm.core.sequence import Sequence
-from xllm.kernels import decode_attention, prefill_attention
+from xllm.kernels import (
+    decode_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    paged_write_kv,
+    prefill_attention,
+)
 
 
 @dataclass
@@ -19,24 +25,34 @@ class BatchInputs:
 
     ``sample_rows[i]`` is the packed row whose hidden state yields the next
     token of ``sample_seqs[i]`` (the last row of a sequence that completes its
-    known tokens this step).
+    known tokens this step). Addressing fields are filled for the backend's
+    kind: slots (contiguous views) or block tables (paged).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     num_decode: int
-    decode_slots: torch.Tensor
     decode_context_lens: torch.Tensor
-    prefill_slots: list[int]
     prefill_query_starts: list[int]
     prefill_context_lens: list[int]
-    token_slots: torch.Tensor
     sample_rows: torch.Tensor
     sample_seqs: list[Sequence]
+    # slot addressing
+    token_slots: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    prefill_slots: list[int] = field(default_factory=list)
+    # paged addressing
+    slot_mapping: torch.Tensor | None = None
+    decode_block_tables: torch.Tensor | None = None
+    prefill_block_tables: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_prefill_seqs(self) -> int:
+        return len(self.prefill_query_starts) - 1
 
 
 class StepAttention:
-    """:class:`~xllm.core.model_api.AttentionContext` for one step over a KV backend."""
+    """:class:`~xllm.core.model_api.AttentionContext` over a slot-addressed backend."""
 
     def __init__(self, kv: KVCacheBackend, batch: BatchInputs) -> None:
         self.kv = kv
@@ -59,6 +75,25 @@ class StepAttention:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+class PagedStepAttention(StepAttention):
+    """:class:`~xllm.core.model_api.AttentionContext` over block tables."""
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+        b = self.batch
+        k_pool, v_pool = self.kv.layer_kv(layer)
+        paged_write_kv(k_pool, v_pool, k, v, b.slot_mapping)
+        nd = b.num_decode
+        parts = []
+        if nd:
+            parts.append(paged_decode_attention(q[:nd], k_pool, v_pool, b.decode_block_tables,
+                                                b.decode_context_lens, scale))
+        if b.prefill_block_tables:
+            parts.append(paged_prefill_attention(q[nd:], k_pool, v_pool, b.prefill_block_tables,
+                                                 b.prefill_query_starts, b.prefill_context_lens, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class ModelRunner:
     """Runs ``model`` on scheduled chunks with KV from ``kv``."""
 
@@ -71,55 +106,65 @@ class ModelRunner:
         """Pack ``(seq, num_tokens)`` chunks; decodes must come first."""
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
         num_decode = 0
-        dec_slots: list[int] = []
+        decode_seqs: list[Sequence] = []
         dec_lens: list[int] = []
-        pf_slots: list[int] = []
+        prefill_seqs: list[Sequence] = []
         pf_starts: list[int] = []
         pf_lens: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        token_seqs: list[tuple[Sequence, int]] = []
         for seq, n in chunks:
             start = seq.num_computed_tokens
             end = start + n
-            is_decode = n == 1 and end == seq.num_tokens and start > 0
-            if is_decode:
-                if pf_slots:
+            if n == 1 and end == seq.num_tokens and start > 0:  # a decode token
+                if prefill_seqs:
                     raise ValueError("decode chunks must precede prefill chunks")
                 num_decode += 1
-                dec_slots.append(seq.slot)
+                decode_seqs.append(seq)
                 dec_lens.append(end)
             else:
-                pf_slots.append(seq.slot)
+                prefill_seqs.append(seq)
                 pf_starts.append(len(ids) - num_decode)
                 pf_lens.append(end)
             ids.extend(seq.token_slice(start, end))
             pos.extend(range(start, end))
-            slots.extend([seq.slot] * n)
+            token_seqs.append((seq, n))
             if end == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_seqs.append(seq)
         pf_starts.append(len(ids) - num_decode)
         dev = self.device
-        return BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            num_decode=num_decode,
-            decode_slots=torch.tensor(dec_slots, dtype=torch.long, device=dev),
-            decode_context_lens=torch.tensor(dec_lens, dtype=torch.long, device=dev),
-            prefill_slots=pf_slots,
-            prefill_query_starts=pf_starts,
-            prefill_context_lens=pf_lens,
-            token_slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            sample_seqs=sample_seqs,
-        )
+
+        def tensor(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        batch = BatchInputs(
+            input_ids=tensor(ids), positions=tensor(pos), num_decode=num_decode,
+            decode_context_lens=tensor(dec_lens), prefill_query_starts=pf_starts, prefill_context_lens=pf_lens,
+            sample_rows=tensor(sample_rows), sample_seqs=sample_seqs)
+        if self.kv.slot_addressed:
+            batch.token_slots = tensor([s.slot for s, n in token_seqs for _ in range(n)])
+            batch.decode_slots = tensor([s.slot for s in decode_seqs])
+            batch.prefill_slots = [s.slot for s in prefill_seqs]
+        else:
+            bs = self.kv.layout.block_size
+            batch.slot_mapping = tensor([s.kv_pages[p // bs] * bs + p % bs
+                                         for s, n in token_seqs
+                                         for p in range(s.num_computed_tokens, s.num_computed_tokens + n)])
+            if decode_seqs:
+                width = max(len(s.kv_pages) for s in decode_seqs)
+                batch.decode_block_tables = tensor([s.kv_pages + [s.kv_pages[0]] * (width - len(s.kv_pages))
+                                                    for s in decode_seqs])
+            batch.prefill_block_tables = [tensor(s.kv_pages) for s in prefill_seqs]
+        return batch
 
     @torch.inference_mode()
     def execute(self, batch: BatchInputs) -> torch.Tensor:
         """Forward the packed batch; float32 logits ``[len(sample_seqs), vocab]``."""
-        hidden = self.model.forward(batch.input_ids, batch.positions, StepAttention(self.kv, batch))
+        ctx = StepAttention(self.kv, batch) if self.kv.slot_addressed else PagedStepAttention(self.kv, batch)
+        hidden = self.model.forward(batch.input_ids, batch.positions, ctx)
         if not batch.sample_seqs:
             return hidden.new_empty(0, 0, dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.sample_rows])

@@ -35,6 +35,9 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     slot: int | None = None
+    kv_pages: list[int] = field(default_factory=list)      # page per block (paged: the block table)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, as computed
+    num_hashed_blocks: int = 0                              # blocks registered in the prefix cache
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     first_token_time: float | None = None

@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="context length limit (prompt + output); default: the model's")
     serve.add_argument("--kv-cache-memory", type=_positive_float, default=2.0, metavar="GIB",
                        help="memory for the KV cache in GiB; bounds how many tokens can be cached at once")
+    serve.add_argument("--kv-cache-backend", default="xtensor", choices=["xtensor", "paged", "contiguous"],
+                       help="KV memory: xtensor (virtual-contiguous per sequence, pages mapped on demand; Linux), "
+                            "paged (block tables; any platform) or contiguous (a max-length region per sequence)")
+    serve.add_argument("--block-size", type=_positive_int, default=None,
+                       help="tokens per KV block/page, the prefix-cache granularity (default: 16, rounded up "
+                            "for xtensor so a block is whole OS pages)")
+    serve.add_argument("--no-prefix-cache", action="store_true",
+                       help="disable reuse of cached prompt prefixes between requests")
     serve.add_argument("--max-waiting", type=_positive_int, default=4096,
                        help="queued requests beyond which new ones get HTTP 503")
     serve.add_argument("--device", default="cpu", help="cpu, cuda[:N], npu[:N] or auto")
@@ -73,6 +81,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         kv_cache_memory_gib=args.kv_cache_memory, max_waiting_requests=args.max_waiting,
+        kv_cache_backend=args.kv_cache_backend, block_size=args.block_size,
+        enable_prefix_cache=not args.no_prefix_cache,
         num_threads=args.threads, seed=args.seed)
 
 

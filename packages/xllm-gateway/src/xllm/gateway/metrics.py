@@ -29,6 +29,10 @@ class EngineMetrics:
                               registry=r)
         self.prompt_tokens = Counter("xllm:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
         self.generation_tokens = Counter("xllm:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.prefix_queries = Counter("xllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels, registry=r)
+        self.prefix_hits = Counter("xllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
+                                   registry=r)
         self.preemptions = Counter("xllm:num_preemptions", "Sequences preempted for KV memory.", labels, registry=r)
         self.request_success = Counter("xllm:request_success", "Finished requests by finish reason.",
                                        [*labels, "finished_reason"], registry=r)
@@ -74,8 +78,9 @@ class _InstanceObserver:
         m.running.labels(*lb).set(s.num_running)
         m.waiting.labels(*lb).set(s.num_waiting)
         m.kv_usage.labels(*lb).set(s.kv_usage)
-        m.iteration_tokens.labels(*lb).observe(s.num_decode_tokens + s.num_prefill_tokens)
-        m.batch_size.labels(*lb).observe(s.batch_size)
+        if s.batch_size:  # a step that ran a forward (aborts report outside steps)
+            m.iteration_tokens.labels(*lb).observe(s.num_decode_tokens + s.num_prefill_tokens)
+            m.batch_size.labels(*lb).observe(s.batch_size)
         if s.num_decode_tokens:
             m.decode_batch_size.labels(*lb).observe(s.num_decode_tokens)
         if s.num_preempted:
@@ -92,3 +97,6 @@ class _InstanceObserver:
             m.e2e.labels(*lb).observe(f.e2e_latency)
         if s.prompt_tokens:
             m.prompt_tokens.labels(*lb).inc(s.prompt_tokens)
+        if s.prefix_cache_queries:
+            m.prefix_queries.labels(*lb).inc(s.prefix_cache_queries)
+            m.prefix_hits.labels(*lb).inc(s.prefix_cache_hits)

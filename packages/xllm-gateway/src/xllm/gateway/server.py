@@ -41,7 +41,8 @@ def build_embedded(opts: ServeOptions):
     info = instance_pb2.InstanceInfo(
         instance_id=instance_id, role=instance_pb2.INSTANCE_ROLE_MIXED, start_time=time.time(),
         model=instance_pb2.ModelInfo(served_name=name, max_model_len=engine.max_model_len,
-                                     dtype=str(cfg.dtype).removeprefix("torch."), block_size=cfg.block_size))
+                                     dtype=str(cfg.dtype).removeprefix("torch."),
+                                     block_size=engine.layout.block_size))
     registry = EmbeddedRegistry()
     registry.register(InProcessEngineClient(async_engine, info))
     state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=metrics, default_model=name,

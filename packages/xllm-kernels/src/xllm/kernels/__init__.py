@@ -13,7 +13,13 @@ but never the contract.
 """
 
 from xllm.kernels.activation import silu_and_mul
-from xllm.kernels.attention import decode_attention, prefill_attention
+from xllm.kernels.attention import (
+    decode_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    paged_write_kv,
+    prefill_attention,
+)
 from xllm.kernels.norm import rms_norm
 from xllm.kernels.rotary import RotaryTable, apply_rotary
 
@@ -21,6 +27,9 @@ __all__ = [
     "RotaryTable",
     "apply_rotary",
     "decode_attention",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "paged_write_kv",
     "prefill_attention",
     "rms_norm",
     "silu_and_mul",

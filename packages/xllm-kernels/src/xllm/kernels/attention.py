@@ -1,11 +1,14 @@
-"""Attention over per-sequence contiguous KV regions.
+"""Attention over the KV cache: contiguous (slot, length) addressing and paged block tables.
 
-KV layout contract (shared by every KV backend that offers contiguous views):
-one tensor per layer for K and one for V, shaped ``[num_slots, max_len,
-num_kv_heads, head_dim]``. A sequence owns slot ``s``; its token at position
-``p`` lives at ``[s, p]``. The kernels read only ``[s, :length]``, so memory past
-a sequence's length may be unmapped or stale. No block table is involved: a
-sequence is addressed by (slot, length), i.e. a base offset and a length.
+Contiguous layout (xTensor and the contiguous backend): one tensor per layer
+for K and one for V, ``[num_slots, max_len, kv_heads, head_dim]``. A sequence
+owns slot ``s``; its token at position ``p`` lives at ``[s, p]``. The kernels
+read only ``[s, :length]``, so memory past a sequence's length may be unmapped
+or stale. No block table: a sequence is addressed by a base offset and a length.
+
+Paged layout (the fallback): pools ``[num_blocks, block_size, kv_heads,
+head_dim]`` and a block table per sequence; token ``p`` lives at
+``[table[p // block_size], p % block_size]``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,35 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
 
+def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's chunk: ``q`` ``[n, H, D]`` over its whole context ``k``/``v``
+    ``[ctx, KVH, D]`` whose last ``n`` rows are the chunk itself (causal)."""
+    n, ctx = q.shape[0], k.shape[0]
+    offset = ctx - n
+    qi, ki, vi = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    if offset == 0:
+        o = _sdpa(qi, ki, vi, None, n > 1, scale)
+    else:
+        rows = torch.arange(n, device=q.device).unsqueeze(1) + offset
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+        o = _sdpa(qi, ki, vi, mask, False, scale)
+    return o[0].transpose(0, 1)
+
+
+def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_lens: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """``q`` ``[B, H, D]`` over gathered ``k``/``v`` ``[B, L, KVH, D]`` (a copy) whose
+    rows past each sequence's length are ignored."""
+    max_len = k.shape[1]
+    valid = torch.arange(max_len, device=context_lens.device).unsqueeze(0) < context_lens.unsqueeze(1)
+    # Rows past a length hold stale memory (possibly NaN bit patterns); a masked NaN
+    # still poisons softmax(QK^T)V (0 * NaN = NaN), so zero them in the copy.
+    invalid = ~valid[:, :, None, None]
+    k = k.masked_fill_(invalid, 0).transpose(1, 2)
+    v = v.masked_fill_(invalid, 0).transpose(1, 2)
+    return _sdpa(q.unsqueeze(2), k, v, valid[:, None, None, :], False, scale).squeeze(2)
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -36,30 +68,19 @@ def prefill_attention(
     context_lens: list[int],
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention for a packed batch of prompt chunks (varlen).
+    """Causal attention for a packed batch of prompt chunks (varlen), contiguous KV.
 
     ``q`` is ``[T, H, D]`` with sequence ``i``'s ``n_i`` query rows at
     ``[query_starts[i], query_starts[i] + n_i)`` (``query_starts`` has one more
     entry than sequences: the end offset). The chunk's keys are already written
     to the cache; sequence ``i`` attends to ``[slot_i, :context_lens[i]]``, the
-    last ``n_i`` of which are the chunk itself (query row ``j`` sees keys
-    ``<= context_len - n_i + j``). Returns ``[T, H, Dv]``.
+    last ``n_i`` of which are the chunk itself. Returns ``[T, H, Dv]``.
     """
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     for i, slot in enumerate(slots):
         a, b = query_starts[i], query_starts[i + 1]
-        n, ctx = b - a, context_lens[i]
-        offset = ctx - n
-        qi = q[a:b].transpose(0, 1).unsqueeze(0)
-        ki = k_cache[slot, :ctx].transpose(0, 1).unsqueeze(0)
-        vi = v_cache[slot, :ctx].transpose(0, 1).unsqueeze(0)
-        if offset == 0:
-            o = _sdpa(qi, ki, vi, None, n > 1, scale)
-        else:
-            rows = torch.arange(n).unsqueeze(1) + offset
-            mask = torch.arange(ctx).unsqueeze(0) <= rows
-            o = _sdpa(qi, ki, vi, mask, False, scale)
-        out[a:b] = o[0].transpose(0, 1)
+        ctx = context_lens[i]
+        out[a:b] = _attend_chunk(q[a:b], k_cache[slot, :ctx], v_cache[slot, :ctx], scale)
     return out
 
 
@@ -71,18 +92,59 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence: ``q`` ``[B, H, D]`` -> ``[B, H, Dv]``.
+    """One query token per sequence over contiguous KV: ``q`` ``[B, H, D]`` -> ``[B, H, Dv]``.
 
     Sequence ``b`` attends to ``[slots[b], :context_lens[b]]`` (its new token's
     K/V already written). ``slots`` and ``context_lens`` are int64 ``[B]``.
     """
     max_len = int(context_lens.max())
-    valid = torch.arange(max_len, device=context_lens.device).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
-    # The gather copies [slot, :max_len] for every row, which for shorter rows includes
-    # memory past their length (stale, possibly NaN/Inf bit patterns). Zero it: a masked
-    # NaN still poisons softmax(QK^T)V (0 * NaN = NaN).
-    invalid = ~valid[:, :, None, None]
-    k = k_cache[slots, :max_len].masked_fill_(invalid, 0).transpose(1, 2)  # [B, KVH, L, D]
-    v = v_cache[slots, :max_len].masked_fill_(invalid, 0).transpose(1, 2)
-    o = _sdpa(q.unsqueeze(2), k, v, valid[:, None, None, :], False, scale)
-    return o.squeeze(2)
+    return _attend_decode(q, k_cache[slots, :max_len], v_cache[slots, :max_len], context_lens, scale)
+
+
+def paged_write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write token rows ``k``/``v`` ``[T, KVH, D]`` at flat pool rows ``slot_mapping``
+    (``page * block_size + offset``, int64 ``[T]``)."""
+    k_pool.view(-1, *k_pool.shape[2:])[slot_mapping] = k
+    if v_pool is not None and v is not None:
+        v_pool.view(-1, *v_pool.shape[2:])[slot_mapping] = v
+
+
+def _gather_pages(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """Token rows ``[:length]`` of a sequence from its block table (a copy)."""
+    return pool[table].flatten(0, 1)[:length]
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: list[torch.Tensor],
+    query_starts: list[int],
+    context_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """:func:`prefill_attention` over paged KV; ``block_tables[i]`` is int64 ``[num_blocks_i]``."""
+    out = q.new_empty(q.shape[0], q.shape[1], v_pool.shape[-1])
+    for i, table in enumerate(block_tables):
+        a, b = query_starts[i], query_starts[i + 1]
+        ctx = context_lens[i]
+        out[a:b] = _attend_chunk(q[a:b], _gather_pages(k_pool, table, ctx), _gather_pages(v_pool, table, ctx), scale)
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`decode_attention` over paged KV; ``block_tables`` is int64 ``[B, max_blocks]``
+    (rows padded with any valid page id)."""
+    max_len = int(context_lens.max())
+    bsz = q.shape[0]
+    k = k_pool[block_tables].view(bsz, -1, *k_pool.shape[2:])[:, :max_len]
+    v = v_pool[block_tables].view(bsz, -1, *v_pool.shape[2:])[:, :max_len]
+    return _attend_decode(q, k, v, context_lens, scale)

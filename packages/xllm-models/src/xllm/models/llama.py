@@ -23,7 +23,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=bool(cfg.get("attention_bias", False)) and not qk_norm)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=bool(cfg.get("attention_bias", False)))
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.scale = self.head_dim**-0.5

@@ -13,6 +13,8 @@ from xllm.models.config import ModelConfigError
 _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "xllm.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "xllm.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "xllm.models.qwen:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "xllm.models.qwen:Qwen3ForCausalLM",
 }
 
 

@@ -34,6 +34,13 @@ class SchedulableSeq(Protocol):
 class KVAllocator(Protocol):
     """KV memory as the policy sees it."""
 
+    def admit(self, seq: SchedulableSeq, max_new_tokens: int) -> int:
+        """Give a waiting ``seq`` KV memory: reuse any cached prefix (which may advance
+        ``seq.num_computed_tokens``), then make room for up to ``max_new_tokens`` of the
+        rest. Returns how many tokens to compute this step, or 0 (and changes nothing)
+        if it cannot be admitted now."""
+        ...
+
     def allocate(self, seq: SchedulableSeq, num_new_tokens: int) -> bool:
         """Make room for ``num_new_tokens`` more KV entries of ``seq``; False if it cannot."""
         ...
@@ -116,9 +123,10 @@ class DecodeFirstPolicy:
             return plan  # memory is short: admit nothing new this step
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0]
-            need = seq.num_tokens - seq.num_computed_tokens
-            n = min(need, budget) if self.chunked_prefill else need
-            if n > budget or not kv.allocate(seq, n):
+            if not self.chunked_prefill and seq.num_tokens - seq.num_computed_tokens > budget:
+                break  # without chunking the whole prompt must fit this step's budget
+            n = kv.admit(seq, budget)
+            if n < 1:
                 break
             waiting.popleft()
             running.append(seq)

@@ -6,6 +6,6 @@ tensors attention reads. Backends are chosen by name through
 :func:`create_kv_cache` and imported lazily.
 """
 
-from xllm.core.kv.base import KVCacheBackend, KVCacheLayout, create_kv_cache
+from xllm.core.kv.base import KVCacheBackend, KVCacheLayout, build_kv_cache, create_kv_cache
 
-__all__ = ["KVCacheBackend", "KVCacheLayout", "create_kv_cache"]
+__all__ = ["KVCacheBackend", "KVCacheLayout", "build_kv_cache", "create_kv_cache"]

@@ -12,8 +12,14 @@ import torch
 from xllm.core.model_api import KVCacheSpec
 
 _BACKENDS = {
+    "xtensor": "xllm.core.kv.xtensor:XTensorKVCache",
+    "paged": "xllm.core.kv.paged:PagedKVCache",
     "contiguous": "xllm.core.kv.contiguous:ContiguousKVCache",
 }
+
+
+def backend_names() -> list[str]:
+    return list(_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -26,7 +32,8 @@ class KVCacheLayout:
     max_num_seqs: int
     max_model_len: int
     block_size: int
-    num_blocks: int  # physical capacity in blocks of block_size tokens
+    num_blocks: int  # physical capacity in blocks (pages) of block_size tokens
+    enable_prefix_cache: bool = True
 
     @property
     def capacity_tokens(self) -> int:
@@ -37,17 +44,33 @@ class KVCacheLayout:
 
 
 class KVCacheBackend(ABC):
-    """KV memory for up to ``max_num_seqs`` sequences.
+    """KV memory for the running sequences.
 
-    Contract: ``allocate(seq, n)`` reserves room for ``seq``'s next ``n`` tokens
-    (``seq.num_computed_tokens .. + n``), assigning ``seq.slot`` on first use;
-    it returns False, changing nothing, when memory or slots are exhausted.
-    ``free(seq)`` releases everything and clears ``seq.slot``.
-    ``layer_kv(layer)`` returns the K and V tensors attention reads.
+    Contract (the batch policy's ``KVAllocator``):
+
+    - ``admit(seq, n)`` gives a waiting sequence KV memory, reusing a cached
+      prefix where the backend has a prefix cache (advancing
+      ``seq.num_computed_tokens``), and returns how many tokens to compute now
+      (0 = cannot admit; nothing changed).
+    - ``allocate(seq, n)`` reserves room for the next ``n`` tokens of a running
+      sequence; False, changing nothing, when memory is exhausted.
+    - ``free(seq)`` releases everything (the caller resets the sequence's progress).
+
+    Addressing: a ``slot_addressed`` backend gives each sequence a ``seq.slot`` and
+    ``layer_kv(layer)`` returns ``[num_slots, max_len, kv_heads, dim]`` tensors in
+    which the sequence's tokens are contiguous; otherwise ``layer_kv`` returns page
+    pools ``[num_blocks, block_size, kv_heads, dim]`` and ``seq.kv_pages`` is the
+    sequence's block table.
     """
+
+    slot_addressed: bool = True
 
     def __init__(self, layout: KVCacheLayout) -> None:
         self.layout = layout
+
+    def admit(self, seq, max_new_tokens: int) -> int:
+        n = min(seq.num_tokens - seq.num_computed_tokens, max_new_tokens)
+        return n if n > 0 and self.allocate(seq, n) else 0
 
     @abstractmethod
     def allocate(self, seq, num_new_tokens: int) -> bool: ...
@@ -62,6 +85,15 @@ class KVCacheBackend(ABC):
     @abstractmethod
     def num_free_blocks(self) -> int: ...
 
+    def on_computed(self, seq) -> None:  # noqa: B027 (optional hook)
+        """Called after a forward advanced ``seq.num_computed_tokens`` (prefix-cache registration)."""
+
+    def prefetch(self, seqs) -> None:  # noqa: B027 (optional hook)
+        """Called before a forward with the sequences that sample this step (map-ahead)."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release OS resources (only at shutdown: tensors become invalid)."""
+
     @property
     def usage(self) -> float:
         """Fraction of physical KV blocks in use."""
@@ -71,6 +103,11 @@ class KVCacheBackend(ABC):
     def free_tokens(self) -> int:
         return self.num_free_blocks * self.layout.block_size
 
+    def physical_bytes_in_use(self) -> int:
+        """Bytes of KV memory currently held for live sequences."""
+        used = self.layout.num_blocks - self.num_free_blocks
+        return used * self.layout.block_size * self.layout.spec.bytes_per_token(self.layout.dtype)
+
 
 def create_kv_cache(name: str, layout: KVCacheLayout) -> KVCacheBackend:
     """Instantiate the backend registered as ``name``."""
@@ -79,3 +116,46 @@ def create_kv_cache(name: str, layout: KVCacheLayout) -> KVCacheBackend:
         raise ValueError(f"unknown KV cache backend {name!r}; known: {sorted(_BACKENDS)}")
     module, _, cls = target.partition(":")
     return getattr(importlib.import_module(module), cls)(layout)
+
+
+def page_aligned_block_size(spec: KVCacheSpec, dtype: torch.dtype, minimum: int = 16, os_page: int = 4096) -> int:
+    """The smallest multiple of ``minimum`` tokens whose per-layer K and V blocks are
+    whole OS pages (what xTensor's mmap needs)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    sizes = [spec.num_kv_heads * d * elem for d in (spec.head_dim, spec.v_head_dim) if d]
+    bs = minimum
+    while any((bs * s) % os_page for s in sizes):
+        bs += minimum
+        if bs > 4096:
+            raise ValueError(f"no block size up to 4096 tokens aligns KV rows of {sizes} bytes to {os_page}")
+    return bs
+
+
+def build_kv_cache(backend: str, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device, max_num_seqs: int,
+                   max_model_len: int, memory_gib: float, block_size: int | None = None,
+                   enable_prefix_cache: bool = True) -> KVCacheBackend:
+    """Size and create the KV backend for an engine.
+
+    ``"xtensor"`` falls back to ``"paged"`` where virtual memory control is
+    unavailable (non-Linux, or a device other than the CPU for now). The block
+    size defaults to 16 tokens (xTensor: rounded up so a block is whole OS pages).
+    Raises ``ValueError`` when the memory cannot hold one block.
+    """
+    import logging
+
+    from xllm.core.kv import vmm
+
+    if backend == "xtensor" and (device.type != "cpu" or not vmm.supported()):
+        logging.getLogger(__name__).warning("xTensor needs Linux virtual memory control on the CPU here; "
+                                            "using the paged backend")
+        backend = "paged"
+    if block_size is None:
+        block_size = page_aligned_block_size(spec, dtype) if backend == "xtensor" else 16
+    per_block = spec.bytes_per_token(dtype) * block_size
+    num_blocks = int(memory_gib * 2**30 // per_block)
+    if num_blocks < 1:
+        raise ValueError(f"kv cache memory of {memory_gib} GiB is too small for one {block_size}-token block "
+                         f"({per_block} bytes)")
+    layout = KVCacheLayout(spec, dtype, device, max_num_seqs, max_model_len, block_size, num_blocks,
+                           enable_prefix_cache and backend != "contiguous")
+    return create_kv_cache(backend, layout)

@@ -1,0 +1,49 @@
+"""Paged KV (block tables): the fallback for platforms without virtual memory control.
+
+Per layer, K and V are pools ``[num_blocks, block_size, kv_heads, head_dim]``;
+a sequence's ``kv_pages`` is its block table. Same allocator and prefix cache as
+xTensor; attention gathers through the block table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xllm.core.kv.base import KVCacheLayout
+from xllm.core.kv.prefix import PrefixCachingBackend
+
+
+class PagedKVCache(PrefixCachingBackend):
+    slot_addressed = False
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        super().__init__(layout)
+        spec = layout.spec
+        shape = (layout.num_blocks, layout.block_size, spec.num_kv_heads)
+        self.k = [torch.zeros(*shape, spec.head_dim, dtype=layout.dtype, device=layout.device)
+                  for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(*shape, spec.v_head_dim, dtype=layout.dtype, device=layout.device)
+                  if spec.v_head_dim else None for _ in range(spec.num_layers)]
+
+    def _attach(self, seq, hit_pages: list[int]) -> bool:
+        return True
+
+    def _detach(self, seq) -> None:
+        pass
+
+    def _new_page(self, seq, block: int, sync: bool = True) -> int | None:
+        page = self.pool.take(seq.request_id)
+        if page is None:
+            return None
+        self.pool.mark_mapped(page.page_id)
+        return page.page_id
+
+    def layer_kv(self, layer: int):
+        return self.k[layer], self.v[layer]
+
+    def physical_bytes_in_use(self) -> int:
+        return self.pool.num_in_use * self.bytes_per_page
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.layout.block_size * self.layout.spec.bytes_per_token(self.layout.dtype)

@@ -1,0 +1,200 @@
+"""xTensor: logically contiguous, physically discrete KV memory (xLLM §4.3).
+
+Physical memory is one ``memfd`` cut into pages; page ``p`` of a sequence
+block holds ``block_size`` tokens for one (layer, K|V) range. Every range
+reserves, per sequence slot, a virtual region as long as ``max_model_len``;
+pages are mapped into it on demand with ``mmap(MAP_FIXED)``, so each sequence
+sees one contiguous ``[max_len, kv_heads, head_dim]`` region per layer and
+attention reads it with (slot, length) — no block table.
+
+- A page ID stands for the same page index in every range (one mmap per range).
+- Prefix-cache hits map the cached pages into the new slot (zero copy).
+- A finished sequence's pages become REUSABLE and stay mapped: the next
+  sequence in that slot takes them in place with no mmap at all.
+- Pages a decode step will need next are mapped ahead on a helper thread while
+  the current step computes (:meth:`prefetch`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from xllm.core.kv.base import KVCacheLayout
+from xllm.core.kv.page_pool import PageStatus
+from xllm.core.kv.prefix import PrefixCachingBackend
+from xllm.core.kv.vmm import OS_PAGE, VirtualMemory, VMMError
+
+
+class XTensorKVCache(PrefixCachingBackend):
+    """The xTensor KV backend (Linux; needs ``memfd_create``)."""
+
+    slot_addressed = True
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        super().__init__(layout)
+        spec, bs = layout.spec, layout.block_size
+        elem = torch.empty((), dtype=layout.dtype).element_size()
+        dims = []  # (layer, kind, head_dim) for every range that exists
+        for layer in range(spec.num_layers):
+            dims.append((layer, 0, spec.head_dim))
+            if spec.v_head_dim:
+                dims.append((layer, 1, spec.v_head_dim))
+        self.vm = VirtualMemory()
+        self.blocks_per_slot = math.ceil(layout.max_model_len / bs)
+        self._ranges: list[tuple[int, int, int]] = []  # (virtual base, page bytes, memfd base)
+        self._buffers = []
+        self.k: list[torch.Tensor] = [None] * spec.num_layers  # type: ignore[list-item]
+        self.v: list[torch.Tensor | None] = [None] * spec.num_layers
+        self.fd = os.memfd_create("xllm-kv", os.MFD_CLOEXEC)
+        fd_offset = 0
+        try:
+            for layer, kind, head_dim in dims:
+                page_bytes = bs * spec.num_kv_heads * head_dim * elem
+                if page_bytes % OS_PAGE:
+                    raise VMMError(
+                        f"a {bs}-token block of layer K/V is {page_bytes} bytes, not a multiple of the OS page "
+                        f"({OS_PAGE}); pick a block size that makes it one (see EngineConfig.block_size)")
+                slot_bytes = self.blocks_per_slot * page_bytes
+                base = self.vm.reserve(layout.max_num_seqs * slot_bytes)
+                self._ranges.append((base, page_bytes, fd_offset))
+                fd_offset += layout.num_blocks * page_bytes
+                buf = (ctypes.c_uint8 * (layout.max_num_seqs * slot_bytes)).from_address(base)
+                self._buffers.append(buf)
+                view = torch.frombuffer(buf, dtype=layout.dtype).view(
+                    layout.max_num_seqs, self.blocks_per_slot * bs, spec.num_kv_heads, head_dim)
+                (self.k if kind == 0 else self.v)[layer] = view
+            os.ftruncate(self.fd, fd_offset)
+        except BaseException:
+            self.close()
+            raise
+        self.physical_bytes_total = fd_offset
+        self._slot_pages: list[list[int | None]] = [[None] * self.blocks_per_slot
+                                                     for _ in range(layout.max_num_seqs)]
+        self._free_slots = list(range(layout.max_num_seqs - 1, -1, -1))
+        self._pending: dict[tuple[int, int], Future] = {}
+        self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xtensor-map")
+
+    # ---- slots -----------------------------------------------------------------
+    def _acquire_slot(self, seq, hit_pages: list[int]) -> int | None:
+        """The free slot that already has the most of ``hit_pages`` (then most
+        reusable pages) mapped in place; None when every slot is taken."""
+        if not self._free_slots:
+            return None
+
+        def score(slot: int) -> tuple[int, int]:
+            row = self._slot_pages[slot]
+            hits = sum(1 for j, p in enumerate(hit_pages) if row[j] == p)
+            reusable = sum(1 for p in row if p is not None and self.pool.pages[p].status == PageStatus.REUSABLE)
+            return hits, reusable
+
+        best = max(self._free_slots, key=score)
+        self._free_slots.remove(best)
+        return best
+
+    def _release_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
+
+    # ---- page placement ----------------------------------------------------------
+    def _place(self, slot: int, block: int, page_id: int, sync: bool = True) -> None:
+        """Make ``page_id`` the page mapped at (slot, block) in every range."""
+        row = self._slot_pages[slot]
+        old = row[block]
+        if old == page_id and (slot, block) in self.pool.pages[page_id].mapped_at:
+            return  # already there: in-place reuse, no syscall
+        if old is not None:
+            self.pool.pages[old].mapped_at.discard((slot, block))
+        row[block] = page_id
+        self.pool.pages[page_id].mapped_at.add((slot, block))
+        if sync:
+            self._map_now(slot, block, page_id)
+        else:
+            self._pending[(slot, block)] = self._mapper.submit(self._map_now, slot, block, page_id)
+
+    def _map_now(self, slot: int, block: int, page_id: int) -> None:
+        for base, page_bytes, fd_base in self._ranges:
+            addr = base + (slot * self.blocks_per_slot + block) * page_bytes
+            self.vm.map_fixed(addr, page_bytes, self.fd, fd_base + page_id * page_bytes)
+
+    def _retarget(self, page_id: int) -> None:
+        """A page taken for a new owner is no longer valid where it was mapped before."""
+        page = self.pool.pages[page_id]
+        for slot, block in page.mapped_at:
+            if self._slot_pages[slot][block] == page_id:
+                self._slot_pages[slot][block] = None
+        page.mapped_at.clear()
+
+    def _reuse_candidate(self, slot: int, block: int) -> int | None:
+        page_id = self._slot_pages[slot][block]
+        if page_id is None:
+            return None
+        page = self.pool.pages[page_id]
+        if page.status == PageStatus.REUSABLE and page.block_hash is None and (slot, block) in page.mapped_at:
+            return page_id
+        return None
+
+    def _wait_mapped(self, slot: int, block: int) -> None:
+        fut = self._pending.pop((slot, block), None)
+        if fut is not None:
+            fut.result()
+
+    # ---- PrefixCachingBackend hooks -------------------------------------------------
+    def _attach(self, seq, hit_pages: list[int]) -> bool:
+        slot = self._acquire_slot(seq, hit_pages)
+        if slot is None:
+            return False
+        seq.slot = slot
+        for block, page_id in enumerate(hit_pages):
+            self._place(slot, block, page_id)
+        return True
+
+    def _detach(self, seq) -> None:
+        for block in range(len(seq.kv_pages)):
+            self._wait_mapped(seq.slot, block)
+        self._release_slot(seq.slot)
+        seq.slot = None
+
+    def _new_page(self, seq, block: int, sync: bool = True) -> int | None:
+        page = self.pool.take(seq.request_id, prefer=self._reuse_candidate(seq.slot, block))
+        if page is None:
+            return None
+        in_place = self._slot_pages[seq.slot][block] == page.page_id and \
+            (seq.slot, block) in page.mapped_at
+        if not in_place:
+            self._retarget(page.page_id)
+            self._place(seq.slot, block, page.page_id, sync=sync)
+        else:
+            self.reused_in_place += 1
+        self.pool.mark_mapped(page.page_id)
+        return page.page_id
+
+    def _before_compute(self, seq, first_block: int, last_block: int) -> None:
+        for block in range(first_block, last_block + 1):
+            self._wait_mapped(seq.slot, block)
+
+    # ---- the attention-facing side ---------------------------------------------------
+    def layer_kv(self, layer: int):
+        return self.k[layer], self.v[layer]
+
+    @property
+    def map_stats(self):
+        return self.vm.stats
+
+    def physical_bytes_in_use(self) -> int:
+        return self.pool.num_in_use * sum(pb for _, pb, _ in self._ranges)
+
+    def close(self) -> None:
+        mapper = getattr(self, "_mapper", None)
+        if mapper is not None:
+            mapper.shutdown(wait=True)
+        for base, page_bytes, _ in getattr(self, "_ranges", []):
+            self.vm.release(base, self.layout.max_num_seqs * self.blocks_per_slot * page_bytes)
+        self._ranges = []
+        fd = getattr(self, "fd", None)
+        if fd is not None:
+            os.close(fd)
+            self.fd = None

@@ -1,0 +1,197 @@
+"""xTensor and the page pool: states, mapping, reuse, refcounts, eviction, contiguity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xllm.core.kv import KVCacheLayout
+from xllm.core.kv.base import page_aligned_block_size
+from xllm.core.kv.page_pool import PagePool, PageStatus
+from xllm.core.kv.paged import PagedKVCache
+from xllm.core.kv.xtensor import XTensorKVCache
+from xllm.core.model_api import KVCacheSpec
+from xllm.core.sampling_params import SamplingParams
+from xllm.core.sequence import Sequence
+
+SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, v_head_dim=64)  # 512 B/token/range in fp32
+
+
+def layout(num_blocks=8, max_num_seqs=3, max_model_len=128, block_size=8, prefix=True) -> KVCacheLayout:
+    return KVCacheLayout(SPEC, torch.float32, torch.device("cpu"), max_num_seqs, max_model_len, block_size,
+                         num_blocks, prefix)
+
+
+def seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=4), 0.0)
+
+
+# ---- page pool ------------------------------------------------------------------------------
+def test_page_states_and_refcounts():
+    pool = PagePool(3)
+    a = pool.take("r1")
+    assert a.status == PageStatus.ALLOCATED and a.owner == "r1" and a.ref_count == 1
+    pool.mark_mapped(a.page_id)
+    assert a.status == PageStatus.MAPPED
+    pool.share(a.page_id)
+    assert a.ref_count == 2
+    pool.release(a.page_id)
+    assert a.status == PageStatus.MAPPED and pool.num_available == 2
+    pool.release(a.page_id)
+    assert a.status == PageStatus.REUSABLE and pool.num_available == 3  # reusable pages are allocatable
+    with pytest.raises(ValueError):
+        pool.release(a.page_id)
+    pool.discard(a.page_id)
+    assert a.status == PageStatus.FREE
+    assert pool.counts() == {"free": 3, "allocated": 0, "mapped": 0, "reusable": 0}
+
+
+def test_free_pages_first_then_unhashed_then_cached_lru():
+    pool = PagePool(4)
+    pages = [pool.take(f"r{i}") for i in range(4)]
+    assert pool.take("x") is None
+    assert pool.set_hash(pages[0].page_id, 100) and pool.set_hash(pages[1].page_id, 101)
+    for p in (pages[1], pages[0], pages[3], pages[2]):  # release order = LRU order within each class
+        pool.release(p.page_id)
+    order = [pool.take("n").page_id for _ in range(4)]
+    assert order == [pages[3].page_id, pages[2].page_id, pages[1].page_id, pages[0].page_id]
+    assert pool.evictions == 2 and pool.lookup(100) is None and pool.lookup(101) is None
+
+
+def test_prefix_hash_is_unique_and_revived_on_share():
+    pool = PagePool(3)
+    a, b = pool.take("r1"), pool.take("r2")
+    assert pool.set_hash(a.page_id, 7)
+    assert not pool.set_hash(b.page_id, 7)  # a second copy of the same block is not registered
+    pool.release(a.page_id)
+    assert a.status == PageStatus.REUSABLE and pool.lookup(7) == a.page_id
+    pool.share(a.page_id)  # a prefix hit revives the cached page
+    assert a.status == PageStatus.MAPPED and a.ref_count == 1 and pool.num_available == 1
+
+
+def test_take_prefers_a_named_reusable_page():
+    pool = PagePool(3)
+    a = pool.take("r1")
+    pool.release(a.page_id)
+    assert pool.take("r2", prefer=a.page_id).page_id == a.page_id
+
+
+# ---- xTensor ----------------------------------------------------------------------------------
+def test_block_size_is_aligned_to_os_pages():
+    assert page_aligned_block_size(SPEC, torch.float32) == 16  # 512 B/token -> 8 would do; minimum 16
+    smol = KVCacheSpec(30, 3, 64, 64)
+    assert page_aligned_block_size(smol, torch.bfloat16) == 32  # 384 B/token: 32 tokens = 3 OS pages
+    assert page_aligned_block_size(smol, torch.float32) == 16
+
+
+def test_sequence_view_is_contiguous_while_its_pages_are_not():
+    kv = XTensorKVCache(layout(num_blocks=8))
+    a, b = seq("a", list(range(20))), seq("b", list(range(100, 124)))
+    assert kv.admit(a, 8) == 8 and kv.admit(b, 24) == 24  # a: 1 page, b: 3 pages
+    a.num_computed_tokens = 8
+    assert kv.allocate(a, 12)  # a's second and third blocks come after b's pages
+    assert a.kv_pages == [0, 4, 5] and b.kv_pages == [1, 2, 3]  # physically interleaved
+    k, _ = kv.layer_kv(0)
+    rows = torch.arange(20 * 2 * 64, dtype=torch.float32).view(20, 2, 64)
+    k[a.slot, :20] = rows
+    view = k[a.slot, :20]
+    assert view.is_contiguous() and torch.equal(view, rows)
+    # the bytes really live in pages 0, 4, 5 of the memfd, one block of 8 tokens each
+    with open(f"/proc/self/fd/{kv.fd}", "rb") as f:
+        fd_bytes = f.read()
+    per_page = 8 * 2 * 64 * 4
+    for block, page in enumerate(a.kv_pages):
+        got = torch.frombuffer(bytearray(fd_bytes[page * per_page:(page + 1) * per_page]), dtype=torch.float32)
+        want = rows[block * 8:(block + 1) * 8].flatten()
+        assert torch.equal(got[:want.numel()], want)
+    kv.close()
+
+
+def test_reads_past_the_mapped_length_do_not_fault():
+    kv = XTensorKVCache(layout(num_blocks=4))
+    a = seq("a", list(range(5)))
+    assert kv.admit(a, 5) == 5
+    k, v = kv.layer_kv(1)
+    k[a.slot, :5] = 1.0
+    whole = k[a.slot].clone()  # reads 120 unmapped tokens: the kernel's zero page
+    assert whole[:5].eq(1).all() and whole[8:].eq(0).all()
+    assert v[2].sum() == 0  # a slot nobody ever used
+    kv.close()
+
+
+def test_finished_pages_are_reused_in_place_without_mapping():
+    kv = XTensorKVCache(layout(num_blocks=4, max_num_seqs=1, prefix=False))
+    a = seq("a", list(range(16)))
+    assert kv.admit(a, 16) == 16
+    maps = kv.map_stats.maps
+    assert maps == 2 * 4  # 2 blocks x 4 ranges (2 layers x K/V)
+    pages = list(a.kv_pages)
+    kv.free(a)
+    assert all(kv.pool.pages[p].status == PageStatus.REUSABLE for p in pages)
+    b = seq("b", list(range(50, 66)))
+    assert kv.admit(b, 16) == 16
+    assert b.kv_pages == pages and kv.map_stats.maps == maps  # same slot, same pages: no mmap at all
+    assert kv.reused_in_place == 2
+    kv.close()
+
+
+def test_prefix_hit_maps_the_cached_pages_zero_copy():
+    kv = XTensorKVCache(layout(num_blocks=8, max_num_seqs=2))
+    system = list(range(1000, 1016))  # two full blocks of 8
+    a = seq("a", [*system, 1, 2, 3])
+    assert kv.admit(a, 19) == 19
+    k, _ = kv.layer_kv(0)
+    k[a.slot, :19] = torch.randn(19, 2, 64)
+    a.num_computed_tokens = 19
+    kv.on_computed(a)
+    assert a.num_hashed_blocks == 2
+    b = seq("b", [*system, 7, 8, 9, 10])
+    n = kv.admit(b, 100)
+    assert (b.num_computed_tokens, n, b.num_cached_prompt_tokens) == (16, 4, 16)
+    assert b.kv_pages[:2] == a.kv_pages[:2] and b.kv_pages[2] != a.kv_pages[2]
+    assert kv.pool.pages[a.kv_pages[0]].ref_count == 2
+    # zero copy: b's view of the shared prefix is a's data, through a different virtual address
+    assert b.slot != a.slot and torch.equal(k[b.slot, :16], k[a.slot, :16])
+    k[a.slot, 0] = 5.0
+    assert k[b.slot, 0].eq(5.0).all()
+    assert (kv.prefix_queries, kv.prefix_hits) == (19 + 20, 16)
+    kv.free(a)
+    kv.free(b)
+    assert kv.pool.num_in_use == 0 and kv.pool.num_cached == 2
+    kv.close()
+
+
+def test_last_block_is_never_a_hit_and_eviction_keeps_accounting():
+    kv = PagedKVCache(layout(num_blocks=3, max_num_seqs=3))
+    a = seq("a", list(range(16)))
+    assert kv.admit(a, 16) == 16
+    a.num_computed_tokens = 16
+    kv.on_computed(a)
+    kv.free(a)
+    same = seq("same", list(range(16)))
+    assert kv.admit(same, 16) == 8  # block 2 holds the last token: it is recomputed
+    assert same.num_computed_tokens == 8
+    kv.free(same)
+    other = seq("o", list(range(500, 524)))
+    assert kv.admit(other, 24) == 24  # needs all 3 pages: both cached blocks are evicted
+    assert kv.pool.num_cached == 0 and kv.pool.evictions == 2
+
+
+def test_async_premap_is_ready_before_the_next_write():
+    kv = XTensorKVCache(layout(num_blocks=4, max_num_seqs=1, prefix=False))
+    a = seq("a", list(range(8)))
+    assert kv.admit(a, 8) == 8
+    a.num_computed_tokens = 8
+    a.output_ids.append(42)  # 9 tokens: the next write (position 8) starts block 1
+    # as the engine does before computing position 7's successor: pages for next step
+    a.num_computed_tokens = 7
+    a.output_ids.pop()
+    kv.prefetch([a])  # position 8 starts a new block
+    assert len(a.kv_pages) == 2
+    a.num_computed_tokens = 8
+    a.output_ids.append(42)
+    assert kv.allocate(a, 1)  # waits for the helper thread's mmap
+    k, _ = kv.layer_kv(0)
+    k[a.slot, 8] = 3.0  # would fault if unmapped
+    assert k[a.slot, 8].eq(3.0).all()
+    kv.close()
