@@ -195,3 +195,42 @@ def test_async_premap_is_ready_before_the_next_write():
     k[a.slot, 8] = 3.0  # would fault if unmapped
     assert k[a.slot, 8].eq(3.0).all()
     kv.close()
+
+
+def test_cache_events_record_stores_and_evictions():
+    pool = PagePool(2)
+    a, b = pool.take("r1"), pool.take("r2")
+    pool.set_hash(a.page_id, 11)
+    pool.set_hash(b.page_id, 12)
+    assert not pool.set_hash(b.page_id, 13)  # already holds 12: no event
+    pool.release(a.page_id)
+    pool.release(b.page_id)
+    pool.take("r3")  # evicts the least recently released cached page (11)
+    assert pool.drain_events() == [(True, 11), (True, 12), (False, 11)]
+    assert pool.drain_events() == []
+
+
+def test_latent_cache_values_are_key_channels():
+    from xllm.core.model_runner import StepAttention
+
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=64 + 16, v_head_dim=0)  # MLA: latent + rope dims
+    bs = page_aligned_block_size(spec, torch.float32)
+    lay = KVCacheLayout(spec, torch.float32, torch.device("cpu"), 2, 64, bs, 4, True)
+    kv = XTensorKVCache(lay)
+    s = seq("a", list(range(5)))
+    assert kv.admit(s, 5) == 5
+    assert kv.layer_kv(0)[1] is None
+
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(token_slots=torch.full((5,), s.slot), positions=torch.arange(5), num_decode=0,
+                            prefill_slots=[s.slot], prefill_query_starts=[0, 5], prefill_context_lens=[5])
+
+    q, k = torch.randn(5, 4, 80), torch.randn(5, 1, 80)
+    out = StepAttention(kv, batch).attention(0, q, k, None, 0.1, v_dim=64)
+    assert out.shape == (5, 4, 64)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1).expand(4, 5, 80), k[..., :64].transpose(0, 1).expand(4, 5, 64),
+        is_causal=True, scale=0.1).transpose(0, 1)
+    assert torch.allclose(out, ref, atol=1e-5)
+    kv.close()

@@ -245,6 +245,10 @@ class LLMEngine:
             idx -= 1
         self.waiting.insert(idx, seq)
 
+    def drain_kv_events(self) -> list[tuple[bool, int]]:
+        """Prefix-cache events (stored?, block hash) since the last call (engine thread only)."""
+        return self.kv.drain_events()
+
     def close(self) -> None:
         """Release the KV memory's OS resources; the engine is unusable afterwards."""
         self.kv.close()

@@ -37,12 +37,14 @@ class AttentionContext(Protocol):
     """Per-forward attention service given to the model by the engine."""
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                  scale: float) -> torch.Tensor:
+                  scale: float, v_dim: int | None = None) -> torch.Tensor:
         """Store this step's ``k``/``v`` (``[T, KVH, D]``) for ``layer`` and attend.
 
         ``q`` is ``[T, H, D]`` in the packed token order of the batch; returns
         ``[T, H, Dv]``. Each token attends causally to its own sequence's cached
-        tokens plus the chunk's earlier tokens.
+        tokens plus the chunk's earlier tokens. A latent cache (MLA) passes
+        ``v=None`` and ``v_dim``: the values are the first ``v_dim`` channels of
+        the cached keys (one shared KV head), so only ``k`` is stored.
         """
         ...
 

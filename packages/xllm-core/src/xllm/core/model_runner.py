@@ -59,11 +59,13 @@ class StepAttention:
         self.batch = batch
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                  scale: float) -> torch.Tensor:
+                  scale: float, v_dim: int | None = None) -> torch.Tensor:
         b = self.batch
         k_cache, v_cache = self.kv.layer_kv(layer)
         k_cache[b.token_slots, b.positions] = k
-        if v_cache is not None and v is not None:
+        if v_cache is None:
+            v_cache = _values_in_keys(k_cache, v_dim)
+        elif v is not None:
             v_cache[b.token_slots, b.positions] = v
         nd = b.num_decode
         parts = []
@@ -75,14 +77,23 @@ class StepAttention:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _values_in_keys(k_cache: torch.Tensor, v_dim: int | None) -> torch.Tensor:
+    """A latent cache's values: the first ``v_dim`` channels of the cached keys (a view)."""
+    if v_dim is None:
+        raise ValueError("a KV cache without values needs v_dim (the latent width)")
+    return k_cache[..., :v_dim]
+
+
 class PagedStepAttention(StepAttention):
     """:class:`~xllm.core.model_api.AttentionContext` over block tables."""
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                  scale: float) -> torch.Tensor:
+                  scale: float, v_dim: int | None = None) -> torch.Tensor:
         b = self.batch
         k_pool, v_pool = self.kv.layer_kv(layer)
         paged_write_kv(k_pool, v_pool, k, v, b.slot_mapping)
+        if v_pool is None:
+            v_pool = _values_in_keys(k_pool, v_dim)
         nd = b.num_decode
         parts = []
         if nd:

@@ -91,6 +91,12 @@ class KVCacheBackend(ABC):
     def prefetch(self, seqs) -> None:  # noqa: B027 (optional hook)
         """Called before a forward with the sequences that sample this step (map-ahead)."""
 
+    def drain_events(self) -> list[tuple[bool, int]]:
+        """Prefix-cache events since the last call: ``(True, hash)`` when a full block
+        became cached, ``(False, hash)`` when it was evicted. Backends without a prefix
+        cache have none."""
+        return []
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release OS resources (only at shutdown: tensors become invalid)."""
 

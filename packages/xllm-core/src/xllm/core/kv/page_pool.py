@@ -52,6 +52,8 @@ class PagePool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # reusable, hashed
         self._by_hash: dict[int, int] = {}
         self.evictions = 0
+        # (stored?, block hash) in order: what a cluster's global KV index must learn
+        self.events: list[tuple[bool, int]] = []
 
     # ---- capacity -----------------------------------------------------------
     @property
@@ -95,6 +97,7 @@ class PagePool:
         page = self.pages[page_id]
         if page.block_hash is not None:
             self._by_hash.pop(page.block_hash, None)
+            self.events.append((False, page.block_hash))
             page.block_hash = None
             self.evictions += 1
         page.status, page.owner, page.ref_count = PageStatus.ALLOCATED, owner, 1
@@ -136,6 +139,7 @@ class PagePool:
         self._cached.pop(page_id, None)
         if page.block_hash is not None:
             self._by_hash.pop(page.block_hash, None)
+            self.events.append((False, page.block_hash))
             page.block_hash = None
         page.status, page.owner = PageStatus.FREE, None
         page.mapped_at.clear()
@@ -152,7 +156,13 @@ class PagePool:
             return False
         page.block_hash = block_hash
         self._by_hash[block_hash] = page_id
+        self.events.append((True, block_hash))
         return True
+
+    def drain_events(self) -> list[tuple[bool, int]]:
+        """The (stored?, hash) events since the last call, oldest first."""
+        events, self.events = self.events, []
+        return events
 
     def lookup(self, block_hash: int) -> int | None:
         return self._by_hash.get(block_hash)

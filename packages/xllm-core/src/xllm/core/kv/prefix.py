@@ -146,6 +146,9 @@ class PrefixCachingBackend(KVCacheBackend):
             if page is not None:
                 seq.kv_pages.append(page)
 
+    def drain_events(self) -> list[tuple[bool, int]]:
+        return self.pool.drain_events()
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_available
