@@ -35,6 +35,8 @@ class EngineConfig:
     16 tokens whose per-layer K/V block is a whole OS page). ``kv_cache_backend``
     is ``"xtensor"`` (virtual-contiguous, Linux), ``"paged"`` (block tables) or
     ``"contiguous"`` (max-length reservation per slot, no prefix cache).
+    ``native_decode`` runs pure decode steps of up to 8 sequences through a
+    model's fused native kernel when it has one (slot-addressed KV only).
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -46,6 +48,7 @@ class EngineConfig:
     kv_cache_memory_gib: float = 2.0
     kv_cache_backend: str = "xtensor"
     enable_prefix_cache: bool = True
+    native_decode: bool = True
     max_waiting_requests: int = 4096
     num_threads: int | None = None
     seed: int = 0

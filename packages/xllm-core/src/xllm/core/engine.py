@@ -61,7 +61,7 @@ class LLMEngine:
                                  config.max_num_seqs, self.max_model_len, config.kv_cache_memory_gib,
                                  config.block_size, config.enable_prefix_cache)
         self.layout = self.kv.layout
-        self.runner = ModelRunner(model, self.kv, self.platform.device)
+        self.runner = ModelRunner(model, self.kv, self.platform.device, native_decode=config.native_decode)
         eos = frozenset(getattr(tokenizer, "eos_token_ids", ()))
         self.sampler = Sampler(eos)
         self.outputs = OutputProcessor(tokenizer, eos, self.max_model_len)
@@ -95,6 +95,8 @@ class LLMEngine:
         vocab = int(getattr(self.model, "vocab_size", 0))
         if vocab and (min(prompt) < 0 or max(prompt) >= vocab):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if vocab and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt)} tokens but the context length is {self.max_model_len}", "prompt")

@@ -108,10 +108,13 @@ class PagedStepAttention(StepAttention):
 class ModelRunner:
     """Runs ``model`` on scheduled chunks with KV from ``kv``."""
 
-    def __init__(self, model: CausalLM, kv: KVCacheBackend, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, kv: KVCacheBackend, device: torch.device, native_decode: bool = True) -> None:
         self.model = model
         self.kv = kv
         self.device = device
+        # pure decode batches may run as one fused native call (models that offer ``fused_decode``)
+        self.native_decode = native_decode and kv.slot_addressed and hasattr(model, "fused_decode")
+        self.native_decode_steps = 0
 
     def prepare(self, chunks: list[tuple[Sequence, int]]) -> BatchInputs:
         """Pack ``(seq, num_tokens)`` chunks; decodes must come first."""
@@ -174,6 +177,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: BatchInputs) -> torch.Tensor:
         """Forward the packed batch; float32 logits ``[len(sample_seqs), vocab]``."""
+        if self.native_decode and batch.num_decode == len(batch.input_ids):
+            hidden = self.model.fused_decode(batch.input_ids, batch.positions, batch.decode_slots, self.kv.layer_kv)
+            if hidden is not None:
+                self.native_decode_steps += 1
+                return self.model.compute_logits(hidden)
         ctx = StepAttention(self.kv, batch) if self.kv.slot_addressed else PagedStepAttention(self.kv, batch)
         hidden = self.model.forward(batch.input_ids, batch.positions, ctx)
         if not batch.sample_seqs:

@@ -10,6 +10,8 @@ but never the contract.
 - :mod:`xllm.kernels.attention`: prefill (varlen, chunked) and decode attention
   over per-sequence contiguous KV regions addressed by slot and length.
 - :mod:`xllm.kernels.sampling`: penalties, logit bias, top-k/top-p/min-p, seeded sampling.
+- :mod:`xllm.kernels.linear`: linear layers with a native skinny-GEMM path for decode.
+- :mod:`xllm.kernels.native`: the C kernels (``kernels/cpu``) built on first use, with fallbacks.
 """
 
 from xllm.kernels.activation import silu_and_mul
@@ -20,6 +22,7 @@ from xllm.kernels.attention import (
     paged_write_kv,
     prefill_attention,
 )
+from xllm.kernels.linear import linear
 from xllm.kernels.norm import rms_norm
 from xllm.kernels.rotary import RotaryTable, apply_rotary
 
@@ -27,6 +30,7 @@ __all__ = [
     "RotaryTable",
     "apply_rotary",
     "decode_attention",
+    "linear",
     "paged_decode_attention",
     "paged_prefill_attention",
     "paged_write_kv",

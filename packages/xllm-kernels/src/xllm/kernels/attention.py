@@ -97,8 +97,40 @@ def decode_attention(
     Sequence ``b`` attends to ``[slots[b], :context_lens[b]]`` (its new token's
     K/V already written). ``slots`` and ``context_lens`` are int64 ``[B]``.
     """
+    out = _native_decode_attention(q, k_cache, v_cache, slots, context_lens, scale)
+    if out is not None:
+        return out
     max_len = int(context_lens.max())
     return _attend_decode(q, k_cache[slots, :max_len], v_cache[slots, :max_len], context_lens, scale)
+
+
+def _native_decode_attention(q, k_cache, v_cache, slots, context_lens, scale) -> torch.Tensor | None:
+    """The C kernel reading each sequence's KV in place (no gather copy), when it applies."""
+    from xllm.kernels import native
+
+    dtype = q.dtype
+    if dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype != dtype or v_cache.dtype != dtype:
+        return None
+    if q.device.type != "cpu" or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return None
+    if k_cache.stride(2) != k_cache.shape[3] or (v_cache.shape[2] > 1 and v_cache.stride(2) != v_cache.shape[3]):
+        return None  # heads must be packed within a token row
+    lib = native.library()
+    if lib is None:
+        return None
+    q = q.contiguous()
+    bsz, heads, dim = q.shape
+    kv_heads, dv = k_cache.shape[2], v_cache.shape[-1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads not divisible by {kv_heads} KV heads")
+    out = torch.empty(bsz, heads, dv, dtype=dtype)
+    slots = slots.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    fn = lib.lib.xllm_decode_attention_bf16 if dtype == torch.bfloat16 else lib.lib.xllm_decode_attention_f32
+    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+       v_cache.stride(0), v_cache.stride(1), slots.data_ptr(), lens.data_ptr(), bsz, heads, kv_heads, dim, dv,
+       float(scale), out.data_ptr())
+    return out
 
 
 def paged_write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None,

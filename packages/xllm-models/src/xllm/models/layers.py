@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xllm.kernels import RotaryTable, rms_norm
+from xllm.kernels import RotaryTable, linear, rms_norm
 from xllm.models.config import ModelConfig, ModelConfigError, rope_parameters
 
 
@@ -18,6 +18,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         out, res = rms_norm(x, self.weight, self.eps, residual)
         return out if residual is None else (out, res)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose forward takes the native skinny-GEMM path for decode-sized inputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(nn.Module):
@@ -39,7 +46,7 @@ class MergedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(start)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def load_shard(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
         start, size = self.shard_offsets[shard]

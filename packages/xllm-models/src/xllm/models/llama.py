@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from xllm.core.model_api import AttentionContext, KVCacheSpec
-from xllm.kernels import RotaryTable, apply_rotary, silu_and_mul
+from xllm.kernels import RotaryTable, apply_rotary, linear, silu_and_mul
 from xllm.models.config import ModelConfig, ModelConfigError
-from xllm.models.layers import MergedLinear, RMSNorm, build_rotary
+from xllm.models.layers import Linear, MergedLinear, RMSNorm, build_rotary
 from xllm.models.weights import StackedName, load_named_weights
 
 
@@ -23,7 +23,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=bool(cfg.get("attention_bias", False)))
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=bool(cfg.get("attention_bias", False)))
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -47,7 +47,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, {"gate": intermediate, "up": intermediate}, bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -108,12 +108,28 @@ class LlamaForCausalLM(nn.Module):
             for i in range(cfg.num_layers)
         ]
         self.model = LlamaModel(cfg, layers)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryTable | None = None
+        self._fused = None
 
     def post_load(self) -> None:
-        """Build non-parameter state (RoPE table) once parameters are materialized."""
+        """Build non-parameter state (RoPE table, native decoder) once parameters are materialized."""
         self.rotary = build_rotary(self.cfg, self.cfg.head_dim)
+        from xllm.models.llama_native import FusedLlamaDecoder
+
+        self._fused = FusedLlamaDecoder(self) if FusedLlamaDecoder.model_supported(self) else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def fused_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     layer_kv) -> torch.Tensor | None:
+        """Hidden states of a pure decode batch in one native call, or None when the
+        native path does not apply (no kernels, unsupported shapes, batch > 8)."""
+        if self._fused is None or input_ids.shape[0] > 8:
+            return None
+        return self._fused(input_ids, positions, slots, layer_kv)
 
     def build_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         return LlamaMLP(cfg.hidden_size, int(cfg.raw["intermediate_size"]), bool(cfg.get("mlp_bias", False)))
@@ -133,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the parameters; every parameter must be set."""

@@ -1,0 +1,69 @@
+/* Shared inline helpers of the xLLM CPU kernels (AVX-512F/BW/BF16, OpenMP). */
+#ifndef XLLM_CPU_COMMON_H
+#define XLLM_CPU_COMMON_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fff + ((u >> 16) & 1);                                         /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t u = ((uint32_t)h) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+ALWAYS_INLINE float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* 16 bf16 -> 16 fp32 */
+ALWAYS_INLINE __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+ALWAYS_INLINE __m512 load_bf16x16_mask(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const void *)p)), 16));
+}
+
+/* dot of n bf16 pairs, fp32 accumulation (exact products) */
+ALWAYS_INLINE float dot_bf16(const uint16_t *a, const uint16_t *b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(a + i)),
+                               (__m512bh)_mm512_loadu_si512((const void *)(b + i)));
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(load_bf16x16(a + i), load_bf16x16(b + i), acc);
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(load_bf16x16_mask(a + i, m), load_bf16x16_mask(b + i, m), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+ALWAYS_INLINE float dot_f32(const float *a, const float *b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        acc2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc2);
+    }
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2));
+}
+
+#endif

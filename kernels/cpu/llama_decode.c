@@ -1,0 +1,104 @@
+/* Fused decode step of Llama-family decoders (Llama, Mistral, Qwen2 qkv bias, Qwen3 q/k norm) for
+ * a few sequences over per-sequence contiguous KV (the xTensor layout).
+ *
+ * One call runs every layer for B <= 8 decoding sequences inside a single OpenMP parallel region
+ * (phases separated by the implicit barriers of `omp for`): residual add + RMSNorm, fused QKV
+ * GEMV (+bias), q/k RMSNorm, RoPE, KV write at (slot, position), attention over [slot, :pos+1],
+ * O GEMV, residual + RMSNorm, gate/up GEMV fused with SiLU-and-mul, down GEMV. Weight rows are
+ * streamed once per step for all B sequences. The bf16 variant rounds to bf16 where the torch
+ * eager path does (each op's output), so the two follow each other closely; fp32 matches to
+ * rounding. On return `hidden` holds the last layer's MLP output and `residual` the residual
+ * stream: the caller applies the final norm (hidden + residual) and the LM head.
+ */
+#include <stdlib.h>
+
+#include "common.h"
+
+#define MAX_B 8
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+
+typedef struct {
+    int64_t hidden, n_heads, n_kv_heads, head_dim, inter, n_layers;
+    int64_t k_slot_stride, k_tok_stride, v_slot_stride, v_tok_stride;
+    float eps, scale;
+    int32_t qk_norm, rotary_dim;
+} XllmLlamaCfg;
+
+typedef struct {
+    const void *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *o_b, *ln2, *gate_up_w, *down_w;
+    void *k_cache, *v_cache;
+} XllmLlamaLayer;
+
+/* acc[b] = x[b, :K] . w[:K] for b < B; w streamed once (sequentially) for all rows */
+ALWAYS_INLINE void gemv_row_bf16(const uint16_t *x, const int64_t B, int64_t K, const uint16_t *w, float *acc) {
+    __m512 a[MAX_B], a2 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < B; b++) a[b] = _mm512_setzero_ps();
+    int64_t k = 0;
+    if (B == 1) { /* two chains hide the dot-product latency */
+        for (; k + 64 <= K; k += 64) {
+            a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)_mm512_loadu_si512((const void *)(x + k)),
+                                    (__m512bh)_mm512_loadu_si512((const void *)(w + k)));
+            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512((const void *)(x + k + 32)),
+                                  (__m512bh)_mm512_loadu_si512((const void *)(w + k + 32)));
+        }
+        a[0] = _mm512_add_ps(a[0], a2);
+    }
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + k));
+        for (int64_t b = 0; b < B; b++)
+            a[b] = _mm512_dpbf16_ps(a[b], (__m512bh)_mm512_loadu_si512((const void *)(x + b * K + k)), wv);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        float s = _mm512_reduce_add_ps(a[b]);
+        for (int64_t kk = k; kk < K; kk++) s += bf16_to_f32(x[b * K + kk]) * bf16_to_f32(w[kk]);
+        acc[b] = s;
+    }
+}
+
+ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, const float *w, float *acc) {
+    __m512 a[MAX_B], a2 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < B; b++) a[b] = _mm512_setzero_ps();
+    int64_t k = 0;
+    if (B == 1) {
+        for (; k + 32 <= K; k += 32) {
+            a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(w + k), a[0]);
+            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(w + k + 16), a2);
+        }
+        a[0] = _mm512_add_ps(a[0], a2);
+    }
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv = _mm512_loadu_ps(w + k);
+        for (int64_t b = 0; b < B; b++) a[b] = _mm512_fmadd_ps(_mm512_loadu_ps(x + b * K + k), wv, a[b]);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        float s = _mm512_reduce_add_ps(a[b]);
+        for (int64_t kk = k; kk < K; kk++) s += x[b * K + kk] * w[kk];
+        acc[b] = s;
+    }
+}
+
+#define T uint16_t
+#define SFX bf16
+#define TOF(v) bf16_to_f32(v)
+#define RND(f) round_bf16(f)
+#define STORE(f) f32_to_bf16(f)
+#define DOT dot_bf16
+#define GEMV_ROW gemv_row_bf16
+#include "llama_decode.h"
+#undef T
+#undef SFX
+#undef TOF
+#undef RND
+#undef STORE
+#undef DOT
+#undef GEMV_ROW
+
+#define T float
+#define SFX f32
+#define TOF(v) (v)
+#define RND(f) (f)
+#define STORE(f) (f)
+#define DOT dot_f32
+#define GEMV_ROW gemv_row_f32
+#include "llama_decode.h"

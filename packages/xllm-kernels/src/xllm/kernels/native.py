@@ -1,0 +1,161 @@
+"""The native CPU kernels (C, AVX-512 + BF16, OpenMP): built on first use, loaded with ctypes.
+
+Sources live in the repository's ``kernels/cpu/`` (shipped inside the wheel as
+``xllm/kernels/csrc``). The first process that needs them compiles one shared
+library with the system C compiler into ``$XLLM_CACHE_DIR/kernels/<key>/`` (a
+few seconds; the key covers the sources, flags and CPU features), later
+processes load it. Everything here has a pure-torch fallback: when there is no
+compiler, the CPU lacks AVX-512 BF16, or ``XLLM_NATIVE=0`` is set,
+:func:`library` returns ``None`` and callers use torch ops.
+
+The library links the same OpenMP runtime as torch (``libgomp.so.1``, already
+loaded by ``import torch``), so both share one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+
+import torch  # noqa: F401  (loads torch's libgomp before ours)
+
+log = logging.getLogger(__name__)
+
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+_lock = threading.Lock()
+
+
+class LlamaCfg(ctypes.Structure):
+    """Mirror of ``XllmLlamaCfg`` in kernels/cpu/llama_decode.c."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "hidden", "n_heads", "n_kv_heads", "head_dim", "inter", "n_layers",
+        "k_slot_stride", "k_tok_stride", "v_slot_stride", "v_tok_stride")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("qk_norm", ctypes.c_int32),
+        ("rotary_dim", ctypes.c_int32)]
+
+
+class LlamaLayer(ctypes.Structure):
+    """Mirror of ``XllmLlamaLayer``: data pointers of one layer's weights and KV cache."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "ln2", "gate_up_w", "down_w", "k_cache",
+        "v_cache")]
+
+
+class NativeLibrary:
+    """ctypes bindings of ``libxllm_cpu.so`` (argument types declared once)."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        vp, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        lib.xllm_gemm_bf16.argtypes = [vp, i64, i64, vp, i64, vp, vp, i32]
+        lib.xllm_gemm_f32.argtypes = [vp, i64, i64, vp, i64, vp, vp]
+        for name in ("xllm_decode_attention_bf16", "xllm_decode_attention_f32"):
+            getattr(lib, name).argtypes = [vp, vp, vp, i64, i64, i64, i64, vp, vp, i64, i64, i64, i64, i64, f32, vp]
+        for name in ("xllm_llama_decode_bf16", "xllm_llama_decode_f32"):
+            getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, vp,
+                                           vp, vp, vp, vp]
+        for name in ("xllm_gemm_bf16", "xllm_gemm_f32", "xllm_decode_attention_bf16", "xllm_decode_attention_f32",
+                     "xllm_llama_decode_bf16", "xllm_llama_decode_f32"):
+            getattr(lib, name).restype = None
+        self.lib = lib
+
+
+def _sources_dir() -> pathlib.Path | None:
+    here = pathlib.Path(__file__).resolve().parent
+    for candidate in (here / "csrc", here.parents[4] / "kernels" / "cpu"):
+        if (candidate / "gemm.c").is_file():
+            return candidate
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _cache_root() -> pathlib.Path:
+    env = os.environ.get("XLLM_CACHE_DIR")
+    return (pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "xllm") / "kernels"
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot be used here, or None if they can."""
+    if os.environ.get("XLLM_NATIVE", "1") == "0":
+        return "disabled by XLLM_NATIVE=0"
+    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    if _sources_dir() is None:
+        return "kernel sources not found"
+    if shutil.which(os.environ.get("CC", "gcc")) is None:
+        return "no C compiler (set CC or install gcc)"
+    return None
+
+
+def _build(src: pathlib.Path) -> pathlib.Path:
+    cc = os.environ.get("CC", "gcc")
+    files = sorted(src.glob("*.c")) + sorted(src.glob("*.h"))
+    key = hashlib.sha256()
+    for f in files:
+        key.update(f.name.encode() + f.read_bytes())
+    key.update(" ".join([cc, *_CFLAGS]).encode())
+    key.update(" ".join(sorted(_cpu_flags())).encode())
+    out_dir = _cache_root() / key.hexdigest()[:16]
+    lib = out_dir / "libxllm_cpu.so"
+    if lib.is_file():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.is_file():
+            return lib
+        log.info("building native CPU kernels with %s (first use only)", cc)
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            target = pathlib.Path(tmp) / lib.name
+            cmd = [cc, *_CFLAGS, *[str(f) for f in sorted(src.glob("*.c"))], "-o", str(target), "-lm"]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"building the native kernels failed:\n{' '.join(cmd)}\n{result.stderr}")
+            target.rename(lib)
+        log.info("native CPU kernels built in %.1fs: %s", time.perf_counter() - start, lib)
+    return lib
+
+
+@functools.cache
+def _load() -> NativeLibrary | None:
+    reason = unavailable_reason()
+    if reason is not None:
+        log.info("native CPU kernels unavailable (%s); using torch ops", reason)
+        return None
+    try:
+        return NativeLibrary(_build(_sources_dir()))
+    except (RuntimeError, OSError) as exc:
+        log.warning("native CPU kernels unavailable, using torch ops: %s", exc)
+        return None
+
+
+def library() -> NativeLibrary | None:
+    """The loaded native library, building it on first use; None means use torch."""
+    with _lock:
+        return _load()
