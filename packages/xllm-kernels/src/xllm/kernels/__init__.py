@@ -24,9 +24,10 @@ from xllm.kernels.attention import (
 )
 from xllm.kernels.linear import linear
 from xllm.kernels.norm import rms_norm
-from xllm.kernels.rotary import RotaryTable, apply_rotary
+from xllm.kernels.rotary import RopeBatch, RotaryTable, apply_rotary
 
 __all__ = [
+    "RopeBatch",
     "RotaryTable",
     "apply_rotary",
     "decode_attention",

@@ -21,17 +21,38 @@ def native_linear_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return native.library() is not None
 
 
+def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
+    """oneDNN's blocked copy of ``weight`` for large-batch GEMMs, or None where
+    oneDNN packing is unavailable (non-CPU, no mkldnn build)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` (``[M, K] x [N, K]``).
 
     Up to 8 rows in bf16/fp32 on a CPU with AVX-512 BF16 run the native GEMV,
     which streams each weight row once for all rows (the memory-bound decode
-    case); anything else is ``F.linear``. ``out_dtype=torch.float32`` returns
-    fp32 directly from a bf16 product (used for logits).
+    case); more rows use ``packed`` (see :func:`pack_weight`: oneDNN's blocked
+    layout, no per-call weight reorder) when given, else ``F.linear``.
+    ``out_dtype=torch.float32`` returns fp32 directly from a bf16 product.
+    Under ``torch.compile`` it is a plain ``F.linear`` (Inductor packs weights itself).
     """
-    if not native_linear_ok(x, weight) or (bias is not None and not bias.is_contiguous()):
+    if torch.compiler.is_compiling():
         y = F.linear(x, weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
+    if not native_linear_ok(x, weight) or (bias is not None and not bias.is_contiguous()):
+        if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        else:
+            y = F.linear(x, weight, bias)
         return y if out_dtype is None else y.to(out_dtype)
     lib = native.library().lib
     m, k = x.shape

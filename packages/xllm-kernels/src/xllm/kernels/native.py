@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-import torch  # noqa: F401  (loads torch's libgomp before ours)
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,13 @@ class NativeLibrary:
         for name in ("xllm_llama_decode_bf16", "xllm_llama_decode_f32"):
             getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, vp,
                                            vp, vp, vp, vp]
-        for name in ("xllm_gemm_bf16", "xllm_gemm_f32", "xllm_decode_attention_bf16", "xllm_decode_attention_f32",
-                     "xllm_llama_decode_bf16", "xllm_llama_decode_f32"):
-            getattr(lib, name).restype = None
+        for sfx in ("bf16", "f32"):
+            getattr(lib, f"xllm_add_rmsnorm_{sfx}").argtypes = [vp, vp, vp, i64, i64, f32, i32, vp]
+            getattr(lib, f"xllm_silu_mul_{sfx}").argtypes = [vp, i64, i64, vp]
+            getattr(lib, f"xllm_rope_{sfx}").argtypes = [vp, i64, i64, i64, i64, vp, vp, vp, i64]
+        for name in ("gemm", "decode_attention", "llama_decode", "add_rmsnorm", "silu_mul", "rope"):
+            for sfx in ("bf16", "f32"):
+                getattr(lib, f"xllm_{name}_{sfx}").restype = None
         self.lib = lib
 
 
@@ -159,3 +163,21 @@ def library() -> NativeLibrary | None:
     """The loaded native library, building it on first use; None means use torch."""
     with _lock:
         return _load()
+
+
+def for_tensors(*tensors: torch.Tensor) -> NativeLibrary | None:
+    """The library if it can run on these tensors: CPU, one dtype of bf16/fp32,
+    contiguous, and not being traced by ``torch.compile``; else None."""
+    if torch.compiler.is_compiling():
+        return None
+    dtype = tensors[0].dtype
+    if dtype not in (torch.bfloat16, torch.float32):
+        return None
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+            return None
+    return library()
+
+
+def suffix(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "f32"

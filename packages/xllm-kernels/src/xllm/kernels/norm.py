@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from xllm.kernels import native
+
 
 def rms_norm(
     x: torch.Tensor,
@@ -18,6 +20,10 @@ def rms_norm(
     ``residual`` is given, returns ``(norm(x + residual), x + residual)`` so the
     caller can carry the new residual; otherwise ``(norm(x), None)``.
     """
+    if x.dim() == 2 and (residual is None or residual.shape == x.shape):
+        lib = native.for_tensors(x, weight, *(() if residual is None else (residual,)))
+        if lib is not None:
+            return _native_rms_norm(lib, x, weight, eps, residual)
     if residual is not None:
         x = x + residual
         residual = x
@@ -26,3 +32,15 @@ def rms_norm(
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
     return weight * h.to(dtype), residual
+
+
+def _native_rms_norm(lib, x, weight, eps, residual):
+    out = torch.empty_like(x)
+    new_residual = None
+    if residual is not None:
+        new_residual = torch.empty_like(x)  # x + residual, rounded like the eager add
+        new_residual.copy_(residual)
+    fn = getattr(lib.lib, f"xllm_add_rmsnorm_{native.suffix(x.dtype)}")
+    fn(x.data_ptr(), None if new_residual is None else new_residual.data_ptr(), weight.data_ptr(), x.shape[0],
+       x.shape[1], float(eps), int(residual is not None), out.data_ptr())
+    return out, new_residual

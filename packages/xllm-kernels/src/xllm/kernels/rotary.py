@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from xllm.kernels import native
 
 
 @dataclass
@@ -44,6 +46,41 @@ class RotaryTable:
         if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             raise ValueError(f"position {int(positions.max())} beyond rotary table of {self.cos.shape[0]}")
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+@dataclass
+class RopeBatch:
+    """One forward's positions against a :class:`RotaryTable`: what the layers rotate with.
+
+    ``cos_sin(dtype)`` is looked up once and shared by every layer; ``rotate_``
+    rotates heads in place inside packed rows (the native kernel when it
+    applies, which needs no lookup at all).
+    """
+
+    table: RotaryTable
+    positions: torch.Tensor
+    _cached: dict = field(default_factory=dict)
+
+    def cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype not in self._cached:
+            self._cached[dtype] = self.table.lookup(self.positions, dtype)
+        return self._cached[dtype]
+
+    def rotate_(self, rows: torch.Tensor, heads: int, head_dim: int) -> None:
+        """Rotate the first ``heads`` heads of each row of ``rows`` ``[T, width]`` in place."""
+        rd = self.table.cos.shape[-1]
+        lib = native.for_tensors(rows) if rows.dim() == 2 and rd <= 1024 else None
+        if lib is not None:
+            pos = self.positions.to(torch.int64).contiguous()
+            if pos.numel() and int(pos.max()) >= self.table.cos.shape[0]:
+                raise ValueError(f"position {int(pos.max())} beyond rotary table of {self.table.cos.shape[0]}")
+            getattr(lib.lib, f"xllm_rope_{native.suffix(rows.dtype)}")(
+                rows.data_ptr(), rows.shape[0], heads, head_dim, rows.stride(0), self.table.cos.data_ptr(),
+                self.table.sin.data_ptr(), pos.data_ptr(), rd)
+            return
+        view = rows[:, : heads * head_dim].view(rows.shape[0], heads, head_dim)
+        cos, sin = self.cos_sin(rows.dtype)
+        view.copy_(apply_rotary(view, cos, sin))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

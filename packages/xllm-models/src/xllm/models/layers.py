@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from xllm.kernels import RotaryTable, linear, rms_norm
+from xllm.kernels.linear import pack_weight
 from xllm.models.config import ModelConfig, ModelConfigError, rope_parameters
 
 
@@ -21,10 +22,27 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose forward takes the native skinny-GEMM path for decode-sized inputs."""
+    """``nn.Linear`` whose forward takes the native skinny-GEMM path for decode-sized
+    inputs and a prepacked oneDNN weight (after :func:`prepack_linears`) for larger ones."""
+
+    packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, packed=self.packed)
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Give every :class:`Linear`/:class:`MergedLinear` of ``model`` a prepacked weight
+    for large-batch GEMMs (a second copy of the weights); returns how many were packed."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (Linear, MergedLinear)):
+            module.pack()
+            count += module.packed is not None
+    return count
 
 
 class MergedLinear(nn.Module):
@@ -45,8 +63,13 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(start, in_features))
         self.bias = nn.Parameter(torch.empty(start)) if bias else None
 
+    packed = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, packed=self.packed)
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
 
     def load_shard(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
         start, size = self.shard_offsets[shard]

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from xllm.core.model_api import AttentionContext, KVCacheSpec
-from xllm.kernels import RotaryTable, apply_rotary, linear, silu_and_mul
+from xllm.kernels import RopeBatch, RotaryTable, apply_rotary, linear, silu_and_mul
+from xllm.kernels.linear import pack_weight
 from xllm.models.config import ModelConfig, ModelConfigError
-from xllm.models.layers import Linear, MergedLinear, RMSNorm, build_rotary
+from xllm.models.layers import Linear, MergedLinear, RMSNorm, build_rotary, prepack_linears
 from xllm.models.weights import StackedName, load_named_weights
 
 
@@ -29,16 +30,19 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.q_size, self.kv_size = q_size, kv_size
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: RopeBatch, ctx: AttentionContext) -> torch.Tensor:
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.q_norm is None:  # q and k heads lead each row: rotate them in place, in one pass
+            rope.rotate_(qkv, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            cos, sin = rope.cos_sin(q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attention(self.layer, q, k, v, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -61,13 +65,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, hidden, residual, cos, sin, ctx):
+    def forward(self, hidden, residual, rope, ctx):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, ctx)
+        hidden = self.self_attn(hidden, rope, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -111,10 +115,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryTable | None = None
         self._fused = None
+        self._lm_head_packed = None
 
     def post_load(self) -> None:
         """Build non-parameter state (RoPE table, native decoder) once parameters are materialized."""
         self.rotary = build_rotary(self.cfg, self.cfg.head_dim)
+        prepack_linears(self)  # oneDNN-blocked weights for prefill and large decode batches
         from xllm.models.llama_native import FusedLlamaDecoder
 
         self._fused = FusedLlamaDecoder(self) if FusedLlamaDecoder.model_supported(self) else None
@@ -140,16 +146,19 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.lookup(positions, hidden.dtype)
+        rope = RopeBatch(self.rotary, positions)
         residual = None
         for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, ctx)
+            hidden, residual = layer(hidden, residual, rope, ctx)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self._lm_head_packed is None:
+            self._lm_head_packed = pack_weight(self.model.embed_tokens.weight)
+        return linear(hidden, self.model.embed_tokens.weight, packed=self._lm_head_packed).float()
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the parameters; every parameter must be set."""

@@ -1,0 +1,61 @@
+/* Row-wise fused elementwise ops for any number of tokens (prefill and large decode
+ * batches), with the rounding points of the torch eager ops they replace:
+ *   - residual add + RMSNorm (HF numerics: fp32 statistics, cast to T, then * weight),
+ *   - SiLU(gate) * up over a fused [T, 2I] gate_up tensor,
+ *   - rotate-half RoPE of [T, heads, head_dim] rows with per-token cos/sin table rows.
+ * Rows are split across OpenMP threads.
+ */
+#include "common.h"
+
+#define DEFINE_ELEMENTWISE(SFX, T, TOF, RND, STORE)                                                          \
+    void xllm_add_rmsnorm_##SFX(const T *x, T *residual, const T *w, int64_t rows, int64_t n, float eps,     \
+                                int32_t add, T *out) {                                                       \
+        _Pragma("omp parallel for schedule(static)") for (int64_t r = 0; r < rows; r++) {                   \
+            const T *xr = x + r * n;                                                                         \
+            T *rr = residual ? residual + r * n : NULL;                                                      \
+            T *o = out + r * n;                                                                              \
+            float ss = 0.0f;                                                                                 \
+            for (int64_t i = 0; i < n; i++) {                                                                \
+                float v = TOF(xr[i]);                                                                        \
+                if (rr) {                                                                                    \
+                    if (add) v = RND(v + TOF(rr[i]));                                                        \
+                    rr[i] = STORE(v);                                                                        \
+                }                                                                                            \
+                ss += v * v;                                                                                 \
+            }                                                                                                \
+            const float inv = 1.0f / sqrtf(ss / (float)n + eps);                                            \
+            const T *src = rr ? rr : xr;                                                                     \
+            for (int64_t i = 0; i < n; i++) o[i] = STORE(TOF(w[i]) * RND(TOF(src[i]) * inv));                \
+        }                                                                                                    \
+    }                                                                                                        \
+                                                                                                             \
+    void xllm_silu_mul_##SFX(const T *gate_up, int64_t rows, int64_t inter, T *out) {                       \
+        _Pragma("omp parallel for schedule(static)") for (int64_t r = 0; r < rows; r++) {                   \
+            const T *g = gate_up + r * 2 * inter, *u = g + inter;                                            \
+            T *o = out + r * inter;                                                                          \
+            for (int64_t i = 0; i < inter; i++) {                                                            \
+                const float gv = TOF(g[i]);                                                                  \
+                o[i] = STORE(RND(gv / (1.0f + expf(-gv))) * TOF(u[i]));                                      \
+            }                                                                                                \
+        }                                                                                                    \
+    }                                                                                                        \
+                                                                                                             \
+    void xllm_rope_##SFX(T *x, int64_t rows, int64_t heads, int64_t head_dim, int64_t row_stride,            \
+                         const float *cos_table, const float *sin_table, const int64_t *positions, int64_t rd) { \
+        const int64_t half = rd / 2;                                                                         \
+        _Pragma("omp parallel for schedule(static)") for (int64_t item = 0; item < rows * heads; item++) {   \
+            const int64_t r = item / heads, h = item % heads;                                                \
+            T *v = x + r * row_stride + h * head_dim;                                                        \
+            const float *c = cos_table + positions[r] * rd, *s = sin_table + positions[r] * rd;              \
+            float tmp[1024];                                                                                 \
+            for (int64_t i = 0; i < rd; i++) tmp[i] = TOF(v[i]);                                             \
+            for (int64_t i = 0; i < rd; i++) {                                                               \
+                const float rot = i < half ? -tmp[i + half] : tmp[i - half];                                 \
+                v[i] = STORE(RND(tmp[i] * RND(c[i])) + RND(rot * RND(s[i])));                                \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+
+#define F32_ID(x) (x)
+DEFINE_ELEMENTWISE(bf16, uint16_t, bf16_to_f32, round_bf16, f32_to_bf16)
+DEFINE_ELEMENTWISE(f32, float, F32_ID, F32_ID, F32_ID)
