@@ -14,9 +14,12 @@ from xllm.proto.engine.v1 import engine_pb2
 
 
 class DenseContext:
-    """Attention for one sequence with no KV cache: plain causal attention over the forward's tokens."""
+    """Attention for one sequence with no KV cache: plain causal attention over the forward's tokens.
+    A latent (MLA) call passes ``v=None`` and ``v_dim``: the values are the keys' first ``v_dim`` channels."""
 
-    def attention(self, layer, q, k, v, scale):
+    def attention(self, layer, q, k, v, scale, v_dim=None):
+        if v is None:
+            v = k[..., :v_dim]
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
@@ -46,6 +49,9 @@ def save_random_hf_model(path: pathlib.Path, config, seed: int = 0, std: float =
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(std * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing bias (a buffer, zero-initialized)
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
     model.save_pretrained(path, max_shard_size=max_shard_size)
     return model
 

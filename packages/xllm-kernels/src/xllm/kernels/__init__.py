@@ -12,6 +12,10 @@ but never the contract.
 - :mod:`xllm.kernels.sampling`: penalties, logit bias, top-k/top-p/min-p, seeded sampling.
 - :mod:`xllm.kernels.linear`: linear layers with a native skinny-GEMM path for decode.
 - :mod:`xllm.kernels.native`: the C kernels (``kernels/cpu``) built on first use, with fallbacks.
+- :mod:`xllm.kernels.moe`: expert routing (softmax/sigmoid, group-limited, bias-corrected)
+  and the routed SwiGLU experts.
+- :mod:`xllm.kernels.mla`: multi-head latent attention helpers (interleaved RoPE,
+  weight-absorbed query/value projections).
 """
 
 from xllm.kernels.activation import silu_and_mul
@@ -23,19 +27,27 @@ from xllm.kernels.attention import (
     prefill_attention,
 )
 from xllm.kernels.linear import linear
+from xllm.kernels.mla import absorb_query, apply_rotary_interleaved, expand_values
+from xllm.kernels.moe import RoutingConfig, moe_experts, select_experts
 from xllm.kernels.norm import rms_norm
 from xllm.kernels.rotary import RopeBatch, RotaryTable, apply_rotary
 
 __all__ = [
     "RopeBatch",
     "RotaryTable",
+    "RoutingConfig",
+    "absorb_query",
     "apply_rotary",
+    "apply_rotary_interleaved",
     "decode_attention",
+    "expand_values",
     "linear",
+    "moe_experts",
     "paged_decode_attention",
     "paged_prefill_attention",
     "paged_write_kv",
     "prefill_attention",
     "rms_norm",
+    "select_experts",
     "silu_and_mul",
 ]

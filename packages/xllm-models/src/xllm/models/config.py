@@ -69,7 +69,8 @@ class ModelConfig:
             )
         except KeyError as exc:
             raise ModelConfigError(f"config.json lacks required field {exc}") from exc
-        if cfg.num_heads % cfg.num_kv_heads:
+        # MLA models (DeepSeek) have no per-head K/V: their num_key_value_heads is a leftover.
+        if cfg.num_heads % cfg.num_kv_heads and "kv_lora_rank" not in raw:
             raise ModelConfigError(
                 f"num_attention_heads={cfg.num_heads} is not a multiple of num_key_value_heads={cfg.num_kv_heads}"
             )

@@ -8,6 +8,7 @@ sequentially and no second full copy of the weights is ever held.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pathlib
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 
 from xllm.models.config import ModelConfig
 from xllm.models.registry import model_class
+from xllm.models.tensor_parallel import TPShard
 
 log = logging.getLogger(__name__)
 
@@ -54,21 +56,77 @@ def iter_safetensors(files: list[pathlib.Path], progress: bool = True) -> Iterat
                     bar.update(1)
 
 
+_INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+             "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def _skip_init() -> Iterator[None]:
+    """Make ``torch.nn.init``'s initializers no-ops while the model is built on the meta device.
+
+    Random init would be overwritten by the checkpoint anyway; on the meta device it computes
+    nothing but its first call imports torch's compiler stack (~1.7 s of a SmolLM2 load). Not
+    thread-safe (it patches module attributes), like every loader that does this.
+    """
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FNS if hasattr(torch.nn.init, name)}
+    try:
+        for name in saved:
+            setattr(torch.nn.init, name, _no_init)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every meta parameter/buffer by uninitialized storage on ``device`` (floating
+    ones in ``dtype``), keeping tied parameters tied. Like ``.to(dtype).to_empty(device)``
+    without their per-tensor dispatch through torch's reference ops (which imports the
+    symbolic-shapes stack on first use: ~0.4 s)."""
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                new = done.get(id(t))
+                if new is None:
+                    data = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                    new = torch.nn.Parameter(data, requires_grad=t.requires_grad) if table is module._parameters \
+                        else data
+                    done[id(t)] = new
+                table[name] = new
+
+
+def _no_init(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
+
+
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", progress: bool = True) -> torch.nn.Module:
+               device: str | torch.device = "cpu", progress: bool = True, tp_rank: int = 0,
+               tp_size: int = 1) -> torch.nn.Module:
     """Build the model class for ``model_dir``'s architecture and load its weights.
 
     Parameters are allocated directly in ``dtype`` on ``device`` (no random
-    init), then filled in file order. Returns the model in eval mode.
+    init), then filled in file order. With ``tp_size > 1`` the model is built
+    with rank ``tp_rank``'s local sizes and every sharded checkpoint tensor is
+    sliced before it is copied (see :mod:`xllm.models.tensor_parallel`); the
+    partial outputs of the ranks' ``o_proj``/``down_proj`` sum to the full model's.
+    Returns the model in eval mode.
     """
     model_dir = pathlib.Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     cls = model_class(cfg.architecture)
     start = time.perf_counter()
-    with torch.device("meta"):
-        model = cls(cfg).to(dtype)
-    model = model.to_empty(device=device)
-    model.load_weights(iter_safetensors(shard_files(model_dir), progress))
+    weights = iter_safetensors(shard_files(model_dir), progress)
+    if tp_size != 1 or tp_rank != 0:
+        shard = TPShard.for_architecture(cfg.architecture, tp_rank, tp_size)
+        cfg = shard.local_config(cfg)
+        weights = shard.shard_stream(weights)
+    with torch.device("meta"), _skip_init():
+        model = cls(cfg)
+    _materialize(model, dtype, torch.device(device))
+    model.load_weights(weights)
     model.post_load()
     model.eval().requires_grad_(False)
     log.info("loaded %s (%s) from %s in %.2fs", cfg.architecture, dtype, model_dir, time.perf_counter() - start)

@@ -15,6 +15,9 @@ _ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "xllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "xllm.models.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "xllm.models.qwen:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "xllm.models.qwen_moe:Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "xllm.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "xllm.models.deepseek:DeepseekV3ForCausalLM",
 }
 
 

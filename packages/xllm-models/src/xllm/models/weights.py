@@ -34,9 +34,16 @@ def load_named_weights(
     Raises :class:`WeightLoadError` naming unexpected checkpoint tensors and
     parameters the checkpoint never set. A fused parameter counts as set when
     all of its shards arrived.
+
+    A submodule may take its checkpoint tensors itself (e.g. MoE experts stacked
+    into one parameter): if it has ``load_checkpoint_tensor(rel_name, tensor) ->
+    bool`` every tensor named ``<module path>.<rel_name>`` goes there (False =
+    unexpected), and its ``missing_checkpoint_tensors() -> list[str]`` replaces
+    the completeness check of its parameters.
     """
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    custom = {name: m for name, m in modules.items() if name and hasattr(m, "load_checkpoint_tensor")}
     stacked = tuple(stacked)
     expected_shards: dict[str, set[str]] = {}
     for name, module in modules.items():
@@ -49,6 +56,16 @@ def load_named_weights(
     unexpected: list[str] = []
     for name, tensor in weights:
         if name.endswith(skip_suffixes):
+            continue
+        owner = _custom_owner(name, custom) if custom else None
+        if owner is not None:
+            prefix, module = owner
+            try:
+                taken = module.load_checkpoint_tensor(name[len(prefix) + 1:], tensor)
+            except ValueError as exc:
+                raise WeightLoadError(f"{name}: {exc}") from exc
+            if not taken:
+                unexpected.append(name)
             continue
         for rule in stacked:
             if rule.ckpt_part + "." in name:
@@ -77,10 +94,25 @@ def load_named_weights(
     for fused, shards in expected_shards.items():
         if seen_shards.get(fused) == shards:
             loaded.add(fused)
+    for prefix in custom:
+        loaded.update(p for p in params if p.startswith(prefix + "."))
     missing = sorted(set(params) - loaded)
+    for prefix, module in custom.items():
+        missing += [f"{prefix}.{n}" for n in module.missing_checkpoint_tensors()]
     if unexpected or missing:
         raise WeightLoadError(
             f"checkpoint does not match {type(model).__name__}: "
             f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
         )
+
+
+def _custom_owner(name: str, custom: dict[str, nn.Module]) -> tuple[str, nn.Module] | None:
+    """The innermost self-loading module whose path is a prefix of ``name``."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        module = custom.get(prefix)
+        if module is not None:
+            return prefix, module
+    return None
