@@ -17,7 +17,7 @@ from xllm.kernels import RotaryTable, apply_rotary, rms_norm, silu_and_mul
 from xllm.proto.engine.v1 import engine_pb2
 
 KV_BACKENDS = ("xtensor", "paged", "contiguous")
-_backend = {"name": "xtensor"}  # set per test by the ``kv_backend`` fixture
+_backend = {"name": "xtensor", "async": False}  # set per test by the kv_backend / scheduling fixtures
 
 
 class PieceTokenizer:
@@ -130,6 +130,14 @@ def kv_backend(request):
     _backend["name"] = "xtensor"
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def scheduling(request):
+    """Run a test with synchronous and with async (overlapped) scheduling."""
+    _backend["async"] = request.param
+    yield request.param
+    _backend["async"] = False
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> TinyLM:
     return TinyLM()
@@ -137,6 +145,7 @@ def tiny_model() -> TinyLM:
 
 def make_engine(model=None, **config) -> LLMEngine:
     config.setdefault("kv_cache_backend", _backend["name"])
+    config.setdefault("async_scheduling", _backend["async"])
     config.setdefault("dtype", torch.float32)
     config.setdefault("max_num_seqs", 8)
     config.setdefault("num_threads", 1)  # see _one_torch_thread

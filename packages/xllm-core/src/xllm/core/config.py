@@ -37,6 +37,8 @@ class EngineConfig:
     ``"contiguous"`` (max-length reservation per slot, no prefix cache).
     ``native_decode`` runs pure decode steps of up to 8 sequences through a
     model's fused native kernel when it has one (slot-addressed KV only).
+    ``async_scheduling`` overlaps scheduling, input preparation and output
+    processing with the forward (xLLM §4.1), streaming each token one step later.
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -49,6 +51,7 @@ class EngineConfig:
     kv_cache_backend: str = "xtensor"
     enable_prefix_cache: bool = True
     native_decode: bool = True
+    async_scheduling: bool = False
     max_waiting_requests: int = 4096
     num_threads: int | None = None
     seed: int = 0

@@ -10,6 +10,7 @@ import logging
 import random
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -22,11 +23,12 @@ from xllm.core.output_processor import OutputProcessor, RequestOutput
 from xllm.core.platform import Platform, configure_threads, detect_platform
 from xllm.core.sampler import Sampler
 from xllm.core.sampling_params import SamplingParams
-from xllm.core.sequence import SeqStatus, Sequence
+from xllm.core.sequence import PLACEHOLDER, SeqStatus, Sequence
 from xllm.core.stats import EngineCounters, FinishedRequest, StatsObserver, StepStats
+from xllm.core.step import StepInFlight
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.registry.v1 import instance_pb2
-from xllm.sched import batch_policy
+from xllm.sched import StepPlan, batch_policy
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,10 @@ class LLMEngine:
         self.observers = list(observers or [])
         self._seed_source = random.Random(config.seed)
         self._reported_prefix = (0, 0)
+        self._in_flight: StepInFlight | None = None
+        self._free_after_flight: dict[int, list[Sequence]] = {}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xllm-forward") \
+            if config.async_scheduling else None
         log.info("engine %s: max_model_len=%d kv=%s blocks=%d x %d tokens (%d tokens) prefix_cache=%s "
                  "max_num_seqs=%d", instance_id, self.max_model_len, type(self.kv).__name__, self.layout.num_blocks,
                  self.layout.block_size, self.layout.capacity_tokens, self.layout.enable_prefix_cache,
@@ -137,7 +143,8 @@ class LLMEngine:
             self.waiting.remove(seq)
         if any(s is seq for s in self.running):
             self.running.remove(seq)
-        self.kv.free(seq)
+        if not self._free_later_if_in_flight(seq):
+            self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
         self.outputs.abort(out)
         chunk = self.outputs.take_chunk(out)
@@ -152,13 +159,56 @@ class LLMEngine:
         return chunk
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self._in_flight is not None)
 
     # ---- the step -------------------------------------------------------
     def step(self) -> list[engine_pb2.GenerateResponse]:
-        """Run one scheduling + forward + sampling iteration; return stream chunks."""
-        t0 = time.perf_counter()
-        plan = self.policy.schedule(self.running, self.waiting, self.kv)
+        """Run one iteration and return the stream chunks it produced.
+
+        Synchronous: schedule, forward, sample, emit. With ``async_scheduling``
+        the forward of step k runs on a worker thread while this thread
+        schedules and prepares step k+1 (with placeholder tokens for step k's
+        outputs, swapped in when they land) and then detokenizes and emits step
+        k's outputs during step k+1's forward; chunks therefore trail by one step.
+        """
+        if self.config.async_scheduling:
+            return self._step_overlapped()
+        plan = self._schedule(self.running)
+        if not plan:
+            return []
+        flight = self._prepare(plan)
+        flight.start(None)
+        self._swap_in(flight)
+        return self._emit(flight)
+
+    def _step_overlapped(self) -> list[engine_pb2.GenerateResponse]:
+        responses: list[engine_pb2.GenerateResponse] = []
+        prev = self._in_flight
+        if prev is not None and self._kv_tight():
+            # preemption must never free pages an in-flight forward writes: land it first
+            self._in_flight = None
+            self._swap_in(prev)
+            responses += self._emit(prev)
+            prev = None
+        busy = prev.sampled_seqs if prev is not None else set()
+        # sequences whose in-flight token is their last one are not scheduled again
+        ready = [s for s in self.running if not (s in busy and self._saturated(s))]
+        parked = [s for s in self.running if s in busy and self._saturated(s)]
+        plan = self._schedule(ready)
+        self.running = ready + parked
+        flight = self._prepare(plan) if plan else None
+        if prev is not None:
+            self._swap_in(prev)
+        if flight is not None:
+            flight.patch_placeholders()
+            flight.start(self._worker)
+        self._in_flight = flight
+        if prev is not None:
+            responses += self._emit(prev)  # overlaps the forward just started
+        return responses
+
+    def _schedule(self, running: list[Sequence]) -> StepPlan:
+        plan = self.policy.schedule(running, self.waiting, self.kv)
         for seq in plan.preempted:
             seq.num_computed_tokens = 0
             seq.status = SeqStatus.WAITING
@@ -166,46 +216,83 @@ class LLMEngine:
         for seq in plan.admitted:
             seq.status = SeqStatus.RUNNING
         self.counters.num_preemptions += len(plan.preempted)
-        if not plan:
-            return []
+        return plan
+
+    def _prepare(self, plan: StepPlan) -> StepInFlight:
+        """Pack the step's inputs and advance its sequences as if it had run; each
+        sequence that samples this step gets a placeholder for its new token."""
         chunks = [(c.seq, c.num_tokens) for c in plan.chunks]
         batch = self.runner.prepare(chunks)
         self.kv.prefetch(batch.sample_seqs)  # map next step's pages while this one computes
-        logits = self.runner.execute(batch)
         for seq, n in chunks:
             seq.num_computed_tokens += n
+        flight = StepInFlight(plan, chunks, batch, self.runner, self.sampler, time.perf_counter())
+        for seq in batch.sample_seqs:
+            flight.placeholder_at.append(len(seq.output_ids))
+            seq.output_ids.append(PLACEHOLDER)
+        return flight
+
+    def _swap_in(self, flight: StepInFlight) -> None:
+        """Wait for the forward, put the sampled tokens in place of the placeholders."""
+        flight.wait()
+        for seq, _ in flight.chunks:
             self.kv.on_computed(seq)
-        prompt_tokens = 0
+        for i, seq in enumerate(flight.batch.sample_seqs):
+            seq.output_ids[flight.placeholder_at[i]] = flight.result.token_ids[i]
+        for seq in self._free_after_flight.pop(id(flight), []):
+            self.kv.free(seq)
+
+    def _emit(self, flight: StepInFlight) -> list[engine_pb2.GenerateResponse]:
+        """Detokenize and check stop conditions for a landed step; retire finished requests."""
         responses: list[engine_pb2.GenerateResponse] = []
         now = time.time()
+        prompt_tokens = 0
         ttfts: list[float] = []
         itls: list[float] = []
         finished: list[FinishedRequest] = []
-        if batch.sample_seqs:
-            result = self.sampler(logits, batch.sample_seqs)
-            for i, seq in enumerate(batch.sample_seqs):
-                token = result.token_ids[i]
-                seq.output_ids.append(token)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                    ttfts.append(now - seq.arrival_time)
-                    prompt_tokens += seq.num_prompt_tokens
-                else:
-                    itls.append(now - seq.last_token_time)
-                seq.last_token_time = now
-                out = self.requests[seq.request_id]
-                self.outputs.append_token(out, token, result.logprobs[i])
-                responses.append(self.outputs.take_chunk(out))
-                if out.finished:
-                    finished.append(self._retire(out, now))
-        step_time = time.perf_counter() - t0
-        self._account(plan, batch, prompt_tokens, ttfts, itls, finished, step_time)
+        result = flight.result
+        for i, seq in enumerate(flight.batch.sample_seqs):
+            out = self.requests.get(seq.request_id)
+            if out is None or out.seq is not seq or out.finished:
+                continue  # aborted, or its end was detected while this token was in flight
+            token = result.token_ids[i]
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                ttfts.append(now - seq.arrival_time)
+                prompt_tokens += seq.num_prompt_tokens
+            else:
+                itls.append(now - seq.last_token_time)
+            seq.last_token_time = now
+            self.outputs.append_token(out, token, result.logprobs[i])
+            responses.append(self.outputs.take_chunk(out))
+            if out.finished:
+                finished.append(self._retire(out, now))
+        self._account(flight.plan, flight.batch, prompt_tokens, ttfts, itls, finished,
+                      time.perf_counter() - flight.started)
         return responses
+
+    def _saturated(self, seq: Sequence) -> bool:
+        """Whether the token in flight is certainly the sequence's last (length limits)."""
+        return len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+
+    def _kv_tight(self) -> bool:
+        """Could this step's scheduling preempt? (fewer free blocks than it might need)"""
+        bs = self.layout.block_size
+        return self.kv.num_free_blocks < len(self.running) + -(-self.config.max_num_batched_tokens // bs) + 1
+
+    def _free_later_if_in_flight(self, seq: Sequence) -> bool:
+        """Defer freeing ``seq``'s KV while a forward that writes it is in flight."""
+        flight = self._in_flight
+        if flight is not None and seq in flight.seqs:
+            self._free_after_flight.setdefault(id(flight), []).append(seq)
+            return True
+        return False
 
     def _retire(self, out: RequestOutput, now: float) -> FinishedRequest:
         seq = out.seq
         self.running.remove(seq)
-        self.kv.free(seq)
+        if not self._free_later_if_in_flight(seq):
+            self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
         del self.requests[seq.request_id]
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
@@ -253,6 +340,10 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the KV memory's OS resources; the engine is unusable afterwards."""
+        if self._in_flight is not None:
+            self._in_flight.wait()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
         self.kv.close()
 
     # ---- reports ----------------------------------------------------------

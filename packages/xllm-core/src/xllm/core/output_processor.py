@@ -29,6 +29,7 @@ class RequestOutput:
     finish_reason: int = engine_pb2.FINISH_REASON_UNSPECIFIED
     stop_reason: str = ""
     pending_ids: list[int] = field(default_factory=list)
+    num_generated: int = 0  # tokens appended so far (the sequence may hold a placeholder beyond)
     pending_logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
 
     @property
@@ -50,8 +51,9 @@ class OutputProcessor:
 
     def append_token(self, out: RequestOutput, token: int,
                      logprob: tuple[float, list[tuple[int, float]]] | None) -> None:
-        """Record ``token`` (already appended to ``seq.output_ids``) and decide whether the request ends."""
+        """Record the request's next generated ``token`` and decide whether the request ends."""
         seq, p = out.seq, out.seq.params
+        out.num_generated += 1
         out.pending_ids.append(token)
         if logprob is not None:
             chosen, top = logprob
@@ -67,7 +69,8 @@ class OutputProcessor:
             out.text += out.detok.push([token])
             if p.stop and self._check_stop_strings(out, before):
                 return
-        if not out.finished and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+        if not out.finished and (out.num_generated >= p.max_tokens
+                                 or seq.num_prompt_tokens + out.num_generated >= self.max_model_len):
             self._finish(out, LENGTH, "")
 
     def abort(self, out: RequestOutput) -> None:
@@ -96,7 +99,7 @@ class OutputProcessor:
         if out.finished:
             chunk.usage.CopyFrom(engine_pb2.Usage(
                 prompt_tokens=out.seq.num_prompt_tokens,
-                completion_tokens=len(out.seq.output_ids),
+                completion_tokens=out.num_generated,
                 cached_prompt_tokens=out.seq.num_cached_prompt_tokens))
         return chunk
 

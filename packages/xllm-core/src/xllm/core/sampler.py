@@ -80,7 +80,7 @@ class Sampler:
                 logits[i].index_add_(0, ids, vals)
         if any(s.params.needs_penalties for s in seqs):
             logits = self._penalties(logits, seqs)
-        masked = [(i, s) for i, s in enumerate(seqs) if len(s.output_ids) < s.params.min_tokens]
+        masked = [(i, s) for i, s in enumerate(seqs) if len(s.real_output_ids) < s.params.min_tokens]
         if masked:
             logits = logits.clone()
             for i, s in masked:
@@ -97,8 +97,9 @@ class Sampler:
         counts = torch.zeros(b, vocab, dtype=torch.int32)
         seen = torch.zeros(b, vocab, dtype=torch.bool)
         for i, s in enumerate(seqs):
-            if s.output_ids:
-                out = torch.tensor(s.output_ids, dtype=torch.long)
+            generated = s.real_output_ids
+            if generated:
+                out = torch.tensor(generated, dtype=torch.long)
                 counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
             if s.params.repetition_penalty != 1.0:
                 seen[i, torch.tensor(s.prompt_ids, dtype=torch.long)] = True

@@ -9,6 +9,8 @@ import torch
 
 from xllm.core.sampling_params import SamplingParams
 
+PLACEHOLDER = -1  # stands for a token still being computed (async scheduling)
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -22,7 +24,10 @@ class Sequence:
 
     ``num_computed_tokens`` counts tokens whose KV is in the cache; the engine
     feeds ``token_ids[num_computed_tokens:]`` (in chunks) and samples a new
-    token once all known tokens are computed. Identity-compared.
+    token once all known tokens are computed. With async scheduling the last
+    output may be :data:`PLACEHOLDER` while the forward that produces it runs;
+    the real token is swapped in before anything reads it as input.
+    Identity-compared.
     """
 
     request_id: str
@@ -59,6 +64,14 @@ class Sequence:
         if start >= p:
             return self.output_ids[start - p:end - p]
         return self.prompt_ids[start:] + self.output_ids[:end - p]
+
+    @property
+    def real_output_ids(self) -> list[int]:
+        """Generated tokens known so far, without pending placeholders."""
+        end = len(self.output_ids)
+        while end and self.output_ids[end - 1] == PLACEHOLDER:
+            end -= 1
+        return self.output_ids if end == len(self.output_ids) else self.output_ids[:end]
 
     @property
     def last_token(self) -> int:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from xllm.kernels import RotaryTable, linear, rms_norm
-from xllm.kernels.linear import pack_weight
+from xllm.kernels.linear import MAX_NATIVE_ROWS, pack_weight
 from xllm.models.config import ModelConfig, ModelConfigError, rope_parameters
 
 
@@ -21,31 +21,30 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, res)
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` whose forward takes the native skinny-GEMM path for decode-sized
-    inputs and a prepacked oneDNN weight (after :func:`prepack_linears`) for larger ones."""
+class _PackOnDemand:
+    """Mixin: a oneDNN-prepacked copy of ``weight`` made the first time a large batch
+    (more rows than the native GEMV takes) goes through the layer, so loading stays
+    a pure copy and decode-only use never pays for (or stores) the packed copy."""
 
-    packed = None
+    packed: torch.Tensor | None = None
+    _pack_tried = False
+
+    def _packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self._pack_tried and x.dim() == 2 and x.shape[0] > MAX_NATIVE_ROWS:
+            self._pack_tried = True
+            self.packed = pack_weight(self.weight)
+        return self.packed
+
+
+class Linear(_PackOnDemand, nn.Linear):
+    """``nn.Linear`` with the native skinny-GEMM path for decode-sized inputs and a
+    prepacked oneDNN weight for larger ones."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, packed=self.packed)
-
-    def pack(self) -> None:
-        self.packed = pack_weight(self.weight)
+        return linear(x, self.weight, self.bias, packed=self._packed_for(x))
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Give every :class:`Linear`/:class:`MergedLinear` of ``model`` a prepacked weight
-    for large-batch GEMMs (a second copy of the weights); returns how many were packed."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, (Linear, MergedLinear)):
-            module.pack()
-            count += module.packed is not None
-    return count
-
-
-class MergedLinear(nn.Module):
+class MergedLinear(_PackOnDemand, nn.Module):
     """A linear layer whose output rows are several checkpoint weights stacked.
 
     ``shards`` maps a checkpoint shard name (e.g. ``"q"``) to its output size;
@@ -63,13 +62,8 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(start, in_features))
         self.bias = nn.Parameter(torch.empty(start)) if bias else None
 
-    packed = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, packed=self.packed)
-
-    def pack(self) -> None:
-        self.packed = pack_weight(self.weight)
+        return linear(x, self.weight, self.bias, packed=self._packed_for(x))
 
     def load_shard(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
         start, size = self.shard_offsets[shard]

@@ -11,9 +11,9 @@ from torch import nn
 
 from xllm.core.model_api import AttentionContext, KVCacheSpec
 from xllm.kernels import RopeBatch, RotaryTable, apply_rotary, linear, silu_and_mul
-from xllm.kernels.linear import pack_weight
+from xllm.kernels.linear import MAX_NATIVE_ROWS, pack_weight
 from xllm.models.config import ModelConfig, ModelConfigError
-from xllm.models.layers import Linear, MergedLinear, RMSNorm, build_rotary, prepack_linears
+from xllm.models.layers import Linear, MergedLinear, RMSNorm, build_rotary
 from xllm.models.weights import StackedName, load_named_weights
 
 
@@ -120,7 +120,6 @@ class LlamaForCausalLM(nn.Module):
     def post_load(self) -> None:
         """Build non-parameter state (RoPE table, native decoder) once parameters are materialized."""
         self.rotary = build_rotary(self.cfg, self.cfg.head_dim)
-        prepack_linears(self)  # oneDNN-blocked weights for prefill and large decode batches
         from xllm.models.llama_native import FusedLlamaDecoder
 
         self._fused = FusedLlamaDecoder(self) if FusedLlamaDecoder.model_supported(self) else None
@@ -156,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self._lm_head_packed is None:
+        if self._lm_head_packed is None and hidden.shape[0] > MAX_NATIVE_ROWS:
             self._lm_head_packed = pack_weight(self.model.embed_tokens.weight)
         return linear(hidden, self.model.embed_tokens.weight, packed=self._lm_head_packed).float()
 
