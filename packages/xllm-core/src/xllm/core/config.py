@@ -39,6 +39,8 @@ class EngineConfig:
     model's fused native kernel when it has one (slot-addressed KV only).
     ``async_scheduling`` overlaps scheduling, input preparation and output
     processing with the forward (xLLM §4.1), streaming each token one step later.
+    ``compile_decode`` compiles (torch.compile, at start-up) one graph for pure
+    decode batches the native path does not take (see ``graph_runner``).
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -52,6 +54,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     native_decode: bool = True
     async_scheduling: bool = False
+    compile_decode: bool = False
     max_waiting_requests: int = 4096
     num_threads: int | None = None
     seed: int = 0

@@ -64,6 +64,8 @@ class LLMEngine:
                                  config.block_size, config.enable_prefix_cache)
         self.layout = self.kv.layout
         self.runner = ModelRunner(model, self.kv, self.platform.device, native_decode=config.native_decode)
+        if config.compile_decode:
+            self._build_decode_graph()
         eos = frozenset(getattr(tokenizer, "eos_token_ids", ()))
         self.sampler = Sampler(eos)
         self.outputs = OutputProcessor(tokenizer, eos, self.max_model_len)
@@ -160,6 +162,27 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._in_flight is not None)
+
+    def _build_decode_graph(self) -> None:
+        """Compile and warm up the decode graph on a scratch sequence's slot."""
+        from xllm.core.graph_runner import CompiledDecode
+
+        if not self.kv.slot_addressed:
+            log.warning("compiled decode graphs need slot-addressed KV (xtensor/contiguous); staying eager")
+            return
+        native = self.runner.native_decode and getattr(self.model, "_fused", None) is not None
+        low = 9 if native else 1
+        if low > self.config.max_num_seqs:
+            return
+        graph = CompiledDecode(self.model, self.kv, low, self.config.max_num_seqs)
+        scratch = Sequence("__graph_warmup__", [0], SamplingParams(max_tokens=1), 0.0)
+        if not self.kv.admit(scratch, 1):
+            raise RuntimeError("no KV memory for the graph warm-up")
+        try:
+            graph.warmup(scratch.slot)
+        finally:
+            self.kv.free(scratch)
+        self.runner.graph = graph
 
     # ---- the step -------------------------------------------------------
     def step(self) -> list[engine_pb2.GenerateResponse]:

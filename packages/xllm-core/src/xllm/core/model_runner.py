@@ -114,7 +114,12 @@ class ModelRunner:
         self.device = device
         # pure decode batches may run as one fused native call (models that offer ``fused_decode``)
         self.native_decode = native_decode and kv.slot_addressed and hasattr(model, "fused_decode")
-        self.native_decode_steps = 0
+        self.graph = None  # a CompiledDecode for larger decode batches (see graph_runner)
+        self.mode_steps = {"native": 0, "compiled": 0, "eager": 0}
+
+    @property
+    def native_decode_steps(self) -> int:
+        return self.mode_steps["native"]
 
     def prepare(self, chunks: list[tuple[Sequence, int]]) -> BatchInputs:
         """Pack ``(seq, num_tokens)`` chunks; decodes must come first."""
@@ -177,11 +182,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: BatchInputs) -> torch.Tensor:
         """Forward the packed batch; float32 logits ``[len(sample_seqs), vocab]``."""
-        if self.native_decode and batch.num_decode == len(batch.input_ids):
-            hidden = self.model.fused_decode(batch.input_ids, batch.positions, batch.decode_slots, self.kv.layer_kv)
-            if hidden is not None:
-                self.native_decode_steps += 1
-                return self.model.compute_logits(hidden)
+        if batch.num_decode == len(batch.input_ids):  # a pure decode step: pick its graph mode
+            if self.native_decode:
+                hidden = self.model.fused_decode(batch.input_ids, batch.positions, batch.decode_slots,
+                                                 self.kv.layer_kv)
+                if hidden is not None:
+                    self.mode_steps["native"] += 1
+                    return self.model.compute_logits(hidden)
+            if self.graph is not None and self.graph.covers(batch.num_decode):
+                self.mode_steps["compiled"] += 1
+                return self.graph(batch.input_ids, batch.positions, batch.decode_slots)
+        self.mode_steps["eager"] += 1
         ctx = StepAttention(self.kv, batch) if self.kv.slot_addressed else PagedStepAttention(self.kv, batch)
         hidden = self.model.forward(batch.input_ids, batch.positions, ctx)
         if not batch.sample_seqs:

@@ -43,7 +43,7 @@ class RotaryTable:
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for ``positions`` ([T] int64), cast to ``dtype``: ``[T, rotary_dim]``."""
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+        if not torch.compiler.is_compiling() and positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             raise ValueError(f"position {int(positions.max())} beyond rotary table of {self.cos.shape[0]}")
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 

@@ -30,6 +30,8 @@ class _PackOnDemand:
     _pack_tried = False
 
     def _packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        if torch.compiler.is_compiling():
+            return None  # Inductor freezes and packs the weights of a compiled graph itself
         if not self._pack_tried and x.dim() == 2 and x.shape[0] > MAX_NATIVE_ROWS:
             self._pack_tried = True
             self.packed = pack_weight(self.weight)

@@ -155,9 +155,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        weight = self.model.embed_tokens.weight
+        if torch.compiler.is_compiling():
+            return linear(hidden, weight).float()
         if self._lm_head_packed is None and hidden.shape[0] > MAX_NATIVE_ROWS:
-            self._lm_head_packed = pack_weight(self.model.embed_tokens.weight)
-        return linear(hidden, self.model.embed_tokens.weight, packed=self._lm_head_packed).float()
+            self._lm_head_packed = pack_weight(weight)
+        return linear(hidden, weight, packed=self._lm_head_packed).float()
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the parameters; every parameter must be set."""
