@@ -6,6 +6,7 @@
     python -m benchmarks online --trace trace.csv --trace-speedup 2
     python -m benchmarks install vllm llamacpp hf     # only build the peers' venvs
     python -m benchmarks report benchmarks/results/20261122-101500   # rebuild summary.md + plots
+    python -m benchmarks routing                      # round robin vs least load vs KV-aware routing, 2 instances
 """
 
 from __future__ import annotations
@@ -212,4 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_install(argv[1:])
     if argv and argv[0] == "report":
         return cmd_report(argv[1:])
+    if argv and argv[0] == "routing":
+        from benchmarks.routing import main as routing_main
+
+        return routing_main(argv[1:])
     return cmd_run(argv)

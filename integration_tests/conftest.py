@@ -196,3 +196,189 @@ def wait_idle(scrape) -> Callable[[float], dict]:
             time.sleep(0.25)
 
     return _wait
+
+
+# ---- cluster mode: etcd, a tiny model, engine processes ------------------------------------------
+
+ETCD_STARTUP_TIMEOUT = 30.0
+ENGINE_STARTUP_TIMEOUT = 120.0
+
+
+def _stop_proc(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT) -> None:
+    """SIGTERM the process group ``proc`` leads, SIGKILL after ``timeout``; reap it and check that
+    nothing of the group is left."""
+    pgid = proc.pid
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)  # stragglers of the group
+    proc.wait(timeout)
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _group_alive(pgid), f"processes of group {pgid} survived"
+
+
+def ensure_etcd() -> str:
+    """Path of the ``etcd`` binary, installing Debian's etcd-server when it is missing (CI runs as root)."""
+    import shutil
+
+    found = shutil.which("etcd")
+    if found:
+        return found
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("etcd is not installed and cannot be installed here (needs root and apt-get)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "etcd-server", "etcd-client"]):
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    found = shutil.which("etcd")
+    if not found:
+        raise RuntimeError("etcd-server installed but no etcd binary on PATH")
+    return found
+
+
+@dataclass
+class Etcd:
+    proc: subprocess.Popen
+    client_port: int
+    log_path: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def stop(self) -> None:
+        _stop_proc(self.proc)
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory) -> Iterator[Etcd]:
+    """A real single-node etcd on free loopback ports (data in a temp dir), stopped by PID."""
+    binary = ensure_etcd()
+    work = tmp_path_factory.mktemp("etcd")
+    client, peer = free_port(), free_port()
+    log_path = work / "etcd.log"
+    cmd = [binary, "--name", "xllm-test", "--data-dir", str(work / "data"),
+           "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+           "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+           "--initial-cluster", f"xllm-test=http://127.0.0.1:{peer}"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    server = Etcd(proc, client, log_path)
+    deadline = time.monotonic() + ETCD_STARTUP_TIMEOUT
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"http://{server.endpoint}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd not healthy after {ETCD_STARTUP_TIMEOUT:.0f} s")
+            time.sleep(0.1)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A 2-layer random-weight Llama with SmolLM2's tokenizer (fast to load in every engine process)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, rms_norm_eps=1e-5)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(smollm2_dir) / name).is_file():
+            shutil.copy(Path(smollm2_dir) / name, out / name)
+    return out
+
+
+TINY_ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "0.05", "--threads", "1", "--max-num-seqs", "16")
+
+
+@dataclass
+class Engine:
+    """An ``xllm engine`` process (its own process group)."""
+
+    proc: subprocess.Popen
+    instance_id: str
+    log_path: Path
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "<no log>"
+
+    def terminate(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        _stop_proc(self.proc, timeout=60.0)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> Iterator[Callable[..., Engine]]:
+    """``engines(instance_id, *flags)`` starts an ``xllm engine``; all are stopped (by PID) at the end."""
+    log_dir = tmp_path_factory.mktemp("engines")
+    started: list[Engine] = []
+
+    def _start(instance_id: str, *flags: str) -> Engine:
+        log_path = log_dir / f"{instance_id}-{len(started)}.log"
+        cmd = [sys.executable, "-m", "xllm.gateway", "engine", "--instance-id", instance_id, "--no-progress",
+               *TINY_ENGINE_FLAGS, *flags]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        engine = Engine(proc, instance_id, log_path)
+        started.append(engine)
+        return engine
+
+    yield _start
+    for engine in started:
+        engine.terminate()  # all at once: they drain in parallel
+    for engine in started:
+        engine.stop()
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
+    """Poll ``predicate`` until it returns something truthy (returned) or fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def wait_until() -> Callable[..., object]:
+    """``wait_until(predicate, timeout, what)``: bounded polling (fails with ``what`` on timeout)."""
+    return wait_for

@@ -48,7 +48,7 @@ class FakeEngineClient:
     def output_ids(self, n: int) -> list[int]:
         return [self.tokens[k % len(self.tokens)] for k in range(n)]
 
-    def submit(self, req: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]:
+    async def submit(self, req: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]:
         if self.submit_error is not None:
             raise self.submit_error
         self.submitted.append(req)

@@ -10,27 +10,77 @@ import torch
 
 from xllm.gateway.cli import _engine_config, build_parser, main
 
-SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--dtype", "--max-num-seqs",
-               "--max-num-batched-tokens", "--max-model-len", "--kv-cache-memory", "--max-waiting", "--device",
-               "--threads", "--seed", "--no-progress", "--log-level", "--kv-cache-backend", "--block-size",
-               "--no-prefix-cache"]
+ENGINE_CONFIG_FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+                       "--kv-cache-memory", "--max-waiting", "--device", "--threads", "--seed", "--kv-cache-backend",
+                       "--block-size", "--no-prefix-cache"]
+SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", *ENGINE_CONFIG_FLAGS, "--no-progress",
+               "--log-level", "--instances", "--etcd", "--etcd-prefix", "--routing"]
+ENGINE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--instance-id", "--advertise-address",
+                "--etcd", "--etcd-prefix", "--registry", "--lease-ttl", "--heartbeat-interval", "--drain-timeout",
+                "--exit-with-parent", *ENGINE_CONFIG_FLAGS, "--no-progress", "--log-level"]
+
+
+def _sub_parser(name: str = "serve"):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices[name]
 
 
 def _serve_parser():
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command")
-    return sub.choices["serve"]
+    return _sub_parser("serve")
 
 
-def test_every_serve_flag_has_help():
-    serve = _serve_parser()
-    documented = {opt: a for a in serve._actions for opt in a.option_strings}
-    assert set(SERVE_FLAGS) <= set(documented)
-    for action in serve._actions:
+@pytest.mark.parametrize("command, flags", [("serve", SERVE_FLAGS), ("engine", ENGINE_FLAGS)])
+def test_every_flag_has_help(command, flags):
+    parser = _sub_parser(command)
+    documented = {opt: a for a in parser._actions for opt in a.option_strings}
+    assert set(flags) <= set(documented)
+    for action in parser._actions:
         if action.option_strings == ["-h", "--help"]:
             continue
         assert action.help and len(action.help) > 10, action.option_strings
-    assert set(documented) - {"-h", "--help"} == set(SERVE_FLAGS), "a new flag needs a test entry"
+    assert set(documented) - {"-h", "--help"} == set(flags), "a new flag needs a test entry"
+
+
+def test_engine_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["engine", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ENGINE_FLAGS:
+        assert flag in out, flag
+    assert "EngineService" in out
+
+
+def test_cluster_flags_parse():
+    args = build_parser().parse_args(["serve", "--instances", "2", "--etcd", "127.0.0.1:2379", "--routing",
+                                      "round_robin"])
+    assert (args.instances, args.etcd, args.etcd_prefix, args.routing) == (2, "127.0.0.1:2379", "/xllm", "round_robin")
+    assert build_parser().parse_args(["serve"]).instances is None
+    assert build_parser().parse_args(["serve"]).routing == "kv_aware"
+    args = build_parser().parse_args(["engine", "--etcd", "h:1", "--instance-id", "e1", "--port", "0",
+                                      "--lease-ttl", "3", "--heartbeat-interval", "0.5"])
+    assert (args.etcd, args.instance_id, args.port, args.lease_ttl, args.heartbeat_interval) == ("h:1", "e1", 0,
+                                                                                                3.0, 0.5)
+    assert (args.host, args.drain_timeout, args.registry) == ("127.0.0.1", 30.0, None)
+
+
+def test_engine_args_for_spawned_instances():
+    from xllm.gateway.cli import _engine_args
+
+    args = build_parser().parse_args(["serve", "--instances", "2", "--dtype", "fp32", "--threads", "1",
+                                      "--kv-cache-memory", "0.5", "--block-size", "32", "--no-prefix-cache"])
+    out = _engine_args(args, 2)
+    parsed = build_parser().parse_args(["engine", *out])
+    assert (parsed.dtype, parsed.threads, parsed.kv_cache_memory, parsed.block_size) == ("fp32", 1, 0.5, 32)
+    assert parsed.no_prefix_cache
+    default_threads = build_parser().parse_args(["engine", *_engine_args(build_parser().parse_args(["serve"]), 64)])
+    assert default_threads.threads == 1  # cores divided among instances, at least one each
+
+
+def test_engine_rejects_two_registries(capsys):
+    assert main(["engine", "--etcd", "h:1", "--registry", "h:2", "--no-progress"]) == 2
+    assert "not both" in capsys.readouterr().err
 
 
 def test_serve_help_lists_every_flag(capsys):
@@ -87,6 +137,9 @@ def test_flags_reach_the_engine_config():
     ["serve", "--dtype", "int8"],
     ["serve", "--log-level", "loud"],
     ["serve", "--bogus"],
+    ["serve", "--instances", "0"],
+    ["serve", "--routing", "random"],
+    ["engine", "--lease-ttl", "0"],
     [],
 ])
 def test_bad_arguments_exit_2(argv, capsys):

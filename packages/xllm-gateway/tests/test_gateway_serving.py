@@ -142,7 +142,7 @@ class Client:
         self.submitted: list[str] = []
         self.aborted: list[str] = []
 
-    def submit(self, req):
+    async def submit(self, req):
         if len(self.submitted) == self.fail_on:
             raise InvalidRequestError("too long", "prompt")
         self.submitted.append(req.request_id)
@@ -176,7 +176,7 @@ def test_submit_all_aborts_the_submitted_ones_on_failure():
 
     async def run():
         try:
-            d.submit_all("m", reqs)
+            await d.submit_all("m", reqs)
         finally:
             await asyncio.sleep(0)  # let the scheduled aborts run
 
@@ -190,7 +190,7 @@ def test_submit_all_aborts_the_submitted_ones_on_failure():
 def test_submit_all_without_instances_is_503():
     d = Dispatcher(EmbeddedRegistry(), "m")
     with pytest.raises(APIError) as info:
-        d.submit_all("m", [engine_pb2.GenerateRequest(request_id="r")])
+        asyncio.run(d.submit_all("m", [engine_pb2.GenerateRequest(request_id="r")]))
     assert info.value.status == 503
 
 
@@ -198,11 +198,12 @@ def test_submit_all_returns_one_stream_per_request():
     client = Client()
 
     async def run():
-        return _dispatcher(client).submit_all("m", [engine_pb2.GenerateRequest(request_id=f"r{i}") for i in range(3)])
+        return await _dispatcher(client).submit_all(
+            "m", [engine_pb2.GenerateRequest(request_id=f"r{i}") for i in range(3)])
 
     picked, streams = asyncio.run(run())
     assert picked is client
-    assert [s.rid for s in streams] == ["r0", "r1", "r2"]
+    assert [s.request_id for s in streams] == ["r0", "r1", "r2"]
 
 
 def test_collect_maps_engine_errors_to_api_errors():

@@ -8,10 +8,25 @@ from xllm.proto.registry.v1 import instance_pb2
 def test_engine_service_methods():
     service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == {"Generate", "Abort", "Health", "GetLoad"}
+    assert set(methods) == {"Generate", "Abort", "Health", "GetLoad", "GetKVEvents"}
     assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
     assert methods["GetLoad"].output_type.full_name == "xllm.registry.v1.LoadReport"
     assert hasattr(engine_pb2_grpc, "EngineServiceStub") and hasattr(engine_pb2_grpc, "EngineServiceServicer")
+
+
+def test_registry_service_and_kv_events():
+    from xllm.proto.kvstore.v1 import kv_events_pb2
+    from xllm.proto.registry.v1 import registry_pb2, registry_pb2_grpc
+
+    service = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"]
+    assert {m.name for m in service.methods} == {"Register", "Heartbeat", "Deregister"}
+    assert hasattr(registry_pb2_grpc, "RegistryServiceStub")
+    hb = instance_pb2.Heartbeat(instance_id="e0", seq=3, kv_events=kv_events_pb2.KVCacheEvents(
+        epoch=1, base_version=2, version=5, stored=[2**64 - 1], removed=[7]))
+    assert instance_pb2.Heartbeat.FromString(hb.SerializeToString()) == hb
+    assert kv_events_pb2.DESCRIPTOR.package == "xllm.kvstore.v1"
+    methods = {m.name: m for m in engine_pb2.DESCRIPTOR.services_by_name["EngineService"].methods}
+    assert methods["GetKVEvents"].output_type.full_name == "xllm.kvstore.v1.KVCacheEvents"
 
 
 def test_packages_are_versioned():

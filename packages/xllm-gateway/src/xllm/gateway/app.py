@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -13,13 +15,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from xllm.gateway.metrics import EngineMetrics
+from xllm.gateway.metrics import EngineMetrics, RouterMetrics
 from xllm.gateway.openai.errors import APIError, bad_request, internal
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from xllm.gateway.openai.serving import Dispatcher
 from xllm.gateway.openai.serving_chat import ChatServing
 from xllm.gateway.openai.serving_completion import CompletionServing
-from xllm.gateway.registry import EmbeddedRegistry
+from xllm.gateway.registry import Registry
+from xllm.gateway.router import Router
 from xllm.models import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -27,14 +30,19 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class GatewayState:
-    """Everything the routes need; built by :mod:`xllm.gateway.server`."""
+    """Everything the routes need; built by :mod:`xllm.gateway.server` / :mod:`xllm.gateway.cluster`.
 
-    registry: EmbeddedRegistry
+    ``on_startup`` / ``on_shutdown`` callables may be coroutine functions (run on the app's loop).
+    """
+
+    registry: Registry
     tokenizer: Tokenizer
     metrics: EngineMetrics
     default_model: str
     max_model_len: int
-    on_shutdown: list[Callable[[], None]] = field(default_factory=list)
+    on_shutdown: list[Callable[[], object]] = field(default_factory=list)
+    on_startup: list[Callable[[], object]] = field(default_factory=list)
+    routing: str = "kv_aware"
     started: float = field(default_factory=time.time)
 
 
@@ -63,16 +71,32 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{where}: {msg}" if where else msg), param
 
 
+async def _call(fn: Callable[[], object]) -> None:
+    result = fn()
+    if inspect.isawaitable(result):
+        await result
+
+
 def create_app(state: GatewayState) -> FastAPI:
-    dispatcher = Dispatcher(state.registry, state.default_model)
+    router = Router(state.registry, state.routing, metrics=RouterMetrics(state.metrics.registry))
+    state.registry.add_listener(
+        lambda event, st: state.metrics.forget(st.model, st.instance_id) if event == "removed" else None)
+    dispatcher = Dispatcher(state.registry, state.default_model, router, detokenize=state.tokenizer.decode)
     chat = ChatServing(dispatcher, state.tokenizer, state.max_model_len)
     completions = CompletionServing(dispatcher, state.tokenizer, state.max_model_len)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        await state.registry.start()
+        for fn in state.on_startup:
+            await _call(fn)
         yield
         for fn in state.on_shutdown:
-            fn()
+            try:
+                await _call(fn)
+            except Exception:
+                log.exception("shutdown hook failed")
+        await state.registry.close()
 
     app = FastAPI(title="xLLM", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state
@@ -104,30 +128,50 @@ def create_app(state: GatewayState) -> FastAPI:
     async def create_completions(body: CompletionRequest, raw: Request):
         return await completions.create(body, raw)
 
+    def _max_len(name: str) -> int:
+        lens = [s.info.model.max_model_len for s in state.registry.states(name) if s.info.model.max_model_len]
+        return min(lens) if lens else state.max_model_len
+
     @app.get("/v1/models")
     async def models():
         data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "xllm",
-                 "max_model_len": state.max_model_len} for name in state.registry.served_models()]
+                 "max_model_len": _max_len(name)} for name in state.registry.served_models()]
         return {"object": "list", "data": data}
 
     @app.get("/health")
     async def health():
-        instances = state.registry.instances()
-        reports = {c.info.instance_id: await c.health() for c in instances}
-        ok = bool(reports) and all(r.healthy for r in reports.values())
+        """200 while at least one instance is healthy; the body lists every instance."""
+        states = state.registry.states()
+        reports = await asyncio.gather(*(s.client.health() for s in states))
+        by_id = {s.instance_id: r for s, r in zip(states, reports)}
+        ok = any(r.healthy for r in reports)
         body = {"status": "ok" if ok else "unhealthy",
-                "instances": {k: {"healthy": r.healthy, "status": r.status} for k, r in reports.items()}}
+                "instances": {k: {"healthy": r.healthy, "status": r.status} for k, r in by_id.items()}}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def _load(st) -> object:
+        if st.load is not None:  # a remote instance: its last heartbeat
+            return st.load
+        try:
+            return await st.client.load()
+        except Exception:  # an unreachable instance keeps its last reported values
+            log.warning("load report of %s failed", st.instance_id, exc_info=True)
+            return None
 
     @app.get("/metrics")
     async def metrics():
-        for c in state.registry.instances():
-            try:
-                report = await c.load()
-            except Exception:  # an unreachable instance keeps its last reported values
-                log.warning("load report of %s failed", c.info.instance_id, exc_info=True)
+        states = state.registry.states()
+        loads = await asyncio.gather(*(_load(s) for s in states))
+        by_model: dict[str, list] = {}
+        for st, report in zip(states, loads):
+            if report is None:
                 continue
-            state.metrics.set_load(c.info.model.served_name, c.info.instance_id, report)
+            state.metrics.set_load(st.model, st.instance_id, report)
+            if st.counters is not None:
+                state.metrics.set_counters(st.model, st.instance_id, st.counters)
+            by_model.setdefault(st.model, []).append(report)
+        for name in state.registry.served_models():
+            state.metrics.set_cluster(name, by_model.get(name, []), state.registry.kv_index.num_blocks())
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

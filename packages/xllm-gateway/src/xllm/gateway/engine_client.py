@@ -2,31 +2,51 @@
 
 The data crossing this boundary are the ``xllm.engine.v1`` protobuf messages,
 whether the engine runs in this process (:class:`InProcessEngineClient`) or
-behind gRPC in another process.
+behind gRPC in another process (:class:`GrpcEngineClient`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
 from typing import Protocol
 
-from xllm.core import AsyncEngine
-from xllm.proto.engine.v1 import engine_pb2
+import grpc
+
+from xllm.core import AsyncEngine, EngineDeadError
+from xllm.core.grpc_server import ACCEPTED_KEY, DRAINING_KEY, HANDED_BACK_KEY, error_from_status
+from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
+
+log = logging.getLogger(__name__)
+
+
+class InstanceUnavailableError(EngineDeadError):
+    """A remote instance cannot take or continue a request: unreachable, draining, or it
+    handed the request back while shutting down. The request may go to another instance."""
+
+    def __init__(self, message: str, instance_id: str = "", handed_back: bool = False) -> None:
+        super().__init__(message)
+        self.instance_id = instance_id
+        self.handed_back = handed_back
 
 
 class EngineClient(Protocol):
     """An engine instance as the gateway sees it.
 
-    ``submit`` validates and queues synchronously, raising
-    ``InvalidRequestError``/``EngineOverloadedError``/``EngineDeadError`` before
-    any chunk is produced; iterating the result yields the request's chunks and
-    stops after the final one; leaving the iteration early aborts the request.
+    ``await submit(req)`` validates and queues, raising ``InvalidRequestError`` /
+    ``EngineOverloadedError`` / ``EngineDeadError`` (``InstanceUnavailableError`` when another
+    instance could take it) before any chunk is produced; iterating the result yields the
+    request's chunks and stops after the final one; leaving the iteration early aborts the
+    request.
     """
 
     info: instance_pb2.InstanceInfo
 
-    def submit(self, req: engine_pb2.GenerateRequest) -> AsyncIterable[engine_pb2.GenerateResponse]: ...
+    async def submit(self, req: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -42,7 +62,7 @@ class InProcessEngineClient:
         self.engine = engine
         self.info = info
 
-    def submit(self, req: engine_pb2.GenerateRequest) -> AsyncIterable[engine_pb2.GenerateResponse]:
+    async def submit(self, req: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]:
         return self.engine.submit(req)
 
     async def abort(self, request_id: str) -> None:
@@ -54,3 +74,119 @@ class InProcessEngineClient:
 
     async def load(self) -> instance_pb2.LoadReport:
         return self.engine.load_report()
+
+    async def close(self) -> None:
+        """Nothing to release: the engine's owner shuts it down."""
+
+
+def _map_error(exc_or_code, details: str | None, trailing, instance_id: str) -> Exception:
+    code = exc_or_code
+    meta = dict(trailing or ())
+    if code == grpc.StatusCode.UNAVAILABLE or code not in (grpc.StatusCode.INVALID_ARGUMENT,
+                                                          grpc.StatusCode.RESOURCE_EXHAUSTED):
+        why = "handed the request back" if HANDED_BACK_KEY in meta else (
+            "is draining" if DRAINING_KEY in meta else f"is unavailable ({code.name}: {details})")
+        return InstanceUnavailableError(f"instance {instance_id} {why}", instance_id, HANDED_BACK_KEY in meta)
+    return error_from_status(code, details, tuple(meta.items()))
+
+
+class RemoteStream:
+    """The chunks of one remote request; leaving early cancels the call (the engine aborts it)."""
+
+    def __init__(self, call, client: GrpcEngineClient, request_id: str) -> None:
+        self._call = call
+        self._client = client
+        self.request_id = request_id
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        try:
+            while True:
+                try:
+                    chunk = await self._call.read()
+                except grpc.aio.AioRpcError as exc:
+                    self.finished = True
+                    raise _map_error(exc.code(), exc.details(), exc.trailing_metadata(),
+                                     self._client.info.instance_id) from None
+                if chunk is grpc.aio.EOF:
+                    self.finished = True
+                    code = await self._call.code()
+                    if code != grpc.StatusCode.OK:
+                        raise _map_error(code, await self._call.details(), await self._call.trailing_metadata(),
+                                         self._client.info.instance_id)
+                    raise InstanceUnavailableError(  # the stream ended without its final chunk
+                        f"instance {self._client.info.instance_id} ended the stream early",
+                        self._client.info.instance_id)
+                if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                    self.finished = True
+                yield chunk
+                if self.finished:
+                    return
+        finally:
+            if not self.finished:
+                self._call.cancel()
+
+
+class GrpcEngineClient:
+    """An instance serving ``xllm.engine.v1.EngineService`` at ``info.address``.
+
+    The channel is created on first use (inside the caller's event loop).
+    """
+
+    def __init__(self, info: instance_pb2.InstanceInfo, rpc_timeout: float = 5.0) -> None:
+        if not info.address:
+            raise ValueError(f"instance {info.instance_id} has no address")
+        self.info = info
+        self.rpc_timeout = rpc_timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: engine_pb2_grpc.EngineServiceStub | None = None
+
+    def _get_stub(self) -> engine_pb2_grpc.EngineServiceStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.info.address, options=[
+                ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2_000),
+                ("grpc.enable_retries", 0)])
+            self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        return self._stub
+
+    async def submit(self, req: engine_pb2.GenerateRequest) -> RemoteStream:
+        call = self._get_stub().Generate(req)
+        try:
+            metadata = await call.initial_metadata()
+        except grpc.aio.AioRpcError as exc:
+            raise _map_error(exc.code(), exc.details(), exc.trailing_metadata(), self.info.instance_id) from None
+        if dict(metadata or ()).get(ACCEPTED_KEY) != "1":
+            code = await call.code()
+            raise _map_error(code, await call.details(), await call.trailing_metadata(), self.info.instance_id)
+        return RemoteStream(call, self, req.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+            await self._get_stub().Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=self.rpc_timeout)
+
+    async def health(self) -> engine_pb2.HealthResponse:
+        try:
+            return await self._get_stub().Health(engine_pb2.HealthRequest(), timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            return engine_pb2.HealthResponse(healthy=False, status=f"unreachable: {exc.code().name}")
+
+    async def load(self) -> instance_pb2.LoadReport:
+        try:
+            return await self._get_stub().GetLoad(engine_pb2.GetLoadRequest(), timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise InstanceUnavailableError(f"instance {self.info.instance_id}: {exc.details()}",
+                                           self.info.instance_id) from None
+
+    async def kv_events(self, since_version: int, epoch: int, snapshot: bool = False) -> kv_events_pb2.KVCacheEvents:
+        req = engine_pb2.GetKVEventsRequest(since_version=since_version, epoch=epoch, snapshot=snapshot)
+        try:
+            return await self._get_stub().GetKVEvents(req, timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise InstanceUnavailableError(f"instance {self.info.instance_id}: {exc.details()}",
+                                           self.info.instance_id) from None
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel, self._stub = self._channel, None, None
+            await channel.close()

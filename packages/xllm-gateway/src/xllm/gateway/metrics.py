@@ -1,11 +1,20 @@
 """Prometheus metrics with vLLM's metric names under the ``xllm:`` prefix.
 
 Each app owns its :class:`~prometheus_client.CollectorRegistry` (no global
-state). :class:`EngineMetrics` is a :class:`~xllm.core.StatsObserver`: the
-engine thread calls ``on_step`` after every step.
+state). Per instance (label ``instance``):
+
+- in-process engines feed :class:`EngineMetrics` through its
+  :class:`~xllm.core.StatsObserver` (the engine thread calls ``on_step`` after every step);
+- remote engines report cumulative counters and load in their registry heartbeats, which
+  :meth:`EngineMetrics.set_counters` / :meth:`EngineMetrics.set_load` turn into the same series.
+
+Aggregated over a model's instances: ``xllm:cluster_*`` gauges (:meth:`EngineMetrics.set_cluster`).
+Routing (gateway side): ``xllm:router_*`` series of :class:`RouterMetrics`.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -49,6 +58,18 @@ class EngineMetrics:
         self.decode_batch_size = Histogram("xllm:decode_batch_size", "Decoding sequences per engine step.", labels,
                                            buckets=_BATCH_BUCKETS, registry=r)
 
+        self._last_counters: dict[tuple[str, str], instance_pb2.EngineCounters] = {}
+        cl = ["model_name"]
+        self.cluster_instances = Gauge("xllm:cluster_instances", "Live engine instances.", cl, registry=r)
+        self.cluster_running = Gauge("xllm:cluster_num_requests_running", "Running requests, all instances.", cl,
+                                     registry=r)
+        self.cluster_waiting = Gauge("xllm:cluster_num_requests_waiting", "Waiting requests, all instances.", cl,
+                                     registry=r)
+        self.cluster_kv_usage = Gauge("xllm:cluster_kv_cache_usage_perc", "Mean KV cache usage of the instances.",
+                                      cl, registry=r)
+        self.cluster_kv_blocks = Gauge("xllm:cluster_kv_index_blocks",
+                                       "Distinct prefix blocks in the global KV index.", registry=r)
+
     def observer(self, model_name: str, instance: str) -> _InstanceObserver:
         """A StatsObserver that records one instance's steps."""
         return _InstanceObserver(self, model_name, instance)
@@ -63,6 +84,36 @@ class EngineMetrics:
         self.running.labels(*lb).set(report.num_running)
         self.waiting.labels(*lb).set(report.num_waiting)
         self.kv_usage.labels(*lb).set(report.kv_usage)
+
+    def set_counters(self, model_name: str, instance: str, counters: instance_pb2.EngineCounters) -> None:
+        """Advance the counters of a remote instance to its reported cumulative totals."""
+        lb = (model_name, instance)
+        last = self._last_counters.get(lb) or instance_pb2.EngineCounters()
+        restarted = counters.steps < last.steps or counters.prompt_tokens < last.prompt_tokens
+        if restarted:
+            last = instance_pb2.EngineCounters()
+        for counter, field in ((self.prompt_tokens, "prompt_tokens"), (self.generation_tokens, "generation_tokens"),
+                               (self.prefix_queries, "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits"),
+                               (self.preemptions, "preemptions")):
+            delta = getattr(counters, field) - getattr(last, field)
+            if delta > 0:
+                counter.labels(*lb).inc(delta)
+        self._last_counters[lb] = counters
+
+    def set_cluster(self, model_name: str, loads: list[instance_pb2.LoadReport], kv_blocks: int) -> None:
+        self.cluster_instances.labels(model_name).set(len(loads))
+        self.cluster_running.labels(model_name).set(sum(r.num_running for r in loads))
+        self.cluster_waiting.labels(model_name).set(sum(r.num_waiting for r in loads))
+        self.cluster_kv_usage.labels(model_name).set(sum(r.kv_usage for r in loads) / len(loads) if loads else 0.0)
+        self.cluster_kv_blocks.set(kv_blocks)
+
+    def forget(self, model_name: str, instance: str) -> None:
+        """Drop an instance's gauges (it left the cluster); counters stay, as Prometheus expects."""
+        lb = (model_name, instance)
+        for gauge in (self.running, self.waiting, self.kv_usage):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*lb)
+        self._last_counters.pop(lb, None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -100,3 +151,43 @@ class _InstanceObserver:
         if s.prefix_cache_queries:
             m.prefix_queries.labels(*lb).inc(s.prefix_cache_queries)
             m.prefix_hits.labels(*lb).inc(s.prefix_cache_hits)
+
+
+class RouterMetrics:
+    """What the gateway's router did, per instance: requests routed (by reason), prompt tokens and
+    how many of them the global KV index expected to be cached there, time to first token seen by
+    the gateway, failures and resumed requests."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r, labels = registry, ["model_name", "instance"]
+        self.request_count = Counter("xllm:router_requests", "Requests routed to an instance, by reason.",
+                                [*labels, "reason"], registry=r)
+        self.prompt_token_count = Counter("xllm:router_prompt_tokens", "Prompt tokens routed to an instance.", labels,
+                                     registry=r)
+        self.matched_token_count = Counter("xllm:router_matched_prefix_tokens",
+                                      "Prompt tokens the global KV index expected cached on the chosen instance.",
+                                      labels, registry=r)
+        self.ttft_seconds = Histogram("xllm:router_time_to_first_token_seconds",
+                              "Time from routing to the first chunk, seen by the gateway.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.failure_count = Counter("xllm:router_instance_failures",
+                                "Requests an instance could not take or broke off (unreachable, draining).", labels,
+                                registry=r)
+        self.resumed_count = Counter("xllm:router_resumed_requests", "Requests resumed on another instance.", labels,
+                               registry=r)
+
+    def routed(self, model: str, instance: str, reason: str, prompt_tokens: int, matched_tokens: int,
+               num_requests: int) -> None:
+        self.request_count.labels(model, instance, reason).inc(num_requests)
+        self.prompt_token_count.labels(model, instance).inc(prompt_tokens * num_requests)
+        if matched_tokens:
+            self.matched_token_count.labels(model, instance).inc(matched_tokens * num_requests)
+
+    def first_token(self, model: str, instance: str, seconds: float) -> None:
+        self.ttft_seconds.labels(model, instance).observe(seconds)
+
+    def failure(self, model: str, instance: str) -> None:
+        self.failure_count.labels(model, instance).inc()
+
+    def resumed(self, model: str, instance: str) -> None:
+        self.resumed_count.labels(model, instance).inc()

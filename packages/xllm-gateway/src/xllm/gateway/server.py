@@ -23,6 +23,7 @@ class ServeOptions:
     served_model_name: str | None = None
     engine: EngineConfig | None = None
     progress: bool = True
+    routing: str = "kv_aware"
 
 
 def build_embedded(opts: ServeOptions):
@@ -46,5 +47,6 @@ def build_embedded(opts: ServeOptions):
     registry = EmbeddedRegistry()
     registry.register(InProcessEngineClient(async_engine, info))
     state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=metrics, default_model=name,
-                         max_model_len=engine.max_model_len, on_shutdown=[async_engine.shutdown])
+                         max_model_len=engine.max_model_len, on_shutdown=[async_engine.shutdown],
+                         routing=opts.routing)
     return create_app(state)

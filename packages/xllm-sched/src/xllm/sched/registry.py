@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from xllm.sched.batch_policy import BatchPolicy, DecodeFirstPolicy
+from xllm.sched.routing import routing_policy, routing_policy_names
 
 _BATCH_POLICIES: dict[str, Callable[..., BatchPolicy]] = {
     "decode_first": DecodeFirstPolicy,
@@ -18,3 +19,6 @@ def batch_policy(name: str, **kwargs) -> BatchPolicy:
     except KeyError:
         raise ValueError(f"unknown batch policy {name!r}; known: {sorted(_BATCH_POLICIES)}") from None
     return factory(**kwargs)
+
+
+__all__ = ["batch_policy", "routing_policy", "routing_policy_names"]

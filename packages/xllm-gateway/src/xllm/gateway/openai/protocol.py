@@ -56,6 +56,8 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0
+    # xLLM extension: requests of one chat session go to the instance that holds its KV cache
+    session_id: Annotated[str, Field(max_length=256)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -80,6 +82,10 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def affinity_key(self) -> str | None:
+        """The chat/session affinity hint for routing: ``session_id``, else ``user``."""
+        return self.session_id or self.user or None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -15,6 +15,7 @@ from xllm.gateway.openai.protocol import ChatCompletionRequest
 from xllm.gateway.openai.sampling import sampling_proto
 from xllm.gateway.openai.serving import (
     FINISH_NAMES,
+    INSTANCE_HEADER,
     Dispatcher,
     collect,
     engine_request,
@@ -54,11 +55,12 @@ class ChatServing:
                            model, req.priority)
             for i in range(req.n)
         ]
-        _, streams = self.dispatcher.submit_all(model, reqs)
+        client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())
+        headers = {INSTANCE_HEADER: client.info.instance_id}
         created = int(time.time())
         if req.stream:
             return StreamingResponse(self._stream(req, rid, model, created, len(prompt), streams),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=headers)
         choices = await collect(streams, [len(prompt)] * req.n, raw)
         completion = sum(c.completion_tokens for c in choices)
         body = {
@@ -74,7 +76,7 @@ class ChatServing:
             ],
             "usage": usage_dict(len(prompt), completion, choices[0].cached_tokens),
         }
-        return JSONResponse(body)
+        return JSONResponse(body, headers=headers)
 
     async def _stream(self, req: ChatCompletionRequest, rid: str, model: str, created: int,
                       prompt_tokens: int, streams: list) -> AsyncIterator[str]:

@@ -15,6 +15,7 @@ from xllm.gateway.openai.protocol import CompletionRequest
 from xllm.gateway.openai.sampling import sampling_proto
 from xllm.gateway.openai.serving import (
     FINISH_NAMES,
+    INSTANCE_HEADER,
     Dispatcher,
     collect,
     engine_request,
@@ -63,12 +64,13 @@ class CompletionServing:
                 reqs.append(engine_request(f"{rid}-{k}", ids, sp, model, req.priority))
                 prompt_lens.append(len(ids))
                 echoes.append(text if req.echo else "")
-        _, streams = self.dispatcher.submit_all(model, reqs)
+        client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())
+        headers = {INSTANCE_HEADER: client.info.instance_id}
         created = int(time.time())
         total_prompt = sum(len(ids) for ids, _ in prompts)
         if req.stream:
             return StreamingResponse(self._stream(req, rid, model, created, total_prompt, prompt_lens, echoes,
-                                                  streams), media_type="text/event-stream")
+                                                  streams), media_type="text/event-stream", headers=headers)
         choices = await collect(streams, prompt_lens, raw)
         body = {
             "id": rid, "object": "text_completion", "created": created, "model": model,
@@ -85,13 +87,14 @@ class CompletionServing:
             "usage": usage_dict(total_prompt, sum(c.completion_tokens for c in choices),
                                 sum(c.cached_tokens for c in choices[:: req.n])),
         }
-        return JSONResponse(body)
+        return JSONResponse(body, headers=headers)
 
     async def _stream(self, req: CompletionRequest, rid: str, model: str, created: int, total_prompt: int,
                       prompt_lens: list[int], echoes: list[str], streams: list) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         want_lp = req.logprobs is not None
         completion = [0] * len(streams)
+        cached = [0] * len(streams)
         offsets = [len(e) for e in echoes]
         started = [False] * len(streams)
 
@@ -108,6 +111,8 @@ class CompletionServing:
                 if not started[i]:
                     text, started[i] = echoes[i] + text, True
                 finish = FINISH_NAMES.get(out.finish_reason) if out.finish_reason else None
+                if finish:
+                    cached[i] = out.usage.cached_prompt_tokens
                 if not text and not finish and not out.logprobs:
                     continue
                 lp = None
@@ -120,6 +125,6 @@ class CompletionServing:
         except Exception as exc:
             yield sse(json.dumps(to_api_error(exc).body()))
         else:
-            if include_usage:
-                yield chunk([], usage_dict(total_prompt, sum(completion)))
+            if include_usage:  # cached tokens counted once per prompt, as in the non-streaming answer
+                yield chunk([], usage_dict(total_prompt, sum(completion), sum(cached[:: req.n])))
         yield sse("[DONE]")

@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from xllm.proto.kvstore.v1 import kv_events_pb2 as xllm_dot_proto_dot_kvstore_dot_v1_dot_kv__events__pb2
 from xllm.proto.registry.v1 import instance_pb2 as xllm_dot_proto_dot_registry_dot_v1_dot_instance__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!xllm/proto/engine/v1/engine.proto\x12\x0exllm.engine.v1\x1a%xllm/proto/registry/v1/instance.proto\"\xaf\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x41\n\nlogit_bias\x18\x10 \x03(\x0b\x32-.xllm.engine.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.xllm.engine.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\r\n\x05model\x18\x05 \x01(\t\x12\x14\n\x0c\x61rrival_time\x18\x06 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.xllm.engine.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.xllm.engine.v1.TokenLogprob\x12\x33\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1c.xllm.engine.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12$\n\x05usage\x18\x07 \x01(\x0b\x32\x15.xllm.engine.v1.Usage\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"1\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\"\x10\n\x0eGetLoadRequest*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xb8\x02\n\rEngineService\x12O\n\x08Generate\x12\x1f.xllm.engine.v1.GenerateRequest\x1a .xllm.engine.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.xllm.engine.v1.AbortRequest\x1a\x1d.xllm.engine.v1.AbortResponse\x12G\n\x06Health\x12\x1d.xllm.engine.v1.HealthRequest\x1a\x1e.xllm.engine.v1.HealthResponse\x12G\n\x07GetLoad\x12\x1e.xllm.engine.v1.GetLoadRequest\x1a\x1c.xllm.registry.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!xllm/proto/engine/v1/engine.proto\x12\x0exllm.engine.v1\x1a%xllm/proto/kvstore/v1/kv_events.proto\x1a%xllm/proto/registry/v1/instance.proto\"\xaf\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x41\n\nlogit_bias\x18\x10 \x03(\x0b\x32-.xllm.engine.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.xllm.engine.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\r\n\x05model\x18\x05 \x01(\t\x12\x14\n\x0c\x61rrival_time\x18\x06 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.xllm.engine.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.xllm.engine.v1.TokenLogprob\x12\x33\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1c.xllm.engine.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12$\n\x05usage\x18\x07 \x01(\x0b\x32\x15.xllm.engine.v1.Usage\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"1\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\"\x10\n\x0eGetLoadRequest\"L\n\x12GetKVEventsRequest\x12\x15\n\rsince_version\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x8b\x03\n\rEngineService\x12O\n\x08Generate\x12\x1f.xllm.engine.v1.GenerateRequest\x1a .xllm.engine.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.xllm.engine.v1.AbortRequest\x1a\x1d.xllm.engine.v1.AbortResponse\x12G\n\x06Health\x12\x1d.xllm.engine.v1.HealthRequest\x1a\x1e.xllm.engine.v1.HealthResponse\x12G\n\x07GetLoad\x12\x1e.xllm.engine.v1.GetLoadRequest\x1a\x1c.xllm.registry.v1.LoadReport\x12Q\n\x0bGetKVEvents\x12\".xllm.engine.v1.GetKVEventsRequest\x1a\x1e.xllm.kvstore.v1.KVCacheEventsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +35,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1589
-  _globals['_FINISHREASON']._serialized_end=1734
-  _globals['_SAMPLINGPARAMS']._serialized_start=93
-  _globals['_SAMPLINGPARAMS']._serialized_end=780
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=587
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=635
-  _globals['_GENERATEREQUEST']._serialized_start=783
-  _globals['_GENERATEREQUEST']._serialized_end=951
-  _globals['_TOPLOGPROB']._serialized_start=953
-  _globals['_TOPLOGPROB']._serialized_end=1000
-  _globals['_TOKENLOGPROB']._serialized_start=1002
-  _globals['_TOKENLOGPROB']._serialized_end=1092
-  _globals['_USAGE']._serialized_start=1094
-  _globals['_USAGE']._serialized_end=1181
-  _globals['_GENERATERESPONSE']._serialized_start=1184
-  _globals['_GENERATERESPONSE']._serialized_end=1430
-  _globals['_ABORTREQUEST']._serialized_start=1432
-  _globals['_ABORTREQUEST']._serialized_end=1466
-  _globals['_ABORTRESPONSE']._serialized_start=1468
-  _globals['_ABORTRESPONSE']._serialized_end=1500
-  _globals['_HEALTHREQUEST']._serialized_start=1502
-  _globals['_HEALTHREQUEST']._serialized_end=1517
-  _globals['_HEALTHRESPONSE']._serialized_start=1519
-  _globals['_HEALTHRESPONSE']._serialized_end=1568
-  _globals['_GETLOADREQUEST']._serialized_start=1570
-  _globals['_GETLOADREQUEST']._serialized_end=1586
-  _globals['_ENGINESERVICE']._serialized_start=1737
-  _globals['_ENGINESERVICE']._serialized_end=2049
+  _globals['_FINISHREASON']._serialized_start=1706
+  _globals['_FINISHREASON']._serialized_end=1851
+  _globals['_SAMPLINGPARAMS']._serialized_start=132
+  _globals['_SAMPLINGPARAMS']._serialized_end=819
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=626
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=674
+  _globals['_GENERATEREQUEST']._serialized_start=822
+  _globals['_GENERATEREQUEST']._serialized_end=990
+  _globals['_TOPLOGPROB']._serialized_start=992
+  _globals['_TOPLOGPROB']._serialized_end=1039
+  _globals['_TOKENLOGPROB']._serialized_start=1041
+  _globals['_TOKENLOGPROB']._serialized_end=1131
+  _globals['_USAGE']._serialized_start=1133
+  _globals['_USAGE']._serialized_end=1220
+  _globals['_GENERATERESPONSE']._serialized_start=1223
+  _globals['_GENERATERESPONSE']._serialized_end=1469
+  _globals['_ABORTREQUEST']._serialized_start=1471
+  _globals['_ABORTREQUEST']._serialized_end=1505
+  _globals['_ABORTRESPONSE']._serialized_start=1507
+  _globals['_ABORTRESPONSE']._serialized_end=1539
+  _globals['_HEALTHREQUEST']._serialized_start=1541
+  _globals['_HEALTHREQUEST']._serialized_end=1556
+  _globals['_HEALTHRESPONSE']._serialized_start=1558
+  _globals['_HEALTHRESPONSE']._serialized_end=1607
+  _globals['_GETLOADREQUEST']._serialized_start=1609
+  _globals['_GETLOADREQUEST']._serialized_end=1625
+  _globals['_GETKVEVENTSREQUEST']._serialized_start=1627
+  _globals['_GETKVEVENTSREQUEST']._serialized_end=1703
+  _globals['_ENGINESERVICE']._serialized_start=1854
+  _globals['_ENGINESERVICE']._serialized_end=2249
 # @@protoc_insertion_point(module_scope)

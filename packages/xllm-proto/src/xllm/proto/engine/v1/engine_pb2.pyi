@@ -1,3 +1,4 @@
+from xllm.proto.kvstore.v1 import kv_events_pb2 as _kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2 as _instance_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -159,3 +160,13 @@ class HealthResponse(_message.Message):
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetKVEventsRequest(_message.Message):
+    __slots__ = ("since_version", "epoch", "snapshot")
+    SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    since_version: int
+    epoch: int
+    snapshot: bool
+    def __init__(self, since_version: _Optional[int] = ..., epoch: _Optional[int] = ..., snapshot: _Optional[bool] = ...) -> None: ...

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from xllm.proto.engine.v1 import engine_pb2 as xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2
+from xllm.proto.kvstore.v1 import kv_events_pb2 as xllm_dot_proto_dot_kvstore_dot_v1_dot_kv__events__pb2
 from xllm.proto.registry.v1 import instance_pb2 as xllm_dot_proto_dot_registry_dot_v1_dot_instance__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -55,6 +56,11 @@ class EngineServiceStub:
                 request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=xllm_dot_proto_dot_registry_dot_v1_dot_instance__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.GetKVEvents = channel.unary_unary(
+                '/xllm.engine.v1.EngineService/GetKVEvents',
+                request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GetKVEventsRequest.SerializeToString,
+                response_deserializer=xllm_dot_proto_dot_kvstore_dot_v1_dot_kv__events__pb2.KVCacheEvents.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -84,6 +90,15 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKVEvents(self, request, context):
+        """Prefix cache changes since the caller's version (a delta), or the whole content when the
+        caller is in another epoch or too far behind (a snapshot). Used to resynchronise a global
+        KV index that missed heartbeats.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +121,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=xllm_dot_proto_dot_registry_dot_v1_dot_instance__pb2.LoadReport.SerializeToString,
+            ),
+            'GetKVEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVEvents,
+                    request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GetKVEventsRequest.FromString,
+                    response_serializer=xllm_dot_proto_dot_kvstore_dot_v1_dot_kv__events__pb2.KVCacheEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +236,33 @@ class EngineService:
             '/xllm.engine.v1.EngineService/GetLoad',
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             xllm_dot_proto_dot_registry_dot_v1_dot_instance__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xllm.engine.v1.EngineService/GetKVEvents',
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GetKVEventsRequest.SerializeToString,
+            xllm_dot_proto_dot_kvstore_dot_v1_dot_kv__events__pb2.KVCacheEvents.FromString,
             options,
             channel_credentials,
             insecure,

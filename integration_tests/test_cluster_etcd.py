@@ -1,0 +1,207 @@
+"""Cluster mode on a real etcd: two ``xllm engine`` processes (tiny model) registered with leases,
+a gateway (``xllm serve --etcd``) routing between them; instances leaving cleanly (SIGTERM) and
+abruptly (kill -9) and joining again while traffic flows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+
+from xllm.proto.registry.v1 import instance_pb2
+
+MODEL = "tiny"
+LEASE_TTL = 3.0
+SYSTEM = "You are the support assistant of a bicycle shop. Answer briefly and politely. " * 6
+
+
+def _instances(gw) -> dict:
+    r = httpx.get(f"{gw.url}/health", timeout=10, trust_env=False)
+    return r.json().get("instances", {})
+
+
+def _healthy(gw) -> set[str]:
+    return {k for k, v in _instances(gw).items() if v["healthy"]}
+
+
+async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, first: asyncio.Event | None = None,
+                  session: str | None = None) -> dict:
+    """One streaming completion; returns the instance that took it, usage, finish reasons and errors."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if session:
+        body["session_id"] = session
+    out = {"instance": None, "usage": None, "finish": [], "errors": [], "chunks": 0}
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        out["status"] = resp.status_code
+        out["instance"] = resp.headers.get("x-xllm-instance")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out["errors"].append(event["error"])
+                continue
+            if event.get("usage"):
+                out["usage"] = event["usage"]
+            for choice in event.get("choices", []):
+                out["chunks"] += 1
+                if first is not None:
+                    first.set()
+                if choice.get("finish_reason"):
+                    out["finish"].append(choice["finish_reason"])
+    return out
+
+
+def _chat(gw, user: str, max_tokens: int = 4, session: str | None = None) -> httpx.Response:
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]}
+    if session:
+        body["session_id"] = session
+    return httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=60, trust_env=False)
+
+
+async def _traffic_with(gw, action, n: int = 4, max_tokens: int = 500) -> tuple[list[dict], object]:
+    """Start ``n`` long streams, wait until each has its first chunk, run ``action(results_so_far)``,
+    then wait for every stream to finish."""
+    async with httpx.AsyncClient(base_url=gw.url, timeout=180, trust_env=False) as client:
+        firsts = [asyncio.Event() for _ in range(n)]
+        tasks = [asyncio.ensure_future(_stream(client, f"Story number {i} ({uuid.uuid4().hex}): once upon a time",
+                                               max_tokens, firsts[i])) for i in range(n)]
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
+        acted = action()
+        return list(await asyncio.gather(*tasks)), acted
+
+
+def _assert_all_complete(results: list[dict], max_tokens: int) -> None:
+    for r in results:
+        assert r["status"] == 200, r
+        assert not r["errors"], r
+        assert r["finish"] == ["length"], r
+        assert r["usage"]["completion_tokens"] == max_tokens, r
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd, engines, tiny_model_dir, launch_server, wait_until):
+    prefix = f"/xllm-it-{uuid.uuid4().hex[:8]}"
+    common = ("--model", str(tiny_model_dir), "--served-model-name", MODEL, "--etcd", etcd.endpoint,
+              "--etcd-prefix", prefix, "--lease-ttl", str(LEASE_TTL), "--drain-timeout", "1")
+    e0 = engines("e0", *common)
+    e1 = engines("e1", *common)
+    gw = launch_server("--model", str(tiny_model_dir), "--served-model-name", MODEL, "--etcd", etcd.endpoint,
+                       "--etcd-prefix", prefix)
+    try:
+        wait_until(lambda: _healthy(gw) == {"e0", "e1"}, 120, "both engines registered")
+    except AssertionError:
+        gw.stop()
+        raise AssertionError(f"engines did not register:\n{e0.log_tail()}\n{e1.log_tail()}") from None
+    state = {"gw": gw, "common": common, "engines": {"e0": e0, "e1": e1}, "prefix": prefix}
+    yield state
+    gw.stop()
+
+
+def test_instances_register_in_etcd_on_loopback(cluster, etcd):
+    async def read():
+        from xllm.gateway.registry import EtcdClient
+
+        client = EtcdClient(etcd.endpoint)
+        try:
+            _, kvs = await client.get_prefix(cluster["prefix"] + "/instances/")
+            _, beats = await client.get_prefix(cluster["prefix"] + "/heartbeats/")
+            return kvs, beats
+        finally:
+            await client.close()
+
+    kvs, beats = asyncio.run(read())
+    infos = {kv.key.rsplit("/", 1)[-1]: instance_pb2.InstanceInfo.FromString(kv.value) for kv in kvs}
+    assert set(infos) == {"e0", "e1"}
+    for info in infos.values():
+        assert info.address.startswith("127.0.0.1:")  # internal ports bind loopback by default
+        assert info.model.served_name == MODEL and info.model.block_size > 0
+    assert all(kv.lease for kv in kvs)  # leased: they vanish when the instance stops heartbeating
+    hb = [instance_pb2.Heartbeat.FromString(kv.value) for kv in beats]
+    assert {h.instance_id for h in hb} == {"e0", "e1"} and all(h.kv_events.epoch for h in hb)
+
+
+def test_requests_are_served_and_routed_by_cached_prefix(cluster):
+    gw = cluster["gw"]
+    models = httpx.get(f"{gw.url}/v1/models", timeout=10, trust_env=False).json()["data"]
+    assert [m["id"] for m in models] == [MODEL] and models[0]["max_model_len"] == 2048
+
+    first = _chat(gw, "Do you repair tires?")
+    assert first.status_code == 200, first.text
+    home = first.headers["x-xllm-instance"]
+    time.sleep(1.0)  # a heartbeat carries the prefix blocks into the global KV index
+    for q in ("Are you open on Sunday?", "How much is a chain?", "Do you sell helmets?"):
+        r = _chat(gw, q)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-xllm-instance"] == home  # the instance holding the shared system prompt
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # errors still map to HTTP statuses through gRPC
+    bad = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 100_000},
+                     timeout=30, trust_env=False)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    # a session sticks to its instance even with a different prompt
+    s1 = _chat(gw, "Hello", session="chat-42").headers["x-xllm-instance"]
+    s2 = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "unrelated text", "max_tokens": 2,
+                                                       "session_id": "chat-42"}, timeout=30, trust_env=False)
+    assert s2.headers["x-xllm-instance"] == s1
+    metrics = httpx.get(f"{gw.url}/metrics", timeout=10, trust_env=False).text
+    assert 'xllm:cluster_instances{model_name="tiny"} 2.0' in metrics
+    assert f'xllm:prefix_cache_hits_total{{instance="{home}",model_name="tiny"}}' in metrics
+    assert "xllm:router_requests_total" in metrics and 'reason="kv_cache"' in metrics
+
+
+def test_instances_leave_cleanly_or_crash_and_join_again(cluster, engines, wait_until):
+    gw, common = cluster["gw"], cluster["common"]
+    max_tokens = 400
+
+    # 1) clean stop (SIGTERM) with requests in flight: it deregisters at once, drains for 1 s and hands the
+    #    rest back; the gateway resumes them on the other instance: no request is lost
+    victim = cluster["engines"]["e1"]
+    results, _ = asyncio.run(_traffic_with(gw, victim.terminate, max_tokens=max_tokens))
+    _assert_all_complete(results, max_tokens)
+    assert any(r["instance"] == "e1" for r in results)  # it had requests in flight
+    assert victim.wait(60) == 0
+    assert "handed back" in victim.log_tail(80) or "deregistered" in victim.log_tail(80)
+    wait_until(lambda: set(_instances(gw)) == {"e0"}, 2 * LEASE_TTL, "the stopped instance to leave")
+    for i in range(4):  # traffic moves to the live instance
+        r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": f"after stop {i}", "max_tokens": 3},
+                       timeout=60, trust_env=False)
+        assert r.status_code == 200 and r.headers["x-xllm-instance"] == "e0"
+
+    # 2) it joins again and gets traffic
+    cluster["engines"]["e1"] = engines("e1", *common)
+    wait_until(lambda: _healthy(gw) == {"e0", "e1"}, 120, "the restarted instance to join")
+
+    def reaches_e1() -> bool:
+        async def burst():
+            async with httpx.AsyncClient(base_url=gw.url, timeout=60, trust_env=False) as client:
+                return await asyncio.gather(*(_stream(client, f"join {uuid.uuid4().hex}", 20) for _ in range(4)))
+        return any(r["instance"] == "e1" for r in asyncio.run(burst()))
+
+    wait_until(reaches_e1, 60, "traffic on the rejoined instance", interval=0)
+
+    # 3) kill -9 with requests in flight: the streams on it are resumed elsewhere; its lease expires
+    #    within the TTL and it leaves the registry
+    victim = cluster["engines"]["e1"]
+    killed_at: list[float] = []
+
+    def kill():
+        victim.kill()
+        killed_at.append(time.monotonic())
+
+    results, _ = asyncio.run(_traffic_with(gw, kill, max_tokens=max_tokens))
+    _assert_all_complete(results, max_tokens)
+    assert any(r["instance"] == "e1" for r in results)
+    wait_until(lambda: set(_instances(gw)) == {"e0"}, LEASE_TTL + 7, "the killed instance's lease to expire")
+    print(f"killed instance left the registry {time.monotonic() - killed_at[0]:.1f} s after kill -9 "
+          f"(lease TTL {LEASE_TTL:.0f} s)")
+    for i in range(3):
+        r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": f"after kill {i}", "max_tokens": 3},
+                       timeout=60, trust_env=False)
+        assert r.status_code == 200 and r.headers["x-xllm-instance"] == "e0"

@@ -1,0 +1,139 @@
+"""Composition root for cluster mode: a gateway routing to engine processes.
+
+- ``xllm serve --instances N``: starts N ``xllm engine`` processes on this machine. They
+  register with the gateway's embedded registry over gRPC (``RegistryService`` on a loopback
+  port), or in etcd with ``--etcd``.
+- ``xllm serve --etcd HOST:PORT``: joins the engine instances registered in etcd under the
+  prefix (started anywhere with ``xllm engine --etcd ...``).
+
+The gateway loads only the tokenizer (tokenization and prefix hashing happen at the front);
+the engines load the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from xllm.gateway.app import GatewayState, create_app
+from xllm.gateway.metrics import EngineMetrics
+from xllm.gateway.registry import DEFAULT_PREFIX, EmbeddedRegistry, EtcdClient, EtcdRegistry, serve_registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClusterOptions:
+    model: str | None = None
+    served_model_name: str | None = None
+    instances: int = 0
+    etcd: str | None = None
+    etcd_prefix: str = DEFAULT_PREFIX
+    routing: str = "kv_aware"
+    max_model_len: int | None = None
+    engine_args: list[str] = field(default_factory=list)  # extra `xllm engine` flags (engine config)
+    log_level: str = "info"
+    drain_timeout: float = 30.0
+    progress: bool = True
+    log_dir: str | None = None
+
+
+class EngineProcesses:
+    """``xllm engine`` child processes started by the gateway and stopped with it."""
+
+    def __init__(self, count: int, base_cmd: list[str], log_dir: Path | None = None,
+                 stop_timeout: float = 40.0) -> None:
+        self.count = count
+        self.base_cmd = base_cmd
+        self.log_dir = log_dir
+        self.stop_timeout = stop_timeout
+        self.procs: list[subprocess.Popen] = []
+        self._logs: list = []
+
+    def start(self, registry_args: list[str]) -> None:
+        for i in range(self.count):
+            cmd = [*self.base_cmd, "--instance-id", f"engine-{i}", *registry_args]
+            out = None
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                out = open(self.log_dir / f"engine-{i}.log", "ab")  # noqa: SIM115 (closed in stop())
+                self._logs.append(out)
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT if out else None)
+            log.info("started engine-%d (pid %d)", i, proc.pid)
+            self.procs.append(proc)
+
+    def stop(self) -> None:
+        """SIGTERM every child (they drain), SIGKILL what is left after the stop timeout."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            if proc.poll() is None:
+                log.warning("engine pid %d did not stop in time; killing it", proc.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait(10)
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+
+
+def engine_command(model_dir: str, served_name: str, opts: ClusterOptions) -> list[str]:
+    return [sys.executable, "-m", "xllm.gateway", "engine", "--model", model_dir, "--served-model-name", served_name,
+            "--host", "127.0.0.1", "--port", "0", "--no-progress", "--exit-with-parent",
+            "--drain-timeout", str(opts.drain_timeout), "--log-level", opts.log_level, *opts.engine_args]
+
+
+def build_cluster(opts: ClusterOptions):
+    """The gateway app for cluster mode (engines start with the app and stop with it)."""
+    from xllm.models import DEFAULT_MODEL, ModelConfig, Tokenizer, resolve_model
+
+    model_dir = resolve_model(opts.model, progress=opts.progress)
+    tokenizer = Tokenizer(model_dir)
+    name = opts.served_model_name or (DEFAULT_MODEL if opts.model is None else opts.model.rstrip("/"))
+    max_len = opts.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
+    if opts.etcd:
+        registry = EtcdRegistry(EtcdClient(opts.etcd), opts.etcd_prefix)
+    else:
+        registry = EmbeddedRegistry()
+    state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=EngineMetrics(), default_model=name,
+                         max_model_len=max_len, routing=opts.routing)
+    if opts.instances:
+        procs = EngineProcesses(opts.instances, engine_command(str(model_dir), name, opts),
+                                Path(opts.log_dir) if opts.log_dir else None,
+                                stop_timeout=opts.drain_timeout + 10)
+        grpc_server = {}
+
+        async def start_engines() -> None:
+            if opts.etcd:
+                args = ["--etcd", opts.etcd, "--etcd-prefix", opts.etcd_prefix]
+            else:
+                server, port = await serve_registry(registry, "127.0.0.1", 0)
+                grpc_server["server"] = server
+                args = ["--registry", f"127.0.0.1:{port}"]
+            procs.start(args)
+
+        async def stop_engines() -> None:
+            import asyncio
+
+            await asyncio.get_running_loop().run_in_executor(None, procs.stop)
+            server = grpc_server.pop("server", None)
+            if server is not None:
+                await server.stop(0.5)
+
+        state.on_startup.append(start_engines)
+        state.on_shutdown.append(stop_engines)
+    log.info("gateway for %s: %s registry, routing %s, %s", name, registry.backend, opts.routing,
+             f"{opts.instances} local engine process(es)" if opts.instances else "engines from etcd")
+    return create_app(state)

@@ -1,0 +1,146 @@
+"""One engine instance as a process: ``xllm engine``.
+
+Composition (the gateway package is the composition root; core never imports models): load
+the model with :mod:`xllm.models`, build the :class:`~xllm.core.LLMEngine`, serve it with
+core's :class:`~xllm.core.grpc_server.EngineServer`, and keep it registered with an
+:class:`~xllm.gateway.registry.publisher.InstanceAgent` (etcd or a gateway's embedded
+registry). On SIGTERM/SIGINT (or when the parent process goes away, with
+``--exit-with-parent``) it shuts down gracefully: deregister first (gateways stop sending new
+requests at once), refuse late arrivals, let running requests finish for up to the drain time,
+hand the rest back to their gateways (which resume them elsewhere), then stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+from xllm.core import AsyncEngine, EngineConfig, LLMEngine
+from xllm.core.grpc_server import EngineServer
+from xllm.gateway.registry.publisher import InstanceAgent, Publisher
+from xllm.proto.registry.v1 import instance_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InstanceOptions:
+    model: str | None = None
+    served_model_name: str | None = None
+    engine: EngineConfig | None = None
+    instance_id: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_address: str | None = None
+    etcd: str | None = None
+    etcd_prefix: str = "/xllm"
+    registry: str | None = None
+    lease_ttl: float = 3.0
+    heartbeat_interval: float = 0.5
+    drain_timeout: float = 30.0
+    exit_with_parent: bool = False
+    progress: bool = True
+
+
+def default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def build_publisher(opts: InstanceOptions) -> Publisher | None:
+    if opts.etcd:
+        from xllm.gateway.registry.etcd import EtcdPublisher
+        from xllm.gateway.registry.etcd_client import EtcdClient
+
+        return EtcdPublisher(EtcdClient(opts.etcd), opts.etcd_prefix, opts.lease_ttl)
+    if opts.registry:
+        from xllm.gateway.registry.publisher import GrpcRegistryPublisher
+
+        return GrpcRegistryPublisher(opts.registry, opts.lease_ttl)
+    return None
+
+
+def load_engine(opts: InstanceOptions) -> tuple[LLMEngine, instance_pb2.InstanceInfo]:
+    """Load the model and build the engine; the returned info lacks the address."""
+    from xllm.models import DEFAULT_MODEL, Tokenizer, load_model, resolve_model
+
+    model_dir = resolve_model(opts.model, progress=opts.progress)
+    cfg = opts.engine or EngineConfig()
+    tokenizer = Tokenizer(model_dir)
+    model = load_model(model_dir, cfg.dtype, progress=opts.progress)
+    name = opts.served_model_name or (DEFAULT_MODEL if opts.model is None else opts.model.rstrip("/"))
+    instance_id = opts.instance_id or default_instance_id()
+    engine = LLMEngine(model, tokenizer, cfg, instance_id=instance_id)
+    info = instance_pb2.InstanceInfo(
+        instance_id=instance_id, role=instance_pb2.INSTANCE_ROLE_MIXED, start_time=time.time(),
+        model=instance_pb2.ModelInfo(served_name=name, max_model_len=engine.max_model_len,
+                                     dtype=str(cfg.dtype).removeprefix("torch."),
+                                     block_size=engine.layout.block_size))
+    return engine, info
+
+
+async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opts: InstanceOptions,
+                         publisher: Publisher | None = None, stop: asyncio.Event | None = None) -> int:
+    """Serve ``engine`` until ``stop`` is set (or a signal arrives), then shut down gracefully.
+
+    Returns how many requests were handed back at shutdown.
+    """
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+    aeng = AsyncEngine(engine)
+    aeng.start()
+    server = EngineServer(aeng)
+    agent = None
+    watchdog = None
+    handed_back = 0
+    try:
+        port = await server.start(opts.host, opts.port)
+        info.address = opts.advertise_address or f"{opts.host}:{port}"
+        if publisher is not None:
+            agent = InstanceAgent(server, info, publisher, opts.heartbeat_interval)
+            await agent.start()
+        if opts.exit_with_parent:
+            watchdog = loop.create_task(_watch_parent(os.getppid(), stop))
+        print(f"xllm engine {info.instance_id} serving {info.model.served_name} on {info.address}", flush=True)
+        await stop.wait()
+        log.info("instance %s shutting down (drain up to %.0f s)", info.instance_id, opts.drain_timeout)
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        if agent is not None:
+            await agent.stop(deregister=True)
+        handed_back = await server.drain(opts.drain_timeout)
+        await server.stop(1.0)
+        aeng.shutdown()
+        engine.close()
+        if publisher is not None:
+            with contextlib.suppress(Exception):
+                await publisher.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)
+    log.info("instance %s stopped (%d request(s) handed back)", info.instance_id, handed_back)
+    return handed_back
+
+
+async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
+    while os.getppid() == parent:
+        await asyncio.sleep(0.5)
+    log.warning("parent process %d is gone; shutting down", parent)
+    stop.set()
+
+
+def run_instance(opts: InstanceOptions) -> int:
+    """``xllm engine``: load, serve, shut down gracefully. Returns the exit code."""
+    engine, info = load_engine(opts)
+    publisher = build_publisher(opts)
+    asyncio.run(serve_instance(engine, info, opts, publisher))
+    return 0

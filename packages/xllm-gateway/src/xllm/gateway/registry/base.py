@@ -1,0 +1,243 @@
+"""The gateway's live view of engine instances, shared by every registry backend.
+
+A registry backend has two halves speaking the same ``xllm.registry.v1`` messages:
+
+- the *publisher* side, used by an engine instance: register ``InstanceInfo`` under a lease,
+  heartbeat (``Heartbeat``: load, KV cache events, counters) to keep the lease, deregister on
+  shutdown (:mod:`xllm.gateway.registry.publisher`);
+- the *view* side, used by a gateway: :class:`Registry` below. It holds one
+  :class:`InstanceState` per live instance (its info, an engine client, the last heartbeat)
+  and feeds the instances' KV events into the :class:`~xllm.kvstore.GlobalKVIndex` that
+  KV-aware routing matches prompts against.
+
+Backends differ only in how registrations and heartbeats arrive: in-process calls and a gRPC
+``RegistryService`` (:mod:`~xllm.gateway.registry.embedded`), or an etcd watch
+(:mod:`~xllm.gateway.registry.etcd`). In-process engines (``xllm serve`` on one machine) are
+added with :meth:`Registry.register` and need no lease.
+
+Everything here runs on the gateway's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from xllm.gateway.engine_client import EngineClient, GrpcEngineClient, InstanceUnavailableError
+from xllm.kvstore import GAP, GlobalKVIndex
+from xllm.proto.kvstore.v1 import kv_events_pb2
+from xllm.proto.registry.v1 import instance_pb2
+
+log = logging.getLogger(__name__)
+
+
+class NoInstanceError(LookupError):
+    """No live instance serves the requested model."""
+
+
+@dataclass
+class InstanceState:
+    """One registered instance: what it published and what this gateway sent it."""
+
+    info: instance_pb2.InstanceInfo
+    client: EngineClient
+    load: instance_pb2.LoadReport | None = None
+    counters: instance_pb2.EngineCounters | None = None
+    draining: bool = False
+    last_heartbeat: float = 0.0       # monotonic time of the last heartbeat
+    heartbeats: int = 0
+    local: bool = False               # an in-process engine (no lease, no heartbeats)
+    # kept by the router
+    inflight: int = 0                 # requests dispatched here and not finished
+    pending_prefill: int = 0          # their uncached prompt tokens, until each one's first token
+    pending_prompt: int = 0           # their whole prompt tokens, until each one's first token
+    unavailable_until: float = 0.0    # set after a failure: avoid it until then
+    removed: bool = False
+
+    @property
+    def instance_id(self) -> str:
+        return self.info.instance_id
+
+    @property
+    def model(self) -> str:
+        return self.info.model.served_name
+
+    @property
+    def block_size(self) -> int:
+        return self.info.model.block_size
+
+
+class Registry:
+    """Live instances by id, their load and KV contents (the view half of a backend)."""
+
+    backend = "view"
+
+    def __init__(self, client_factory: Callable[[instance_pb2.InstanceInfo], EngineClient] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._states: dict[str, InstanceState] = {}
+        self.kv_index = GlobalKVIndex(clock=clock)
+        self._client_factory = client_factory or GrpcEngineClient
+        self.clock = clock
+        self._rr = itertools.count()
+        self._listeners: list[Callable[[str, InstanceState], None]] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._resyncing: set[str] = set()
+
+    # ---- view ---------------------------------------------------------------------------------
+    def states(self, model: str | None = None) -> list[InstanceState]:
+        return [s for s in self._states.values() if model is None or s.model == model]
+
+    def get(self, instance_id: str) -> InstanceState | None:
+        return self._states.get(instance_id)
+
+    def instances(self, model: str | None = None) -> list[EngineClient]:
+        return [s.client for s in self.states(model)]
+
+    def served_models(self) -> list[str]:
+        return sorted({s.model for s in self._states.values()})
+
+    def routable(self, model: str) -> list[InstanceState]:
+        """Instances of ``model`` that may get new requests: not draining; those that failed
+        recently only when nothing else is left."""
+        live = [s for s in self.states(model) if not s.draining]
+        now = self.clock()
+        healthy = [s for s in live if s.unavailable_until <= now]
+        return healthy or live
+
+    def pick(self, model: str) -> EngineClient:
+        """Round-robin over the instances serving ``model`` (routing policies live in the router)."""
+        candidates = self.routable(model)
+        if not candidates:
+            raise NoInstanceError(f"no instance serves {model!r}")
+        return candidates[next(self._rr) % len(candidates)].client
+
+    def add_listener(self, fn: Callable[[str, InstanceState], None]) -> None:
+        """``fn(event, state)`` on ``"added"`` and ``"removed"``."""
+        self._listeners.append(fn)
+
+    # ---- in-process instances (no lease) -------------------------------------------------------
+    def register(self, client: EngineClient) -> None:
+        """Add an instance reached through ``client`` (in-process engines, tests); it stays until
+        :meth:`deregister`."""
+        self._upsert(client.info, client, local=True)
+
+    def deregister(self, instance_id: str) -> None:
+        self._remove(instance_id)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start background work (watches, lease expiry)."""
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for state in list(self._states.values()):
+            if not state.local:  # in-process engines belong to whoever added them
+                self._remove(state.instance_id)
+        await asyncio.sleep(0)
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+
+    # ---- applying registrations and heartbeats (backends call these) ----------------------------
+    def _upsert(self, info: instance_pb2.InstanceInfo, client: EngineClient | None = None,
+                local: bool = False) -> InstanceState:
+        old = self._states.get(info.instance_id)
+        if old is not None and old.info == info and (client is None or client is old.client):
+            return old
+        if old is not None:  # re-registered (restart, new address): start over
+            self._remove(info.instance_id)
+        state = InstanceState(info=instance_pb2.InstanceInfo(), client=client or self._client_factory(info),
+                              local=local)
+        state.info.CopyFrom(info)
+        self._states[info.instance_id] = state
+        log.info("instance %s joined (%s, model %s, block size %d)", info.instance_id, info.address or "in-process",
+                 info.model.served_name, info.model.block_size)
+        self._notify("added", state)
+        return state
+
+    def _remove(self, instance_id: str) -> None:
+        state = self._states.pop(instance_id, None)
+        if state is None:
+            return
+        state.removed = True
+        self.kv_index.remove_instance(instance_id)
+        log.info("instance %s left", instance_id)
+        self._notify("removed", state)
+        if state.inflight == 0:
+            self.close_client(state)
+
+    def close_client(self, state: InstanceState) -> None:
+        """Close a removed instance's client (once its in-flight requests are done)."""
+        if state.local:
+            return
+        close = getattr(state.client, "close", None)
+        if close is not None and _loop_running():  # without a loop the client never opened a channel
+            self._spawn(close())
+
+    def _heartbeat(self, hb: instance_pb2.Heartbeat) -> bool:
+        """Apply a heartbeat; False if the instance is unknown."""
+        state = self._states.get(hb.instance_id)
+        if state is None:
+            return False
+        state.last_heartbeat = self.clock()
+        state.heartbeats += 1
+        state.draining = hb.draining
+        if hb.HasField("load"):
+            state.load = hb.load
+        if hb.HasField("counters"):
+            state.counters = hb.counters
+        if hb.HasField("kv_events") and hb.kv_events.epoch:
+            self._apply_kv(state, hb.kv_events)
+        return True
+
+    def _apply_kv(self, state: InstanceState, ev: kv_events_pb2.KVCacheEvents) -> None:
+        if (self.kv_index.apply(state.instance_id, ev) == GAP and state.instance_id not in self._resyncing
+                and _loop_running()):
+            self._spawn(self._resync(state))
+
+    async def _resync(self, state: InstanceState) -> None:
+        """Missed KV events: ask the instance for what changed since our version (or everything)."""
+        fetch = getattr(state.client, "kv_events", None)
+        if fetch is None:
+            return
+        self._resyncing.add(state.instance_id)
+        try:
+            for snapshot in (False, True):
+                known = self.kv_index.version(state.instance_id) or (0, 0)
+                ev = await fetch(known[1], known[0], snapshot=snapshot)
+                if state.removed:
+                    return
+                if self.kv_index.apply(state.instance_id, ev) != GAP:
+                    return
+        except InstanceUnavailableError as exc:
+            log.warning("KV resync of %s failed: %s", state.instance_id, exc)
+        finally:
+            self._resyncing.discard(state.instance_id)
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _notify(self, event: str, state: InstanceState) -> None:
+        for fn in self._listeners:
+            try:
+                fn(event, state)
+            except Exception:
+                log.exception("registry listener failed")
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -1,0 +1,147 @@
+"""Routing glue: prompt -> block hashes -> global KV index match -> policy -> instance.
+
+The policy itself is pure logic in :mod:`xllm.sched.routing`; this module builds its inputs
+from the registry (each instance's last heartbeat) and from what this gateway dispatched and
+has not yet seen answered (heartbeats are up to an interval old; a burst of requests must see
+the ones sent a moment ago), and keeps that accounting as requests start and finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from xllm.gateway.registry.base import InstanceState, NoInstanceError, Registry
+from xllm.kvstore import block_hashes
+from xllm.sched import InstanceSnapshot, RouteDecision, RouteRequest, RoutingPolicy, routing_policy
+
+log = logging.getLogger(__name__)
+
+QUARANTINE_SECONDS = 2.0  # an instance that failed a request is avoided this long (or until it leaves)
+
+
+@dataclass
+class Ticket:
+    """One routing decision and the accounting it holds on its instance."""
+
+    state: InstanceState
+    decision: RouteDecision
+    num_prompt_tokens: int
+    matched_tokens: int
+    hashes: list[int] = field(default_factory=list)
+    requests: int = 0
+    first_token_pending: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def uncached_tokens(self) -> int:
+        return max(self.num_prompt_tokens - self.matched_tokens, 0)
+
+
+class Router:
+    """Chooses instances with a routing policy and tracks the load it sends them."""
+
+    def __init__(self, registry: Registry, policy: RoutingPolicy | str = "kv_aware", expect_ttl: float = 2.0,
+                 queued_expect_ttl: float = 120.0, metrics=None) -> None:
+        self.registry = registry
+        self.policy = routing_policy(policy) if isinstance(policy, str) else policy
+        self.expect_ttl = expect_ttl              # after the first token: until heartbeats confirm the blocks
+        self.queued_expect_ttl = queued_expect_ttl  # before it: the request may wait in the engine's queue
+        self.metrics = metrics
+        registry.add_listener(self._on_registry_event)
+
+    def _on_registry_event(self, event: str, state: InstanceState) -> None:
+        if event == "removed":
+            self.policy.forget_instance(state.instance_id)
+
+    # ---- deciding ---------------------------------------------------------------------------
+    def route(self, model: str, prompt: Sequence[int], session: str | None = None,
+              exclude: Collection[str] = ()) -> Ticket:
+        """Pick an instance of ``model`` for ``prompt`` (raises :class:`NoInstanceError`)."""
+        candidates = [s for s in self.registry.routable(model) if s.instance_id not in exclude]
+        if not candidates:
+            raise NoInstanceError(f"no live instance serves {model!r}")
+        hashes_by_bs: dict[int, list[int]] = {}
+        matched: dict[str, int] = {}
+        for bs in {s.block_size for s in candidates if s.block_size > 0}:
+            hashes = hashes_by_bs[bs] = block_hashes(prompt, bs)
+            ids = {s.instance_id for s in candidates if s.block_size == bs}
+            for iid, blocks in self.registry.kv_index.match(hashes, ids).items():
+                matched[iid] = blocks * bs
+        if len(candidates) == 1:
+            state = candidates[0]
+            decision = RouteDecision(state.instance_id, "only")
+        else:
+            snaps = [self._snapshot(s, matched.get(s.instance_id, 0)) for s in candidates]
+            decision = self.policy.route(RouteRequest(len(prompt), session), snaps)
+            state = next(s for s in candidates if s.instance_id == decision.instance_id)
+        return Ticket(state, decision, len(prompt), min(matched.get(state.instance_id, 0), len(prompt)),
+                      hashes_by_bs.get(state.block_size, []))
+
+    def _snapshot(self, s: InstanceState, matched_tokens: int) -> InstanceSnapshot:
+        load = s.load
+        # The engine reports the whole prompts of its queued requests (it cannot know their cache hits
+        # before admission); this gateway knows its own requests' uncached part exactly. Queued work =
+        # ours (uncached) + the rest of the report (other gateways' requests).
+        reported_pending = load.pending_prefill_tokens if load is not None else 0
+        others = max(reported_pending - s.pending_prompt, 0)
+        return InstanceSnapshot(
+            instance_id=s.instance_id,
+            num_running=load.num_running if load is not None else 0,
+            num_waiting=load.num_waiting if load is not None else 0,
+            kv_usage=load.kv_usage if load is not None else 0.0,
+            pending_prefill_tokens=s.pending_prefill + others,
+            prefill_tokens_per_s=load.prefill_tokens_per_s if load is not None else 0.0,
+            recent_ttft=load.recent_ttft if load is not None else 0.0,
+            recent_tpot=load.recent_tpot if load is not None else 0.0,
+            inflight=s.inflight, matched_tokens=matched_tokens,
+            cached_blocks=self.registry.kv_index.num_blocks(s.instance_id))
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def dispatched(self, ticket: Ticket, num_requests: int) -> None:
+        """``num_requests`` (the choices of one API request) were accepted by the ticket's instance."""
+        s = ticket.state
+        ticket.requests = num_requests
+        ticket.first_token_pending = num_requests
+        s.inflight += num_requests
+        s.pending_prefill += ticket.uncached_tokens * num_requests
+        s.pending_prompt += ticket.num_prompt_tokens * num_requests
+        if ticket.hashes:
+            self.registry.kv_index.expect(s.instance_id, ticket.hashes, self.queued_expect_ttl)
+        if self.metrics is not None:
+            self.metrics.routed(s.model, s.instance_id, ticket.decision.reason, ticket.num_prompt_tokens,
+                                ticket.matched_tokens, num_requests)
+
+    def first_token(self, ticket: Ticket, observe: bool = True) -> None:
+        """One of the ticket's requests produced its first chunk (its prefill is done), or ended
+        without one (``observe=False``): its prefill no longer waits on the instance."""
+        if ticket.first_token_pending <= 0:
+            return
+        ticket.first_token_pending -= 1
+        s = ticket.state
+        s.pending_prefill = max(s.pending_prefill - ticket.uncached_tokens, 0)
+        s.pending_prompt = max(s.pending_prompt - ticket.num_prompt_tokens, 0)
+        if ticket.hashes and not s.removed:  # computed now (or abandoned): heartbeats take over shortly
+            self.registry.kv_index.expect(s.instance_id, ticket.hashes, self.expect_ttl)
+        if observe and self.metrics is not None:
+            self.metrics.first_token(ticket.state.model, ticket.state.instance_id, time.monotonic() - ticket.started)
+
+    def finished(self, ticket: Ticket, got_first_token: bool = True) -> None:
+        """One of the ticket's requests ended (finished, failed or was abandoned)."""
+        if ticket.requests <= 0:
+            return
+        if not got_first_token:
+            self.first_token(ticket, observe=False)
+        ticket.requests -= 1
+        s = ticket.state
+        s.inflight = max(s.inflight - 1, 0)
+        if s.removed and s.inflight == 0:
+            self.registry.close_client(s)
+
+    def failed(self, state: InstanceState) -> None:
+        """A request could not be served by ``state`` (unreachable, draining): avoid it for a while."""
+        state.unavailable_until = self.registry.clock() + QUARANTINE_SECONDS
+        if self.metrics is not None:
+            self.metrics.failure(state.model, state.instance_id)

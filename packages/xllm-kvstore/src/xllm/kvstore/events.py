@@ -1,0 +1,94 @@
+"""Versioned KV cache events of one engine instance (the producer side).
+
+The engine's prefix cache reports ``(stored?, block_hash)`` events. :class:`KVEventLog`
+numbers them (one version per event), keeps the set of blocks cached now and a bounded
+history, and answers "what changed since version v?" with a compact delta: for every hash
+touched after ``v`` only its last operation (see ``xllm.kvstore.v1.KVCacheEvents``). When the
+asker is in another epoch (the instance restarted) or further behind than the history
+reaches, the answer is a snapshot of the whole cache instead (RTP-LLM §5.2.1: versioned
+cache keys, deltas when changed, a light acknowledgement when not).
+
+Not thread-safe: one thread records and answers (the engine server's event loop).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Iterable
+
+from xllm.proto.kvstore.v1 import kv_events_pb2
+
+
+def new_epoch() -> int:
+    """A random non-zero 63-bit epoch (0 means "knows nothing" to a consumer)."""
+    return random.SystemRandom().getrandbits(63) | 1
+
+
+class KVEventLog:
+    """The cache content of one instance, versioned, with delta and snapshot answers."""
+
+    def __init__(self, instance_id: str, block_size: int, epoch: int | None = None,
+                 max_history: int = 1 << 16) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.instance_id = instance_id
+        self.block_size = block_size
+        self.epoch = epoch if epoch is not None else new_epoch()
+        self.version = 0
+        self._cached: set[int] = set()
+        # (version, stored?, hash) for the most recent events
+        self._history: deque[tuple[int, bool, int]] = deque(maxlen=max_history)
+
+    def record(self, events: Iterable[tuple[bool, int]]) -> int:
+        """Apply the engine's events in order; returns how many were recorded."""
+        n = 0
+        for stored, block_hash in events:
+            self.version += 1
+            if stored:
+                self._cached.add(block_hash)
+            else:
+                self._cached.discard(block_hash)
+            self._history.append((self.version, bool(stored), block_hash))
+            n += 1
+        return n
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def cached(self) -> frozenset[int]:
+        return frozenset(self._cached)
+
+    def _message(self, **fields) -> kv_events_pb2.KVCacheEvents:
+        return kv_events_pb2.KVCacheEvents(instance_id=self.instance_id, block_size=self.block_size,
+                                           epoch=self.epoch, version=self.version, **fields)
+
+    def snapshot(self) -> kv_events_pb2.KVCacheEvents:
+        return self._message(snapshot=True, stored=sorted(self._cached))
+
+    def can_delta(self, since: int) -> bool:
+        """Whether the history still holds every event after version ``since``."""
+        if since > self.version:
+            return False
+        if since == self.version:
+            return True
+        oldest = self._history[0][0] if self._history else self.version + 1
+        return since >= oldest - 1
+
+    def delta(self, since: int | None, epoch: int | None = None) -> kv_events_pb2.KVCacheEvents:
+        """Changes after version ``since`` of ``epoch`` (default: this epoch).
+
+        ``since=None``, another epoch, a version from the future or one older than the
+        history give a snapshot; ``since == version`` gives an empty delta (an ack).
+        """
+        if since is None or (epoch is not None and epoch != self.epoch) or not self.can_delta(since):
+            return self.snapshot()
+        last: dict[int, bool] = {}
+        for version, stored, block_hash in reversed(self._history):
+            if version <= since:
+                break
+            last.setdefault(block_hash, stored)
+        stored = sorted(h for h, s in last.items() if s)
+        removed = sorted(h for h, s in last.items() if not s)
+        return self._message(base_version=since, stored=stored, removed=removed)

@@ -1,0 +1,166 @@
+"""The global KV index: one hash map from block hash to the instances holding that block.
+
+RTP-LLM §5.2.1–5.2.2: instead of one map per worker (O(blocks × workers) to match a
+request), the cache keys of all instances are merged into a single map, so matching a
+request's prefix is one pass over its block hashes for every instance at once (Algorithm 2).
+
+Fed by :class:`~xllm.proto.kvstore.v1.kv_events_pb2.KVCacheEvents` from the instances'
+heartbeats. Each instance's (epoch, version) is tracked: a delta whose ``base_version`` is
+above the known version reveals missed events (:data:`GAP`), and the caller resynchronises
+with a newer delta or a snapshot from the instance.
+
+Besides confirmed blocks the index keeps short-lived *expected* ones: when the router sends a
+request to an instance, that instance will hold the request's prefix blocks a moment later,
+before its next heartbeat says so. Counting them lets a burst of requests sharing a new
+prefix follow the first one instead of scattering.
+
+Pure Python, no torch. Not thread-safe: used from the gateway's event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+
+from xllm.proto.kvstore.v1 import kv_events_pb2
+
+APPLIED = "applied"  # the instance's state moved to the message's version
+STALE = "stale"      # nothing new (an old or duplicate message)
+GAP = "gap"          # events were missed: resynchronise from the instance
+
+
+class GlobalKVIndex:
+    """Block hash -> set of instance ids, with per-instance versions."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._holders: dict[int, set[str]] = {}
+        self._held: dict[str, set[int]] = {}
+        self._versions: dict[str, tuple[int, int]] = {}
+        self._expected: dict[int, dict[str, float]] = {}  # hash -> {instance: expiry}
+        self._clock = clock
+        self.gaps = 0
+
+    # ---- feeding ------------------------------------------------------------------------
+    def version(self, instance_id: str) -> tuple[int, int] | None:
+        """``(epoch, version)`` known for ``instance_id``, or None."""
+        return self._versions.get(instance_id)
+
+    def apply(self, instance_id: str, ev: kv_events_pb2.KVCacheEvents) -> str:
+        """Apply a delta or snapshot; returns :data:`APPLIED`, :data:`STALE` or :data:`GAP`."""
+        known = self._versions.get(instance_id)
+        if ev.snapshot:
+            if known is not None and known[0] == ev.epoch and ev.version < known[1]:
+                return STALE
+            self._replace(instance_id, set(ev.stored))
+            self._versions[instance_id] = (ev.epoch, ev.version)
+            return APPLIED
+        if known is None or known[0] != ev.epoch:
+            # a delta of an epoch we know nothing of: only a delta from the very start will do
+            if ev.base_version != 0:
+                self.gaps += 1
+                return GAP
+            self._replace(instance_id, set())
+            known = (ev.epoch, 0)
+        if ev.version <= known[1]:
+            return STALE
+        if ev.base_version > known[1]:
+            self.gaps += 1
+            return GAP
+        for h in ev.removed:
+            self._drop(instance_id, h)
+        for h in ev.stored:
+            self._add(instance_id, h)
+        self._versions[instance_id] = (ev.epoch, ev.version)
+        return APPLIED
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Forget everything about ``instance_id`` (it left the cluster)."""
+        for h in self._held.pop(instance_id, set()):
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.discard(instance_id)
+                if not holders:
+                    del self._holders[h]
+        self._versions.pop(instance_id, None)
+        for h in [h for h, exp in self._expected.items() if instance_id in exp]:
+            exp = self._expected[h]
+            exp.pop(instance_id, None)
+            if not exp:
+                del self._expected[h]
+
+    def expect(self, instance_id: str, hashes: Sequence[int], ttl: float = 5.0) -> None:
+        """Note that ``instance_id`` is about to cache ``hashes`` (a request was routed there)."""
+        until = self._clock() + ttl
+        for h in hashes:
+            self._expected.setdefault(h, {})[instance_id] = until
+
+    def prune(self) -> None:
+        """Drop expired expectations (matching ignores them anyway; this frees memory)."""
+        now = self._clock()
+        for h in [h for h, exp in self._expected.items() if all(t <= now for t in exp.values())]:
+            del self._expected[h]
+
+    # ---- matching -----------------------------------------------------------------------
+    def match(self, hashes: Sequence[int], instances: Collection[str] | None = None,
+              expected: bool = True) -> dict[str, int]:
+        """Leading blocks of ``hashes`` each instance holds: ``{instance: blocks}``.
+
+        One pass over the hashes for all instances at once (RTP-LLM Algorithm 2). Unlike the
+        paper's version, an instance counts only while it holds *every* block so far: with
+        chained hashes a block past a missing one cannot be reused, so it is not a match.
+        Instances with no leading block are left out. ``instances`` restricts the result.
+        """
+        now = self._clock()
+        alive: set[str] | None = None
+        result: dict[str, int] = {}
+        for i, h in enumerate(hashes):
+            holders = self._holders.get(h, set())
+            if expected:
+                exp = self._expected.get(h)
+                if exp:
+                    holders = holders | {w for w, t in exp.items() if t > now}
+            if alive is None:
+                alive = set(holders) if instances is None else {w for w in holders if w in instances}
+            else:
+                alive &= holders
+            if not alive:
+                break
+            for w in alive:
+                result[w] = i + 1
+        return result
+
+    # ---- introspection ------------------------------------------------------------------
+    def num_blocks(self, instance_id: str | None = None) -> int:
+        """Blocks confirmed held by ``instance_id`` (or distinct blocks held anywhere)."""
+        if instance_id is None:
+            return len(self._holders)
+        return len(self._held.get(instance_id, ()))
+
+    def holders(self, block_hash: int) -> frozenset[str]:
+        return frozenset(self._holders.get(block_hash, ()))
+
+    def instances(self) -> list[str]:
+        return sorted(self._versions)
+
+    # ---- internals ----------------------------------------------------------------------
+    def _add(self, instance_id: str, h: int) -> None:
+        self._holders.setdefault(h, set()).add(instance_id)
+        self._held.setdefault(instance_id, set()).add(h)
+
+    def _drop(self, instance_id: str, h: int) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(instance_id)
+            if not holders:
+                del self._holders[h]
+        held = self._held.get(instance_id)
+        if held is not None:
+            held.discard(h)
+
+    def _replace(self, instance_id: str, blocks: set[int]) -> None:
+        old = self._held.get(instance_id, set())
+        for h in old - blocks:
+            self._drop(instance_id, h)
+        for h in blocks - old:
+            self._add(instance_id, h)
+        self._held.setdefault(instance_id, set())

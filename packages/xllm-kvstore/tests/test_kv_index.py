@@ -1,0 +1,162 @@
+"""Versioned KV events (producer) and the global KV index (consumer)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from xllm.kvstore import APPLIED, GAP, STALE, GlobalKVIndex, KVEventLog, block_hashes
+from xllm.proto.kvstore.v1 import kv_events_pb2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# ---- KVEventLog -----------------------------------------------------------------------------
+
+def test_versions_count_events_and_cached_set_follows():
+    log = KVEventLog("a", 16, epoch=7)
+    assert log.version == 0 and log.num_cached == 0
+    log.record([(True, 1), (True, 2), (False, 1)])
+    assert log.version == 3
+    assert log.cached() == {2}
+
+
+def test_delta_keeps_only_the_last_operation_per_hash():
+    log = KVEventLog("a", 16, epoch=7)
+    log.record([(True, 1), (True, 2)])
+    log.record([(False, 1), (True, 3), (False, 3), (True, 1), (False, 2)])
+    d = log.delta(2)
+    assert (d.base_version, d.version, d.snapshot, d.epoch) == (2, 7, False, 7)
+    assert list(d.stored) == [1] and list(d.removed) == [2, 3]
+    assert (d.instance_id, d.block_size) == ("a", 16)
+
+
+def test_delta_at_current_version_is_an_empty_ack():
+    log = KVEventLog("a", 16)
+    log.record([(True, 5)])
+    d = log.delta(1)
+    assert not d.snapshot and (d.base_version, d.version) == (1, 1)
+    assert not d.stored and not d.removed
+
+
+@pytest.mark.parametrize("since, epoch", [(None, None), (0, 99), (50, None)])
+def test_unknown_epoch_none_or_future_version_gets_a_snapshot(since, epoch):
+    log = KVEventLog("a", 16, epoch=7)
+    log.record([(True, 1), (True, 2), (False, 2)])
+    d = log.delta(since, epoch)
+    assert d.snapshot and list(d.stored) == [1] and d.version == 3
+
+
+def test_history_overflow_falls_back_to_a_snapshot():
+    log = KVEventLog("a", 16, max_history=4)
+    log.record([(True, h) for h in range(10)])
+    assert log.can_delta(6) and not log.can_delta(5)
+    assert not log.delta(6).snapshot
+    snap = log.delta(2)
+    assert snap.snapshot and list(snap.stored) == list(range(10))
+
+
+def test_any_interleaving_of_deltas_reproduces_the_producer_state():
+    """Property: a consumer applying deltas taken at random points (some lost, then resynced)
+    always ends with exactly the producer's cached set."""
+    rng = random.Random(0)
+    log = KVEventLog("w", 8, epoch=3, max_history=64)
+    index = GlobalKVIndex()
+    acked = None
+    for _ in range(300):
+        log.record([(rng.random() < 0.6, rng.randrange(40)) for _ in range(rng.randrange(0, 6))])
+        if rng.random() < 0.5:
+            continue
+        msg = log.delta(acked)
+        acked = msg.version
+        if rng.random() < 0.2:
+            continue  # lost on the way
+        if index.apply("w", msg) == GAP:
+            known = index.version("w")
+            resync = log.delta(known[1] if known else None, known[0] if known else None)
+            assert index.apply("w", resync) == APPLIED
+        assert {h for h in range(40) if "w" in index.holders(h)} == set(log.cached())
+    assert index.gaps > 0
+
+
+# ---- GlobalKVIndex ----------------------------------------------------------------------------
+
+def _delta(inst, epoch, base, version, stored=(), removed=()):
+    return kv_events_pb2.KVCacheEvents(instance_id=inst, block_size=16, epoch=epoch, base_version=base,
+                                       version=version, stored=stored, removed=removed)
+
+
+def test_apply_deltas_detects_stale_and_gaps():
+    idx = GlobalKVIndex()
+    assert idx.apply("a", _delta("a", 1, 0, 2, stored=[10, 11])) == APPLIED
+    assert idx.version("a") == (1, 2)
+    assert idx.apply("a", _delta("a", 1, 0, 2, stored=[10, 11])) == STALE
+    assert idx.apply("a", _delta("a", 1, 5, 6, stored=[12])) == GAP
+    assert idx.gaps == 1
+    # overlapping delta (base below known version) is safe to apply
+    assert idx.apply("a", _delta("a", 1, 1, 4, stored=[11, 12], removed=[10])) == APPLIED
+    assert idx.holders(10) == frozenset() and idx.holders(12) == {"a"}
+
+
+def test_new_epoch_needs_a_snapshot_or_a_delta_from_zero():
+    idx = GlobalKVIndex()
+    idx.apply("a", _delta("a", 1, 0, 2, stored=[10, 11]))
+    assert idx.apply("a", _delta("a", 2, 3, 4, stored=[12])) == GAP  # restarted instance
+    assert idx.holders(10) == {"a"}  # old knowledge kept until resynchronised
+    assert idx.apply("a", _delta("a", 2, 0, 1, stored=[12])) == APPLIED
+    assert idx.holders(10) == frozenset() and idx.holders(12) == {"a"}
+
+
+def test_snapshot_replaces_and_remove_instance_forgets():
+    idx = GlobalKVIndex()
+    idx.apply("a", _delta("a", 1, 0, 2, stored=[10, 11]))
+    idx.apply("b", _delta("b", 9, 0, 1, stored=[10]))
+    log = KVEventLog("a", 16, epoch=1)
+    log.record([(True, 11), (True, 12), (True, 13)])
+    assert idx.apply("a", log.snapshot()) == APPLIED
+    assert idx.holders(10) == {"b"} and idx.holders(13) == {"a"}
+    assert idx.num_blocks("a") == 3 and idx.num_blocks() == 4
+    idx.remove_instance("a")
+    assert idx.instances() == ["b"] and idx.holders(11) == frozenset()
+    assert idx.num_blocks() == 1
+
+
+def test_match_is_one_pass_over_the_prefix_for_all_instances():
+    tokens = list(range(64))
+    h = block_hashes(tokens, 16)  # 4 blocks
+    idx = GlobalKVIndex()
+    idx.apply("a", _delta("a", 1, 0, 1, stored=h[:3]))
+    idx.apply("b", _delta("b", 1, 0, 1, stored=h[:1]))
+    idx.apply("c", _delta("c", 1, 0, 1, stored=h[1:]))  # no first block: its later blocks are useless
+    assert idx.match(h) == {"a": 3, "b": 1}
+    assert idx.match(h, instances={"b", "c"}) == {"b": 1}
+    assert idx.match(block_hashes([5] * 64, 16)) == {}
+    assert idx.match([]) == {}
+
+
+def test_expected_blocks_count_until_they_expire():
+    clock = Clock()
+    idx = GlobalKVIndex(clock=clock)
+    h = block_hashes(list(range(48)), 16)
+    idx.expect("b", h, ttl=2.0)
+    assert idx.match(h) == {"b": 3}
+    assert idx.match(h, expected=False) == {}
+    clock.t += 3.0
+    assert idx.match(h) == {}
+    idx.prune()
+    assert idx._expected == {}
+
+
+def test_index_modules_import_without_torch():
+    code = ("import sys, xllm.kvstore, xllm.kvstore.index, xllm.kvstore.events; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,244 @@
+"""Global routing policies: which engine instance serves a request.
+
+Pure logic over snapshots of the candidate instances (no I/O, no torch), so the same code
+runs in the gateway, in tests and in a simulator. The gateway builds one
+:class:`InstanceSnapshot` per live instance of the requested model — load from its last
+heartbeat, the requests it dispatched itself and not yet saw finish, and how many of the
+prompt's tokens the global KV index says the instance already holds — and asks a policy.
+
+Policies (by name through :func:`xllm.sched.routing_policy`):
+
+- ``round_robin``: the next instance in turn.
+- ``least_load``: the fewest outstanding requests (running + waiting), then the lowest KV use.
+- ``kv_aware``: RTP-LLM §5.2.5 / xLLM §3.4: for each instance ``w``
+
+      score(w) = α · match_len(w) / len  −  γ · predicted_latency(w) / max_latency
+
+  where ``predicted_latency`` is the time to the request's first token on ``w`` from a simple
+  performance model (queued prefill work, plus this request's uncached tokens, plus decode
+  interference, over ``w``'s measured prefill speed). A chat/session id is a strong hint: its
+  previous instance is taken unless overloaded. A load-aware fallback sends the request to the
+  fastest instance instead when the best-scoring one would be much slower, so a hot prefix
+  cannot pile every request onto one instance.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class InstanceSnapshot:
+    """What a policy knows about one candidate instance at decision time."""
+
+    instance_id: str
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0                # fraction of KV memory in use, 0..1
+    pending_prefill_tokens: int = 0      # prompt tokens queued ahead of a new request
+    prefill_tokens_per_s: float = 0.0    # measured prefill speed; 0 = unknown
+    recent_ttft: float = 0.0             # seconds, moving average
+    recent_tpot: float = 0.0
+    inflight: int = 0                    # requests this router sent there and not yet saw finish
+    matched_tokens: int = 0              # leading prompt tokens already cached there
+    cached_blocks: int = 0               # prefix blocks the instance holds (global KV index)
+
+    @property
+    def outstanding(self) -> int:
+        """Requests on the instance: the larger of its report and what this router sent."""
+        return max(self.num_running + self.num_waiting, self.inflight)
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    num_prompt_tokens: int
+    session_id: str | None = None
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    instance_id: str
+    reason: str                           # round_robin | least_load | kv_cache | session | load_fallback | only
+    predicted_latency: float = 0.0
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+class RoutingPolicy(ABC):
+    """Chooses one of ``candidates`` (never empty) for ``request``."""
+
+    name = "abstract"
+
+    @abstractmethod
+    def route(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> RouteDecision: ...
+
+    def forget_instance(self, instance_id: str) -> None:  # noqa: B027 (optional hook)
+        """The instance left the cluster (drop any state about it)."""
+
+
+def _check(candidates: Sequence[InstanceSnapshot]) -> None:
+    if not candidates:
+        raise ValueError("no candidate instances")
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def route(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> RouteDecision:
+        _check(candidates)
+        ordered = sorted(candidates, key=lambda c: c.instance_id)
+        return RouteDecision(ordered[next(self._counter) % len(ordered)].instance_id, "round_robin")
+
+
+class LeastLoadPolicy(RoutingPolicy):
+    """Fewest outstanding requests, then lowest KV usage; ties rotate."""
+
+    name = "least_load"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def route(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> RouteDecision:
+        _check(candidates)
+        ordered = sorted(candidates, key=lambda c: c.instance_id)
+        best = min((c.outstanding, round(c.kv_usage, 2)) for c in ordered)
+        ties = [c for c in ordered if (c.outstanding, round(c.kv_usage, 2)) == best]
+        return RouteDecision(ties[next(self._counter) % len(ties)].instance_id, "least_load")
+
+
+class KVCacheAwarePolicy(RoutingPolicy):
+    """Prefix-cache reuse traded against predicted latency, with session affinity.
+
+    Parameters:
+
+    - ``alpha``, ``gamma``: weights of the cache-reuse and latency terms of the score.
+    - ``default_prefill_rate``: prefill tokens/s assumed for an instance that has not measured
+      its own yet (the mean of the measured candidates is used first).
+    - ``decode_weight``: prefill-token equivalents of work each running sequence adds before a
+      new request's first token (its decode tokens share every step).
+    - ``fallback_ratio``, ``fallback_slack``: the chosen instance must not be predicted slower
+      than ``fallback_ratio`` × the fastest candidate's latency + ``fallback_slack`` seconds,
+      otherwise the fastest candidate is taken (reason ``load_fallback``).
+    - ``max_waiting``, ``kv_high_watermark``: an instance with this many waiting requests or
+      this KV usage is overloaded; it is avoided while others are not.
+    - ``session_ttl``, ``max_sessions``: how long and how many chat sessions are remembered.
+    """
+
+    name = "kv_aware"
+
+    def __init__(self, alpha: float = 1.0, gamma: float = 1.0, default_prefill_rate: float = 1000.0,
+                 decode_weight: float = 8.0, fallback_ratio: float = 2.0, fallback_slack: float = 0.25,
+                 max_waiting: int = 64, kv_high_watermark: float = 0.95, session_ttl: float = 600.0,
+                 max_sessions: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
+        if alpha < 0 or gamma < 0 or default_prefill_rate <= 0 or fallback_ratio < 1:
+            raise ValueError("alpha, gamma >= 0, default_prefill_rate > 0 and fallback_ratio >= 1 are required")
+        self.alpha, self.gamma = alpha, gamma
+        self.default_prefill_rate = default_prefill_rate
+        self.decode_weight = decode_weight
+        self.fallback_ratio, self.fallback_slack = fallback_ratio, fallback_slack
+        self.max_waiting, self.kv_high_watermark = max_waiting, kv_high_watermark
+        self.session_ttl, self.max_sessions = session_ttl, max_sessions
+        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._clock = clock
+        self._turn = itertools.count()
+
+    # ---- the performance model ------------------------------------------------------------
+    def _rate(self, c: InstanceSnapshot, fallback: float) -> float:
+        return c.prefill_tokens_per_s if c.prefill_tokens_per_s > 0 else fallback
+
+    def predicted_latency(self, c: InstanceSnapshot, num_prompt_tokens: int, rate: float) -> float:
+        """Seconds to ``c``'s first token for a request of ``num_prompt_tokens``."""
+        uncached = max(num_prompt_tokens - c.matched_tokens, 1)
+        running = max(c.num_running, c.inflight - c.num_waiting)  # a heartbeat is up to an interval old
+        work = c.pending_prefill_tokens + uncached + self.decode_weight * running
+        return work / rate
+
+    def overloaded(self, c: InstanceSnapshot) -> bool:
+        return c.num_waiting >= self.max_waiting or c.kv_usage >= self.kv_high_watermark
+
+    # ---- sessions -----------------------------------------------------------------------------
+    def _session_instance(self, session_id: str | None) -> str | None:
+        if not session_id:
+            return None
+        entry = self._sessions.get(session_id)
+        if entry is None:
+            return None
+        instance, seen = entry
+        if self._clock() - seen > self.session_ttl:
+            del self._sessions[session_id]
+            return None
+        return instance
+
+    def _remember(self, session_id: str | None, instance_id: str) -> None:
+        if not session_id:
+            return
+        self._sessions[session_id] = (instance_id, self._clock())
+        self._sessions.move_to_end(session_id)
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def forget_instance(self, instance_id: str) -> None:
+        for sid in [s for s, (w, _) in self._sessions.items() if w == instance_id]:
+            del self._sessions[sid]
+
+    # ---- the decision -----------------------------------------------------------------------
+    def route(self, request: RouteRequest, candidates: Sequence[InstanceSnapshot]) -> RouteDecision:
+        _check(candidates)
+        ordered = sorted(candidates, key=lambda c: c.instance_id)
+        length = max(request.num_prompt_tokens, 1)
+        measured = [c.prefill_tokens_per_s for c in ordered if c.prefill_tokens_per_s > 0]
+        fallback_rate = sum(measured) / len(measured) if measured else self.default_prefill_rate
+        latency = {c.instance_id: self.predicted_latency(c, length, self._rate(c, fallback_rate)) for c in ordered}
+        pool = [c for c in ordered if not self.overloaded(c)] or ordered
+        max_latency = max(latency[c.instance_id] for c in pool) or 1.0
+        fastest = min(pool, key=lambda c: (latency[c.instance_id], c.outstanding))
+        limit = self.fallback_ratio * latency[fastest.instance_id] + self.fallback_slack
+
+        def acceptable(instance_id: str) -> bool:
+            return latency[instance_id] <= limit
+
+        scores = {c.instance_id: self.alpha * min(c.matched_tokens, length) / length
+                  - self.gamma * latency[c.instance_id] / max_latency for c in pool}
+        sticky = self._session_instance(request.session_id)
+        if sticky is not None and sticky in scores and acceptable(sticky):
+            choice, reason = sticky, "session"
+        else:
+            # exact ties (typically a new prefix on idle instances): the emptier cache, then in turn, so that
+            # distinct prefixes spread over the instances and their caches add up
+            turn = next(self._turn)
+            rank = {c.instance_id: (i - turn) % len(pool) for i, c in enumerate(pool)}
+            best = max(pool, key=lambda c: (round(scores[c.instance_id], 9), -c.outstanding, -c.cached_blocks,
+                                            -rank[c.instance_id]))
+            choice = best.instance_id
+            reason = "kv_cache" if best.matched_tokens > 0 else "least_latency"
+            if not acceptable(choice):
+                choice, reason = fastest.instance_id, "load_fallback"
+        self._remember(request.session_id, choice)
+        return RouteDecision(choice, reason, latency[choice], scores)
+
+
+_POLICIES: dict[str, Callable[..., RoutingPolicy]] = {
+    "round_robin": RoundRobinPolicy,
+    "least_load": LeastLoadPolicy,
+    "kv_aware": KVCacheAwarePolicy,
+}
+
+
+def routing_policy_names() -> list[str]:
+    return sorted(_POLICIES)
+
+
+def routing_policy(name: str, **kwargs) -> RoutingPolicy:
+    """Build the routing policy called ``name``; unknown names list the known ones."""
+    try:
+        factory = _POLICIES[name.replace("-", "_")]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; known: {routing_policy_names()}") from None
+    return factory(**kwargs)

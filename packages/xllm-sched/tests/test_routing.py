@@ -1,0 +1,185 @@
+"""Routing policies over instance snapshots (pure Python, no torch)."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+
+import pytest
+
+from xllm.sched import (
+    InstanceSnapshot,
+    KVCacheAwarePolicy,
+    LeastLoadPolicy,
+    RoundRobinPolicy,
+    RouteRequest,
+    routing_policy,
+    routing_policy_names,
+)
+
+
+def snap(iid: str, **kw) -> InstanceSnapshot:
+    kw.setdefault("prefill_tokens_per_s", 1000.0)
+    return InstanceSnapshot(iid, **kw)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_policies_by_name():
+    assert routing_policy_names() == ["kv_aware", "least_load", "round_robin"]
+    assert isinstance(routing_policy("round_robin"), RoundRobinPolicy)
+    assert isinstance(routing_policy("least-load"), LeastLoadPolicy)
+    assert routing_policy("kv_aware", alpha=2.0).alpha == 2.0
+    with pytest.raises(ValueError, match="known"):
+        routing_policy("random")
+
+
+@pytest.mark.parametrize("name", ["round_robin", "least_load", "kv_aware"])
+def test_no_candidates_is_an_error(name):
+    with pytest.raises(ValueError):
+        routing_policy(name).route(RouteRequest(10), [])
+
+
+@pytest.mark.parametrize("name", ["round_robin", "least_load", "kv_aware"])
+def test_single_candidate_is_chosen(name):
+    assert routing_policy(name).route(RouteRequest(10), [snap("a", num_waiting=500)]).instance_id == "a"
+
+
+def test_round_robin_is_even_whatever_the_order():
+    p = RoundRobinPolicy()
+    cands = [snap("b"), snap("a"), snap("c")]
+    picks = [p.route(RouteRequest(5), cands[::(-1) ** k]).instance_id for k in range(30)]
+    assert collections.Counter(picks) == {"a": 10, "b": 10, "c": 10}
+    assert picks[:3] == ["a", "b", "c"]
+
+
+def test_least_load_uses_the_larger_of_reported_and_inflight():
+    p = LeastLoadPolicy()
+    cands = [snap("a", num_running=1, num_waiting=1), snap("b", inflight=3), snap("c", num_running=2, inflight=1)]
+    assert p.route(RouteRequest(5), cands).instance_id in {"a", "c"}
+    cands = [snap("a", num_running=2, kv_usage=0.5), snap("b", num_running=2, kv_usage=0.1)]
+    assert p.route(RouteRequest(5), cands).reason == "least_load"
+    assert p.route(RouteRequest(5), cands).instance_id == "b"
+    # equal loads rotate
+    picks = {p.route(RouteRequest(5), [snap("a"), snap("b")]).instance_id for _ in range(4)}
+    assert picks == {"a", "b"}
+
+
+def test_kv_aware_prefers_the_instance_holding_the_prefix():
+    p = KVCacheAwarePolicy()
+    d = p.route(RouteRequest(1000), [snap("a"), snap("b", matched_tokens=900), snap("c", matched_tokens=200)])
+    assert (d.instance_id, d.reason) == ("b", "kv_cache")
+    assert d.scores["b"] > d.scores["c"] > d.scores["a"]
+    # the latency of a cached request is that of its uncached tail
+    assert d.predicted_latency == pytest.approx(0.1)
+
+
+def test_kv_aware_score_formula():
+    p = KVCacheAwarePolicy(alpha=1.0, gamma=1.0)
+    d = p.route(RouteRequest(100), [snap("a", matched_tokens=50), snap("b", pending_prefill_tokens=100)])
+    # latencies: a = 50/1000, b = (100 + 100)/1000 = max
+    assert d.scores["a"] == pytest.approx(0.5 - 0.05 / 0.2)
+    assert d.scores["b"] == pytest.approx(0.0 - 1.0)
+
+
+def test_kv_aware_without_matches_goes_to_the_least_loaded():
+    p = KVCacheAwarePolicy()
+    d = p.route(RouteRequest(200), [snap("a", pending_prefill_tokens=400), snap("b", num_running=3)])
+    assert (d.instance_id, d.reason) == ("b", "least_latency")
+
+
+def test_a_hot_prefix_spills_over_when_its_instance_gets_much_slower():
+    p = KVCacheAwarePolicy(fallback_ratio=2.0, fallback_slack=0.0)
+    # a holds 900 of 1000 tokens but has 5000 prefill tokens queued: 5.1 s vs b's 1.0 s
+    d = p.route(RouteRequest(1000), [snap("a", matched_tokens=900, pending_prefill_tokens=5000), snap("b")])
+    assert (d.instance_id, d.reason) == ("b", "load_fallback")
+    # moderately busier is still worth it for the cache
+    d = p.route(RouteRequest(1000), [snap("a", matched_tokens=900, pending_prefill_tokens=1500), snap("b")])
+    assert d.instance_id == "a"
+
+
+def test_simulated_hot_prefix_is_shared_once_the_first_instance_is_loaded():
+    """Many requests with one 900-token prefix: the prefix holder takes them until its queue makes
+    it much slower, then the other instance takes some too (and would cache the prefix)."""
+    p = KVCacheAwarePolicy()
+    pending = {"a": 0, "b": 0}
+    matched = {"a": 900, "b": 0}
+    picks = []
+    for _ in range(60):
+        cands = [snap(w, matched_tokens=matched[w], pending_prefill_tokens=pending[w]) for w in ("a", "b")]
+        d = p.route(RouteRequest(1000), cands)
+        pending[d.instance_id] += 1000 - matched[d.instance_id]
+        matched[d.instance_id] = 900  # it holds the prefix from now on
+        picks.append(d.instance_id)
+    counts = collections.Counter(picks)
+    assert counts["a"] > counts["b"] > 0
+    assert pending["a"] < 4 * pending["b"] + 2000
+
+
+def test_overloaded_instances_are_avoided():
+    p = KVCacheAwarePolicy(max_waiting=4, kv_high_watermark=0.9)
+    d = p.route(RouteRequest(100), [snap("a", matched_tokens=100, num_waiting=4), snap("b", pending_prefill_tokens=50)])
+    assert d.instance_id == "b"
+    d = p.route(RouteRequest(100), [snap("a", matched_tokens=100, kv_usage=0.95), snap("b")])
+    assert d.instance_id == "b"
+    # all overloaded: still routes
+    assert p.route(RouteRequest(100), [snap("a", num_waiting=9)]).instance_id == "a"
+
+
+def test_session_affinity_is_a_strong_hint_with_expiry():
+    clock = Clock()
+    p = KVCacheAwarePolicy(session_ttl=60.0, clock=clock)
+    first = p.route(RouteRequest(100, "chat-1"), [snap("a", pending_prefill_tokens=10), snap("b")])
+    assert first.instance_id == "b"
+    # b is now a bit busier, a holds a little prefix: the session still sticks to b
+    d = p.route(RouteRequest(120, "chat-1"),
+                [snap("a", matched_tokens=16), snap("b", pending_prefill_tokens=150)])
+    assert (d.instance_id, d.reason) == ("b", "session")
+    # ... but not when b became far slower (load-aware fallback)
+    d = p.route(RouteRequest(120, "chat-1"), [snap("a"), snap("b", pending_prefill_tokens=10_000)])
+    assert d.instance_id == "a"
+    # the session moved to a; after the TTL it is forgotten
+    clock.t += 61
+    d = p.route(RouteRequest(120, "chat-1"), [snap("a", pending_prefill_tokens=500), snap("b")])
+    assert (d.instance_id, d.reason) == ("b", "least_latency")
+
+
+def test_session_of_a_departed_instance_is_dropped():
+    p = KVCacheAwarePolicy()
+    p.route(RouteRequest(10, "s"), [snap("a")])
+    p.forget_instance("a")
+    assert p.route(RouteRequest(10, "s"), [snap("a", pending_prefill_tokens=5), snap("b")]).reason != "session"
+
+
+def test_sessions_are_bounded():
+    p = KVCacheAwarePolicy(max_sessions=3)
+    for i in range(10):
+        p.route(RouteRequest(10, f"s{i}"), [snap("a")])
+    assert list(p._sessions) == ["s7", "s8", "s9"]
+
+
+def test_unknown_prefill_speed_uses_measured_peers_then_default():
+    p = KVCacheAwarePolicy(default_prefill_rate=100.0)
+    d = p.route(RouteRequest(100), [InstanceSnapshot("a"), InstanceSnapshot("b", prefill_tokens_per_s=1000.0)])
+    assert d.predicted_latency == pytest.approx(0.1)
+    d = p.route(RouteRequest(100), [InstanceSnapshot("a")])
+    assert d.predicted_latency == pytest.approx(1.0)
+
+
+def test_routing_imports_without_torch():
+    code = "import sys, xllm.sched.routing, xllm.sched; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_new_prefix_goes_to_the_emptier_cache():
+    p = KVCacheAwarePolicy()
+    for _ in range(4):
+        d = p.route(RouteRequest(100), [snap("a", cached_blocks=40), snap("b", cached_blocks=10)])
+        assert d.instance_id == "b"
