@@ -178,7 +178,8 @@ def markdown(res: dict) -> str:
     lines += ["", f"xTensor mapping: {x['maps']} mmap calls, mean {x['mean_map_us']:.1f} µs each, "
               f"{x['reused_in_place']} pages reused in place without mapping.", "",
               "### Decode step time (ms, median)", "",
-              "| batch | context | xTensor (default: fused native <= 8) | xTensor eager | paged eager | paged / xTensor eager |",
+              "| batch | context | xTensor (default: fused native <= 8) | xTensor eager | paged eager "
+              "| paged / xTensor eager |",
               "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in res["decode"]:
         lines.append(f"| {r['batch']} | {r['context']} | {r['xtensor_ms']:.1f} | {r['xtensor_eager_ms']:.1f} | "
@@ -200,9 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads")
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     args = ap.parse_args(argv)
-    from xllm.models import Tokenizer, load_model, resolve_model
-
     from benchmarks.machine import cpu_busy_fraction, machine_info
+    from xllm.models import Tokenizer, load_model, resolve_model
 
     out = args.out or HERE / "results" / f"kv-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,8 @@ from xllm.gateway.cli import _engine_config, build_parser, main
 
 ENGINE_CONFIG_FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
                        "--kv-cache-memory", "--max-waiting", "--device", "--threads", "--seed", "--kv-cache-backend",
-                       "--block-size", "--no-prefix-cache"]
+                       "--block-size", "--no-prefix-cache", "--async-scheduling", "--no-native-decode",
+                       "--compile-decode"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", *ENGINE_CONFIG_FLAGS, "--no-progress",
                "--log-level", "--instances", "--etcd", "--etcd-prefix", "--routing"]
 ENGINE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--instance-id", "--advertise-address",
@@ -153,3 +154,15 @@ def test_missing_model_is_a_clean_error(tmp_path, capsys):
     assert main(["serve", "--model", str(tmp_path / "no-such-model"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("xllm serve: error:")
+
+
+def test_engine_ablation_flags_reach_the_config_and_spawned_engines():
+    from xllm.gateway.cli import _engine_args
+
+    args = build_parser().parse_args(["serve", "--async-scheduling", "--no-native-decode", "--compile-decode"])
+    cfg = _engine_config(args)
+    assert cfg.async_scheduling and not cfg.native_decode and cfg.compile_decode
+    spawned = _engine_args(args, 2)
+    assert {"--async-scheduling", "--no-native-decode", "--compile-decode"} <= set(spawned)
+    defaults = _engine_config(build_parser().parse_args(["serve"]))
+    assert not defaults.async_scheduling and defaults.native_decode and not defaults.compile_decode

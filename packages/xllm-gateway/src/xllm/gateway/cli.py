@@ -66,6 +66,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="disable reuse of cached prompt prefixes between requests")
     p.add_argument("--max-waiting", type=_positive_int, default=4096,
                    help="queued requests beyond which new ones get HTTP 503")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="overlap scheduling, input preparation and output processing with the forward on a "
+                        "worker thread (xLLM pipelined scheduling); tokens are emitted one step later")
+    p.add_argument("--no-native-decode", action="store_true",
+                   help="run decode steps of <= 8 sequences through the eager module path instead of the fused "
+                        "native kernel (for ablation)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="build a torch.compile graph for larger decode batches at start-up (~1 min on 2 cores; "
+                        "see docs/performance.md for when it pays)")
     p.add_argument("--device", default="cpu", help="cpu, cuda[:N], npu[:N] or auto")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch intra-op threads (default: all cores available to the process; with "
@@ -149,7 +158,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         kv_cache_memory_gib=args.kv_cache_memory, max_waiting_requests=args.max_waiting,
         kv_cache_backend=args.kv_cache_backend, block_size=args.block_size,
-        enable_prefix_cache=not args.no_prefix_cache,
+        enable_prefix_cache=not args.no_prefix_cache, async_scheduling=args.async_scheduling,
+        native_decode=not args.no_native_decode, compile_decode=args.compile_decode,
         num_threads=args.threads, seed=args.seed)
 
 
@@ -158,15 +168,17 @@ def _engine_args(args: argparse.Namespace, instances: int) -> list[str]:
     threads = args.threads or max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                       else (os.cpu_count() or 1)) // instances)
     out = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-memory", str(args.kv_cache_memory),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--kv-cache-memory", str(args.kv_cache_memory),
            "--kv-cache-backend", args.kv_cache_backend, "--max-waiting", str(args.max_waiting),
            "--device", args.device, "--threads", str(threads), "--seed", str(args.seed)]
     if args.max_model_len:
         out += ["--max-model-len", str(args.max_model_len)]
     if args.block_size:
         out += ["--block-size", str(args.block_size)]
-    if args.no_prefix_cache:
-        out.append("--no-prefix-cache")
+    for flag in ("no_prefix_cache", "async_scheduling", "no_native_decode", "compile_decode"):
+        if getattr(args, flag):
+            out.append("--" + flag.replace("_", "-"))
     return out
 
 
