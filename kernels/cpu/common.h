@@ -66,4 +66,32 @@ ALWAYS_INLINE float dot_f32(const float *a, const float *b, int64_t n) {
     return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2));
 }
 
+/* exp(x) for 16 lanes: x = n*ln2 + r, |r| <= ln2/2, degree-6 polynomial, scaled by 2^n
+ * (max error ~2 ulp; inputs below -87 flush to 0, above 88 saturate to inf). */
+ALWAYS_INLINE __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* fp32 -> nearest-even bf16 -> fp32 for 16 lanes */
+ALWAYS_INLINE __m512 round_bf16_ps(__m512 v) {
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+ALWAYS_INLINE void store_bf16_ps(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 #endif

@@ -2,14 +2,16 @@
  * a few sequences over per-sequence contiguous KV (the xTensor layout).
  *
  * One call runs every layer for B <= 8 decoding sequences inside a single OpenMP parallel region
- * (phases separated by the implicit barriers of `omp for`): residual add + RMSNorm, fused QKV
- * GEMV (+bias), q/k RMSNorm, RoPE, KV write at (slot, position), attention over [slot, :pos+1],
- * O GEMV, residual + RMSNorm, gate/up GEMV fused with SiLU-and-mul, down GEMV. Weight rows are
+ * (phases separated by the implicit barriers of `omp for`, five per layer): residual add +
+ * RMSNorm (computed by every thread for itself), fused QKV GEMV (+bias), then per (sequence, KV
+ * head) q/k RMSNorm, RoPE, KV write at (slot, position) and attention over [slot, :pos+1], O
+ * GEMV, residual + RMSNorm, gate/up GEMV fused with SiLU-and-mul, down GEMV. Weight rows are
  * streamed once per step for all B sequences. The bf16 variant rounds to bf16 where the torch
  * eager path does (each op's output), so the two follow each other closely; fp32 matches to
  * rounding. On return `hidden` holds the last layer's MLP output and `residual` the residual
  * stream: the caller applies the final norm (hidden + residual) and the LM head.
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -85,6 +87,8 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #define STORE(f) f32_to_bf16(f)
 #define DOT dot_bf16
 #define GEMV_ROW gemv_row_bf16
+#define VRND(v) round_bf16_ps(v)
+#define VSTORE(p, v) store_bf16_ps(p, v)
 #include "llama_decode.h"
 #undef T
 #undef SFX
@@ -93,6 +97,8 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #undef STORE
 #undef DOT
 #undef GEMV_ROW
+#undef VRND
+#undef VSTORE
 
 #define T float
 #define SFX f32
@@ -101,4 +107,6 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #define STORE(f) (f)
 #define DOT dot_f32
 #define GEMV_ROW gemv_row_f32
+#define VRND(v) (v)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #include "llama_decode.h"

@@ -18,18 +18,36 @@ ALWAYS_INLINE void CAT(gemv_team_b_, SFX)(const T *x, const int64_t B, int64_t K
     }
 }
 
-/* act[b, i] = silu(gate) * up with gate/up rows i and I + i of the fused weight. */
+/* act[b, i] = silu(gate) * up with gate/up rows i and I + i of the fused weight. A thread takes
+ * blocks of 16 rows and streams the block's gate rows, then its up rows (one sequential stream at
+ * a time), then applies SiLU-and-mul to 16 lanes at once. */
 ALWAYS_INLINE void CAT(gate_up_silu_team_b_, SFX)(const T *x, const int64_t B, int64_t K, const T *W, int64_t I,
                                                   T *act) {
+    const int64_t blocks = (I + 15) / 16;
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < I; i++) {
-        float g[MAX_B], u[MAX_B];
-        GEMV_ROW(x, B, K, W + i * K, g);
-        GEMV_ROW(x, B, K, W + (I + i) * K, u);
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t i0 = blk * 16, n = I - i0 < 16 ? I - i0 : 16;
+        float g[MAX_B][16], u[MAX_B][16], acc[MAX_B];
+        for (int64_t r = 0; r < n; r++) {
+            GEMV_ROW(x, B, K, W + (i0 + r) * K, acc);
+            for (int64_t b = 0; b < B; b++) g[b][r] = acc[b];
+        }
+        for (int64_t r = 0; r < n; r++) {
+            GEMV_ROW(x, B, K, W + (I + i0 + r) * K, acc);
+            for (int64_t b = 0; b < B; b++) u[b][r] = acc[b];
+        }
         for (int64_t b = 0; b < B; b++) {
-            const float gr = RND(g[b]), ur = RND(u[b]);
-            const float s = RND(gr / (1.0f + expf(-gr)));
-            act[b * I + i] = STORE(s * ur);
+            if (n == 16) {
+                const __m512 gv = VRND(_mm512_loadu_ps(g[b])), uv = VRND(_mm512_loadu_ps(u[b]));
+                const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                   exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+                VSTORE(act + b * I + i0, _mm512_mul_ps(VRND(sig), uv));
+            } else {
+                for (int64_t r = 0; r < n; r++) {
+                    const float gr = RND(g[b][r]), ur = RND(u[b][r]);
+                    act[b * I + i0 + r] = STORE(RND(gr / (1.0f + expf(-gr))) * ur);
+                }
+            }
         }
     }
 }
@@ -81,87 +99,101 @@ static void CAT(rope_head_, SFX)(T *x, const float *cos, const float *sin, int64
     }
 }
 
+/* r_out = (first ? h : h + r_in) (rounded to T); x = rmsnorm(r_out) * w — for B rows, privately.
+ * Every thread computes x itself (a few thousand flops) instead of waiting on a barrier; only
+ * thread 0 stores r_out (a buffer nobody reads in this phase). */
+static void CAT(residual_norm_, SFX)(const T *h, const T *r_in, T *r_out, int store, const T *w, int64_t B,
+                                     int64_t n, float eps, int first, T *x, float *tmp) {
+    for (int64_t b = 0; b < B; b++) {
+        float ss = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = first ? TOF(h[b * n + i]) : RND(TOF(h[b * n + i]) + TOF(r_in[b * n + i]));
+            tmp[i] = v;
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) {
+            if (store) r_out[b * n + i] = STORE(tmp[i]);
+            x[b * n + i] = STORE(TOF(w[i]) * RND(tmp[i] * inv));
+        }
+    }
+}
+
 void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *layers, int64_t B,
                                   const int64_t *slots, const int64_t *positions, const float *cos_table,
                                   const float *sin_table, T *hidden, T *residual, T *work) {
     const int64_t Hd = c->hidden, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, I = c->inter;
     const int64_t qkv_dim = (nh + 2 * nkv) * hd, rd = c->rotary_dim, G = nh / nkv;
-    T *x = work, *qkv = x + B * Hd, *attn = qkv + B * qkv_dim, *act = attn + B * nh * hd;
+    T *r_alt = work, *qkv = r_alt + B * Hd, *attn = qkv + B * qkv_dim, *act = attn + B * nh * hd;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) max_len = positions[b] + 1 > max_len ? positions[b] + 1 : max_len;
+    /* The residual stream ping-pongs between `residual` and `r_alt`: a phase reads one and thread 0
+     * writes the other, so no thread ever reads a half-written residual. Five barriers per layer
+     * (after the QKV GEMV, attention, O GEMV, gate/up GEMV and down GEMV). */
 #pragma omp parallel
-    for (int64_t l = 0; l < c->n_layers; l++) {
-        const XllmLlamaLayer *L = layers + l;
-        /* residual add + input norm */
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) {
-            T *h = hidden + b * Hd, *r = residual + b * Hd;
-            if (l == 0) {
-                for (int64_t i = 0; i < Hd; i++) r[i] = h[i];
-            } else {
-                for (int64_t i = 0; i < Hd; i++) r[i] = STORE(TOF(h[i]) + TOF(r[i]));
-            }
-            CAT(rmsnorm_row_, SFX)(r, (const T *)L->ln1, Hd, c->eps, x + b * Hd);
-        }
-        CAT(gemv_team_, SFX)(x, B, Hd, (const T *)L->qkv_w, qkv_dim, (const T *)L->qkv_b, qkv);
-        /* q/k norm, RoPE, KV write: one (b, head) per item over q and k heads */
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < B * (nh + nkv); item++) {
-            const int64_t b = item / (nh + nkv), h = item % (nh + nkv);
-            T *v = qkv + b * qkv_dim + h * hd;
-            if (c->qk_norm) CAT(rmsnorm_row_, SFX)(v, (const T *)(h < nh ? L->q_norm : L->k_norm), hd, c->eps, v);
-            const int64_t pos = positions[b];
-            CAT(rope_head_, SFX)(v, cos_table + pos * rd, sin_table + pos * rd, rd);
-            if (h >= nh) {
-                const int64_t g = h - nh;
-                T *kdst = (T *)L->k_cache + slots[b] * c->k_slot_stride + pos * c->k_tok_stride + g * hd;
-                T *vdst = (T *)L->v_cache + slots[b] * c->v_slot_stride + pos * c->v_tok_stride + g * hd;
-                memcpy(kdst, v, hd * sizeof(T));
-                memcpy(vdst, v + nkv * hd, hd * sizeof(T));
-            }
-        }
-        /* attention: one (b, kv head) per item, its G query heads together */
+    {
+        T *x = (T *)malloc(sizeof(T) * (size_t)(B * Hd));
+        float *tmp = (float *)malloc(sizeof(float) * (size_t)Hd);
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(G * max_len + G * hd));
+        const int store = omp_get_thread_num() == 0;
+        T *r_cur = residual, *r_next = r_alt;
+        for (int64_t l = 0; l < c->n_layers; l++) {
+            const XllmLlamaLayer *L = layers + l;
+            /* residual add + input norm (r_cur -> r_next) */
+            CAT(residual_norm_, SFX)(hidden, r_cur, r_next, store, (const T *)L->ln1, B, Hd, c->eps, l == 0, x, tmp);
+            CAT(gemv_team_, SFX)(x, B, Hd, (const T *)L->qkv_w, qkv_dim, (const T *)L->qkv_b, qkv);
+            /* per (b, kv head): q/k norm + RoPE of the group's heads, KV write, attention */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < B * nkv; item++) {
-            const int64_t b = item / nkv, g = item % nkv, len = positions[b] + 1;
-            const T *kb = (const T *)L->k_cache + slots[b] * c->k_slot_stride + g * hd;
-            const T *vb = (const T *)L->v_cache + slots[b] * c->v_slot_stride + g * hd;
-            float *s = (float *)malloc(sizeof(float) * (size_t)(G * len + G * hd));
-            float *acc = s + G * len;
-            const T *q0 = qkv + b * qkv_dim + g * G * hd;
-            for (int64_t t = 0; t < len; t++) {
-                const T *kt = kb + t * c->k_tok_stride;
-                for (int64_t j = 0; j < G; j++) s[j * len + t] = DOT(q0 + j * hd, kt, hd) * c->scale;
-            }
-            for (int64_t j = 0; j < G; j++) {
-                float *sj = s + j * len, mx = -INFINITY, sum = 0.0f;
-                for (int64_t t = 0; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
-                for (int64_t t = 0; t < len; t++) {
-                    sj[t] = expf(sj[t] - mx);
-                    sum += sj[t];
-                }
-                const float inv = 1.0f / sum;
-                for (int64_t t = 0; t < len; t++) sj[t] *= inv;
-                for (int64_t d = 0; d < hd; d++) acc[j * hd + d] = 0.0f;
-            }
-            for (int64_t t = 0; t < len; t++) {
-                const T *vt = vb + t * c->v_tok_stride;
+            for (int64_t item = 0; item < B * nkv; item++) {
+                const int64_t b = item / nkv, g = item % nkv, pos = positions[b], len = pos + 1;
+                T *row = qkv + b * qkv_dim;
+                T *kh = row + (nh + g) * hd, *vh = row + (nh + nkv + g) * hd;
+                const float *cs = cos_table + pos * rd, *sn = sin_table + pos * rd;
                 for (int64_t j = 0; j < G; j++) {
-                    const float p = s[j * len + t];
-                    float *aj = acc + j * hd;
-                    for (int64_t d = 0; d < hd; d++) aj[d] += p * TOF(vt[d]);
+                    T *qh = row + (g * G + j) * hd;
+                    if (c->qk_norm) CAT(rmsnorm_row_, SFX)(qh, (const T *)L->q_norm, hd, c->eps, qh);
+                    CAT(rope_head_, SFX)(qh, cs, sn, rd);
                 }
+                if (c->qk_norm) CAT(rmsnorm_row_, SFX)(kh, (const T *)L->k_norm, hd, c->eps, kh);
+                CAT(rope_head_, SFX)(kh, cs, sn, rd);
+                T *kc = (T *)L->k_cache + slots[b] * c->k_slot_stride + g * hd;
+                T *vc = (T *)L->v_cache + slots[b] * c->v_slot_stride + g * hd;
+                memcpy(kc + pos * c->k_tok_stride, kh, hd * sizeof(T));
+                memcpy(vc + pos * c->v_tok_stride, vh, hd * sizeof(T));
+                float *s = scores, *acc = scores + G * len;
+                for (int64_t t = 0; t < len; t++) {
+                    const T *kt = kc + t * c->k_tok_stride;
+                    for (int64_t j = 0; j < G; j++) s[j * len + t] = DOT(row + (g * G + j) * hd, kt, hd) * c->scale;
+                }
+                for (int64_t j = 0; j < G; j++) {
+                    float *sj = s + j * len, mx = -INFINITY, sum = 0.0f;
+                    for (int64_t t = 0; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
+                    for (int64_t t = 0; t < len; t++) {
+                        sj[t] = expf(sj[t] - mx);
+                        sum += sj[t];
+                    }
+                    const float inv = 1.0f / sum;
+                    for (int64_t t = 0; t < len; t++) sj[t] *= inv;
+                    for (int64_t d = 0; d < hd; d++) acc[j * hd + d] = 0.0f;
+                }
+                for (int64_t t = 0; t < len; t++) {
+                    const T *vt = vc + t * c->v_tok_stride;
+                    for (int64_t j = 0; j < G; j++) {
+                        const float pj = s[j * len + t];
+                        float *aj = acc + j * hd;
+                        for (int64_t d = 0; d < hd; d++) aj[d] += pj * TOF(vt[d]);
+                    }
+                }
+                for (int64_t j = 0; j < G * hd; j++) attn[b * nh * hd + g * G * hd + j] = STORE(acc[j]);
             }
-            for (int64_t j = 0; j < G * hd; j++) attn[b * nh * hd + g * G * hd + j] = STORE(acc[j]);
-            free(s);
+            CAT(gemv_team_, SFX)(attn, B, nh * hd, (const T *)L->o_w, Hd, (const T *)L->o_b, hidden);
+            /* residual add + post-attention norm (r_next -> r_cur) */
+            CAT(residual_norm_, SFX)(hidden, r_next, r_cur, store, (const T *)L->ln2, B, Hd, c->eps, 0, x, tmp);
+            CAT(gate_up_silu_team_, SFX)(x, B, Hd, (const T *)L->gate_up_w, I, act);
+            CAT(gemv_team_, SFX)(act, B, I, (const T *)L->down_w, Hd, NULL, hidden);
         }
-        CAT(gemv_team_, SFX)(attn, B, nh * hd, (const T *)L->o_w, Hd, (const T *)L->o_b, hidden);
-        /* residual add + post-attention norm */
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) {
-            T *h = hidden + b * Hd, *r = residual + b * Hd;
-            for (int64_t i = 0; i < Hd; i++) r[i] = STORE(TOF(h[i]) + TOF(r[i]));
-            CAT(rmsnorm_row_, SFX)(r, (const T *)L->ln2, Hd, c->eps, x + b * Hd);
-        }
-        CAT(gate_up_silu_team_, SFX)(x, B, Hd, (const T *)L->gate_up_w, I, act);
-        CAT(gemv_team_, SFX)(act, B, I, (const T *)L->down_w, Hd, NULL, hidden);
+        free(x);
+        free(tmp);
+        free(scores);
     }
 }

@@ -53,8 +53,11 @@ class FusedLlamaDecoder:
         """(Re)build the C structs for the KV tensors ``layer_kv(layer)`` returns."""
         m = self.model
         layers = m.model.layers
+        owner = getattr(layer_kv, "__self__", None)  # a backend's tensors never move: bind once per backend
+        if owner is not None and self._kv_key is not None and self._kv_key[0] is owner:
+            return
         kvs = [layer_kv(i) for i in range(len(layers))]
-        key = tuple((k.data_ptr(), v.data_ptr()) for k, v in kvs)
+        key = (owner, tuple((k.data_ptr(), v.data_ptr()) for k, v in kvs))
         if key == self._kv_key:
             return
         attn0 = layers[0].self_attn
@@ -104,7 +107,7 @@ class FusedLlamaDecoder:
         hidden = m.model.embed_tokens(input_ids).contiguous()
         residual = torch.empty_like(hidden)
         qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-        need = b * (c.hidden + qkv_dim + c.n_heads * c.head_dim + c.inter)
+        need = b * (c.hidden + qkv_dim + c.n_heads * c.head_dim + c.inter)  # r_alt, qkv, attn, act
         if self._work is None or self._work.numel() < need or self._work.dtype != hidden.dtype:
             self._work = torch.empty(MAX_BATCH * (need // b), dtype=hidden.dtype)
         slots = slots.to(torch.int64).contiguous()
