@@ -33,7 +33,14 @@
         _Pragma("omp parallel for schedule(static)") for (int64_t r = 0; r < rows; r++) {                   \
             const T *g = gate_up + r * 2 * inter, *u = g + inter;                                            \
             T *o = out + r * inter;                                                                          \
-            for (int64_t i = 0; i < inter; i++) {                                                            \
+            int64_t i = 0;                                                                                   \
+            for (; i + 16 <= inter; i += 16) {                                                               \
+                const __m512 gv = VLOAD(g + i);                                                              \
+                const __m512 sg = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),                     \
+                                                 exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));           \
+                VSTORE(o + i, _mm512_mul_ps(VRND(sg), VLOAD(u + i)));                                        \
+            }                                                                                                \
+            for (; i < inter; i++) {                                                                         \
                 const float gv = TOF(g[i]);                                                                  \
                 o[i] = STORE(RND(gv / (1.0f + expf(-gv))) * TOF(u[i]));                                      \
             }                                                                                                \
@@ -57,5 +64,14 @@
     }
 
 #define F32_ID(x) (x)
+#define VLOAD load_bf16x16
+#define VRND round_bf16_ps
+#define VSTORE store_bf16_ps
 DEFINE_ELEMENTWISE(bf16, uint16_t, bf16_to_f32, round_bf16, f32_to_bf16)
+#undef VLOAD
+#undef VRND
+#undef VSTORE
+#define VLOAD _mm512_loadu_ps
+#define VRND F32_ID
+#define VSTORE _mm512_storeu_ps
 DEFINE_ELEMENTWISE(f32, float, F32_ID, F32_ID, F32_ID)

@@ -14,7 +14,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#include "common.h"
+#include "attend.h"
 
 #define MAX_B 8
 #define CAT_(a, b) a##b
@@ -89,6 +89,7 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #define GEMV_ROW gemv_row_bf16
 #define VRND(v) round_bf16_ps(v)
 #define VSTORE(p, v) store_bf16_ps(p, v)
+#define ATTEND attend_group_bf16
 #include "llama_decode.h"
 #undef T
 #undef SFX
@@ -99,6 +100,7 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #undef GEMV_ROW
 #undef VRND
 #undef VSTORE
+#undef ATTEND
 
 #define T float
 #define SFX f32
@@ -109,4 +111,5 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #define GEMV_ROW gemv_row_f32
 #define VRND(v) (v)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define ATTEND attend_group_f32
 #include "llama_decode.h"

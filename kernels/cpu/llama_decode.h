@@ -160,30 +160,8 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
                 T *vc = (T *)L->v_cache + slots[b] * c->v_slot_stride + g * hd;
                 memcpy(kc + pos * c->k_tok_stride, kh, hd * sizeof(T));
                 memcpy(vc + pos * c->v_tok_stride, vh, hd * sizeof(T));
-                float *s = scores, *acc = scores + G * len;
-                for (int64_t t = 0; t < len; t++) {
-                    const T *kt = kc + t * c->k_tok_stride;
-                    for (int64_t j = 0; j < G; j++) s[j * len + t] = DOT(row + (g * G + j) * hd, kt, hd) * c->scale;
-                }
-                for (int64_t j = 0; j < G; j++) {
-                    float *sj = s + j * len, mx = -INFINITY, sum = 0.0f;
-                    for (int64_t t = 0; t < len; t++) mx = sj[t] > mx ? sj[t] : mx;
-                    for (int64_t t = 0; t < len; t++) {
-                        sj[t] = expf(sj[t] - mx);
-                        sum += sj[t];
-                    }
-                    const float inv = 1.0f / sum;
-                    for (int64_t t = 0; t < len; t++) sj[t] *= inv;
-                    for (int64_t d = 0; d < hd; d++) acc[j * hd + d] = 0.0f;
-                }
-                for (int64_t t = 0; t < len; t++) {
-                    const T *vt = vc + t * c->v_tok_stride;
-                    for (int64_t j = 0; j < G; j++) {
-                        const float pj = s[j * len + t];
-                        float *aj = acc + j * hd;
-                        for (int64_t d = 0; d < hd; d++) aj[d] += pj * TOF(vt[d]);
-                    }
-                }
+                float *s = scores, *acc = scores + G * max_len;
+                ATTEND(row + g * G * hd, G, hd, kc, c->k_tok_stride, vc, c->v_tok_stride, hd, len, c->scale, s, acc);
                 for (int64_t j = 0; j < G * hd; j++) attn[b * nh * hd + g * G * hd + j] = STORE(acc[j]);
             }
             CAT(gemv_team_, SFX)(attn, B, nh * hd, (const T *)L->o_w, Hd, (const T *)L->o_b, hidden);
