@@ -8,23 +8,23 @@
 #include "common.h"
 
 #define DEFINE_ELEMENTWISE(SFX, T, TOF, RND, STORE)                                                          \
-    void xllm_add_rmsnorm_##SFX(const T *x, T *residual, const T *w, int64_t rows, int64_t n, float eps,     \
-                                int32_t add, T *out) {                                                       \
+    /* out = rmsnorm(x [+ residual_in]) * w; residual_out (if given) receives x [+ residual_in] */        \
+    void xllm_add_rmsnorm_##SFX(const T *x, const T *residual_in, T *residual_out, const T *w, int64_t rows,  \
+                                int64_t n, float eps, T *out) {                                              \
         _Pragma("omp parallel for schedule(static)") for (int64_t r = 0; r < rows; r++) {                   \
             const T *xr = x + r * n;                                                                         \
-            T *rr = residual ? residual + r * n : NULL;                                                      \
+            const T *ri = residual_in ? residual_in + r * n : NULL;                                          \
+            T *ro = residual_out ? residual_out + r * n : NULL;                                              \
             T *o = out + r * n;                                                                              \
             float ss = 0.0f;                                                                                 \
             for (int64_t i = 0; i < n; i++) {                                                                \
                 float v = TOF(xr[i]);                                                                        \
-                if (rr) {                                                                                    \
-                    if (add) v = RND(v + TOF(rr[i]));                                                        \
-                    rr[i] = STORE(v);                                                                        \
-                }                                                                                            \
+                if (ri) v = RND(v + TOF(ri[i]));                                                             \
+                if (ro) ro[i] = STORE(v);                                                                    \
                 ss += v * v;                                                                                 \
             }                                                                                                \
             const float inv = 1.0f / sqrtf(ss / (float)n + eps);                                            \
-            const T *src = rr ? rr : xr;                                                                     \
+            const T *src = ro ? ro : xr;                                                                     \
             for (int64_t i = 0; i < n; i++) o[i] = STORE(TOF(w[i]) * RND(TOF(src[i]) * inv));                \
         }                                                                                                    \
     }                                                                                                        \
@@ -75,3 +75,23 @@ DEFINE_ELEMENTWISE(bf16, uint16_t, bf16_to_f32, round_bf16, f32_to_bf16)
 #define VRND F32_ID
 #define VSTORE _mm512_storeu_ps
 DEFINE_ELEMENTWISE(f32, float, F32_ID, F32_ID, F32_ID)
+
+/* out[r] = index of the largest of row r (first one on ties, like torch.argmax); NaN-free input */
+void xllm_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        int64_t c = 0;
+        for (; c + 16 <= cols; c += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(row + c));
+        float mx = _mm512_reduce_max_ps(best);
+        for (; c < cols; c++) mx = row[c] > mx ? row[c] : mx;
+        int64_t idx = 0;
+        for (c = 0; c < cols; c++)
+            if (row[c] == mx) {
+                idx = c;
+                break;
+            }
+        out[r] = idx;
+    }
+}

@@ -92,3 +92,12 @@ def test_native_kernels_can_be_disabled():
     env = {**os.environ, "XLLM_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
+
+
+def test_argmax_rows_matches_torch_including_ties():
+    from xllm.kernels.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 1001, generator=g)
+    x[2, 5] = x[2, 900] = 50.0  # a tie: the first index wins, as in torch
+    assert argmax_rows(x).tolist() == x.argmax(-1).tolist()

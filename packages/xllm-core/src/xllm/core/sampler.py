@@ -11,6 +11,7 @@ from xllm.kernels.sampling import (
     apply_frequency_presence_penalties,
     apply_repetition_penalty,
     apply_top_k_top_p_min_p,
+    argmax_rows,
     sample_from_probs,
 )
 
@@ -44,7 +45,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = self._process(logits, seqs)
         greedy = torch.tensor([p.greedy for p in params])
-        chosen = logits.argmax(dim=-1)
+        chosen = argmax_rows(logits)
         if not bool(greedy.all()):
             temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=logits.dtype)
             scaled = logits / temps.unsqueeze(1)

@@ -69,9 +69,11 @@ class NativeLibrary:
             getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, vp,
                                            vp, vp, vp, vp]
         for sfx in ("bf16", "f32"):
-            getattr(lib, f"xllm_add_rmsnorm_{sfx}").argtypes = [vp, vp, vp, i64, i64, f32, i32, vp]
+            getattr(lib, f"xllm_add_rmsnorm_{sfx}").argtypes = [vp, vp, vp, vp, i64, i64, f32, vp]
             getattr(lib, f"xllm_silu_mul_{sfx}").argtypes = [vp, i64, i64, vp]
             getattr(lib, f"xllm_rope_{sfx}").argtypes = [vp, i64, i64, i64, i64, vp, vp, vp, i64]
+        lib.xllm_argmax_f32.argtypes = [vp, i64, i64, vp]
+        lib.xllm_argmax_f32.restype = None
         for name in ("gemm", "decode_attention", "llama_decode", "add_rmsnorm", "silu_mul", "rope"):
             for sfx in ("bf16", "f32"):
                 getattr(lib, f"xllm_{name}_{sfx}").restype = None

@@ -36,11 +36,9 @@ def rms_norm(
 
 def _native_rms_norm(lib, x, weight, eps, residual):
     out = torch.empty_like(x)
-    new_residual = None
-    if residual is not None:
-        new_residual = torch.empty_like(x)  # x + residual, rounded like the eager add
-        new_residual.copy_(residual)
+    new_residual = None if residual is None else torch.empty_like(x)  # x + residual, rounded like the eager add
     fn = getattr(lib.lib, f"xllm_add_rmsnorm_{native.suffix(x.dtype)}")
-    fn(x.data_ptr(), None if new_residual is None else new_residual.data_ptr(), weight.data_ptr(), x.shape[0],
-       x.shape[1], float(eps), int(residual is not None), out.data_ptr())
+    fn(x.data_ptr(), None if residual is None else residual.data_ptr(),
+       None if new_residual is None else new_residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1],
+       float(eps), out.data_ptr())
     return out, new_residual

@@ -74,3 +74,17 @@ def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator]) ->
     for b, gen in enumerate(generators):
         noise[b].exponential_(generator=gen)
     return (probs / noise).argmax(dim=-1)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` for float32 ``[B, V]`` (the native kernel when available:
+    rows in parallel, vectorized; first index on ties like torch; a row with NaN gets an
+    arbitrary index instead of the NaN's)."""
+    from xllm.kernels import native
+
+    lib = native.for_tensors(logits) if logits.dim() == 2 and logits.dtype == torch.float32 else None
+    if lib is None:
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.lib.xllm_argmax_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+    return out
