@@ -4,7 +4,9 @@
  * for t < lens[b] and KV head g (GQA: query head h reads KV head h / (H / KVH)); values likewise
  * with their own strides and width Dv (a latent cache passes v = k with Dv < D). Output
  * [B, H, Dv]. No block table: (slot, length) addresses the whole context, and nothing past
- * lens[b] is read. Work is split over (b, g) pairs; each pair handles its G query heads
+ * lens[b] is read. With k_new/v_new ([B, KVH, D] / [B, KVH, Dv]) the step's new rows are first
+ * stored at position lens[b] - 1 (v_new NULL: a latent cache whose values live in the keys).
+ * Work is split over (b, g) pairs; each pair handles its G query heads
  * together so a key row is loaded once for all of them (attend.h). Softmax in fp32.
  */
 #include <stdlib.h>
@@ -15,7 +17,8 @@
     void xllm_decode_attention_##SFX(const T *q, const T *k_cache, const T *v_cache, int64_t k_slot_stride,       \
                                       int64_t k_tok_stride, int64_t v_slot_stride, int64_t v_tok_stride,          \
                                       const int64_t *slots, const int64_t *lens, int64_t B, int64_t H,            \
-                                      int64_t KVH, int64_t D, int64_t Dv, float scale, T *out) {                  \
+                                      int64_t KVH, int64_t D, int64_t Dv, float scale, const T *k_new,            \
+                                      const T *v_new, T *out) {                                                   \
         const int64_t G = H / KVH;                                                                                 \
         int64_t max_len = 1;                                                                                       \
         for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;                           \
@@ -24,6 +27,14 @@
             float *acc = s + G * max_len;                                                                          \
             _Pragma("omp for schedule(dynamic, 1)") for (int64_t item = 0; item < B * KVH; item++) {               \
                 const int64_t b = item / KVH, g = item % KVH;                                                      \
+                if (k_new) { /* this step's token: written here, at (slot, len - 1), by the item that reads it */  \
+                    T *kd = (T *)k_cache + slots[b] * k_slot_stride + (lens[b] - 1) * k_tok_stride + g * D;        \
+                    memcpy(kd, k_new + (b * KVH + g) * D, D * sizeof(T));                                          \
+                    if (v_new) {                                                                                   \
+                        T *vd = (T *)v_cache + slots[b] * v_slot_stride + (lens[b] - 1) * v_tok_stride + g * Dv;   \
+                        memcpy(vd, v_new + (b * KVH + g) * Dv, Dv * sizeof(T));                                    \
+                    }                                                                                              \
+                }                                                                                                  \
                 attend_group_##SFX(q + (b * H + g * G) * D, G, D, k_cache + slots[b] * k_slot_stride + g * D,      \
                                    k_tok_stride, v_cache + slots[b] * v_slot_stride + g * Dv, v_tok_stride, Dv,    \
                                    lens[b], scale, s, acc);                                                        \

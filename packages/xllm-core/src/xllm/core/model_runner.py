@@ -62,15 +62,20 @@ class StepAttention:
                   scale: float, v_dim: int | None = None) -> torch.Tensor:
         b = self.batch
         k_cache, v_cache = self.kv.layer_kv(layer)
-        k_cache[b.token_slots, b.positions] = k
-        if v_cache is None:
-            v_cache = _values_in_keys(k_cache, v_dim)
-        elif v is not None:
-            v_cache[b.token_slots, b.positions] = v
         nd = b.num_decode
+        latent = v_cache is None
+        if latent:
+            v_cache = _values_in_keys(k_cache, v_dim)
+        if len(k) > nd:  # prefill rows: stored here; decode rows are stored by the decode kernel
+            k_cache[b.token_slots[nd:], b.positions[nd:]] = k[nd:]
+            if not latent and v is not None:
+                v_cache[b.token_slots[nd:], b.positions[nd:]] = v[nd:]
         parts = []
         if nd:
-            parts.append(decode_attention(q[:nd], k_cache, v_cache, b.decode_slots, b.decode_context_lens, scale))
+            k_new = k[:nd].contiguous()
+            v_new = None if latent or v is None else v[:nd].contiguous()
+            parts.append(decode_attention(q[:nd], k_cache, v_cache, b.decode_slots, b.decode_context_lens, scale,
+                                          k_new, v_new))
         if b.prefill_slots:
             parts.append(prefill_attention(q[nd:], k_cache, v_cache, b.prefill_slots,
                                            b.prefill_query_starts, b.prefill_context_lens, scale))

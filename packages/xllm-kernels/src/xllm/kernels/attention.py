@@ -91,20 +91,31 @@ def decode_attention(
     slots: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over contiguous KV: ``q`` ``[B, H, D]`` -> ``[B, H, Dv]``.
 
-    Sequence ``b`` attends to ``[slots[b], :context_lens[b]]`` (its new token's
-    K/V already written). ``slots`` and ``context_lens`` are int64 ``[B]``.
+    Sequence ``b`` attends to ``[slots[b], :context_lens[b]]``. The new token's K/V
+    are either already in the cache or given as ``k_new``/``v_new`` ``[B, KVH, D]``
+    and stored at position ``context_lens[b] - 1`` first (``v_new`` None with
+    ``v_cache`` a view of the keys: a latent cache). ``slots`` and
+    ``context_lens`` are int64 ``[B]``.
     """
-    out = _native_decode_attention(q, k_cache, v_cache, slots, context_lens, scale)
+    out = _native_decode_attention(q, k_cache, v_cache, slots, context_lens, scale, k_new, v_new)
     if out is not None:
         return out
+    if k_new is not None:
+        pos = context_lens - 1
+        k_cache[slots, pos] = k_new
+        if v_new is not None:
+            v_cache[slots, pos] = v_new
     max_len = int(context_lens.max())
     return _attend_decode(q, k_cache[slots, :max_len], v_cache[slots, :max_len], context_lens, scale)
 
 
-def _native_decode_attention(q, k_cache, v_cache, slots, context_lens, scale) -> torch.Tensor | None:
+def _native_decode_attention(q, k_cache, v_cache, slots, context_lens, scale, k_new=None,
+                             v_new=None) -> torch.Tensor | None:
     """The C kernel reading each sequence's KV in place (no gather copy), when it applies."""
     from xllm.kernels import native
 
@@ -118,6 +129,9 @@ def _native_decode_attention(q, k_cache, v_cache, slots, context_lens, scale) ->
     lib = native.library()
     if lib is None:
         return None
+    if (k_new is not None and (k_new.dtype != dtype or not k_new.is_contiguous())) or \
+            (v_new is not None and (v_new.dtype != dtype or not v_new.is_contiguous())):
+        return None
     q = q.contiguous()
     bsz, heads, dim = q.shape
     kv_heads, dv = k_cache.shape[2], v_cache.shape[-1]
@@ -129,7 +143,8 @@ def _native_decode_attention(q, k_cache, v_cache, slots, context_lens, scale) ->
     fn = lib.lib.xllm_decode_attention_bf16 if dtype == torch.bfloat16 else lib.lib.xllm_decode_attention_f32
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
        v_cache.stride(0), v_cache.stride(1), slots.data_ptr(), lens.data_ptr(), bsz, heads, kv_heads, dim, dv,
-       float(scale), out.data_ptr())
+       float(scale), None if k_new is None else k_new.data_ptr(), None if v_new is None else v_new.data_ptr(),
+       out.data_ptr())
     return out
 
 

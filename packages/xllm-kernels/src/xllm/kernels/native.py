@@ -64,7 +64,8 @@ class NativeLibrary:
         lib.xllm_gemm_bf16.argtypes = [vp, i64, i64, vp, i64, vp, vp, i32]
         lib.xllm_gemm_f32.argtypes = [vp, i64, i64, vp, i64, vp, vp]
         for name in ("xllm_decode_attention_bf16", "xllm_decode_attention_f32"):
-            getattr(lib, name).argtypes = [vp, vp, vp, i64, i64, i64, i64, vp, vp, i64, i64, i64, i64, i64, f32, vp]
+            getattr(lib, name).argtypes = [vp, vp, vp, i64, i64, i64, i64, vp, vp, i64, i64, i64, i64, i64, f32, vp,
+                                           vp, vp]
         for name in ("xllm_llama_decode_bf16", "xllm_llama_decode_f32"):
             getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, vp,
                                            vp, vp, vp, vp]
