@@ -164,21 +164,23 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _engine_args(args: argparse.Namespace, instances: int) -> list[str]:
-    """The engine-config flags of ``args`` as ``xllm engine`` arguments (for spawned instances)."""
-    threads = args.threads or max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                      else (os.cpu_count() or 1)) // instances)
-    out = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--kv-cache-memory", str(args.kv_cache_memory),
-           "--kv-cache-backend", args.kv_cache_backend, "--max-waiting", str(args.max_waiting),
-           "--device", args.device, "--threads", str(threads), "--seed", str(args.seed)]
-    if args.max_model_len:
-        out += ["--max-model-len", str(args.max_model_len)]
-    if args.block_size:
-        out += ["--block-size", str(args.block_size)]
-    for flag in ("no_prefix_cache", "async_scheduling", "no_native_decode", "compile_decode"):
-        if getattr(args, flag):
-            out.append("--" + flag.replace("_", "-"))
+    """The engine flags of ``args`` as ``xllm engine`` arguments (for spawned instances).
+
+    Derived from :func:`_add_engine_flags` itself, so a new engine flag reaches spawned engines
+    without being listed twice; ``--threads`` defaults to this process's cores split ``instances`` ways.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    flags = argparse.ArgumentParser(add_help=False)
+    _add_engine_flags(flags)
+    out: list[str] = []
+    for action in flags._actions:
+        value = getattr(args, action.dest)
+        if action.dest == "threads" and value is None:
+            value = max(1, cores // instances)
+        if action.nargs == 0:  # store_true switches
+            out += [action.option_strings[0]] if value else []
+        elif value is not None:
+            out += [action.option_strings[0], str(value)]
     return out
 
 

@@ -79,6 +79,12 @@ class ModelConfig:
     def get(self, key: str, default: Any = None) -> Any:
         return self.raw.get(key, default)
 
+    def require_silu(self, model: str) -> None:
+        """Raise :class:`ModelConfigError` unless the MLP activation is SiLU (all our MLPs are SwiGLU)."""
+        act = self.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"hidden_act {act!r} is not supported by {model} (only silu)")
+
     @property
     def checkpoint_dtype(self) -> torch.dtype | None:
         name = self.raw.get("torch_dtype") or self.raw.get("dtype")

@@ -78,9 +78,7 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError(f"hidden_act {act!r} is not supported by {type(self).__name__} (only silu)")
+        cfg.require_silu(type(self).__name__)
         self.cfg = cfg
         self.dims = MLADims.from_config(cfg)
         self.max_context_len = cfg.max_position_embeddings

@@ -12,7 +12,7 @@ from torch import nn
 from xllm.core.model_api import AttentionContext, KVCacheSpec
 from xllm.kernels import RopeBatch, RotaryTable, apply_rotary, linear, silu_and_mul
 from xllm.kernels.linear import MAX_NATIVE_ROWS, pack_weight
-from xllm.models.config import ModelConfig, ModelConfigError
+from xllm.models.config import ModelConfig
 from xllm.models.layers import Linear, MergedLinear, RMSNorm, build_rotary
 from xllm.models.weights import StackedName, load_named_weights
 
@@ -99,9 +99,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError(f"hidden_act {act!r} is not supported by {type(self).__name__} (only silu)")
+        cfg.require_silu(type(self).__name__)
         self.cfg = cfg
         self.max_context_len = cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
