@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import pathlib
+import shlex
 import sys
 
 from benchmarks.scenarios import ALL, ALL_SYSTEMS, SCENARIOS, Settings
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--offline-output-len", default="uniform:32:256")
     o.add_argument("--offline-batch", type=int, default=64)
     v = p.add_argument_group("peers")
+    v.add_argument("--xllm-args", default="", metavar="'FLAGS'",
+                   help="extra `xllm serve` flags for the xllm system, e.g. --xllm-args='--no-native-decode' "
+                        "or '--async-scheduling' (ablations; recorded in results.json)")
     v.add_argument("--vllm-compile", action="store_true", help="run vLLM with torch.compile (start-up ~150 s)")
     return p
 
@@ -112,7 +116,7 @@ def _settings(args: argparse.Namespace, model_dir: pathlib.Path, out: pathlib.Pa
         online_requests=args.online_requests, trace=args.trace, trace_speedup=args.trace_speedup,
         offline_requests=args.offline_requests, offline_prompt_len=args.offline_prompt_len,
         offline_output_len=args.offline_output_len, offline_batch=args.offline_batch,
-        vllm_eager=not args.vllm_compile, progress=not args.no_progress)
+        vllm_eager=not args.vllm_compile, xllm_args=shlex.split(args.xllm_args), progress=not args.no_progress)
 
 
 def collect_versions(systems: list[str]) -> dict:

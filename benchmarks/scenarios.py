@@ -75,6 +75,7 @@ class Settings:
     offline_output_len: str = "uniform:32:256"
     offline_batch: int = 64
     vllm_eager: bool = True
+    xllm_args: list[str] = field(default_factory=list)  # extra `xllm serve` flags (ablations)
     progress: bool = True
 
     @property
@@ -170,7 +171,8 @@ class Bench:
         from benchmarks.peers import llamacpp, vllm, xllm
 
         if system == "xllm":
-            return xllm.server(self.s.model_dir, dtype, self.s.threads, self.logs)
+            return xllm.server(self.s.model_dir, dtype, self.s.threads, self.logs,
+                               extra_args=self.s.xllm_args)
         if system == "vllm":
             return vllm.server(self.s.model_dir, dtype, self.s.threads, self.logs, eager=self.s.vllm_eager)
         if system == "llamacpp":

@@ -32,9 +32,9 @@ def versions() -> dict[str, str]:
 
 
 def server(model_dir: pathlib.Path, dtype: str, threads: int, log_dir: pathlib.Path,
-           max_num_seqs: int = 64) -> ServerProcess:
+           max_num_seqs: int = 64, extra_args: list[str] | None = None) -> ServerProcess:
     port = free_port()
     cmd = [sys.executable, "-m", "xllm.gateway", "serve", "--model", str(model_dir), "--port", str(port),
            "--dtype", dtype, "--threads", str(threads), "--max-num-seqs", str(max_num_seqs), "--no-progress",
-           "--log-level", "warning"]
+           "--log-level", "warning", *(extra_args or [])]
     return ServerProcess(NAME, cmd, port, log_dir / f"xllm-{dtype}.log", health_path="/health")
