@@ -6,11 +6,13 @@ Public API:
 - :class:`LLMEngine`: the synchronous step engine (continuous batching).
 - :class:`AsyncEngine` / :class:`RequestStream`: the engine on its own thread,
   streaming ``xllm.engine.v1.GenerateResponse`` chunks to asyncio callers.
+- :class:`ComputeThread`: the single thread that loads, builds and steps an engine.
 - :mod:`xllm.core.model_api`: the contract models implement.
 - Errors: :class:`InvalidRequestError`, :class:`EngineOverloadedError`, :class:`EngineDeadError`.
 """
 
 from xllm.core.async_engine import AsyncEngine, RequestStream
+from xllm.core.compute_thread import ComputeThread
 from xllm.core.config import ConfigError, EngineConfig, parse_dtype
 from xllm.core.engine import LLMEngine
 from xllm.core.errors import EngineDeadError, EngineError, EngineOverloadedError, InvalidRequestError
@@ -21,6 +23,7 @@ __all__ = [
     "AsyncEngine",
     "AttentionContext",
     "CausalLM",
+    "ComputeThread",
     "ConfigError",
     "EngineConfig",
     "EngineCounters",

@@ -14,7 +14,9 @@ import queue
 import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 
+from xllm.core.compute_thread import ComputeThread
 from xllm.core.engine import LLMEngine
 from xllm.core.errors import EngineDeadError, EngineOverloadedError
 from xllm.proto.engine.v1 import engine_pb2
@@ -59,8 +61,12 @@ class RequestStream:
 class AsyncEngine:
     """Thread-backed engine front. ``submit`` validates synchronously."""
 
-    def __init__(self, engine: LLMEngine, idle_wait: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait: float = 0.05, compute: ComputeThread | None = None) -> None:
+        """``compute``: the thread the engine was loaded and built on. The loop runs there (or, with
+        async scheduling, on a thread of its own while the engine's forwards run there)."""
         self.engine = engine
+        self._compute = compute
+        self._loop_future: Future | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
@@ -71,7 +77,10 @@ class AsyncEngine:
 
     # ---- lifecycle --------------------------------------------------------
     def start(self) -> None:
-        if self._thread is not None:
+        if self._thread is not None or self._loop_future is not None:
+            return
+        if self._compute is not None and not self.engine.config.async_scheduling:
+            self._loop_future = self._compute.submit(self._run)
             return
         self._thread = threading.Thread(target=self._run, name="xllm-engine", daemon=True)
         self._thread.start()
@@ -82,10 +91,16 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if self._loop_future is not None:
+            with contextlib.suppress(TimeoutError):
+                self._loop_future.result(timeout)
+            self._loop_future = None
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
+        alive = (self._thread is not None and self._thread.is_alive()) or \
+            (self._loop_future is not None and not self._loop_future.done())
+        return alive and self.dead_reason is None
 
     # ---- requests ---------------------------------------------------------
     def submit(self, req: engine_pb2.GenerateRequest) -> RequestStream:

@@ -10,7 +10,7 @@ import logging
 import random
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
 
@@ -49,7 +49,8 @@ class LLMEngine:
     """
 
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig,
-                 observers: list[StatsObserver] | None = None, instance_id: str = "engine-0") -> None:
+                 observers: list[StatsObserver] | None = None, instance_id: str = "engine-0",
+                 forward_executor: Executor | None = None) -> None:
         self.config = config
         self.instance_id = instance_id
         self.platform: Platform = detect_platform(config.device)
@@ -80,8 +81,12 @@ class LLMEngine:
         self._reported_prefix = (0, 0)
         self._in_flight: StepInFlight | None = None
         self._free_after_flight: dict[int, list[Sequence]] = {}
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xllm-forward") \
-            if config.async_scheduling else None
+        # async scheduling: forwards run here (the caller's ComputeThread, so that loading and
+        # forwards share one OpenMP pool; see xllm.core.compute_thread), or on a worker of our own
+        self._owns_worker = config.async_scheduling and forward_executor is None
+        self._worker: Executor | None = None
+        if config.async_scheduling:
+            self._worker = forward_executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="xllm-forward")
         log.info("engine %s: max_model_len=%d kv=%s blocks=%d x %d tokens (%d tokens) prefix_cache=%s "
                  "max_num_seqs=%d", instance_id, self.max_model_len, type(self.kv).__name__, self.layout.num_blocks,
                  self.layout.block_size, self.layout.capacity_tokens, self.layout.enable_prefix_cache,
@@ -365,7 +370,7 @@ class LLMEngine:
         """Release the KV memory's OS resources; the engine is unusable afterwards."""
         if self._in_flight is not None:
             self._in_flight.wait()
-        if self._worker is not None:
+        if self._owns_worker and self._worker is not None:
             self._worker.shutdown(wait=True)
         self.kv.close()
 

@@ -21,7 +21,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from xllm.core import AsyncEngine, EngineConfig, LLMEngine
+from xllm.core import AsyncEngine, ComputeThread, EngineConfig, LLMEngine
 from xllm.core.grpc_server import EngineServer
 from xllm.gateway.registry.publisher import InstanceAgent, Publisher
 from xllm.proto.registry.v1 import instance_pb2
@@ -65,17 +65,17 @@ def build_publisher(opts: InstanceOptions) -> Publisher | None:
     return None
 
 
-def load_engine(opts: InstanceOptions) -> tuple[LLMEngine, instance_pb2.InstanceInfo]:
-    """Load the model and build the engine; the returned info lacks the address."""
+def load_engine(opts: InstanceOptions, compute: ComputeThread) -> tuple[LLMEngine, instance_pb2.InstanceInfo]:
+    """Load the model and build the engine on ``compute``; the returned info lacks the address."""
     from xllm.models import DEFAULT_MODEL, Tokenizer, load_model, resolve_model
 
     model_dir = resolve_model(opts.model, progress=opts.progress)
     cfg = opts.engine or EngineConfig()
     tokenizer = Tokenizer(model_dir)
-    model = load_model(model_dir, cfg.dtype, progress=opts.progress)
+    model = compute.call(load_model, model_dir, cfg.dtype, progress=opts.progress)
     name = opts.served_model_name or (DEFAULT_MODEL if opts.model is None else opts.model.rstrip("/"))
     instance_id = opts.instance_id or default_instance_id()
-    engine = LLMEngine(model, tokenizer, cfg, instance_id=instance_id)
+    engine = compute.call(LLMEngine, model, tokenizer, cfg, instance_id=instance_id, forward_executor=compute)
     info = instance_pb2.InstanceInfo(
         instance_id=instance_id, role=instance_pb2.INSTANCE_ROLE_MIXED, start_time=time.time(),
         model=instance_pb2.ModelInfo(served_name=name, max_model_len=engine.max_model_len,
@@ -85,7 +85,8 @@ def load_engine(opts: InstanceOptions) -> tuple[LLMEngine, instance_pb2.Instance
 
 
 async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opts: InstanceOptions,
-                         publisher: Publisher | None = None, stop: asyncio.Event | None = None) -> int:
+                         publisher: Publisher | None = None, stop: asyncio.Event | None = None,
+                         compute: ComputeThread | None = None) -> int:
     """Serve ``engine`` until ``stop`` is set (or a signal arrives), then shut down gracefully.
 
     Returns how many requests were handed back at shutdown.
@@ -95,7 +96,7 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
-    aeng = AsyncEngine(engine)
+    aeng = AsyncEngine(engine, compute=compute)
     aeng.start()
     server = EngineServer(aeng)
     agent = None
@@ -140,7 +141,9 @@ async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
 
 def run_instance(opts: InstanceOptions) -> int:
     """``xllm engine``: load, serve, shut down gracefully. Returns the exit code."""
-    engine, info = load_engine(opts)
+    compute = ComputeThread()  # loads, builds and steps the engine: one OpenMP pool (see compute_thread)
+    engine, info = load_engine(opts, compute)
     publisher = build_publisher(opts)
-    asyncio.run(serve_instance(engine, info, opts, publisher))
+    asyncio.run(serve_instance(engine, info, opts, publisher, compute=compute))
+    compute.shutdown(wait=False)
     return 0

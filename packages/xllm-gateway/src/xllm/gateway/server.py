@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
 
-from xllm.core import AsyncEngine, EngineConfig, LLMEngine
+from xllm.core import AsyncEngine, ComputeThread, EngineConfig, LLMEngine
 from xllm.gateway.app import GatewayState, create_app
 from xllm.gateway.engine_client import InProcessEngineClient
 from xllm.gateway.metrics import EngineMetrics
@@ -31,22 +32,24 @@ def build_embedded(opts: ServeOptions):
     model_dir = resolve_model(opts.model, progress=opts.progress)
     cfg = opts.engine or EngineConfig()
     tokenizer = Tokenizer(model_dir)
-    model = load_model(model_dir, cfg.dtype, progress=opts.progress)
+    compute = ComputeThread()  # loads, builds and steps the engine: one OpenMP pool (see compute_thread)
+    model = compute.call(load_model, model_dir, cfg.dtype, progress=opts.progress)
     name = opts.served_model_name or (DEFAULT_MODEL if opts.model is None else opts.model.rstrip("/"))
     metrics = EngineMetrics()
     instance_id = "engine-0"
-    engine = LLMEngine(model, tokenizer, cfg, observers=[metrics.observer(name, instance_id)],
-                       instance_id=instance_id)
-    async_engine = AsyncEngine(engine)
+    engine = compute.call(LLMEngine, model, tokenizer, cfg, observers=[metrics.observer(name, instance_id)],
+                          instance_id=instance_id, forward_executor=compute)
+    async_engine = AsyncEngine(engine, compute=compute)
     async_engine.start()
     info = instance_pb2.InstanceInfo(
         instance_id=instance_id, role=instance_pb2.INSTANCE_ROLE_MIXED, start_time=time.time(),
         model=instance_pb2.ModelInfo(served_name=name, max_model_len=engine.max_model_len,
                                      dtype=str(cfg.dtype).removeprefix("torch."),
                                      block_size=engine.layout.block_size))
+    stop_compute = functools.partial(compute.shutdown, wait=False)
     registry = EmbeddedRegistry()
     registry.register(InProcessEngineClient(async_engine, info))
     state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=metrics, default_model=name,
-                         max_model_len=engine.max_model_len, on_shutdown=[async_engine.shutdown],
+                         max_model_len=engine.max_model_len, on_shutdown=[async_engine.shutdown, stop_compute],
                          routing=opts.routing)
     return create_app(state)

@@ -57,9 +57,15 @@ class LlamaLayer(ctypes.Structure):
 class NativeLibrary:
     """ctypes bindings of ``libxllm_cpu.so`` (argument types declared once)."""
 
-    def __init__(self, path: pathlib.Path) -> None:
+    def __init__(self, path: pathlib.Path, hold_gil: bool | None = None) -> None:
         self.path = path
-        lib = ctypes.CDLL(str(path))
+        if hold_gil is None:
+            hold_gil = os.environ.get("XLLM_NATIVE_RELEASE_GIL", "0") != "1"
+        # Holding the GIL (PyDLL) keeps other Python threads (the HTTP event loop) off the CPU while
+        # a kernel's OpenMP team runs: on a machine with as many threads as cores, a thread woken
+        # mid-kernel preempts one team member and every barrier waits for it.
+        self.holds_gil = hold_gil
+        lib = (ctypes.PyDLL if hold_gil else ctypes.CDLL)(str(path))
         vp, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         lib.xllm_gemm_bf16.argtypes = [vp, i64, i64, vp, i64, vp, vp, i32]
         lib.xllm_gemm_f32.argtypes = [vp, i64, i64, vp, i64, vp, vp]
