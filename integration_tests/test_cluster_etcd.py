@@ -150,9 +150,16 @@ def test_requests_are_served_and_routed_by_cached_prefix(cluster):
     s2 = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": "unrelated text", "max_tokens": 2,
                                                        "session_id": "chat-42"}, timeout=30, trust_env=False)
     assert s2.headers["x-xllm-instance"] == s1
-    metrics = httpx.get(f"{gw.url}/metrics", timeout=10, trust_env=False).text
+    # counters of remote instances arrive with their heartbeats (every 0.5 s): poll, do not race them
+    series = f'xllm:prefix_cache_hits_total{{instance="{home}",model_name="tiny"}}'
+    t0 = time.monotonic()
+    while True:
+        metrics = httpx.get(f"{gw.url}/metrics", timeout=10, trust_env=False).text
+        if series in metrics or time.monotonic() - t0 > 10:
+            break
+        time.sleep(0.2)
     assert 'xllm:cluster_instances{model_name="tiny"} 2.0' in metrics
-    assert f'xllm:prefix_cache_hits_total{{instance="{home}",model_name="tiny"}}' in metrics
+    assert series in metrics, [line for line in metrics.splitlines() if "prefix" in line]
     assert "xllm:router_requests_total" in metrics and 'reason="kv_cache"' in metrics
 
 
