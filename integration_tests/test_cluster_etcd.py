@@ -127,7 +127,7 @@ def test_instances_register_in_etcd_on_loopback(cluster, etcd):
     assert {h.instance_id for h in hb} == {"e0", "e1"} and all(h.kv_events.epoch for h in hb)
 
 
-def test_requests_are_served_and_routed_by_cached_prefix(cluster):
+def test_requests_are_served_and_routed_by_cached_prefix(cluster, wait_until):
     gw = cluster["gw"]
     models = httpx.get(f"{gw.url}/v1/models", timeout=10, trust_env=False).json()["data"]
     assert [m["id"] for m in models] == [MODEL] and models[0]["max_model_len"] == 2048
@@ -152,14 +152,13 @@ def test_requests_are_served_and_routed_by_cached_prefix(cluster):
     assert s2.headers["x-xllm-instance"] == s1
     # counters of remote instances arrive with their heartbeats (every 0.5 s): poll, do not race them
     series = f'xllm:prefix_cache_hits_total{{instance="{home}",model_name="tiny"}}'
-    t0 = time.monotonic()
-    while True:
-        metrics = httpx.get(f"{gw.url}/metrics", timeout=10, trust_env=False).text
-        if series in metrics or time.monotonic() - t0 > 10:
-            break
-        time.sleep(0.2)
+
+    def metrics_with_hits():
+        text = httpx.get(f"{gw.url}/metrics", timeout=10, trust_env=False).text
+        return text if series in text else None
+
+    metrics = wait_until(metrics_with_hits, 10, f"{series} in /metrics")
     assert 'xllm:cluster_instances{model_name="tiny"} 2.0' in metrics
-    assert series in metrics, [line for line in metrics.splitlines() if "prefix" in line]
     assert "xllm:router_requests_total" in metrics and 'reason="kv_cache"' in metrics
 
 
