@@ -18,11 +18,11 @@ import logging
 import os
 import signal
 import socket
-import time
 from dataclasses import dataclass
 
 from xllm.core import AsyncEngine, ComputeThread, EngineConfig, LLMEngine
 from xllm.core.grpc_server import EngineServer
+from xllm.gateway.engine_loader import load_engine, served_name
 from xllm.gateway.registry.publisher import InstanceAgent, Publisher
 from xllm.proto.registry.v1 import instance_pb2
 
@@ -63,25 +63,6 @@ def build_publisher(opts: InstanceOptions) -> Publisher | None:
 
         return GrpcRegistryPublisher(opts.registry, opts.lease_ttl)
     return None
-
-
-def load_engine(opts: InstanceOptions, compute: ComputeThread) -> tuple[LLMEngine, instance_pb2.InstanceInfo]:
-    """Load the model and build the engine on ``compute``; the returned info lacks the address."""
-    from xllm.models import DEFAULT_MODEL, Tokenizer, load_model, resolve_model
-
-    model_dir = resolve_model(opts.model, progress=opts.progress)
-    cfg = opts.engine or EngineConfig()
-    tokenizer = Tokenizer(model_dir)
-    model = compute.call(load_model, model_dir, cfg.dtype, progress=opts.progress)
-    name = opts.served_model_name or (DEFAULT_MODEL if opts.model is None else opts.model.rstrip("/"))
-    instance_id = opts.instance_id or default_instance_id()
-    engine = compute.call(LLMEngine, model, tokenizer, cfg, instance_id=instance_id, forward_executor=compute)
-    info = instance_pb2.InstanceInfo(
-        instance_id=instance_id, role=instance_pb2.INSTANCE_ROLE_MIXED, start_time=time.time(),
-        model=instance_pb2.ModelInfo(served_name=name, max_model_len=engine.max_model_len,
-                                     dtype=str(cfg.dtype).removeprefix("torch."),
-                                     block_size=engine.layout.block_size))
-    return engine, info
 
 
 async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opts: InstanceOptions,
@@ -141,9 +122,9 @@ async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
 
 def run_instance(opts: InstanceOptions) -> int:
     """``xllm engine``: load, serve, shut down gracefully. Returns the exit code."""
-    compute = ComputeThread()  # loads, builds and steps the engine: one OpenMP pool (see compute_thread)
-    engine, info = load_engine(opts, compute)
+    loaded = load_engine(opts.model, served_name(opts.model, opts.served_model_name), opts.engine,
+                         opts.instance_id or default_instance_id(), opts.progress)
     publisher = build_publisher(opts)
-    asyncio.run(serve_instance(engine, info, opts, publisher, compute=compute))
-    compute.shutdown(wait=False)
+    asyncio.run(serve_instance(loaded.engine, loaded.info, opts, publisher, compute=loaded.compute))
+    loaded.compute.shutdown(wait=False)
     return 0

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from dataclasses import dataclass
 
-from xllm.core import AsyncEngine, ComputeThread, EngineConfig, LLMEngine
+from xllm.core import AsyncEngine, EngineConfig
 from xllm.gateway.app import GatewayState, create_app
 from xllm.gateway.engine_client import InProcessEngineClient
+from xllm.gateway.engine_loader import load_engine, served_name
 from xllm.gateway.metrics import EngineMetrics
 from xllm.gateway.registry import EmbeddedRegistry
-from xllm.models import DEFAULT_MODEL, Tokenizer, load_model, resolve_model
-from xllm.proto.registry.v1 import instance_pb2
 
 log = logging.getLogger(__name__)
 
@@ -29,27 +27,18 @@ class ServeOptions:
 
 def build_embedded(opts: ServeOptions):
     """Load the model, start one in-process engine and return the FastAPI app."""
-    model_dir = resolve_model(opts.model, progress=opts.progress)
-    cfg = opts.engine or EngineConfig()
-    tokenizer = Tokenizer(model_dir)
-    compute = ComputeThread()  # loads, builds and steps the engine: one OpenMP pool (see compute_thread)
-    model = compute.call(load_model, model_dir, cfg.dtype, progress=opts.progress)
-    name = opts.served_model_name or (DEFAULT_MODEL if opts.model is None else opts.model.rstrip("/"))
+    name = served_name(opts.model, opts.served_model_name)
     metrics = EngineMetrics()
     instance_id = "engine-0"
-    engine = compute.call(LLMEngine, model, tokenizer, cfg, observers=[metrics.observer(name, instance_id)],
-                          instance_id=instance_id, forward_executor=compute)
+    loaded = load_engine(opts.model, name, opts.engine, instance_id, opts.progress,
+                         observers=[metrics.observer(name, instance_id)])
+    engine, compute = loaded.engine, loaded.compute
     async_engine = AsyncEngine(engine, compute=compute)
     async_engine.start()
-    info = instance_pb2.InstanceInfo(
-        instance_id=instance_id, role=instance_pb2.INSTANCE_ROLE_MIXED, start_time=time.time(),
-        model=instance_pb2.ModelInfo(served_name=name, max_model_len=engine.max_model_len,
-                                     dtype=str(cfg.dtype).removeprefix("torch."),
-                                     block_size=engine.layout.block_size))
     stop_compute = functools.partial(compute.shutdown, wait=False)
     registry = EmbeddedRegistry()
-    registry.register(InProcessEngineClient(async_engine, info))
-    state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=metrics, default_model=name,
+    registry.register(InProcessEngineClient(async_engine, loaded.info))
+    state = GatewayState(registry=registry, tokenizer=loaded.tokenizer, metrics=metrics, default_model=name,
                          max_model_len=engine.max_model_len, on_shutdown=[async_engine.shutdown, stop_compute],
                          routing=opts.routing)
     return create_app(state)
