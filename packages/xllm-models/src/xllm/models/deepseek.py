@@ -72,8 +72,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         StackedName(".qkv_a_proj", ".q_a_proj", "q"),
         StackedName(".qkv_a_proj", ".q_proj", "q"),
         StackedName(".qkv_a_proj", ".kv_a_proj_with_mqa", "kv_a"),
-        StackedName(".gate_up_proj", ".gate_proj", "gate"),
-        StackedName(".gate_up_proj", ".up_proj", "up"),
+        *LlamaMLP.stacked_names,
     )
 
     def __init__(self, cfg: ModelConfig) -> None:

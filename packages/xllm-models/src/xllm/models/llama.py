@@ -48,6 +48,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU MLP; ``gate_proj`` and ``up_proj`` are loaded into one fused ``gate_up_proj``."""
+
+    # checkpoint names of the two halves of gate_up_proj (every model using this MLP lists them)
+    stacked_names = (
+        StackedName(".gate_up_proj", ".gate_proj", "gate"),
+        StackedName(".gate_up_proj", ".up_proj", "up"),
+    )
+
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, {"gate": intermediate, "up": intermediate}, bias)
@@ -93,8 +101,7 @@ class LlamaForCausalLM(nn.Module):
         StackedName(".qkv_proj", ".q_proj", "q"),
         StackedName(".qkv_proj", ".k_proj", "k"),
         StackedName(".qkv_proj", ".v_proj", "v"),
-        StackedName(".gate_up_proj", ".gate_proj", "gate"),
-        StackedName(".gate_up_proj", ".up_proj", "up"),
+        *LlamaMLP.stacked_names,
     )
 
     def __init__(self, cfg: ModelConfig) -> None:
