@@ -84,26 +84,37 @@ def start_server(log_dir: Path, *extra: str, timeout: float = STARTUP_TIMEOUT) -
     log_path = log_dir / f"xllm-serve-{port}.log"
     cmd = [sys.executable, "-m", "xllm.gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--no-progress", *extra]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    server = Server(proc, port, log_path)
-    deadline = time.monotonic() + timeout
+    server = Server(spawn(cmd, log_path), port, log_path)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"xllm serve exited with {proc.returncode}:\n{server.log_tail()}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=5, trust_env=False).status_code == 200:
-                    return server
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"xllm serve not healthy after {timeout:.0f} s:\n{server.log_tail()}")
-            time.sleep(0.25)
+        wait_healthy(server.proc, f"{server.url}/health", timeout, "xllm serve", server.log_tail, interval=0.25)
     except BaseException:
         server.stop()
         raise
+    return server
+
+
+def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own (so its whole process group can be stopped), output to ``log_path``."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str, log_tail: Callable[[], str],
+                 interval: float, probe_timeout: float = 5.0) -> None:
+    """Poll ``url`` until it answers 200; fail with the log tail if ``proc`` exits or ``timeout`` s pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log_tail()}")
+        try:
+            if httpx.get(url, timeout=probe_timeout, trust_env=False).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not healthy after {timeout:.0f} s:\n{log_tail()}")
+        time.sleep(interval)
 
 
 @pytest.fixture(scope="session")
@@ -268,23 +279,10 @@ def etcd(tmp_path_factory) -> Iterator[Etcd]:
            "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
            "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
            "--initial-cluster", f"xllm-test=http://127.0.0.1:{peer}"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    server = Etcd(proc, client, log_path)
-    deadline = time.monotonic() + ETCD_STARTUP_TIMEOUT
+    server = Etcd(spawn(cmd, log_path), client, log_path)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"http://{server.endpoint}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"etcd not healthy after {ETCD_STARTUP_TIMEOUT:.0f} s")
-            time.sleep(0.1)
+        wait_healthy(server.proc, f"http://{server.endpoint}/health", ETCD_STARTUP_TIMEOUT, "etcd",
+                     lambda: log_path.read_text()[-3000:], interval=0.1, probe_timeout=2)
         yield server
     finally:
         server.stop()
@@ -352,10 +350,7 @@ def engines(tmp_path_factory) -> Iterator[Callable[..., Engine]]:
         log_path = log_dir / f"{instance_id}-{len(started)}.log"
         cmd = [sys.executable, "-m", "xllm.gateway", "engine", "--instance-id", instance_id, "--no-progress",
                *TINY_ENGINE_FLAGS, *flags]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-        engine = Engine(proc, instance_id, log_path)
+        engine = Engine(spawn(cmd, log_path), instance_id, log_path)
         started.append(engine)
         return engine
 
