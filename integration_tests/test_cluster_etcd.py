@@ -12,7 +12,9 @@ import uuid
 import httpx
 import pytest
 
+from xllm.engine.registration.etcd_client import EtcdClient
 from xllm.proto.registry.v1 import instance_pb2
+from xllm.testing.processes import mapped_libraries, wait_for
 
 MODEL = "tiny"
 LEASE_TTL = 3.0
@@ -86,7 +88,7 @@ def _assert_all_complete(results: list[dict], max_tokens: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(etcd, engines, tiny_model_dir, launch_server, wait_until):
+def cluster(etcd, engines, tiny_model_dir, launch_server):
     prefix = f"/xllm-it-{uuid.uuid4().hex[:8]}"
     common = ("--model", str(tiny_model_dir), "--served-model-name", MODEL, "--etcd", etcd.endpoint,
               "--etcd-prefix", prefix, "--lease-ttl", str(LEASE_TTL), "--drain-timeout", "1")
@@ -95,7 +97,7 @@ def cluster(etcd, engines, tiny_model_dir, launch_server, wait_until):
     gw = launch_server("--model", str(tiny_model_dir), "--served-model-name", MODEL, "--etcd", etcd.endpoint,
                        "--etcd-prefix", prefix)
     try:
-        wait_until(lambda: _healthy(gw) == {"e0", "e1"}, 120, "both engines registered")
+        wait_for(lambda: _healthy(gw) == {"e0", "e1"}, 120, "both engines registered")
     except AssertionError:
         gw.stop()
         raise AssertionError(f"engines did not register:\n{e0.log_tail()}\n{e1.log_tail()}") from None
@@ -106,8 +108,6 @@ def cluster(etcd, engines, tiny_model_dir, launch_server, wait_until):
 
 def test_instances_register_in_etcd_on_loopback(cluster, etcd):
     async def read():
-        from xllm.gateway.registry import EtcdClient
-
         client = EtcdClient(etcd.endpoint)
         try:
             _, kvs = await client.get_prefix(cluster["prefix"] + "/instances/")
@@ -127,7 +127,17 @@ def test_instances_register_in_etcd_on_loopback(cluster, etcd):
     assert {h.instance_id for h in hb} == {"e0", "e1"} and all(h.kv_events.epoch for h in hb)
 
 
-def test_requests_are_served_and_routed_by_cached_prefix(cluster, wait_until):
+def test_the_cluster_gateway_runs_without_torch(cluster):
+    """The gateway tokenizes, hashes and routes; the engines run the model. Its process never loads
+    torch (the engines' processes do)."""
+    gateway_libs = mapped_libraries(cluster["gw"].proc.pid)
+    assert "libtokenizers" not in gateway_libs  # sanity: names are bare file names
+    assert not {lib for lib in gateway_libs if lib.startswith(("libtorch", "libc10"))}, sorted(gateway_libs)
+    engine_libs = mapped_libraries(cluster["engines"]["e0"].proc.pid)
+    assert any(lib.startswith("libtorch") for lib in engine_libs)  # the check can see torch where it is
+
+
+def test_requests_are_served_and_routed_by_cached_prefix(cluster):
     gw = cluster["gw"]
     models = httpx.get(f"{gw.url}/v1/models", timeout=10, trust_env=False).json()["data"]
     assert [m["id"] for m in models] == [MODEL] and models[0]["max_model_len"] == 2048
@@ -157,12 +167,12 @@ def test_requests_are_served_and_routed_by_cached_prefix(cluster, wait_until):
         text = httpx.get(f"{gw.url}/metrics", timeout=10, trust_env=False).text
         return text if series in text else None
 
-    metrics = wait_until(metrics_with_hits, 10, f"{series} in /metrics")
+    metrics = wait_for(metrics_with_hits, 10, f"{series} in /metrics")
     assert 'xllm:cluster_instances{model_name="tiny"} 2.0' in metrics
     assert "xllm:router_requests_total" in metrics and 'reason="kv_cache"' in metrics
 
 
-def test_instances_leave_cleanly_or_crash_and_join_again(cluster, engines, wait_until):
+def test_instances_leave_cleanly_or_crash_and_join_again(cluster, engines):
     gw, common = cluster["gw"], cluster["common"]
     max_tokens = 400
 
@@ -174,7 +184,7 @@ def test_instances_leave_cleanly_or_crash_and_join_again(cluster, engines, wait_
     assert any(r["instance"] == "e1" for r in results)  # it had requests in flight
     assert victim.wait(60) == 0
     assert "handed back" in victim.log_tail(80) or "deregistered" in victim.log_tail(80)
-    wait_until(lambda: set(_instances(gw)) == {"e0"}, 2 * LEASE_TTL, "the stopped instance to leave")
+    wait_for(lambda: set(_instances(gw)) == {"e0"}, 2 * LEASE_TTL, "the stopped instance to leave")
     for i in range(4):  # traffic moves to the live instance
         r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": f"after stop {i}", "max_tokens": 3},
                        timeout=60, trust_env=False)
@@ -182,7 +192,7 @@ def test_instances_leave_cleanly_or_crash_and_join_again(cluster, engines, wait_
 
     # 2) it joins again and gets traffic
     cluster["engines"]["e1"] = engines("e1", *common)
-    wait_until(lambda: _healthy(gw) == {"e0", "e1"}, 120, "the restarted instance to join")
+    wait_for(lambda: _healthy(gw) == {"e0", "e1"}, 120, "the restarted instance to join")
 
     def reaches_e1() -> bool:
         async def burst():
@@ -190,7 +200,7 @@ def test_instances_leave_cleanly_or_crash_and_join_again(cluster, engines, wait_
                 return await asyncio.gather(*(_stream(client, f"join {uuid.uuid4().hex}", 20) for _ in range(4)))
         return any(r["instance"] == "e1" for r in asyncio.run(burst()))
 
-    wait_until(reaches_e1, 60, "traffic on the rejoined instance", interval=0)
+    wait_for(reaches_e1, 60, "traffic on the rejoined instance", interval=0)
 
     # 3) kill -9 with requests in flight: the streams on it are resumed elsewhere; its lease expires
     #    within the TTL and it leaves the registry
@@ -204,7 +214,7 @@ def test_instances_leave_cleanly_or_crash_and_join_again(cluster, engines, wait_
     results, _ = asyncio.run(_traffic_with(gw, kill, max_tokens=max_tokens))
     _assert_all_complete(results, max_tokens)
     assert any(r["instance"] == "e1" for r in results)
-    wait_until(lambda: set(_instances(gw)) == {"e0"}, LEASE_TTL + 7, "the killed instance's lease to expire")
+    wait_for(lambda: set(_instances(gw)) == {"e0"}, LEASE_TTL + 7, "the killed instance's lease to expire")
     print(f"killed instance left the registry {time.monotonic() - killed_at[0]:.1f} s after kill -9 "
           f"(lease TTL {LEASE_TTL:.0f} s)")
     for i in range(3):

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import httpx
 
+from xllm.testing.processes import wait_for
+
 MODEL = "tiny"
 
 
-def test_serve_instances_starts_engines_routes_and_stops_them(tiny_model_dir, launch_server, wait_until):
+def test_serve_instances_starts_engines_routes_and_stops_them(tiny_model_dir, launch_server):
     gw = launch_server("--model", str(tiny_model_dir), "--served-model-name", MODEL, "--instances", "2",
                        "--routing", "round_robin", "--dtype", "float32", "--kv-cache-memory", "0.05",
                        "--threads", "1")
@@ -17,7 +19,7 @@ def test_serve_instances_starts_engines_routes_and_stops_them(tiny_model_dir, la
             body = httpx.get(f"{gw.url}/health", timeout=10, trust_env=False).json()
             return {k for k, v in body["instances"].items() if v["healthy"]} == {"engine-0", "engine-1"}
 
-        wait_until(both_up, 120, "both engine processes registered")
+        wait_for(both_up, 120, "both engine processes registered")
         seen = []
         for i in range(4):
             r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": f"hello {i}", "max_tokens": 4},
@@ -34,7 +36,7 @@ def test_serve_instances_starts_engines_routes_and_stops_them(tiny_model_dir, la
                 f'xllm:generation_tokens_total{{instance="{iid}",model_name="tiny"}}' in text
                 for iid in ("engine-0", "engine-1"))
 
-        wait_until(metrics_of_both, 10, "per-instance and cluster metrics")
+        wait_for(metrics_of_both, 10, "per-instance and cluster metrics")
     finally:
         gw.stop()  # SIGTERM: the gateway stops its engines; stop() fails if any process of the group is left
     assert "started engine-1" in gw.log_tail(400)

@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from xllm.models import DEFAULT_MODEL as MODEL
+from xllm.testing.metrics import metric_value
 
 pytestmark = pytest.mark.real_model
 
@@ -15,7 +16,7 @@ NUM_REQUESTS = 16
 MAX_TOKENS = 24
 
 
-def _multi_seq_decode_steps(samples: dict, metric_value, missing_ok: bool = False) -> float:
+def _multi_seq_decode_steps(samples: dict, missing_ok: bool = False) -> float:
     """Decode steps that ran more than one sequence: all observations minus those in the le=1 bucket."""
     count = metric_value(samples, "xllm:decode_batch_size_count", missing_ok, model_name=MODEL)
     single = metric_value(samples, "xllm:decode_batch_size_bucket", missing_ok, model_name=MODEL, le="1.0")
@@ -61,7 +62,7 @@ async def _run_all(base_url: str) -> list[dict]:
         await client.close()
 
 
-def test_concurrent_streams_complete_and_share_decode_steps(server, metric_value, wait_idle):
+def test_concurrent_streams_complete_and_share_decode_steps(server, wait_idle):
     before = wait_idle()
 
     results = asyncio.run(_run_all(f"{server.url}/v1"))
@@ -86,6 +87,6 @@ def test_concurrent_streams_complete_and_share_decode_steps(server, metric_value
     assert delta("xllm:request_success_total", finished_reason="length") == NUM_REQUESTS
     # every token after a request's first comes from a decode step
     assert delta("xllm:decode_batch_size_sum") == NUM_REQUESTS * (MAX_TOKENS - 1)
-    shared = _multi_seq_decode_steps(after, metric_value) - _multi_seq_decode_steps(before, metric_value, True)
+    shared = _multi_seq_decode_steps(after) - _multi_seq_decode_steps(before, True)
     assert shared > 0, "no decode step ran more than one sequence: the requests were not batched"
     assert delta("xllm:decode_batch_size_count") < NUM_REQUESTS * (MAX_TOKENS - 1)

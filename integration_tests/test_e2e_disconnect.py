@@ -6,13 +6,14 @@ import httpx
 import pytest
 
 from xllm.models import DEFAULT_MODEL as MODEL
+from xllm.testing.metrics import metric_value
 
 pytestmark = pytest.mark.real_model
 
 LONG = 8000  # near the context limit: at any CPU speed only an abort ends these requests within the 30 s wait
 
 
-def _running(samples: dict, metric_value) -> float:
+def _running(samples: dict) -> float:
     return metric_value(samples, "xllm:num_requests_running", model_name=MODEL)
 
 
@@ -29,7 +30,7 @@ def _read_chunks_then_close(server, path: str, body: dict, n_chunks: int = 3) ->
     return events
 
 
-def _generated(scrape, metric_value) -> float:
+def _generated(scrape) -> float:
     return metric_value(scrape(), "xllm:generation_tokens_total", True, model_name=MODEL)
 
 
@@ -37,17 +38,17 @@ def _generated(scrape, metric_value) -> float:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a very long story."}]}, 1),
     ("/v1/completions", {"prompt": "Once upon a time", "n": 2}, 2),
 ], ids=["chat", "completions-n2"])
-def test_stream_disconnect_frees_sequence(server, client, scrape, metric_value, wait_idle, path, body, n):
+def test_stream_disconnect_frees_sequence(server, client, scrape, wait_idle, path, body, n):
     wait_idle()
-    gen_before = _generated(scrape, metric_value)
+    gen_before = _generated(scrape)
     events = _read_chunks_then_close(server, path, {**body, "max_tokens": LONG, "ignore_eos": True, "stream": True,
                                                     "temperature": 0})
     assert len(events) == 3
     assert not any("[DONE]" in e for e in events)
     after = wait_idle(30.0)  # fails unless the engine drops the request(s) long before LONG tokens
-    assert _running(after, metric_value) == 0
+    assert _running(after) == 0
     assert metric_value(after, "xllm:kv_cache_usage_perc", model_name=MODEL) == 0
-    generated = _generated(scrape, metric_value) - gen_before
+    generated = _generated(scrape) - gen_before
     assert 0 < generated < n * LONG
     # the engine stays usable
     ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
@@ -56,13 +57,13 @@ def test_stream_disconnect_frees_sequence(server, client, scrape, metric_value, 
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
-def test_non_streaming_disconnect_frees_sequence(server, client, scrape, metric_value, wait_idle):
+def test_non_streaming_disconnect_frees_sequence(server, client, scrape, wait_idle):
     wait_idle()
     body = {"prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
     with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=2.0), trust_env=False) as h, \
             pytest.raises(httpx.ReadTimeout):
         h.post("/v1/completions", json=body)  # gives up (and closes) long before LONG tokens
     after = wait_idle(30.0)
-    assert _running(after, metric_value) == 0
+    assert _running(after) == 0
     ok = client.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=2)
     assert ok.choices[0].text

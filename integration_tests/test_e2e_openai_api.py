@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from xllm.models import DEFAULT_MODEL as MODEL
+from xllm.testing.metrics import metric_value
 
 pytestmark = pytest.mark.real_model
 
@@ -267,7 +268,7 @@ def test_completion_echo_and_token_prompt(client, smollm2_tokenizer):
 # ---- metrics ---------------------------------------------------------------------------------
 
 
-def test_metrics_exposes_vllm_style_names(client, http, scrape, metric_value):
+def test_metrics_exposes_vllm_style_names(client, http, scrape):
     before = scrape()
     gen_before = metric_value(before, "xllm:generation_tokens_total") if "xllm:generation_tokens_total" in before \
         else 0.0

@@ -37,7 +37,7 @@ def _run(engine, prompts, output_lens, tag: str, bar=None) -> tuple[float, dict]
         t_step = time.perf_counter()
         chunks = engine.step()
         now = time.perf_counter()
-        for seq in engine.running:
+        for seq in engine.scheduler.running:
             admitted.setdefault(seq.request_id, t_step)
         for c in chunks:
             admitted.setdefault(c.request_id, t_step)

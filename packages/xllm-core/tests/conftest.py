@@ -1,215 +1,40 @@
-"""Hermetic stand-ins for xllm-core's tests: a tiny random causal LM that satisfies
-:class:`xllm.core.model_api.CausalLM` and byte-piece tokenizers.
-
-xllm-core must not depend on xllm-models, so its engine tests run this model
-(built from the same kernels); the real SmolLM2 parity tests live in xllm-models.
-"""
+"""Fixtures of xllm-core's tests. The helpers themselves (the tiny model and tokenizers, engine
+drivers) are in :mod:`xllm.testing`; xllm-core must not depend on xllm-models, so its engine
+tests run :class:`xllm.testing.tiny.TinyLM` (the real SmolLM2 parity tests live in xllm-models)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
-import torch
-from torch import nn
 
-from xllm.core import EngineConfig, LLMEngine
-from xllm.core.model_api import KVCacheSpec
-from xllm.kernels import RotaryTable, apply_rotary, rms_norm, silu_and_mul
-from xllm.proto.engine.v1 import engine_pb2
-
-KV_BACKENDS = ("xtensor", "paged", "contiguous")
-_backend = {"name": "xtensor", "async": False}  # set per test by the kv_backend / scheduling fixtures
-
-
-class PieceTokenizer:
-    """Decodes ids by joining byte pieces as UTF-8 (errors -> U+FFFD), like byte-level BPE."""
-
-    def __init__(self, pieces: list[bytes], special: frozenset[int] = frozenset(),
-                 eos_token_ids: frozenset[int] = frozenset(), strip_leading_space: bool = False) -> None:
-        self.pieces = list(pieces)
-        self.special = special
-        self.eos_token_ids = eos_token_ids
-        self.strip_leading_space = strip_leading_space  # sentencepiece-style decode
-        self.decode_calls = 0
-
-    def piece_id(self, piece: bytes) -> int:
-        if piece not in self.pieces:
-            self.pieces.append(piece)
-        return self.pieces.index(piece)
-
-    def encode_pieces(self, pieces: list[str | bytes]) -> list[int]:
-        return [self.piece_id(p.encode() if isinstance(p, str) else p) for p in pieces]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        self.decode_calls += 1
-        data = b"".join(self.pieces[i] for i in ids if not (skip_special_tokens and i in self.special))
-        text = data.decode("utf-8", errors="replace")
-        if self.strip_leading_space and text.startswith(" "):
-            text = text[1:]
-        return text
-
-
-EOS = 0
-# Vocabulary of the tiny engine model: EOS, ASCII pieces, and multi-byte characters split across tokens.
-TINY_PIECES = [b"<eos>"] + [bytes([c]) for c in b"abcdefghijklmnopqrstuvwxyz .,!?\n"] + [
-    b" the", b" and", b"ing", b"\xc3", b"\xa9", b"\xe6\x97", b"\xa5", b"\xf0\x9f", b"\x98\x80", b"\xe4\xb8\x96",
-    b"\xe7\x95\x8c", b" cafe", b"\xf0\x9f\x91", b"\x8d", b"STOP", b"ST", b"OP", b"!!", b"ab", b"cd", b"ef", b"gh",
-    b"ij", b"kl", b"mn", b"op", b"qr", b"st", b"uv", b"wx",
-]
-
-
-def tiny_tokenizer() -> PieceTokenizer:
-    return PieceTokenizer(TINY_PIECES, special=frozenset({EOS}), eos_token_ids=frozenset({EOS}))
-
-
-class TinyLM(nn.Module):
-    """A 2-layer Llama-style decoder with random weights (GQA, RoPE, SwiGLU)."""
-
-    def __init__(self, vocab: int = len(TINY_PIECES), hidden: int = 32, layers: int = 2, heads: int = 4,
-                 kv_heads: int = 2, head_dim: int = 8, max_context_len: int = 160, seed: int = 0) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-
-        def rnd(*shape, scale=1.0):
-            return nn.Parameter(torch.randn(*shape, generator=g) * scale, requires_grad=False)
-
-        self.vocab_size, self.max_context_len = vocab, max_context_len
-        self.heads, self.kv_heads, self.head_dim, self.num_layers = heads, kv_heads, head_dim, layers
-        self.embed = rnd(vocab, hidden)
-        self.wq = nn.ParameterList([rnd(heads * head_dim, hidden, scale=hidden**-0.5) for _ in range(layers)])
-        self.wk = nn.ParameterList([rnd(kv_heads * head_dim, hidden, scale=hidden**-0.5) for _ in range(layers)])
-        self.wv = nn.ParameterList([rnd(kv_heads * head_dim, hidden, scale=hidden**-0.5) for _ in range(layers)])
-        self.wo = nn.ParameterList([rnd(hidden, heads * head_dim, scale=(heads * head_dim) ** -0.5)
-                                    for _ in range(layers)])
-        self.w_gate_up = nn.ParameterList([rnd(4 * hidden, hidden, scale=hidden**-0.5) for _ in range(layers)])
-        self.w_down = nn.ParameterList([rnd(hidden, 2 * hidden, scale=(2 * hidden) ** -0.5) for _ in range(layers)])
-        self.lm_head = rnd(vocab, hidden, scale=4 * hidden**-0.5)  # peaked distributions: no near-ties
-        self.norm_w = torch.ones(hidden)
-        self.rotary = RotaryTable.build(head_dim, max_context_len, 10000.0)
-        self.forward_calls = 0
-
-    def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(self.num_layers, self.kv_heads, self.head_dim, self.head_dim)
-
-    def forward(self, input_ids, positions, ctx):
-        self.forward_calls += 1
-        t = input_ids.shape[0]
-        h = self.embed[input_ids]
-        cos, sin = self.rotary.lookup(positions, h.dtype)
-        for i in range(self.num_layers):
-            x, _ = rms_norm(h, self.norm_w, 1e-6)
-            q = (x @ self.wq[i].T).view(t, self.heads, self.head_dim)
-            k = (x @ self.wk[i].T).view(t, self.kv_heads, self.head_dim)
-            v = (x @ self.wv[i].T).view(t, self.kv_heads, self.head_dim)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            a = ctx.attention(i, q, k, v, self.head_dim**-0.5)
-            h = h + a.reshape(t, -1) @ self.wo[i].T
-            x, _ = rms_norm(h, self.norm_w, 1e-6)
-            h = h + silu_and_mul(x @ self.w_gate_up[i].T) @ self.w_down[i].T
-        return rms_norm(h, self.norm_w, 1e-6)[0]
-
-    def compute_logits(self, hidden):
-        return (hidden @ self.lm_head.T).float()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tests share 2 cores with other processes: a second intra-op thread buys little and,
-    oversubscribed, makes every op wait on a descheduled OpenMP thread (10x slowdowns seen).
-    Engines here are built with ``num_threads=1`` for the same reason; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from xllm.testing.engine import KV_BACKENDS, make_engine
+from xllm.testing.engine import one_torch_thread as one_torch_thread
+from xllm.testing.tiny import TinyLM
 
 
 @pytest.fixture(params=KV_BACKENDS)
-def kv_backend(request):
-    """Run a test once per KV backend: engines built by ``kit.engine`` use it by default."""
-    _backend["name"] = request.param
-    yield request.param
-    _backend["name"] = "xtensor"
+def kv_backend(request) -> str:
+    """Run a test once per KV backend (engines from ``new_engine`` use it)."""
+    return request.param
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
-def scheduling(request):
-    """Run a test with synchronous and with async (overlapped) scheduling."""
-    _backend["async"] = request.param
-    yield request.param
-    _backend["async"] = False
+def scheduling(request) -> bool:
+    """Run a test with synchronous and with async (overlapped) scheduling (``new_engine`` uses it)."""
+    return request.param
+
+
+@pytest.fixture
+def new_engine(request):
+    """``new_engine(model=None, **config)``: :func:`xllm.testing.engine.make_engine` with the KV backend
+    and scheduling mode this test is parametrized over (``kv_backend`` / ``scheduling``), if any."""
+    names = request.fixturenames
+    backend = request.getfixturevalue("kv_backend") if "kv_backend" in names else "xtensor"
+    overlapped = request.getfixturevalue("scheduling") if "scheduling" in names else False
+    return functools.partial(make_engine, kv_backend=backend, async_scheduling=overlapped)
 
 
 @pytest.fixture(scope="session")
 def tiny_model() -> TinyLM:
     return TinyLM()
-
-
-def make_engine(model=None, **config) -> LLMEngine:
-    config.setdefault("kv_cache_backend", _backend["name"])
-    config.setdefault("async_scheduling", _backend["async"])
-    config.setdefault("dtype", torch.float32)
-    config.setdefault("max_num_seqs", 8)
-    config.setdefault("num_threads", 1)  # see _one_torch_thread
-    return LLMEngine(model if model is not None else TinyLM(), tiny_tokenizer(), EngineConfig(**config))
-
-
-def request(rid: str, prompt: list[int], priority: int = 0, arrival_time: float = 0.0,
-            **sampling) -> engine_pb2.GenerateRequest:
-    sampling.setdefault("temperature", 0.0)
-    sampling.setdefault("max_tokens", 16)
-    return engine_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, priority=priority,
-                                      arrival_time=arrival_time, sampling=engine_pb2.SamplingParams(**sampling))
-
-
-class Collected:
-    """Every chunk of every request, merged."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[str, list[int]] = {}
-        self.text: dict[str, str] = {}
-        self.logprobs: dict[str, list[float]] = {}
-        self.final: dict[str, engine_pb2.GenerateResponse] = {}
-
-    def add(self, chunks) -> None:
-        for c in chunks:
-            assert c.request_id not in self.final, f"chunk after the final one for {c.request_id}"
-            self.tokens.setdefault(c.request_id, []).extend(c.token_ids)
-            self.text[c.request_id] = self.text.get(c.request_id, "") + c.text
-            self.logprobs.setdefault(c.request_id, []).extend(lp.logprob for lp in c.logprobs)
-            if c.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
-                self.final[c.request_id] = c
-
-
-def run_to_completion(engine: LLMEngine, max_steps: int = 5000) -> Collected:
-    got = Collected()
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return got
-        got.add(engine.step())
-    raise AssertionError(f"engine did not finish within {max_steps} steps")
-
-
-def generate(engine: LLMEngine, requests) -> Collected:
-    for r in requests:
-        engine.add_request(r)
-    return run_to_completion(engine)
-
-
-class Kit:
-    """The helpers above, handed to tests through the ``kit`` fixture (test modules do
-    not import conftest: several test directories have one)."""
-
-    EOS = EOS
-    TINY_PIECES = TINY_PIECES
-    TinyLM = TinyLM
-    PieceTokenizer = PieceTokenizer
-    Collected = Collected
-    tokenizer = staticmethod(tiny_tokenizer)
-    engine = staticmethod(make_engine)
-    request = staticmethod(request)
-    generate = staticmethod(generate)
-    run = staticmethod(run_to_completion)
-
-
-@pytest.fixture(scope="session")
-def kit() -> type[Kit]:
-    return Kit

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from xllm.core import AsyncEngine, ComputeThread, EngineConfig, LLMEngine
+from xllm.testing.engine import make_request
+from xllm.testing.tiny import TinyLM, tiny_tokenizer
 
 
 def test_tasks_run_in_order_on_one_thread_and_errors_reach_the_caller():
@@ -42,11 +44,11 @@ def test_shutdown_can_cancel_queued_tasks():
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_engine_built_and_stepped_on_the_compute_thread(kit, async_scheduling):
+def test_engine_built_and_stepped_on_the_compute_thread(async_scheduling):
     """The model's forward runs on the thread that built the engine, in both scheduling modes."""
     compute = ComputeThread()
     forward_threads: set[int] = set()
-    model = kit.TinyLM()
+    model = TinyLM()
     logits = model.compute_logits
 
     def record_thread(hidden):
@@ -56,12 +58,12 @@ def test_engine_built_and_stepped_on_the_compute_thread(kit, async_scheduling):
     model.compute_logits = record_thread
     cfg = EngineConfig(dtype=torch.float32, max_num_seqs=4, num_threads=1, kv_cache_backend="paged",
                        async_scheduling=async_scheduling)
-    engine = compute.call(LLMEngine, model, kit.tokenizer(), cfg, forward_executor=compute)
+    engine = compute.call(LLMEngine, model, tiny_tokenizer(), cfg, forward_executor=compute)
     aeng = AsyncEngine(engine, compute=compute)
     aeng.start()
 
     async def main():
-        streams = [aeng.submit(kit.request(f"r{i}", [3, 4, 5 + i], max_tokens=6, ignore_eos=True)) for i in range(3)]
+        streams = [aeng.submit(make_request(f"r{i}", [3, 4, 5 + i], max_tokens=6, ignore_eos=True)) for i in range(3)]
         outs = []
         for stream in streams:
             tokens: list[int] = []

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from xllm.core.detokenizer import IncrementalDetokenizer
+from xllm.testing.tiny import PieceTokenizer
 
 TEXT = "Grüße, 世界! 😀👍🏽 naïve café — 日本語 🇯🇵 and 👨‍👩‍👧 done."
 
@@ -21,8 +22,8 @@ def split_bytes(data: bytes, rng: random.Random, max_piece: int = 4) -> list[byt
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_split_multibyte_characters_never_emit_replacement_chars(kit, seed):
-    tok = kit.PieceTokenizer([])
+def test_split_multibyte_characters_never_emit_replacement_chars(seed):
+    tok = PieceTokenizer([])
     pieces = split_bytes(TEXT.encode(), random.Random(seed))
     assert sum(not _valid_utf8(p) for p in pieces) >= 5  # plenty of characters are split
     ids = tok.encode_pieces(pieces)
@@ -41,24 +42,24 @@ def _valid_utf8(data: bytes) -> bool:
     return True
 
 
-def test_one_byte_per_token_emits_each_character_once_complete(kit):
-    tok = kit.PieceTokenizer([])
+def test_one_byte_per_token_emits_each_character_once_complete():
+    tok = PieceTokenizer([])
     ids = tok.encode_pieces([bytes([b]) for b in "a😀b".encode()])
     detok = IncrementalDetokenizer(tok)
     assert [detok.push([i]) for i in ids] == ["a", "", "", "", "😀", "b"]
     assert detok.flush() == ""
 
 
-def test_several_tokens_pushed_at_once(kit):
-    tok = kit.PieceTokenizer([])
+def test_several_tokens_pushed_at_once():
+    tok = PieceTokenizer([])
     ids = tok.encode_pieces(split_bytes(TEXT.encode(), random.Random(99), max_piece=2))
     detok = IncrementalDetokenizer(tok)
     out = "".join(detok.push(ids[i:i + 3]) for i in range(0, len(ids), 3))
     assert "\ufffd" not in out and out + detok.flush() == TEXT
 
 
-def test_incomplete_character_at_the_end_is_released_by_flush(kit):
-    tok = kit.PieceTokenizer([])
+def test_incomplete_character_at_the_end_is_released_by_flush():
+    tok = PieceTokenizer([])
     ids = tok.encode_pieces(["ok ", b"\xf0\x9f"])  # half an emoji, then the request ends
     detok = IncrementalDetokenizer(tok)
     assert detok.push([ids[0]]) == "ok "
@@ -67,8 +68,8 @@ def test_incomplete_character_at_the_end_is_released_by_flush(kit):
     assert detok.flush() == ""
 
 
-def test_prompt_context_keeps_the_leading_space_of_sentencepiece_decoders(kit):
-    tok = kit.PieceTokenizer([], strip_leading_space=True)
+def test_prompt_context_keeps_the_leading_space_of_sentencepiece_decoders():
+    tok = PieceTokenizer([], strip_leading_space=True)
     prompt = tok.encode_pieces([" Say", " hi"])
     out = tok.encode_pieces([" Hello", " 世", "界", " world"])
     with_ctx = IncrementalDetokenizer.for_prompt(tok, prompt)
@@ -77,8 +78,8 @@ def test_prompt_context_keeps_the_leading_space_of_sentencepiece_decoders(kit):
     assert "".join(bare.push([i]) for i in out) == "Hello 世界 world"  # what the context prevents
 
 
-def test_for_prompt_uses_only_a_short_tail_and_skips_special_tokens(kit):
-    tok = kit.PieceTokenizer([b"<s>", b"</s>"], special=frozenset({0, 1}))
+def test_for_prompt_uses_only_a_short_tail_and_skips_special_tokens():
+    tok = PieceTokenizer([b"<s>", b"</s>"], special=frozenset({0, 1}))
     prompt = [0, *tok.encode_pieces(list("abcdefghij"))]
     detok = IncrementalDetokenizer.for_prompt(tok, prompt, skip_special_tokens=True, context=4)
     assert detok.ids == prompt[-4:] and detok.read_offset == 4
@@ -88,9 +89,9 @@ def test_for_prompt_uses_only_a_short_tail_and_skips_special_tokens(kit):
     assert "".join(keep.push([i]) for i in ids) == "X</s>Y"
 
 
-def test_window_stays_small(kit):
+def test_window_stays_small():
     """Decoding cost per token must not grow with the output length."""
-    tok = kit.PieceTokenizer([])
+    tok = PieceTokenizer([])
     ids = tok.encode_pieces(split_bytes((TEXT * 20).encode(), random.Random(5)))
     detok = IncrementalDetokenizer(tok)
     longest = 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xllm.core import ConfigError, EngineConfig, InvalidRequestError, parse_dtype
-from xllm.core.kv import KVCacheLayout, create_kv_cache
+from xllm.core.kv import KV_BACKENDS, KVCacheLayout
 from xllm.core.kv.contiguous import ContiguousKVCache
 from xllm.core.model_api import KVCacheSpec
 from xllm.core.sampling_params import SamplingParams
@@ -31,7 +31,7 @@ def test_spec_bytes_per_token():
 
 
 def test_contiguous_tensors_follow_the_layout():
-    kv = create_kv_cache("contiguous", layout())
+    kv = KV_BACKENDS.create("contiguous", layout())
     assert isinstance(kv, ContiguousKVCache)
     k, v = kv.layer_kv(2)
     assert k.shape == (3, 64, 2, 8) and v.shape == (3, 64, 2, 4) and k.dtype == torch.float32
@@ -39,7 +39,7 @@ def test_contiguous_tensors_follow_the_layout():
                                              2, 8, 4, 4))
     assert latent.layer_kv(0)[1] is None
     with pytest.raises(ValueError, match="contiguous"):
-        create_kv_cache("paged-v9", layout())
+        KV_BACKENDS.create("paged-v9", layout())
 
 
 def test_allocate_and_free_accounting():

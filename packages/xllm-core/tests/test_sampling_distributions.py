@@ -21,6 +21,7 @@ from xllm.core import InvalidRequestError
 from xllm.core.sampler import Sampler
 from xllm.core.sampling_params import SamplingParams
 from xllm.core.sequence import Sequence
+from xllm.testing.engine import generate, make_request, run_to_completion
 
 V = 40
 DRAWS = 4000
@@ -168,25 +169,25 @@ def test_same_seed_same_draws_and_different_seeds_differ():
 
 
 # ---- through the engine ------------------------------------------------------------------
-def test_seeded_output_ignores_neighbours_chunking_and_preemption(kit, tiny_model):
+def test_seeded_output_ignores_neighbours_chunking_and_preemption(new_engine, tiny_model):
     p = [5, 9, 14, 2, 30, 7, 7, 19, 3, 11, 25, 4]
     seeded = dict(temperature=1.2, top_p=0.95, seed=777, max_tokens=40, ignore_eos=True)
-    alone = kit.generate(kit.engine(tiny_model, kv_cache_backend="paged"), [kit.request("s", p, **seeded)])
+    alone = generate(new_engine(tiny_model, kv_cache_backend="paged"), [make_request("s", p, **seeded)])
     per_block = tiny_model.kv_cache_spec().bytes_per_token(torch.float32) * 16
-    tight = kit.engine(tiny_model, kv_cache_backend="paged", block_size=16, max_num_batched_tokens=5,
+    tight = new_engine(tiny_model, kv_cache_backend="paged", block_size=16, max_num_batched_tokens=5,
                        kv_cache_memory_gib=7 * per_block / 2**30, enable_prefix_cache=False)
-    others = [kit.request(f"o{i}", [i + 1] * (6 + 3 * i), temperature=1.0, max_tokens=40, ignore_eos=True)
+    others = [make_request(f"o{i}", [i + 1] * (6 + 3 * i), temperature=1.0, max_tokens=40, ignore_eos=True)
               for i in range(3)]
-    crowded = kit.generate(tight, [others[0], kit.request("s", p, **seeded), *others[1:]])
+    crowded = generate(tight, [others[0], make_request("s", p, **seeded), *others[1:]])
     assert tight.counters.num_preemptions > 0  # the seeded request ran through preemption and chunked prefill
     assert crowded.tokens["s"] == alone.tokens["s"]
     assert crowded.text["s"] == alone.text["s"]
 
 
-def test_logit_bias_outside_the_vocabulary_is_rejected(kit, tiny_model):
-    eng = kit.engine(tiny_model)
+def test_logit_bias_outside_the_vocabulary_is_rejected(new_engine, tiny_model):
+    eng = new_engine(tiny_model)
     with pytest.raises(InvalidRequestError) as err:
-        eng.add_request(kit.request("b", [1, 2], logit_bias={tiny_model.vocab_size: 5.0}))
+        eng.add_request(make_request("b", [1, 2], logit_bias={tiny_model.vocab_size: 5.0}))
     assert err.value.param == "logit_bias"
-    eng.add_request(kit.request("ok", [1, 2], logit_bias={tiny_model.vocab_size - 1: 5.0}, max_tokens=2))
-    assert len(kit.run(eng).tokens["ok"]) >= 1
+    eng.add_request(make_request("ok", [1, 2], logit_bias={tiny_model.vocab_size - 1: 5.0}, max_tokens=2))
+    assert len(run_to_completion(eng).tokens["ok"]) >= 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xllm.core.kv import KVCacheLayout
+from xllm.core.kv import KVCacheLayout, PrefixStats
 from xllm.core.kv.base import page_aligned_block_size
 from xllm.core.kv.page_pool import PagePool, PageStatus
 from xllm.core.kv.paged import PagedKVCache
@@ -154,7 +154,7 @@ def test_prefix_hit_maps_the_cached_pages_zero_copy():
     assert b.slot != a.slot and torch.equal(k[b.slot, :16], k[a.slot, :16])
     k[a.slot, 0] = 5.0
     assert k[b.slot, 0].eq(5.0).all()
-    assert (kv.prefix_queries, kv.prefix_hits) == (19 + 20, 16)
+    assert kv.prefix_stats == PrefixStats(19 + 20, 16)
     kv.free(a)
     kv.free(b)
     assert kv.pool.num_in_use == 0 and kv.pool.num_cached == 2
@@ -198,7 +198,7 @@ def test_async_premap_is_ready_before_the_next_write():
 
 
 def test_cache_events_record_stores_and_evictions():
-    pool = PagePool(2)
+    pool = PagePool(2, record_events=True)
     a, b = pool.take("r1"), pool.take("r2")
     pool.set_hash(a.page_id, 11)
     pool.set_hash(b.page_id, 12)
@@ -211,7 +211,7 @@ def test_cache_events_record_stores_and_evictions():
 
 
 def test_latent_cache_values_are_key_channels():
-    from xllm.core.model_runner import StepAttention
+    from xllm.core.kv.addressing import SlotAddress, SlotAttention
 
     spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=64 + 16, v_head_dim=0)  # MLA: latent + rope dims
     bs = page_aligned_block_size(spec, torch.float32)
@@ -223,11 +223,13 @@ def test_latent_cache_values_are_key_channels():
 
     from types import SimpleNamespace
 
-    batch = SimpleNamespace(token_slots=torch.full((5,), s.slot), positions=torch.arange(5), num_decode=0,
-                            prefill_slots=[s.slot], prefill_query_starts=[0, 5], prefill_context_lens=[5])
+    address = SlotAddress(token_slots=torch.full((5,), s.slot), decode_slots=torch.zeros(0, dtype=torch.long),
+                          prefill_slots=[s.slot])
+    batch = SimpleNamespace(address=address, positions=torch.arange(5), num_decode=0, prefill_query_starts=[0, 5],
+                            prefill_context_lens=[5])
 
     q, k = torch.randn(5, 4, 80), torch.randn(5, 1, 80)
-    out = StepAttention(kv, batch).attention(0, q, k, None, 0.1, v_dim=64)
+    out = SlotAttention(kv, batch).attention(0, q, k, None, 0.1, v_dim=64)
     assert out.shape == (5, 4, 64)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1).expand(4, 5, 80), k[..., :64].transpose(0, 1).expand(4, 5, 64),

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from xllm.models import Tokenizer, resolve_model
 from xllm.models.gguf_import import GGUFImportError, hf_tensor_name, unpermute_rows
-from xllm.models.source import DEFAULT_MODEL, bundled_gguf
+from xllm.models.source import DEFAULT_MODEL, bundled_gguf, spec_needs_conversion
 
 
 def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -43,12 +43,15 @@ def test_tensor_names():
 
 @pytest.fixture(scope="module")
 def fresh_conversion(tmp_path_factory):
-    """resolve_model() into an empty cache: the real bundled GGUF converted now, by this code."""
+    """resolve_model() into an empty cache: the real bundled GGUF converted now, by this code (in a child
+    process, as a torch-free cluster gateway converts it)."""
     cache = tmp_path_factory.mktemp("xcache")
     mp = pytest.MonkeyPatch()
     mp.setenv("XLLM_CACHE_DIR", str(cache))
     try:
-        path = resolve_model(progress=False)
+        assert spec_needs_conversion(None)
+        path = resolve_model(progress=False, isolated=True)
+        assert not spec_needs_conversion("smollm2")
         again = resolve_model("smollm2", progress=False)  # alias, already converted: no second conversion
         mtime = (path / "model.safetensors").stat().st_mtime_ns
         assert again == path and (again / "model.safetensors").stat().st_mtime_ns == mtime

@@ -11,6 +11,7 @@ from xllm.core import EngineConfig, LLMEngine
 from xllm.core.graph_runner import inductor_cache_dir
 from xllm.models import load_model
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.models import save_random_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,11 +41,11 @@ def run(model, compile_decode: bool):
 
 
 @pytest.mark.slow
-def test_compiled_decode_graph_equals_eager(tmp_path, monkeypatch, mkit):
+def test_compiled_decode_graph_equals_eager(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    mkit.save_random_hf_model(tmp_path / "m", cfg, seed=4)
+    save_random_hf_model(tmp_path / "m", cfg, seed=4)
     model = load_model(tmp_path / "m", torch.float32, progress=False)
     eager, eager_lp, _ = run(model, False)
     got, got_lp, runner = run(model, True)

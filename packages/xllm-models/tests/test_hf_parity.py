@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.models import run_engine
 
 pytestmark = pytest.mark.real_model
 
@@ -51,8 +52,8 @@ def hf_teacher_forced(hf, prompt: list[int], output: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def fp32_run(mkit, smollm2_fp32, smollm2_tokenizer, prompts):
-    return mkit.run_engine(smollm2_fp32, smollm2_tokenizer, prompts, NEW_TOKENS)
+def fp32_run(smollm2_fp32, smollm2_tokenizer, prompts):
+    return run_engine(smollm2_fp32, smollm2_tokenizer, prompts, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +96,8 @@ def test_streamed_text_is_the_decoded_output(fp32_run, prompts, smollm2_tokenize
     assert fp32_run.text["p1"].startswith("The capital of France is Paris")
 
 
-def test_chunked_prefill_mixed_with_decodes_equals_hf(mkit, smollm2_fp32, smollm2_tokenizer, prompts, hf_rows):
-    run = mkit.run_engine(smollm2_fp32, smollm2_tokenizer, prompts, NEW_TOKENS, max_num_batched_tokens=7,
+def test_chunked_prefill_mixed_with_decodes_equals_hf(smollm2_fp32, smollm2_tokenizer, prompts, hf_rows):
+    run = run_engine(smollm2_fp32, smollm2_tokenizer, prompts, NEW_TOKENS, max_num_batched_tokens=7,
                           enable_prefix_cache=False)  # every token computed: no shared chat-template blocks
     # hf_rows were computed on the unchunked outputs: up to a first divergence the contexts are
     # identical, so any divergence shows up as a token that is not HF's argmax.
@@ -117,7 +118,7 @@ def smollm2_bf16(smollm2_dir):
     return load_model(smollm2_dir, torch.bfloat16, progress=False)
 
 
-def test_bf16_first_tokens_sanity(mkit, smollm2_bf16, smollm2_tokenizer, hf_smollm2_fp32, prompts):
+def test_bf16_first_tokens_sanity(smollm2_bf16, smollm2_tokenizer, hf_smollm2_fp32, prompts):
     """bf16 is not token-equal to fp32 over long outputs. Asserted here, against HF fp32
     teacher-forced on our bf16 tokens, for the first 8 tokens of each prompt:
 
@@ -128,7 +129,7 @@ def test_bf16_first_tokens_sanity(mkit, smollm2_bf16, smollm2_tokenizer, hf_smol
     - at least 80% of all chosen tokens are HF fp32's argmax.
     """
     n = 8
-    run = mkit.run_engine(smollm2_bf16, smollm2_tokenizer, prompts, n, dtype=torch.bfloat16)
+    run = run_engine(smollm2_bf16, smollm2_tokenizer, prompts, n, dtype=torch.bfloat16)
     decided = agree = 0
     worst_gap = worst_lp = 0.0
     for i, p in enumerate(prompts):
@@ -152,7 +153,7 @@ def test_bf16_first_tokens_sanity(mkit, smollm2_bf16, smollm2_tokenizer, hf_smol
     assert agree >= 0.8 * n * len(prompts)
 
 
-def test_preemption_under_a_tiny_kv_pool_keeps_the_outputs(mkit, smollm2_fp32, smollm2_tokenizer, prompts,
+def test_preemption_under_a_tiny_kv_pool_keeps_the_outputs(smollm2_fp32, smollm2_tokenizer, prompts,
                                                            fp32_run):
     """Greedy outputs are prefix-consistent, so 16-token runs must equal the first 16 tokens
     of the (HF-checked) 32-token run, however often the sequences were preempted and recomputed."""
@@ -161,7 +162,7 @@ def test_preemption_under_a_tiny_kv_pool_keeps_the_outputs(mkit, smollm2_fp32, s
     spec = smollm2_fp32.kv_cache_spec()
     per_block = spec.bytes_per_token(torch.float32) * 16
     blocks = -(-(max(len(prompts[i]) for i in picked) + n) // 16) + 1  # the longest fits alone, not with all
-    run = mkit.run_engine(smollm2_fp32, smollm2_tokenizer, [prompts[i] for i in picked], n,
+    run = run_engine(smollm2_fp32, smollm2_tokenizer, [prompts[i] for i in picked], n,
                           kv_cache_memory_gib=blocks * per_block / 2**30)
     assert run.counters.num_preemptions > 0
     for j, i in enumerate(picked):

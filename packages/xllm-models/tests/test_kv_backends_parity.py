@@ -10,6 +10,7 @@ import torch
 from xllm.core import EngineConfig, LLMEngine
 from xllm.models import load_model
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.models import save_random_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,14 +69,14 @@ def smollm2_case(request):
     return request.getfixturevalue("smollm2_fp32"), tok, request.getfixturevalue("hf_smollm2_fp32"), prompts
 
 
-def qwen_case(name: str, path, mkit):
+def qwen_case(name: str, path):
     common = dict(vocab_size=997, hidden_size=128, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     if name == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
     else:
         cfg = transformers.Qwen3Config(**common, head_dim=48, tie_word_embeddings=False)
-    hf = mkit.save_random_hf_model(path, cfg, seed=3)
+    hf = save_random_hf_model(path, cfg, seed=3)
     model = load_model(path, torch.float32, progress=False)
     g = torch.Generator().manual_seed(7)
     system = torch.randint(0, 997, (70,), generator=g).tolist()
@@ -84,10 +85,10 @@ def qwen_case(name: str, path, mkit):
 
 
 @pytest.fixture(scope="module", params=["smollm2", "qwen2", "qwen3"])
-def case(request, tmp_path_factory, mkit):
+def case(request, tmp_path_factory):
     if request.param == "smollm2":
         return smollm2_case(request)
-    return qwen_case(request.param, tmp_path_factory.mktemp(request.param), mkit)
+    return qwen_case(request.param, tmp_path_factory.mktemp(request.param))
 
 
 # ---- the features ----------------------------------------------------------------------------
@@ -108,7 +109,7 @@ def test_prefix_cache_hits(case, backend):
     common = min(next(j for j, (a, b) in enumerate(zip(prompts[0], p)) if a != b) for p in prompts[1:])
     assert common >= 2 * bs  # the system prompt spans several blocks
     # each later prompt reused every full block of the shared system prompt
-    assert eng.kv.prefix_hits == 3 * (common // bs * bs)
+    assert eng.kv.prefix_stats.hits == 3 * (common // bs * bs)
     assert not eng.requests
     assert_greedy_equals_hf(hf, prompts, tokens, lps)
 

@@ -23,10 +23,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from xllm.models import load_model, supported_architectures
+from xllm.models import ARCHITECTURES, load_model
 from xllm.models.config import ModelConfigError
 from xllm.models.registry import model_class
 from xllm.models.weights import WeightLoadError
+from xllm.testing.models import full_logits, run_engine, save_random_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,12 +118,12 @@ class IdTokenizer:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, mkit):
+def saved(tmp_path_factory):
     """name -> (model dir, HF model in fp32)."""
     out = {}
     for name, (make, seed) in CONFIGS.items():
         path = tmp_path_factory.mktemp(name)
-        out[name] = (path, mkit.save_random_hf_model(path, make(), seed=seed))
+        out[name] = (path, save_random_hf_model(path, make(), seed=seed))
     return out
 
 
@@ -137,13 +138,13 @@ def prompts_for(vocab: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_logits_match_hf(saved, ours, mkit, name):
+def test_logits_match_hf(saved, ours, name):
     _, hf = saved[name]
     vocab = hf.config.vocab_size
     ids = torch.randint(0, vocab, (100,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0].float()
-    got = mkit.full_logits(ours[name], ids.tolist())
+    got = full_logits(ours[name], ids.tolist())
     assert got.shape == ref.shape == (100, vocab)
     scale = ref.abs().max().item()
     diff = (got - ref).abs().max().item()
@@ -155,10 +156,10 @@ def test_logits_match_hf(saved, ours, mkit, name):
 
 @pytest.mark.parametrize("backend,budget", [("xtensor", 2048), ("paged", 16)])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_engine_greedy_equals_hf(saved, ours, mkit, name, backend, budget):
+def test_engine_greedy_equals_hf(saved, ours, name, backend, budget):
     _, hf = saved[name]
     prompts = prompts_for(hf.config.vocab_size)
-    run = mkit.run_engine(ours[name], IdTokenizer(), prompts, NEW, kv_cache_backend=backend,
+    run = run_engine(ours[name], IdTokenizer(), prompts, NEW, kv_cache_backend=backend,
                           max_num_batched_tokens=budget, max_model_len=256)
     assert run.counters.max_batch_size >= 3  # sequences really ran together
     worst = 0.0
@@ -205,7 +206,7 @@ def test_mla_caches_only_the_compressed_latent(saved, ours, name):
 # ---- loading -------------------------------------------------------------------------------
 def test_registry_names_the_moe_architectures():
     for arch in ("Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
-        assert arch in supported_architectures()
+        assert arch in ARCHITECTURES.names()
         assert model_class(arch).__name__ == arch
     with pytest.raises(ModelConfigError, match=r"DeepseekV3ForCausalLM.*Qwen3MoeForCausalLM"):
         model_class("MixtralForCausalLM")
@@ -250,7 +251,7 @@ def _rewrite(src, dst, edit):
     return dst
 
 
-def test_stacked_expert_layout_and_mtp_layers_load(saved, ours, mkit, tmp_path):
+def test_stacked_expert_layout_and_mtp_layers_load(saved, ours, tmp_path):
     """transformers 5's in-memory layout (``experts.gate_up_proj`` ``[E, 2I, H]``) loads too, and a
     V3 checkpoint's extra MTP layer (index ``num_hidden_layers``) is skipped."""
     src, hf = saved["deepseek_v3_yarn"]
@@ -268,7 +269,7 @@ def test_stacked_expert_layout_and_mtp_layers_load(saved, ours, mkit, tmp_path):
 
     model = load_model(_rewrite(src, tmp_path / "stacked", edit), torch.float32, progress=False)
     ids = list(range(3, 40))
-    assert torch.equal(mkit.full_logits(model, ids), mkit.full_logits(ours["deepseek_v3_yarn"], ids))
+    assert torch.equal(full_logits(model, ids), full_logits(ours["deepseek_v3_yarn"], ids))
 
 
 @pytest.mark.parametrize("drop,match", [

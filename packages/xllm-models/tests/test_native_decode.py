@@ -10,6 +10,7 @@ from xllm.core import EngineConfig, LLMEngine
 from xllm.kernels import native
 from xllm.models import load_model
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.models import save_random_hf_model
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None, reason="native kernels unavailable")
@@ -26,7 +27,7 @@ class IdTok:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def model_dir(request, tmp_path_factory, mkit):
+def model_dir(request, tmp_path_factory):
     if request.param == "llama":
         cfg = transformers.LlamaConfig(**COMMON)
     elif request.param == "qwen2":
@@ -34,7 +35,7 @@ def model_dir(request, tmp_path_factory, mkit):
     else:
         cfg = transformers.Qwen3Config(**{**COMMON, "head_dim": 32}, tie_word_embeddings=False)
     path = tmp_path_factory.mktemp(request.param)
-    mkit.save_random_hf_model(path, cfg, seed=5)
+    save_random_hf_model(path, cfg, seed=5)
     return path
 
 
@@ -61,7 +62,7 @@ def prompts(k=5):
 
 def test_fp32_fused_decode_equals_eager(model_dir):
     model = load_model(model_dir, torch.float32, progress=False)
-    assert model._fused is not None
+    assert model.fused_decoder() is not None
     ps = prompts()
     eager, eager_lp, steps0 = generate(model, ps, native_decode=False)
     fused, fused_lp, steps1 = generate(model, ps, native_decode=True)

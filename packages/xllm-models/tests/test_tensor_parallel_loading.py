@@ -12,6 +12,7 @@ import torch
 from xllm.models import load_model
 from xllm.models.config import ModelConfigError
 from xllm.models.tensor_parallel import TPShard
+from xllm.testing.models import DenseContext, save_random_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,7 +20,7 @@ TP = 2
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, mkit):
+def checkpoints(tmp_path_factory):
     """name -> (dir, full model, [rank models])."""
     configs = {
         "llama_bias": transformers.LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=96,
@@ -40,7 +41,7 @@ def checkpoints(tmp_path_factory, mkit):
     out = {}
     for i, (name, cfg) in enumerate(configs.items()):
         path = tmp_path_factory.mktemp(name)
-        mkit.save_random_hf_model(path, cfg, seed=i)
+        save_random_hf_model(path, cfg, seed=i)
         full = load_model(path, torch.float32, progress=False)
         ranks = [load_model(path, torch.float32, progress=False, tp_rank=r, tp_size=TP) for r in range(TP)]
         out[name] = (path, full, ranks)
@@ -92,10 +93,10 @@ def _attention(model, layer: int, x: torch.Tensor, ctx) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["llama_bias", "qwen3_moe", "deepseek_v2"])
-def test_partial_outputs_sum_to_the_full_layer(checkpoints, mkit, name):
+def test_partial_outputs_sum_to_the_full_layer(checkpoints, name):
     _, full, ranks = checkpoints[name]
     x = torch.randn(9, full.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    ctx = mkit.DenseContext()
+    ctx = DenseContext()
     with torch.no_grad():
         for i, layer in enumerate(full.model.layers):
             attn = sum(_attention(r, i, x, ctx) for r in ranks)

@@ -15,6 +15,7 @@ from xllm.models import load_model
 from xllm.models.loader import iter_safetensors, shard_files, tensor_names_in_file_order
 from xllm.models.weights import WeightLoadError
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.models import full_logits, save_random_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,28 +45,28 @@ def hf_config(name: str):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, mkit):
+def saved(tmp_path_factory):
     """name -> (model dir, HF model)."""
     out = {}
     for i, name in enumerate(VARIANTS):
         path = tmp_path_factory.mktemp(name)
         shard = "150KB" if "sharded" in name else "100MB"
-        out[name] = (path, mkit.save_random_hf_model(path, hf_config(name), seed=i, max_shard_size=shard))
+        out[name] = (path, save_random_hf_model(path, hf_config(name), seed=i, max_shard_size=shard))
     mistral = tmp_path_factory.mktemp("mistral")
     cfg = transformers.MistralConfig(**BASE, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                                      num_key_value_heads=2, sliding_window=None)
-    out["mistral"] = (mistral, mkit.save_random_hf_model(mistral, cfg, seed=9))
+    out["mistral"] = (mistral, save_random_hf_model(mistral, cfg, seed=9))
     return out
 
 
 @pytest.mark.parametrize("name", [*VARIANTS, "mistral"])
-def test_logits_match_hf(saved, mkit, name):
+def test_logits_match_hf(saved, name):
     path, hf = saved[name]
     model = load_model(path, torch.float32, progress=False)
     ids = torch.randint(0, 1000, (120,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0].float()
-    ours = mkit.full_logits(model, ids.tolist())
+    ours = full_logits(model, ids.tolist())
     assert ours.shape == ref.shape == (120, 1000)
     scale = ref.abs().max().item()
     assert scale > 1.0  # weights are large enough for a meaningful comparison

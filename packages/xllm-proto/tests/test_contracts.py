@@ -57,3 +57,14 @@ def test_round_trip_generate_messages():
 def test_contracts_import_without_torch():
     code = "import sys, xllm.proto.engine.v1.engine_pb2_grpc; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_finish_reason_names_cover_every_enum_value():
+    from xllm.proto.enums import finish_reason_name
+
+    values = engine_pb2.FinishReason.values()
+    assert finish_reason_name(engine_pb2.FINISH_REASON_UNSPECIFIED) is None
+    names = {finish_reason_name(v) for v in values if v != engine_pb2.FINISH_REASON_UNSPECIFIED}
+    assert names == {"stop", "length", "abort", "error"}
+    assert len(values) == 5, "a new FinishReason needs its API name in xllm.proto.enums"
+    assert finish_reason_name(99) == "stop"  # a value from a newer engine still ends the request

@@ -1,4 +1,4 @@
-"""DecodeFirstPolicy against a fake KV allocator with a block budget (pure Python, no torch)."""
+"""DecodeFirstPolicy against fake scheduler queues over a KV allocator with a block budget (pure Python, no torch)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from xllm.sched import DecodeFirstPolicy, StepPlan, batch_policy
+from xllm.common import UnknownNameError
+from xllm.sched import BATCH_POLICIES, DecodeFirstPolicy, StepPlan
 
 
 @dataclass(eq=False)
@@ -66,6 +67,43 @@ class FakeKV:
         self.freed.append(seq)
 
 
+class FakeQueues:
+    """The engine scheduler's part, as the policy sees it (``xllm.sched.SchedulerQueues``): the
+    queues are the given ``running`` list and ``waiting`` deque, changed only by the operations."""
+
+    def __init__(self, running: list, waiting: deque, kv: FakeKV) -> None:
+        self._running, self._waiting, self.kv = running, waiting, kv
+
+    @property
+    def running(self) -> list:
+        return list(self._running)
+
+    @property
+    def waiting(self) -> list:
+        return list(self._waiting)
+
+    def allocate(self, seq, num_new_tokens: int) -> bool:
+        return self.kv.allocate(seq, num_new_tokens)
+
+    def admit(self, seq, max_new_tokens: int) -> int:
+        assert self._waiting[0] is seq, "only the head of waiting is admitted"
+        n = self.kv.admit(seq, max_new_tokens)
+        if n:
+            self._waiting.popleft()
+            self._running.append(seq)
+        return n
+
+    def preempt(self, seq) -> None:
+        self.kv.free(seq)
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+        seq.num_computed_tokens = 0
+
+
+def schedule(policy: DecodeFirstPolicy, running: list, waiting: deque, kv: FakeKV) -> StepPlan:
+    return policy.schedule(FakeQueues(running, waiting, kv))
+
+
 def chunk_list(plan: StepPlan) -> list[tuple[str, int]]:
     return [(c.seq.name, c.num_tokens) for c in plan.chunks]
 
@@ -76,7 +114,7 @@ def test_decodes_are_scheduled_before_prefills():
     d2 = decoding("d2", arrival_time=2.0)
     running = [pre, d1, d2]
     waiting = deque([FakeSeq("new", 5, arrival_time=3.0)])
-    plan = DecodeFirstPolicy(8, 100).schedule(running, waiting, FakeKV(100))
+    plan = schedule(DecodeFirstPolicy(8, 100), running, waiting, FakeKV(100))
     assert chunk_list(plan) == [("d1", 1), ("d2", 1), ("pre", 12), ("new", 5)]
     assert [s.name for s in plan.admitted] == ["new"]
     assert running[-1].name == "new" and not waiting
@@ -89,20 +127,20 @@ def test_token_budget_respected_with_chunked_prefill():
     running = [pre, d1, d2]
     new = FakeSeq("new", 30)
     waiting = deque([new])
-    plan = DecodeFirstPolicy(8, 10).schedule(running, waiting, FakeKV(100))
+    plan = schedule(DecodeFirstPolicy(8, 10), running, waiting, FakeKV(100))
     # Both decodes, then the prefill gets exactly what is left; nothing is admitted.
     assert chunk_list(plan) == [("d1", 1), ("d2", 1), ("pre", 8)]
     assert plan.num_tokens == 10
     assert list(waiting) == [new] and not plan.admitted
 
     # With budget left after the running work, a waiting prompt is admitted as a chunk.
-    plan = DecodeFirstPolicy(8, 16).schedule([d1], deque([new]), FakeKV(100))
+    plan = schedule(DecodeFirstPolicy(8, 16), [d1], deque([new]), FakeKV(100))
     assert chunk_list(plan) == [("d1", 1), ("new", 15)]
 
 
 def test_budget_smaller_than_decodes_schedules_at_most_budget():
     running = [decoding(f"d{i}") for i in range(5)]
-    plan = DecodeFirstPolicy(8, 3).schedule(running, deque(), FakeKV(100))
+    plan = schedule(DecodeFirstPolicy(8, 3), running, deque(), FakeKV(100))
     assert chunk_list(plan) == [("d0", 1), ("d1", 1), ("d2", 1)]
 
 
@@ -110,16 +148,16 @@ def test_without_chunking_a_prefill_that_does_not_fit_is_not_split():
     pre = FakeSeq("pre", 40, 0)
     d = decoding("d")
     small = FakeSeq("small", 4)
-    plan = DecodeFirstPolicy(8, 20, chunked_prefill=False).schedule([d, pre], deque([small]), FakeKV(100))
+    plan = schedule(DecodeFirstPolicy(8, 20, chunked_prefill=False), [d, pre], deque([small]), FakeKV(100))
     assert chunk_list(plan) == [("d", 1), ("small", 4)]
-    plan = DecodeFirstPolicy(8, 20, chunked_prefill=False).schedule([], deque([FakeSeq("big", 21)]), FakeKV(100))
+    plan = schedule(DecodeFirstPolicy(8, 20, chunked_prefill=False), [], deque([FakeSeq("big", 21)]), FakeKV(100))
     assert not plan and not plan.admitted
 
 
 def test_admission_stops_at_max_num_seqs_and_keeps_service_order():
     running = [decoding("r0")]
     waiting = deque(FakeSeq(f"w{i}", 3, arrival_time=float(i)) for i in range(5))
-    plan = DecodeFirstPolicy(max_num_seqs=3, max_num_batched_tokens=1000).schedule(running, waiting, FakeKV(100))
+    plan = schedule(DecodeFirstPolicy(max_num_seqs=3, max_num_batched_tokens=1000), running, waiting, FakeKV(100))
     assert [s.name for s in plan.admitted] == ["w0", "w1"]
     assert [s.name for s in running] == ["r0", "w0", "w1"]
     assert [s.name for s in waiting] == ["w2", "w3", "w4"]
@@ -129,7 +167,7 @@ def test_admission_stops_at_max_num_seqs_and_keeps_service_order():
 def test_admission_stops_at_first_waiting_that_does_not_fit_in_kv():
     kv = FakeKV(num_blocks=3, block_size=4)
     waiting = deque([FakeSeq("a", 8), FakeSeq("b", 8), FakeSeq("c", 1)])
-    plan = DecodeFirstPolicy(8, 1000).schedule([], waiting, kv)
+    plan = schedule(DecodeFirstPolicy(8, 1000), [], waiting, kv)
     # "a" takes 2 blocks, "b" needs 2 of the 1 left: admission stops (no overtaking by "c").
     assert [s.name for s in plan.admitted] == ["a"]
     assert [s.name for s in waiting] == ["b", "c"]
@@ -147,7 +185,7 @@ def test_preemption_picks_lowest_priority_then_latest_and_requeues_it_first():
     assert kv.free_blocks == 0
     queued = FakeSeq("queued", 2, priority=0, arrival_time=3.0)
     running, waiting = [a, b, c], deque([queued])
-    plan = DecodeFirstPolicy(8, 100).schedule(running, waiting, kv)
+    plan = schedule(DecodeFirstPolicy(8, 100), running, waiting, kv)
     # a needs a block: b is the victim (priority beats arrival), not c.
     assert plan.preempted == [b]
     assert kv.freed == [b]
@@ -164,7 +202,7 @@ def test_preemption_among_equal_priorities_takes_the_latest_arrival():
     for s in seqs:
         kv.hold(s, 8)
     running, waiting = list(seqs), deque()
-    plan = DecodeFirstPolicy(8, 100).schedule(running, waiting, kv)
+    plan = schedule(DecodeFirstPolicy(8, 100), running, waiting, kv)
     assert [s.name for s in plan.preempted] == ["late"]
     assert [s.name for s in waiting] == ["late"]
     assert chunk_list(plan) == [("a", 1), ("b", 1)]
@@ -177,7 +215,7 @@ def test_a_sequence_that_is_itself_least_important_yields_instead_of_evicting():
     kv.hold(low, 8)
     kv.hold(high, 8)
     running, waiting = [low, high], deque()
-    plan = DecodeFirstPolicy(8, 100).schedule(running, waiting, kv)
+    plan = schedule(DecodeFirstPolicy(8, 100), running, waiting, kv)
     assert plan.preempted == [low]
     assert running == [high] and list(waiting) == [low]
     # With low's blocks released, high (more important) still runs this step.
@@ -192,7 +230,7 @@ def test_already_scheduled_sequences_are_never_preempted():
     kv.hold(mid, 8)
     # one free block: "first" takes it; "mid" then needs one and may only evict itself.
     running, waiting = [first, mid], deque()
-    plan = DecodeFirstPolicy(8, 100).schedule(running, waiting, kv)
+    plan = schedule(DecodeFirstPolicy(8, 100), running, waiting, kv)
     assert chunk_list(plan) == [("first", 1)]
     assert plan.preempted == [mid]
 
@@ -208,9 +246,7 @@ class Driver:
         self.preemptions = 0
 
     def step(self) -> StepPlan:
-        plan = self.policy.schedule(self.running, self.waiting, self.kv)
-        for s in plan.preempted:
-            s.num_computed_tokens = 0
+        plan = schedule(self.policy, self.running, self.waiting, self.kv)
         self.preemptions += len(plan.preempted)
         names = [id(c.seq) for c in plan.chunks]
         assert len(names) == len(set(names)), "a sequence was scheduled twice"
@@ -267,16 +303,16 @@ def test_invalid_limits_and_registry():
         DecodeFirstPolicy(0, 10)
     with pytest.raises(ValueError):
         DecodeFirstPolicy(4, 0)
-    policy = batch_policy("decode_first", max_num_seqs=3, max_num_batched_tokens=7)
+    policy = BATCH_POLICIES.create("decode_first", max_num_seqs=3, max_num_batched_tokens=7)
     assert isinstance(policy, DecodeFirstPolicy)
     assert (policy.max_num_seqs, policy.max_num_batched_tokens) == (3, 7)
-    with pytest.raises(ValueError, match="decode_first"):
-        batch_policy("round_robin")
+    with pytest.raises(UnknownNameError, match="decode_first"):
+        BATCH_POLICIES.create("round_robin")
 
 
 def test_import_does_not_pull_torch():
-    code = ("import sys, xllm.sched; from xllm.sched import batch_policy; "
-            "batch_policy('decode_first', max_num_seqs=1, max_num_batched_tokens=1); "
+    code = ("import sys, xllm.sched; from xllm.sched import BATCH_POLICIES; "
+            "BATCH_POLICIES.create('decode_first', max_num_seqs=1, max_num_batched_tokens=1); "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
+from xllm.common import UnknownNameError
 from xllm.sched import (
+    ROUTING_POLICIES,
     InstanceSnapshot,
     KVCacheAwarePolicy,
     LeastLoadPolicy,
     RoundRobinPolicy,
     RouteRequest,
-    routing_policy,
-    routing_policy_names,
 )
 
 
@@ -33,23 +33,23 @@ class Clock:
 
 
 def test_policies_by_name():
-    assert routing_policy_names() == ["kv_aware", "least_load", "round_robin"]
-    assert isinstance(routing_policy("round_robin"), RoundRobinPolicy)
-    assert isinstance(routing_policy("least-load"), LeastLoadPolicy)
-    assert routing_policy("kv_aware", alpha=2.0).alpha == 2.0
-    with pytest.raises(ValueError, match="known"):
-        routing_policy("random")
+    assert ROUTING_POLICIES.names() == ["kv_aware", "least_load", "round_robin"]
+    assert isinstance(ROUTING_POLICIES.create("round_robin"), RoundRobinPolicy)
+    assert isinstance(ROUTING_POLICIES.create("least-load"), LeastLoadPolicy)
+    assert ROUTING_POLICIES.create("kv_aware", alpha=2.0).alpha == 2.0
+    with pytest.raises(UnknownNameError, match="known"):
+        ROUTING_POLICIES.create("random")
 
 
 @pytest.mark.parametrize("name", ["round_robin", "least_load", "kv_aware"])
 def test_no_candidates_is_an_error(name):
     with pytest.raises(ValueError):
-        routing_policy(name).route(RouteRequest(10), [])
+        ROUTING_POLICIES.create(name).route(RouteRequest(10), [])
 
 
 @pytest.mark.parametrize("name", ["round_robin", "least_load", "kv_aware"])
 def test_single_candidate_is_chosen(name):
-    assert routing_policy(name).route(RouteRequest(10), [snap("a", num_waiting=500)]).instance_id == "a"
+    assert ROUTING_POLICIES.create(name).route(RouteRequest(10), [snap("a", num_waiting=500)]).instance_id == "a"
 
 
 def test_round_robin_is_even_whatever_the_order():

@@ -108,7 +108,7 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "engine is not running")
         self.engine.validate(req)
-        if len(self.engine.waiting) + self._commands.qsize() >= self.engine.config.max_waiting_requests:
+        if len(self.engine.scheduler.waiting) + self._commands.qsize() >= self.engine.config.max_waiting_requests:
             raise EngineOverloadedError("too many requests waiting; retry later")
         stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
         self._commands.put(("add", req, stream))

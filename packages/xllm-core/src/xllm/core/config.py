@@ -6,12 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-class ConfigError(ValueError):
-    """An engine setting is out of range or inconsistent."""
+from xllm.common import UnknownNameError
+from xllm.core.dtypes import DTYPES
+from xllm.core.errors import ConfigError
+from xllm.core.kv.registry import KV_BACKENDS
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -19,9 +17,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     try:
-        return _DTYPES[name.lower()]
-    except KeyError:
-        raise ConfigError(f"unknown dtype {name!r}; choose one of {sorted(set(_DTYPES))}") from None
+        return DTYPES.get(name)
+    except UnknownNameError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 @dataclass
@@ -66,9 +64,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size is not None and self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_cache_backend not in ("xtensor", "paged", "contiguous"):
-            raise ConfigError(f"unknown kv_cache_backend {self.kv_cache_backend!r}; "
-                              "choose xtensor, paged or contiguous")
+        if self.kv_cache_backend not in KV_BACKENDS:
+            raise ConfigError(f"kv_cache_backend: unknown KV cache backend {self.kv_cache_backend!r}; "
+                              f"known: {', '.join(KV_BACKENDS.choices())}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory_gib <= 0:

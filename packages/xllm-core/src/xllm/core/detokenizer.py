@@ -12,6 +12,12 @@ class TokenDecoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+class EngineTokenizer(TokenDecoder, Protocol):
+    """What the engine needs from a tokenizer: decoding, and the ids that end a sequence."""
+
+    eos_token_ids: frozenset[int]
+
+
 @dataclass
 class IncrementalDetokenizer:
     """Emits text as tokens arrive, never splitting a multi-byte character.

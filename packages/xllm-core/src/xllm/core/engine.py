@@ -1,7 +1,15 @@
 """The synchronous engine: one ``step()`` = schedule, forward, sample, emit.
 
 Not thread-safe: all methods are called from one thread (the
-:class:`~xllm.core.async_engine.AsyncEngine` loop thread in a server).
+:class:`~xllm.core.async_engine.AsyncEngine` loop thread in a server), except
+:meth:`LLMEngine.validate`.
+
+What lives where: the queues, admission and preemption in
+:class:`~xllm.core.scheduler.Scheduler`; packing and the forward in
+:class:`~xllm.core.model_runner.ModelRunner`; one step's inputs and forward in
+:class:`~xllm.core.step.StepInFlight`; stop conditions and stream chunks in
+:class:`~xllm.core.output_processor.OutputProcessor`. The engine runs the loop
+and keeps the per-request output state and the counters.
 """
 
 from __future__ import annotations
@@ -9,13 +17,14 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import deque
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
 
 from xllm.core.config import EngineConfig
+from xllm.core.detokenizer import EngineTokenizer
 from xllm.core.errors import EngineOverloadedError, InvalidRequestError
+from xllm.core.graph_runner import build_compiled_decode
 from xllm.core.kv import build_kv_cache
 from xllm.core.model_api import CausalLM
 from xllm.core.model_runner import ModelRunner
@@ -23,32 +32,24 @@ from xllm.core.output_processor import OutputProcessor, RequestOutput
 from xllm.core.platform import Platform, configure_threads, detect_platform
 from xllm.core.sampler import Sampler
 from xllm.core.sampling_params import SamplingParams
-from xllm.core.sequence import PLACEHOLDER, SeqStatus, Sequence
+from xllm.core.scheduler import Scheduler
+from xllm.core.sequence import PLACEHOLDER, Sequence
 from xllm.core.stats import EngineCounters, FinishedRequest, StatsObserver, StepStats
 from xllm.core.step import StepInFlight
+from xllm.core.validation import RequestLimits
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.proto.enums import finish_reason_name
 from xllm.proto.registry.v1 import instance_pb2
-from xllm.sched import StepPlan, batch_policy
+from xllm.sched import BATCH_POLICIES, StepPlan
 
 log = logging.getLogger(__name__)
 
-_REASON_NAMES = {
-    engine_pb2.FINISH_REASON_STOP: "stop",
-    engine_pb2.FINISH_REASON_LENGTH: "length",
-    engine_pb2.FINISH_REASON_ABORT: "abort",
-    engine_pb2.FINISH_REASON_ERROR: "error",
-}
-
 
 class LLMEngine:
-    """Continuous-batching engine over one model instance.
+    """Continuous-batching engine over one model instance (``model`` satisfies
+    :class:`~xllm.core.model_api.CausalLM`)."""
 
-    ``model`` satisfies :class:`~xllm.core.model_api.CausalLM` and carries
-    ``max_context_len``; ``tokenizer`` decodes ids (``decode``) and names its
-    ``eos_token_ids``.
-    """
-
-    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig,
+    def __init__(self, model: CausalLM, tokenizer: EngineTokenizer, config: EngineConfig,
                  observers: list[StatsObserver] | None = None, instance_id: str = "engine-0",
                  forward_executor: Executor | None = None) -> None:
         self.config = config
@@ -64,23 +65,22 @@ class LLMEngine:
                                  config.max_num_seqs, self.max_model_len, config.kv_cache_memory_gib,
                                  config.block_size, config.enable_prefix_cache)
         self.layout = self.kv.layout
+        self.limits = RequestLimits(int(model.vocab_size), self.max_model_len, self.layout)
         self.runner = ModelRunner(model, self.kv, self.platform.device, native_decode=config.native_decode)
         if config.compile_decode:
-            self._build_decode_graph()
-        eos = frozenset(getattr(tokenizer, "eos_token_ids", ()))
+            self.runner.graph = build_compiled_decode(model, self.kv, self.runner, config.max_num_seqs)
+        eos = frozenset(tokenizer.eos_token_ids)
         self.sampler = Sampler(eos)
         self.outputs = OutputProcessor(tokenizer, eos, self.max_model_len)
-        self.policy = batch_policy("decode_first", max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
-        self.running: list[Sequence] = []
-        self.waiting: deque[Sequence] = deque()
+        policy = BATCH_POLICIES.create("decode_first", max_num_seqs=config.max_num_seqs,
+                                       max_num_batched_tokens=config.max_num_batched_tokens)
+        self.scheduler = Scheduler(policy, self.kv)
         self.requests: dict[str, RequestOutput] = {}
         self.counters = EngineCounters()
         self.observers = list(observers or [])
         self._seed_source = random.Random(config.seed)
-        self._reported_prefix = (0, 0)
+        self._reported_prefix = self.kv.prefix_stats
         self._in_flight: StepInFlight | None = None
-        self._free_after_flight: dict[int, list[Sequence]] = {}
         # async scheduling: forwards run here (the caller's ComputeThread, so that loading and
         # forwards share one OpenMP pool; see xllm.core.compute_thread), or on a worker of our own
         self._owns_worker = config.async_scheduling and forward_executor is None
@@ -94,51 +94,23 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------
     def validate(self, req: engine_pb2.GenerateRequest) -> SamplingParams:
-        """Check a request against this engine's limits without queuing it.
-
-        Safe to call from any thread (reads only immutable settings). Raises
-        :class:`InvalidRequestError` naming the offending parameter.
-        """
-        if not req.request_id:
-            raise InvalidRequestError("request_id is required", "request_id")
-        params = SamplingParams.from_proto(req.sampling)
-        prompt = req.prompt_token_ids
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = int(getattr(self.model, "vocab_size", 0))
-        if vocab and (min(prompt) < 0 or max(prompt) >= vocab):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if vocab and any(not 0 <= t < vocab for t in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt)} tokens but the context length is {self.max_model_len}", "prompt")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
-                f"length {self.max_model_len}", "max_tokens")
-        # A sequence that cannot fit the whole KV pool on its own would be preempted and
-        # re-admitted forever (the engine would never finish it): reject it up front.
-        capacity = self.layout.capacity_tokens
-        if self.layout.blocks_for(len(prompt) + params.max_tokens) > self.layout.num_blocks:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV cache "
-                f"capacity of {capacity} tokens", "prompt" if len(prompt) > capacity else "max_tokens")
-        return params
+        """Check a request against this engine's limits without queuing it (any thread).
+        Raises :class:`InvalidRequestError` naming the offending parameter."""
+        return self.limits.check(req)
 
     def add_request(self, req: engine_pb2.GenerateRequest) -> None:
         """Queue a request; raises :class:`InvalidRequestError` or :class:`EngineOverloadedError`."""
         params = self.validate(req)
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight", "request_id")
-        if len(self.waiting) >= self.config.max_waiting_requests:
-            raise EngineOverloadedError(f"{len(self.waiting)} requests already waiting")
-        prompt = list(req.prompt_token_ids)
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests already waiting")
         gen = torch.Generator(device="cpu")
         gen.manual_seed(params.seed if params.seed is not None else self._seed_source.getrandbits(63))
-        seq = Sequence(req.request_id, prompt, params, req.arrival_time or time.time(), req.priority, gen)
+        seq = Sequence(req.request_id, list(req.prompt_token_ids), params, req.arrival_time or time.time(),
+                       req.priority, gen)
         self.requests[req.request_id] = self.outputs.new_request(seq)
-        self._enqueue(seq)
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> engine_pb2.GenerateResponse | None:
         """Cancel a request; returns its final (aborted) chunk, or None if unknown."""
@@ -146,48 +118,18 @@ class LLMEngine:
         if out is None:
             return None
         seq = out.seq
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if any(s is seq for s in self.running):
-            self.running.remove(seq)
-        if not self._free_later_if_in_flight(seq):
-            self.kv.free(seq)
-        seq.status = SeqStatus.FINISHED
+        self.scheduler.finish(seq)
         self.outputs.abort(out)
         chunk = self.outputs.take_chunk(out)
-        now = time.time()
-        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
         self.counters.finished_requests += 1
         self._notify(StepStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), batch_size=0, num_decode_tokens=0,
-            num_prefill_tokens=0, num_preempted=0, kv_usage=self.kv.usage, step_time=0.0,
-            finished=[FinishedRequest(request_id, "abort", seq.num_prompt_tokens, len(seq.output_ids),
-                                      now - seq.arrival_time, ttft)]))
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting), batch_size=0,
+            num_decode_tokens=0, num_prefill_tokens=0, num_preempted=0, kv_usage=self.kv.usage, step_time=0.0,
+            finished=[_finished(seq, "abort", time.time())]))
         return chunk
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._in_flight is not None)
-
-    def _build_decode_graph(self) -> None:
-        """Compile and warm up the decode graph on a scratch sequence's slot."""
-        from xllm.core.graph_runner import CompiledDecode
-
-        if not self.kv.slot_addressed:
-            log.warning("compiled decode graphs need slot-addressed KV (xtensor/contiguous); staying eager")
-            return
-        native = self.runner.native_decode and getattr(self.model, "_fused", None) is not None
-        low = 9 if native else 1
-        if low > self.config.max_num_seqs:
-            return
-        graph = CompiledDecode(self.model, self.kv, low, self.config.max_num_seqs)
-        scratch = Sequence("__graph_warmup__", [0], SamplingParams(max_tokens=1), 0.0)
-        if not self.kv.admit(scratch, 1):
-            raise RuntimeError("no KV memory for the graph warm-up")
-        try:
-            graph.warmup(scratch.slot)
-        finally:
-            self.kv.free(scratch)
-        self.runner.graph = graph
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # ---- the step -------------------------------------------------------
     def step(self) -> list[engine_pb2.GenerateResponse]:
@@ -201,7 +143,7 @@ class LLMEngine:
         """
         if self.config.async_scheduling:
             return self._step_overlapped()
-        plan = self._schedule(self.running)
+        plan = self._schedule()
         if not plan:
             return []
         flight = self._prepare(plan)
@@ -220,29 +162,22 @@ class LLMEngine:
             prev = None
         busy = prev.sampled_seqs if prev is not None else set()
         # sequences whose in-flight token is their last one are not scheduled again
-        ready = [s for s in self.running if not (s in busy and self._saturated(s))]
-        parked = [s for s in self.running if s in busy and self._saturated(s)]
-        plan = self._schedule(ready)
-        self.running = ready + parked
+        parked = {s for s in self.scheduler.running if s in busy and self._saturated(s)}
+        plan = self._schedule(hold=parked)
         flight = self._prepare(plan) if plan else None
         if prev is not None:
             self._swap_in(prev)
         if flight is not None:
             flight.patch_placeholders()
+            self.scheduler.pin(flight.seqs)
             flight.start(self._worker)
         self._in_flight = flight
         if prev is not None:
             responses += self._emit(prev)  # overlaps the forward just started
         return responses
 
-    def _schedule(self, running: list[Sequence]) -> StepPlan:
-        plan = self.policy.schedule(running, self.waiting, self.kv)
-        for seq in plan.preempted:
-            seq.num_computed_tokens = 0
-            seq.status = SeqStatus.WAITING
-            seq.num_preemptions += 1
-        for seq in plan.admitted:
-            seq.status = SeqStatus.RUNNING
+    def _schedule(self, hold: set[Sequence] | frozenset[Sequence] = frozenset()) -> StepPlan:
+        plan = self.scheduler.schedule(hold)
         self.counters.num_preemptions += len(plan.preempted)
         return plan
 
@@ -267,8 +202,7 @@ class LLMEngine:
             self.kv.on_computed(seq)
         for i, seq in enumerate(flight.batch.sample_seqs):
             seq.output_ids[flight.placeholder_at[i]] = flight.result.token_ids[i]
-        for seq in self._free_after_flight.pop(id(flight), []):
-            self.kv.free(seq)
+        self.scheduler.unpin()
 
     def _emit(self, flight: StepInFlight) -> list[engine_pb2.GenerateResponse]:
         """Detokenize and check stop conditions for a landed step; retire finished requests."""
@@ -294,9 +228,10 @@ class LLMEngine:
             self.outputs.append_token(out, token, result.logprobs[i])
             responses.append(self.outputs.take_chunk(out))
             if out.finished:
-                finished.append(self._retire(out, now))
-        self._account(flight.plan, flight.batch, prompt_tokens, ttfts, itls, finished,
-                      time.perf_counter() - flight.started)
+                del self.requests[seq.request_id]
+                self.scheduler.finish(seq)
+                finished.append(_finished(seq, finish_reason_name(out.finish_reason), now))
+        self._account(flight, prompt_tokens, ttfts, itls, finished, time.perf_counter() - flight.started)
         return responses
 
     def _saturated(self, seq: Sequence) -> bool:
@@ -306,29 +241,12 @@ class LLMEngine:
     def _kv_tight(self) -> bool:
         """Could this step's scheduling preempt? (fewer free blocks than it might need)"""
         bs = self.layout.block_size
-        return self.kv.num_free_blocks < len(self.running) + -(-self.config.max_num_batched_tokens // bs) + 1
+        running = len(self.scheduler.running)
+        return self.kv.num_free_blocks < running + -(-self.config.max_num_batched_tokens // bs) + 1
 
-    def _free_later_if_in_flight(self, seq: Sequence) -> bool:
-        """Defer freeing ``seq``'s KV while a forward that writes it is in flight."""
-        flight = self._in_flight
-        if flight is not None and seq in flight.seqs:
-            self._free_after_flight.setdefault(id(flight), []).append(seq)
-            return True
-        return False
-
-    def _retire(self, out: RequestOutput, now: float) -> FinishedRequest:
-        seq = out.seq
-        self.running.remove(seq)
-        if not self._free_later_if_in_flight(seq):
-            self.kv.free(seq)
-        seq.status = SeqStatus.FINISHED
-        del self.requests[seq.request_id]
-        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
-        return FinishedRequest(seq.request_id, _REASON_NAMES.get(out.finish_reason, "stop"), seq.num_prompt_tokens,
-                               len(seq.output_ids), now - seq.arrival_time, ttft)
-
-    def _account(self, plan, batch, prompt_tokens, ttfts, itls, finished, step_time) -> None:
-        c = self.counters
+    def _account(self, flight: StepInFlight, prompt_tokens: int, ttfts: list[float], itls: list[float],
+                 finished: list[FinishedRequest], step_time: float) -> None:
+        plan, batch, c = flight.plan, flight.batch, self.counters
         c.steps += 1
         c.prompt_tokens += prompt_tokens
         c.generation_tokens += len(batch.sample_seqs)
@@ -339,31 +257,23 @@ class LLMEngine:
         c.observe_latency(ttfts, itls)
         if not self.observers:
             return
-        queries = getattr(self.kv, "prefix_queries", 0)
-        hits = getattr(self.kv, "prefix_hits", 0)
-        stats = StepStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), batch_size=len(plan.chunks),
-            num_decode_tokens=batch.num_decode, num_prefill_tokens=plan.num_tokens - batch.num_decode,
-            num_preempted=len(plan.preempted), kv_usage=self.kv.usage, step_time=step_time,
-            prompt_tokens=prompt_tokens, ttfts=ttfts, inter_token_latencies=itls, finished=finished,
-            prefix_cache_queries=queries - self._reported_prefix[0], prefix_cache_hits=hits - self._reported_prefix[1])
-        self._reported_prefix = (queries, hits)
-        self._notify(stats)
+        prefix, before = self.kv.prefix_stats, self._reported_prefix
+        self._reported_prefix = prefix
+        self._notify(StepStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            batch_size=len(plan.chunks), num_decode_tokens=batch.num_decode,
+            num_prefill_tokens=plan.num_tokens - batch.num_decode, num_preempted=len(plan.preempted),
+            kv_usage=self.kv.usage, step_time=step_time, prompt_tokens=prompt_tokens, ttfts=ttfts,
+            inter_token_latencies=itls, finished=finished, prefix_cache_queries=prefix.queries - before.queries,
+            prefix_cache_hits=prefix.hits - before.hits))
 
     def _notify(self, stats: StepStats) -> None:
         for obs in self.observers:
             obs.on_step(stats)
 
-    def _enqueue(self, seq: Sequence) -> None:
-        """Insert into ``waiting`` in (priority, arrival) order."""
-        key = (seq.priority, seq.arrival_time)
-        idx = len(self.waiting)
-        while idx > 0 and (self.waiting[idx - 1].priority, self.waiting[idx - 1].arrival_time) > key:
-            idx -= 1
-        self.waiting.insert(idx, seq)
-
     def drain_kv_events(self) -> list[tuple[bool, int]]:
-        """Prefix-cache events (stored?, block hash) since the last call (engine thread only)."""
+        """Prefix-cache events (stored?, block hash) since the last call (engine thread only; kept
+        only after ``kv.enable_events()``)."""
         return self.kv.drain_events()
 
     def close(self) -> None:
@@ -377,6 +287,12 @@ class LLMEngine:
     # ---- reports ----------------------------------------------------------
     def load_report(self) -> instance_pb2.LoadReport:
         return instance_pb2.LoadReport(
-            instance_id=self.instance_id, num_running=len(self.running), num_waiting=len(self.waiting),
-            kv_usage=self.kv.usage, kv_free_tokens=self.kv.free_tokens, recent_ttft=self.counters.recent_ttft,
-            recent_tpot=self.counters.recent_tpot, timestamp=time.time())
+            instance_id=self.instance_id, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), kv_usage=self.kv.usage, kv_free_tokens=self.kv.free_tokens,
+            recent_ttft=self.counters.recent_ttft, recent_tpot=self.counters.recent_tpot, timestamp=time.time())
+
+
+def _finished(seq: Sequence, reason: str, now: float) -> FinishedRequest:
+    ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+    return FinishedRequest(seq.request_id, reason, seq.num_prompt_tokens, len(seq.output_ids),
+                           now - seq.arrival_time, ttft)

@@ -1,6 +1,10 @@
-"""Errors the engine raises to its callers."""
+"""Errors the engine raises to its callers (no torch: the gateway maps them without loading the engine)."""
 
 from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """An engine setting is out of range or inconsistent."""
 
 
 class EngineError(RuntimeError):

@@ -2,8 +2,9 @@
 
 Each pure-decode step picks how it runs from its batch size:
 
-- ``native``: up to 8 sequences run the model's fused native decode (one call
-  for the whole forward: the CPU counterpart of replaying a captured graph);
+- ``native``: up to ``max_batch`` sequences (the native row limit, 8) run the model's
+  fused native decoder (one call for the whole forward: the CPU counterpart of
+  replaying a captured graph);
 - ``compiled``: larger decode batches run a ``torch.compile`` (Inductor) graph of
   the model's forward with the batch dimension as a symbolic parameter (one
   graph for the whole bucket, weights frozen and prepacked by Inductor, KV
@@ -27,6 +28,8 @@ import time
 
 import torch
 
+from xllm.common import cache_dir
+
 log = logging.getLogger(__name__)
 
 
@@ -43,9 +46,8 @@ class _GraphAttention:
 
 
 def inductor_cache_dir() -> pathlib.Path:
-    env = os.environ.get("XLLM_CACHE_DIR")
-    root = pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "xllm"
-    return root / "inductor"
+    """Where Inductor keeps compiled decode graphs: ``inductor/`` in the xLLM cache."""
+    return cache_dir("inductor")
 
 
 class CompiledDecode:
@@ -91,3 +93,27 @@ class CompiledDecode:
         took = time.perf_counter() - start
         log.info("decode graph for batch %d-%d ready in %.1fs", self.min_batch, self.max_batch, took)
         return took
+
+
+def build_compiled_decode(model, kv, runner, max_num_seqs: int) -> CompiledDecode | None:
+    """Compile and warm up the decode graph for the batch sizes the fused native decoder does not
+    take (up to ``max_num_seqs``), on a scratch sequence's slot. None where it cannot apply: the
+    KV backend has no slot views (paged), or the native path already covers every batch size."""
+    from xllm.core.sampling_params import SamplingParams
+    from xllm.core.sequence import Sequence
+
+    if not kv.addressing.slot_views:
+        log.warning("compiled decode graphs need per-slot KV views (xtensor/contiguous); staying eager")
+        return None
+    low = runner.fused.max_batch + 1 if runner.fused is not None else 1
+    if low > max_num_seqs:
+        return None
+    graph = CompiledDecode(model, kv, low, max_num_seqs)
+    scratch = Sequence("__graph_warmup__", [0], SamplingParams(max_tokens=1), 0.0)
+    if not kv.admit(scratch, 1):
+        raise RuntimeError("no KV memory for the graph warm-up")
+    try:
+        graph.warmup(scratch.slot)
+    finally:
+        kv.free(scratch)
+    return graph

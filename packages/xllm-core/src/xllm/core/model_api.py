@@ -3,6 +3,10 @@
 A model (``xllm.models``) is an ``nn.Module`` that satisfies :class:`CausalLM`.
 The engine hands it a packed batch of tokens plus an :class:`AttentionContext`
 that owns the KV memory; the model never sees how KV is laid out or allocated.
+
+A model may also offer a whole pure-decode step as one native call
+(:class:`SupportsFusedDecode`); the engine uses it where the KV backend has
+per-slot views and the batch is small enough.
 """
 
 from __future__ import annotations
@@ -69,4 +73,33 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden rows ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        ...
+
+
+class SlotKV(Protocol):
+    """KV memory with per-slot contiguous views: ``layer_kv(layer)`` gives ``[slots, max_len,
+    kv_heads, dim]`` K and V tensors that never move while the backend lives."""
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+class FusedDecoder(Protocol):
+    """A model's whole decode step (every layer) for up to ``max_batch`` sequences in one call."""
+
+    max_batch: int
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 kv: SlotKV) -> torch.Tensor:
+        """Final hidden states ``[B, hidden]`` for one new token per sequence: ``input_ids[b]`` at
+        ``positions[b]`` of the sequence in slot ``slots[b]`` (its K/V row is written there)."""
+        ...
+
+
+@runtime_checkable
+class SupportsFusedDecode(Protocol):
+    """Optional part of the model contract: a fused native decode step."""
+
+    def fused_decoder(self) -> FusedDecoder | None:
+        """The model's fused decoder, or None where it does not apply (no native kernels, a layout
+        the kernel does not implement). Asked once, after the weights are loaded."""
         ...

@@ -1,8 +1,16 @@
-"""The xLLM service: OpenAI-compatible API, instance registry, routing, metrics, CLI.
+"""The xLLM service front: OpenAI-compatible API, dispatch and routing, the registry view,
+metrics, and the ``xllm`` CLI that composes them.
 
-Public API: :func:`xllm.gateway.app.create_app`, :func:`xllm.gateway.server.build_embedded`
-(one process), :func:`xllm.gateway.cluster.build_cluster` (gateway over engine processes),
-:mod:`xllm.gateway.instance` (one engine instance process), the registries
-(:class:`xllm.gateway.registry.EmbeddedRegistry`, :class:`xllm.gateway.registry.EtcdRegistry`),
-:class:`xllm.gateway.router.Router`, the ``xllm`` CLI (:mod:`xllm.gateway.cli`).
+- :mod:`xllm.gateway.app`: the FastAPI app (routes, errors, ``/health``, ``/metrics``);
+- :mod:`xllm.gateway.openai`: request schemas, chat and completion serving, SSE;
+- :mod:`xllm.gateway.dispatch` beside :mod:`xllm.gateway.router`: each request to an instance
+  (KV-aware routing policy), failover and resume;
+- :mod:`xllm.gateway.registry`: the live view of engine instances (embedded or etcd);
+- :mod:`xllm.gateway.metrics`: Prometheus metrics;
+- composition: :mod:`xllm.gateway.embedded` (one process with its engine) and
+  :mod:`xllm.gateway.cluster` (a gateway over engine processes; imports no torch);
+- :mod:`xllm.gateway.cli`: ``xllm serve`` and ``xllm engine``.
+
+The engine side of the service boundary (engine process, gRPC server and clients, registration)
+is the ``xllm-engine`` package (:mod:`xllm.engine`).
 """

@@ -15,22 +15,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.metrics import EngineMetrics, RouterMetrics
 from xllm.gateway.openai.errors import APIError, bad_request, internal
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
-from xllm.gateway.openai.serving import Dispatcher
 from xllm.gateway.openai.serving_chat import ChatServing
 from xllm.gateway.openai.serving_completion import CompletionServing
 from xllm.gateway.registry import Registry
 from xllm.gateway.router import Router
-from xllm.models import Tokenizer
+from xllm.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class GatewayState:
-    """Everything the routes need; built by :mod:`xllm.gateway.server` / :mod:`xllm.gateway.cluster`.
+    """Everything the routes need; built by :mod:`xllm.gateway.embedded` / :mod:`xllm.gateway.cluster`.
 
     ``on_startup`` / ``on_shutdown`` callables may be coroutine functions (run on the app's loop).
     """

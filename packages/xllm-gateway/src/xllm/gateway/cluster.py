@@ -1,17 +1,19 @@
 """Composition root for cluster mode: a gateway routing to engine processes.
 
-- ``xllm serve --instances N``: starts N ``xllm engine`` processes on this machine. They
-  register with the gateway's embedded registry over gRPC (``RegistryService`` on a loopback
-  port), or in etcd with ``--etcd``.
+- ``xllm serve --instances N``: starts N engine processes (``python -m xllm.engine``) on this
+  machine. They register with the gateway's embedded registry over gRPC (``RegistryService`` on
+  a loopback port), or in etcd with ``--etcd``.
 - ``xllm serve --etcd HOST:PORT``: joins the engine instances registered in etcd under the
   prefix (started anywhere with ``xllm engine --etcd ...``).
 
-The gateway loads only the tokenizer (tokenization and prefix hashing happen at the front);
-the engines load the model.
+The gateway loads only the tokenizer and ``config.json`` (tokenization and prefix hashing happen
+at the front); the engines load the model. Nothing here imports torch (the first use of a GGUF
+model converts it once, which does).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -21,9 +23,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xllm.engine.registration.embedded import serve_registry
+from xllm.engine.registration.etcd import DEFAULT_PREFIX
+from xllm.engine.registration.etcd_client import EtcdClient
 from xllm.gateway.app import GatewayState, create_app
 from xllm.gateway.metrics import EngineMetrics
-from xllm.gateway.registry import DEFAULT_PREFIX, EmbeddedRegistry, EtcdClient, EtcdRegistry, serve_registry
+from xllm.gateway.registry import EmbeddedRegistry, EtcdRegistry
+from xllm.models.config import ModelConfig
+from xllm.models.source import resolve_model, served_name
+from xllm.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +45,7 @@ class ClusterOptions:
     etcd_prefix: str = DEFAULT_PREFIX
     routing: str = "kv_aware"
     max_model_len: int | None = None
-    engine_args: list[str] = field(default_factory=list)  # extra `xllm engine` flags (engine config)
+    engine_args: list[str] = field(default_factory=list)  # extra engine flags (engine config)
     log_level: str = "info"
     drain_timeout: float = 30.0
     progress: bool = True
@@ -45,7 +53,7 @@ class ClusterOptions:
 
 
 class EngineProcesses:
-    """``xllm engine`` child processes started by the gateway and stopped with it."""
+    """Engine processes started by the gateway and stopped with it."""
 
     def __init__(self, count: int, base_cmd: list[str], log_dir: Path | None = None,
                  stop_timeout: float = 40.0) -> None:
@@ -89,24 +97,19 @@ class EngineProcesses:
         self._logs.clear()
 
 
-def engine_command(model_dir: str, served_name: str, opts: ClusterOptions) -> list[str]:
-    return [sys.executable, "-m", "xllm.gateway", "engine", "--model", model_dir, "--served-model-name", served_name,
+def engine_command(model_dir: str, name: str, opts: ClusterOptions) -> list[str]:
+    return [sys.executable, "-m", "xllm.engine", "--model", model_dir, "--served-model-name", name,
             "--host", "127.0.0.1", "--port", "0", "--no-progress", "--exit-with-parent",
             "--drain-timeout", str(opts.drain_timeout), "--log-level", opts.log_level, *opts.engine_args]
 
 
 def build_cluster(opts: ClusterOptions):
     """The gateway app for cluster mode (engines start with the app and stop with it)."""
-    from xllm.models import DEFAULT_MODEL, ModelConfig, Tokenizer, resolve_model
-
-    model_dir = resolve_model(opts.model, progress=opts.progress)
+    model_dir = resolve_model(opts.model, progress=opts.progress, isolated=True)  # a GGUF converts in a child
     tokenizer = Tokenizer(model_dir)
-    name = opts.served_model_name or (DEFAULT_MODEL if opts.model is None else opts.model.rstrip("/"))
+    name = served_name(opts.model, opts.served_model_name)
     max_len = opts.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
-    if opts.etcd:
-        registry = EtcdRegistry(EtcdClient(opts.etcd), opts.etcd_prefix)
-    else:
-        registry = EmbeddedRegistry()
+    registry = EtcdRegistry(EtcdClient(opts.etcd), opts.etcd_prefix) if opts.etcd else EmbeddedRegistry()
     state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=EngineMetrics(), default_model=name,
                          max_model_len=max_len, routing=opts.routing)
     if opts.instances:
@@ -125,8 +128,6 @@ def build_cluster(opts: ClusterOptions):
             procs.start(args)
 
         async def stop_engines() -> None:
-            import asyncio
-
             await asyncio.get_running_loop().run_in_executor(None, procs.stop)
             server = grpc_server.pop("server", None)
             if server is not None:

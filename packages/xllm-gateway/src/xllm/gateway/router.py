@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from xllm.gateway.registry.base import InstanceState, NoInstanceError, Registry
 from xllm.kvstore import block_hashes
-from xllm.sched import InstanceSnapshot, RouteDecision, RouteRequest, RoutingPolicy, routing_policy
+from xllm.sched import ROUTING_POLICIES, InstanceSnapshot, RouteDecision, RouteRequest, RoutingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Router:
     def __init__(self, registry: Registry, policy: RoutingPolicy | str = "kv_aware", expect_ttl: float = 2.0,
                  queued_expect_ttl: float = 120.0, metrics=None) -> None:
         self.registry = registry
-        self.policy = routing_policy(policy) if isinstance(policy, str) else policy
+        self.policy = ROUTING_POLICIES.create(policy) if isinstance(policy, str) else policy
         self.expect_ttl = expect_ttl              # after the first token: until heartbeats confirm the blocks
         self.queued_expect_ttl = queued_expect_ttl  # before it: the request may wait in the engine's queue
         self.metrics = metrics
@@ -59,10 +59,15 @@ class Router:
     # ---- deciding ---------------------------------------------------------------------------
     def route(self, model: str, prompt: Sequence[int], session: str | None = None,
               exclude: Collection[str] = ()) -> Ticket:
-        """Pick an instance of ``model`` for ``prompt`` (raises :class:`NoInstanceError`)."""
+        """Pick an instance of ``model`` for ``prompt`` (raises :class:`NoInstanceError`).
+
+        With a single candidate (one machine, one engine) there is nothing to choose: no prefix
+        hashing, no index match, no policy."""
         candidates = [s for s in self.registry.routable(model) if s.instance_id not in exclude]
         if not candidates:
             raise NoInstanceError(f"no live instance serves {model!r}")
+        if len(candidates) == 1:
+            return Ticket(candidates[0], RouteDecision(candidates[0].instance_id, "only"), len(prompt), 0)
         hashes_by_bs: dict[int, list[int]] = {}
         matched: dict[str, int] = {}
         for bs in {s.block_size for s in candidates if s.block_size > 0}:
@@ -70,13 +75,9 @@ class Router:
             ids = {s.instance_id for s in candidates if s.block_size == bs}
             for iid, blocks in self.registry.kv_index.match(hashes, ids).items():
                 matched[iid] = blocks * bs
-        if len(candidates) == 1:
-            state = candidates[0]
-            decision = RouteDecision(state.instance_id, "only")
-        else:
-            snaps = [self._snapshot(s, matched.get(s.instance_id, 0)) for s in candidates]
-            decision = self.policy.route(RouteRequest(len(prompt), session), snaps)
-            state = next(s for s in candidates if s.instance_id == decision.instance_id)
+        snaps = [self._snapshot(s, matched.get(s.instance_id, 0)) for s in candidates]
+        decision = self.policy.route(RouteRequest(len(prompt), session), snaps)
+        state = next(s for s in candidates if s.instance_id == decision.instance_id)
         return Ticket(state, decision, len(prompt), min(matched.get(state.instance_id, 0), len(prompt)),
                       hashes_by_bs.get(state.block_size, []))
 

@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from xllm.common import cache_dir
+
 log = logging.getLogger(__name__)
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -106,11 +108,6 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _cache_root() -> pathlib.Path:
-    env = os.environ.get("XLLM_CACHE_DIR")
-    return (pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "xllm") / "kernels"
-
-
 def unavailable_reason() -> str | None:
     """Why the native kernels cannot be used here, or None if they can."""
     if os.environ.get("XLLM_NATIVE", "1") == "0":
@@ -133,7 +130,7 @@ def _build(src: pathlib.Path) -> pathlib.Path:
         key.update(f.name.encode() + f.read_bytes())
     key.update(" ".join([cc, *_CFLAGS]).encode())
     key.update(" ".join(sorted(_cpu_flags())).encode())
-    out_dir = _cache_root() / key.hexdigest()[:16]
+    out_dir = cache_dir("kernels") / key.hexdigest()[:16]
     lib = out_dir / "libxllm_cpu.so"
     if lib.is_file():
         return lib

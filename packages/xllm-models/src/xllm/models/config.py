@@ -1,4 +1,4 @@
-"""Model configuration read from a HF ``config.json``."""
+"""Model configuration read from a HF ``config.json`` (no torch: a cluster gateway reads it too)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import json
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 
 class ModelConfigError(ValueError):
@@ -84,11 +82,6 @@ class ModelConfig:
         act = self.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"hidden_act {act!r} is not supported by {model} (only silu)")
-
-    @property
-    def checkpoint_dtype(self) -> torch.dtype | None:
-        name = self.raw.get("torch_dtype") or self.raw.get("dtype")
-        return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else None
 
 
 def rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from torch import nn
 from xllm.kernels import RotaryTable, linear, rms_norm
 from xllm.kernels.linear import MAX_NATIVE_ROWS, pack_weight
 from xllm.models.config import ModelConfig, ModelConfigError, rope_parameters
+from xllm.models.weights import CheckpointShards
 
 
 class RMSNorm(nn.Module):
@@ -46,7 +47,7 @@ class Linear(_PackOnDemand, nn.Linear):
         return linear(x, self.weight, self.bias, packed=self._packed_for(x))
 
 
-class MergedLinear(_PackOnDemand, nn.Module):
+class MergedLinear(_PackOnDemand, CheckpointShards, nn.Module):
     """A linear layer whose output rows are several checkpoint weights stacked.
 
     ``shards`` maps a checkpoint shard name (e.g. ``"q"``) to its output size;
@@ -66,6 +67,9 @@ class MergedLinear(_PackOnDemand, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, packed=self._packed_for(x))
+
+    def shard_kinds(self) -> list[str]:
+        return ["weight"] if self.bias is None else ["weight", "bias"]
 
     def load_shard(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
         start, size = self.shard_offsets[shard]

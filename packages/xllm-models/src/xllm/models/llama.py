@@ -14,6 +14,7 @@ from xllm.kernels import RopeBatch, RotaryTable, apply_rotary, linear, silu_and_
 from xllm.kernels.linear import MAX_NATIVE_ROWS, pack_weight
 from xllm.models.config import ModelConfig
 from xllm.models.layers import Linear, MergedLinear, RMSNorm, build_rotary
+from xllm.models.llama_native import FusedLlamaDecoder
 from xllm.models.weights import StackedName, load_named_weights
 
 
@@ -119,27 +120,22 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, layers)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryTable | None = None
-        self._fused = None
+        self._fused: FusedLlamaDecoder | None = None
         self._lm_head_packed = None
 
     def post_load(self) -> None:
         """Build non-parameter state (RoPE table, native decoder) once parameters are materialized."""
         self.rotary = build_rotary(self.cfg, self.cfg.head_dim)
-        from xllm.models.llama_native import FusedLlamaDecoder
-
         self._fused = FusedLlamaDecoder(self) if FusedLlamaDecoder.model_supported(self) else None
+
+    def fused_decoder(self) -> FusedLlamaDecoder | None:
+        """The native decoder for whole decode steps (:class:`xllm.core.model_api.SupportsFusedDecode`),
+        or None when the native kernels are unavailable or the layout is one they do not implement."""
+        return self._fused
 
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
-
-    def fused_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     layer_kv) -> torch.Tensor | None:
-        """Hidden states of a pure decode batch in one native call, or None when the
-        native path does not apply (no kernels, unsupported shapes, batch > 8)."""
-        if self._fused is None or input_ids.shape[0] > 8:
-            return None
-        return self._fused(input_ids, positions, slots, layer_kv)
 
     def build_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         return LlamaMLP(cfg.hidden_size, int(cfg.raw["intermediate_size"]), bool(cfg.get("mlp_bias", False)))

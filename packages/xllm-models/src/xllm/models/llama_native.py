@@ -3,8 +3,10 @@
 :class:`FusedLlamaDecoder` packs a loaded model's weight pointers and a KV
 backend's per-layer cache pointers into the C structs once, then runs a whole
 decode step (every layer) in one native call for up to 8 sequences. It applies
-only where the C kernel's layout assumptions hold; :meth:`supports` says so and
+only where the C kernel's layout assumptions hold; :meth:`model_supported` says so and
 the caller falls back to the eager module path otherwise.
+
+It is the :class:`xllm.core.model_api.FusedDecoder` of Llama-family models.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ import ctypes
 
 import torch
 
+from xllm.core.model_api import SlotKV
 from xllm.kernels import native, rms_norm
 from xllm.kernels.linear import MAX_NATIVE_ROWS
-
-MAX_BATCH = MAX_NATIVE_ROWS
 
 
 class FusedLlamaDecoder:
     """Decode steps of a :class:`~xllm.models.llama.LlamaForCausalLM` through one native call."""
+
+    max_batch = MAX_NATIVE_ROWS  # the kernel's GEMMs stream each weight once for up to this many rows
 
     def __init__(self, model) -> None:
         self.model = model
@@ -49,15 +52,14 @@ class FusedLlamaDecoder:
             and model.rotary.cos.shape[-1] == attn.head_dim
         )
 
-    def _bind(self, layer_kv) -> None:
-        """(Re)build the C structs for the KV tensors ``layer_kv(layer)`` returns."""
+    def _bind(self, kv: SlotKV) -> None:
+        """(Re)build the C structs for ``kv``'s tensors (they never move: bound once per backend)."""
         m = self.model
         layers = m.model.layers
-        owner = getattr(layer_kv, "__self__", None)  # a backend's tensors never move: bind once per backend
-        if owner is not None and self._kv_key is not None and self._kv_key[0] is owner:
+        if self._kv_key is not None and self._kv_key[0] is kv:
             return
-        kvs = [layer_kv(i) for i in range(len(layers))]
-        key = (owner, tuple((k.data_ptr(), v.data_ptr()) for k, v in kvs))
+        kvs = [kv.layer_kv(i) for i in range(len(layers))]
+        key = (kv, tuple((k.data_ptr(), v.data_ptr()) for k, v in kvs))
         if key == self._kv_key:
             return
         attn0 = layers[0].self_attn
@@ -91,7 +93,8 @@ class FusedLlamaDecoder:
         self._sin = m.rotary.sin.contiguous()
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, layer_kv) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 kv: SlotKV) -> torch.Tensor:
         """Final hidden states ``[B, hidden]`` for one decode token per sequence.
 
         ``positions[b]`` is the position of sequence ``b``'s token (its context
@@ -99,17 +102,17 @@ class FusedLlamaDecoder:
         written by the kernel.
         """
         m = self.model
-        self._bind(layer_kv)
+        self._bind(kv)
         b = input_ids.shape[0]
-        if b > MAX_BATCH:
-            raise ValueError(f"fused decode handles at most {MAX_BATCH} sequences")
+        if b > self.max_batch:
+            raise ValueError(f"fused decode handles at most {self.max_batch} sequences")
         c = self._cfg
         hidden = m.model.embed_tokens(input_ids).contiguous()
         residual = torch.empty_like(hidden)
         qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         need = b * (c.hidden + qkv_dim + c.n_heads * c.head_dim + c.inter)  # r_alt, qkv, attn, act
         if self._work is None or self._work.numel() < need or self._work.dtype != hidden.dtype:
-            self._work = torch.empty(MAX_BATCH * (need // b), dtype=hidden.dtype)
+            self._work = torch.empty(self.max_batch * (need // b), dtype=hidden.dtype)
         slots = slots.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         fn = native.library().lib.xllm_llama_decode_bf16 if hidden.dtype == torch.bfloat16 else \

@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from xllm.kernels import RoutingConfig, moe_experts, select_experts
+from xllm.models.weights import SelfLoadingModule
 
 _EXPERT_RE = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-class RoutedExperts(nn.Module):
+class RoutedExperts(SelfLoadingModule, nn.Module):
     """``E`` SwiGLU experts of intermediate size ``I`` stacked into two parameters."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
@@ -71,7 +72,7 @@ class RoutedExperts(nn.Module):
                 if (e, p) not in self._loaded]
 
 
-class Router(nn.Module):
+class Router(SelfLoadingModule, nn.Module):
     """Router logits ``[T, E]`` from hidden ``[T, H]``, plus DeepSeek-V3's correction bias.
 
     ``fp32_logits`` computes the logits in float32 (DeepSeek); otherwise in the

@@ -6,11 +6,10 @@ model costs nothing until it is served.
 
 from __future__ import annotations
 
-import importlib
-
+from xllm.common import NameRegistry, UnknownNameError
 from xllm.models.config import ModelConfigError
 
-_ARCHITECTURES: dict[str, str] = {
+ARCHITECTURES: NameRegistry[type] = NameRegistry("architecture", {
     "LlamaForCausalLM": "xllm.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "xllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "xllm.models.qwen:Qwen2ForCausalLM",
@@ -18,20 +17,15 @@ _ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "xllm.models.qwen_moe:Qwen3MoeForCausalLM",
     "DeepseekV2ForCausalLM": "xllm.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "xllm.models.deepseek:DeepseekV3ForCausalLM",
-}
-
-
-def supported_architectures() -> list[str]:
-    return sorted(_ARCHITECTURES)
+})
 
 
 def model_class(architecture: str) -> type:
-    """The model class for ``architecture``; raises :class:`ModelConfigError` naming
-    the supported ones when it is unknown."""
-    target = _ARCHITECTURES.get(architecture)
-    if target is None:
+    """The model class for ``architecture``; :class:`ModelConfigError` names the supported ones
+    when it is unknown (a model directory's problem, reported like its other config errors)."""
+    try:
+        return ARCHITECTURES.get(architecture)
+    except UnknownNameError:
         raise ModelConfigError(
-            f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
-        )
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)
+            f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        ) from None

@@ -12,8 +12,11 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
-import os
 import pathlib
+import subprocess
+import sys
+
+from xllm.common import cache_dir
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,10 +27,10 @@ class ModelNotFoundError(FileNotFoundError):
     """The model spec names nothing usable on this machine."""
 
 
-def cache_dir() -> pathlib.Path:
-    """Root of xLLM's cache (``$XLLM_CACHE_DIR`` or ``~/.cache/xllm``)."""
-    env = os.environ.get("XLLM_CACHE_DIR")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "xllm"
+def served_name(model: str | None, served_model_name: str | None = None) -> str:
+    """The name clients send as ``model``: ``--served-model-name``, else the ``--model`` value
+    (without a trailing slash), else the default model's name."""
+    return served_model_name or (DEFAULT_MODEL if model is None else model.rstrip("/"))
 
 
 def bundled_gguf() -> pathlib.Path:
@@ -44,13 +47,17 @@ def bundled_gguf() -> pathlib.Path:
     return path
 
 
-def resolve_model(spec: str | None = None, progress: bool = True) -> pathlib.Path:
+def resolve_model(spec: str | None = None, progress: bool = True, isolated: bool = False) -> pathlib.Path:
     """Turn a ``--model`` value into a HF model directory, converting GGUF once.
 
     ``None`` or an alias of the default model -> the cached SmolLM2 conversion;
     a directory with ``config.json`` -> itself; a ``.gguf`` file -> its cached
-    conversion (keyed by file name and size).
+    conversion (keyed by file name and size). The conversion loads torch; with
+    ``isolated`` it runs in a child process instead, so the caller stays torch-free
+    (a cluster gateway).
     """
+    if isolated and spec_needs_conversion(spec):
+        _convert_in_child(spec, progress)
     if spec is None or spec.lower() in _DEFAULT_ALIASES:
         return _converted(bundled_gguf(), DEFAULT_MODEL, progress)
     path = pathlib.Path(spec).expanduser()
@@ -59,20 +66,41 @@ def resolve_model(spec: str | None = None, progress: bool = True) -> pathlib.Pat
             raise ModelNotFoundError(f"{path} is a directory without config.json")
         return path
     if path.is_file() and path.suffix == ".gguf":
-        key = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}".encode()).hexdigest()[:12]
-        return _converted(path, f"{path.stem}-{key}", progress)
+        return _converted(path, _gguf_name(path), progress)
     raise ModelNotFoundError(
         f"model {spec!r} is neither a model directory, a .gguf file nor {DEFAULT_MODEL!r} "
         "(weights are never downloaded at run time)"
     )
 
 
+def spec_needs_conversion(spec: str | None) -> bool:
+    """Whether resolving ``spec`` would convert a GGUF file now (not converted yet)."""
+    if spec is None or spec.lower() in _DEFAULT_ALIASES:
+        return not _complete(cache_dir("models", DEFAULT_MODEL))
+    path = pathlib.Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return not _complete(cache_dir("models", _gguf_name(path)))
+    return False
+
+
+def _gguf_name(path: pathlib.Path) -> str:
+    key = hashlib.sha256(f"{path.resolve()}:{path.stat().st_size}".encode()).hexdigest()[:12]
+    return f"{path.stem}-{key}"
+
+
+def _convert_in_child(spec: str | None, progress: bool) -> None:
+    cmd = [sys.executable, "-m", "xllm.models.source", spec or DEFAULT_MODEL, *([] if progress else ["--no-progress"])]
+    done = subprocess.run(cmd, check=False)
+    if done.returncode != 0:
+        raise ModelNotFoundError(f"converting {spec or DEFAULT_MODEL} failed (exit {done.returncode}; see above)")
+
+
 def _converted(gguf_path: pathlib.Path, name: str, progress: bool) -> pathlib.Path:
+    target = cache_dir("models", name)
+    if _complete(target):
+        return target  # converted before: nothing to import (the converter loads torch)
     from xllm.models.gguf_import import convert_gguf
 
-    target = cache_dir() / "models" / name
-    if _complete(target):
-        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # One converter at a time per target (several engine processes may start at once).
     with open(target.parent / f".{name}.lock", "w") as lock:
@@ -84,3 +112,7 @@ def _converted(gguf_path: pathlib.Path, name: str, progress: bool) -> pathlib.Pa
 
 def _complete(target: pathlib.Path) -> bool:
     return (target / "config.json").is_file() and any(target.glob("*.safetensors"))
+
+
+if __name__ == "__main__":  # python -m xllm.models.source SPEC [--no-progress]: convert once, print the directory
+    print(resolve_model(sys.argv[1], progress="--no-progress" not in sys.argv[2:]))

@@ -18,10 +18,8 @@ class Tokenizer:
     """
 
     def __init__(self, model_dir: str | pathlib.Path) -> None:
-        from transformers import AutoTokenizer
-
         model_dir = pathlib.Path(model_dir)
-        self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self._tok = _tokenizer_class(model_dir).from_pretrained(str(model_dir))
         self.vocab_size = len(self._tok)
         self.eos_token_ids = _eos_ids(model_dir, self._tok.eos_token_id)
         self.bos_token_id = self._tok.bos_token_id
@@ -49,6 +47,24 @@ class Tokenizer:
         except Exception as exc:  # jinja errors (e.g. a role the template rejects)
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
         return self.encode(text, add_special_tokens=False)
+
+
+def _tokenizer_class(model_dir: pathlib.Path) -> Any:
+    """The tokenizer class ``AutoTokenizer`` would pick for a directory with a ``tokenizer.json``
+    (the ``tokenizer_class`` its ``tokenizer_config.json`` names), imported without
+    ``AutoTokenizer``, whose import chain loads torch: a cluster gateway tokenizes without it.
+    Anything else goes through ``AutoTokenizer``."""
+    import transformers
+
+    config = model_dir / "tokenizer_config.json"
+    if (model_dir / "tokenizer.json").is_file() and config.is_file():
+        name = json.loads(config.read_text()).get("tokenizer_class")
+        if isinstance(name, str):
+            for candidate in (name, name.removesuffix("Fast")):
+                cls = getattr(transformers, candidate, None)
+                if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerFast):
+                    return cls
+    return transformers.AutoTokenizer
 
 
 def _eos_ids(model_dir: pathlib.Path, tok_eos: int | None) -> frozenset[int]:

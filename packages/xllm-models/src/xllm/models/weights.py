@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -11,6 +12,36 @@ from torch import nn
 
 class WeightLoadError(RuntimeError):
     """The checkpoint does not match the model: missing, unexpected or misshapen tensors."""
+
+
+class CheckpointShards(ABC):
+    """A module whose ``weight`` (and ``bias``, if any) stack several checkpoint tensors (fused
+    qkv, gate_up): ``shard_offsets`` maps each shard name to its ``(start, size)`` rows."""
+
+    shard_offsets: dict[str, tuple[int, int]]
+
+    @abstractmethod
+    def load_shard(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
+        """Copy checkpoint ``tensor`` into the rows of ``shard`` of the ``kind`` (weight/bias)
+        parameter; ``ValueError`` if it does not fit."""
+
+    @abstractmethod
+    def shard_kinds(self) -> list[str]:
+        """The parameters every shard fills (``"weight"``, and ``"bias"`` when there is one)."""
+
+
+class SelfLoadingModule(ABC):
+    """A module that takes its checkpoint tensors itself (e.g. MoE experts stacked into one
+    parameter): every tensor named ``<module path>.<rel_name>`` goes to it."""
+
+    @abstractmethod
+    def load_checkpoint_tensor(self, rel_name: str, tensor: torch.Tensor) -> bool:
+        """Take one checkpoint tensor; False if the name is not one of ours (unexpected);
+        ``ValueError`` if it does not fit."""
+
+    @abstractmethod
+    def missing_checkpoint_tensors(self) -> list[str]:
+        """Relative names still missing (replaces the completeness check of its parameters)."""
 
 
 @dataclass(frozen=True)
@@ -35,22 +66,19 @@ def load_named_weights(
     parameters the checkpoint never set. A fused parameter counts as set when
     all of its shards arrived.
 
-    A submodule may take its checkpoint tensors itself (e.g. MoE experts stacked
-    into one parameter): if it has ``load_checkpoint_tensor(rel_name, tensor) ->
-    bool`` every tensor named ``<module path>.<rel_name>`` goes there (False =
-    unexpected), and its ``missing_checkpoint_tensors() -> list[str]`` replaces
-    the completeness check of its parameters.
+    Fused parameters are :class:`CheckpointShards` (filled shard by shard through the
+    ``stacked`` name rules); a :class:`SelfLoadingModule` takes the tensors under its
+    path itself.
     """
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    custom = {name: m for name, m in modules.items() if name and hasattr(m, "load_checkpoint_tensor")}
+    custom = {name: m for name, m in modules.items() if name and isinstance(m, SelfLoadingModule)}
     stacked = tuple(stacked)
     expected_shards: dict[str, set[str]] = {}
     for name, module in modules.items():
-        for s in getattr(module, "shard_offsets", {}):
-            for kind in ("weight", "bias"):
-                if getattr(module, kind, None) is not None:
-                    expected_shards.setdefault(f"{name}.{kind}", set()).add(s)
+        if isinstance(module, CheckpointShards):
+            for kind in module.shard_kinds():
+                expected_shards[f"{name}.{kind}"] = set(module.shard_offsets)
     seen_shards: dict[str, set[str]] = {}
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -72,7 +100,7 @@ def load_named_weights(
                 fused = name.replace(rule.ckpt_part + ".", rule.fused_part + ".")
                 mod_name, kind = fused.rsplit(".", 1)
                 module = modules.get(mod_name)
-                if module is None or not hasattr(module, "load_shard"):
+                if not isinstance(module, CheckpointShards):
                     unexpected.append(name)
                     break
                 try:

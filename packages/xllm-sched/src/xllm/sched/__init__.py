@@ -1,21 +1,22 @@
 """Scheduling policies of xLLM as pure logic (no torch).
 
 - :mod:`xllm.sched.batch_policy`: the engine's per-step batch policy (decode
-  first, chunked prefill under a token budget, preemption choice).
+  first, chunked prefill under a token budget, preemption choice), deciding over
+  the engine scheduler's queues (:class:`SchedulerQueues`).
 - :mod:`xllm.sched.routing`: global routing across engine instances (round robin,
   least load, KV-cache-aware with session affinity and load-aware fallback).
-- :mod:`xllm.sched.registry`: policies by name.
+- :mod:`xllm.sched.registry`: policies by name (:data:`BATCH_POLICIES`, :data:`ROUTING_POLICIES`).
 """
 
 from xllm.sched.batch_policy import (
     BatchPolicy,
     DecodeFirstPolicy,
-    KVAllocator,
     SchedulableSeq,
     ScheduledChunk,
+    SchedulerQueues,
     StepPlan,
 )
-from xllm.sched.registry import batch_policy
+from xllm.sched.registry import BATCH_POLICIES, ROUTING_POLICIES
 from xllm.sched.routing import (
     InstanceSnapshot,
     KVCacheAwarePolicy,
@@ -24,15 +25,14 @@ from xllm.sched.routing import (
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
-    routing_policy,
-    routing_policy_names,
 )
 
 __all__ = [
+    "BATCH_POLICIES",
+    "ROUTING_POLICIES",
     "BatchPolicy",
     "DecodeFirstPolicy",
     "InstanceSnapshot",
-    "KVAllocator",
     "KVCacheAwarePolicy",
     "LeastLoadPolicy",
     "RoundRobinPolicy",
@@ -41,8 +41,6 @@ __all__ = [
     "RoutingPolicy",
     "SchedulableSeq",
     "ScheduledChunk",
+    "SchedulerQueues",
     "StepPlan",
-    "batch_policy",
-    "routing_policy",
-    "routing_policy_names",
 ]

@@ -6,11 +6,16 @@ partially prefilled sequences continue, then waiting sequences are admitted in
 (priority, arrival) order while budget, sequence slots and KV memory last.
 When KV memory runs out for a running sequence, the lowest-priority, latest
 arrived running sequence is preempted (its KV released, to be recomputed).
+
+The policy only *decides*. The queues, KV memory and the state of sequences
+belong to the engine's scheduler (``xllm.core.scheduler.Scheduler``), which the
+policy sees through :class:`SchedulerQueues`: it reads the queues and asks for
+the three operations that change them (allocate, admit, preempt).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,22 +36,33 @@ class SchedulableSeq(Protocol):
     def num_computed_tokens(self) -> int: ...  # tokens whose KV is cached
 
 
-class KVAllocator(Protocol):
-    """KV memory as the policy sees it."""
+class SchedulerQueues(Protocol):
+    """The engine scheduler as a batch policy sees it.
 
-    def admit(self, seq: SchedulableSeq, max_new_tokens: int) -> int:
-        """Give a waiting ``seq`` KV memory: reuse any cached prefix (which may advance
-        ``seq.num_computed_tokens``), then make room for up to ``max_new_tokens`` of the
-        rest. Returns how many tokens to compute this step, or 0 (and changes nothing)
-        if it cannot be admitted now."""
-        ...
+    ``running`` and ``waiting`` are read-only views in service order (``waiting``: priority, then
+    arrival; a preempted sequence goes back to its front). The three operations change them:
+    """
+
+    @property
+    def running(self) -> Sequence[SchedulableSeq]: ...
+
+    @property
+    def waiting(self) -> Sequence[SchedulableSeq]: ...
 
     def allocate(self, seq: SchedulableSeq, num_new_tokens: int) -> bool:
-        """Make room for ``num_new_tokens`` more KV entries of ``seq``; False if it cannot."""
+        """Make room for ``num_new_tokens`` more KV entries of running ``seq``; False (nothing
+        changed) if memory is short."""
         ...
 
-    def free(self, seq: SchedulableSeq) -> None:
-        """Release all of ``seq``'s KV memory."""
+    def admit(self, seq: SchedulableSeq, max_new_tokens: int) -> int:
+        """Move ``seq`` (the head of ``waiting``) to ``running``: give it KV memory, reusing a cached
+        prefix (which may advance its ``num_computed_tokens``), with room for up to
+        ``max_new_tokens`` of the rest. Returns how many tokens to compute this step, or 0 (nothing
+        changed) if it cannot be admitted now."""
+        ...
+
+    def preempt(self, seq: SchedulableSeq) -> None:
+        """Move running ``seq`` to the front of ``waiting``, releasing its KV; it will be recomputed."""
         ...
 
 
@@ -73,17 +89,11 @@ class StepPlan:
 
 
 class BatchPolicy(Protocol):
-    def schedule(self, running: list, waiting: deque, kv: KVAllocator) -> StepPlan: ...
+    def schedule(self, queues: SchedulerQueues) -> StepPlan: ...
 
 
 class DecodeFirstPolicy:
-    """Decode-first continuous batching with chunked prefill.
-
-    :meth:`schedule` mutates its arguments: admitted sequences move from the
-    front of ``waiting`` to the end of ``running``; preempted ones move from
-    ``running`` to the front of ``waiting`` (after their KV is freed through
-    ``kv.free``). ``waiting`` must already be in service order.
-    """
+    """Decode-first continuous batching with chunked prefill (see the module docstring)."""
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -97,22 +107,26 @@ class DecodeFirstPolicy:
         """Sort key: the largest key is preempted first (lowest priority, latest arrival)."""
         return (seq.priority, seq.arrival_time)
 
-    def schedule(self, running: list, waiting: deque, kv: KVAllocator) -> StepPlan:
+    def schedule(self, queues: SchedulerQueues) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
+        running = list(queues.running)
         decodes = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in running if s.num_tokens - s.num_computed_tokens > 1]
         scheduled: set[int] = set()
+        preempted: set[int] = set()
         for seq in decodes + prefills:
-            if not any(s is seq for s in running):
+            if id(seq) in preempted:
                 continue  # preempted earlier in this step
             need = seq.num_tokens - seq.num_computed_tokens
             n = min(need, budget) if self.chunked_prefill else need
             if n <= 0 or n > budget:
                 continue
-            while not kv.allocate(seq, n):
-                victim = self._pick_victim(running, scheduled, seq)
-                self._preempt(victim, running, waiting, kv, plan)
+            while not queues.allocate(seq, n):
+                victim = self._pick_victim(queues.running, scheduled, seq)
+                queues.preempt(victim)
+                preempted.add(id(victim))
+                plan.preempted.append(victim)
                 if victim is seq:
                     break
             else:
@@ -121,31 +135,23 @@ class DecodeFirstPolicy:
                 budget -= n
         if plan.preempted:
             return plan  # memory is short: admit nothing new this step
-        while waiting and budget > 0 and len(running) < self.max_num_seqs:
-            seq = waiting[0]
+        while queues.waiting and budget > 0 and len(queues.running) < self.max_num_seqs:
+            seq = queues.waiting[0]
             if not self.chunked_prefill and seq.num_tokens - seq.num_computed_tokens > budget:
                 break  # without chunking the whole prompt must fit this step's budget
-            n = kv.admit(seq, budget)
+            n = queues.admit(seq, budget)
             if n < 1:
                 break
-            waiting.popleft()
-            running.append(seq)
             plan.admitted.append(seq)
             plan.chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return plan
 
-    def _pick_victim(self, running: list, scheduled: set[int], current: SchedulableSeq) -> SchedulableSeq:
+    def _pick_victim(self, running: Sequence[SchedulableSeq], scheduled: set[int],
+                     current: SchedulableSeq) -> SchedulableSeq:
         """The least important running sequence not yet scheduled this step, ``current``
         included: a sequence never evicts one that outranks it (it yields itself instead)."""
         candidates = [s for s in running if id(s) not in scheduled]
         if not candidates:
             return current
         return max(candidates, key=self.victim_order)
-
-    @staticmethod
-    def _preempt(seq, running: list, waiting: deque, kv: KVAllocator, plan: StepPlan) -> None:
-        kv.free(seq)
-        running.remove(seq)
-        waiting.appendleft(seq)
-        plan.preempted.append(seq)

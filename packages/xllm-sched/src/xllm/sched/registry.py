@@ -1,24 +1,18 @@
-"""Policies by name, so engines and routers pick them from configuration."""
+"""Policies by name (one table per kind), so engines, routers and the CLI pick them from
+configuration; listing the names imports no policy code."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from xllm.common import NameRegistry
+from xllm.sched.batch_policy import BatchPolicy
+from xllm.sched.routing import RoutingPolicy
 
-from xllm.sched.batch_policy import BatchPolicy, DecodeFirstPolicy
-from xllm.sched.routing import routing_policy, routing_policy_names
+BATCH_POLICIES: NameRegistry[type[BatchPolicy]] = NameRegistry("batch policy", {
+    "decode_first": "xllm.sched.batch_policy:DecodeFirstPolicy",
+})
 
-_BATCH_POLICIES: dict[str, Callable[..., BatchPolicy]] = {
-    "decode_first": DecodeFirstPolicy,
-}
-
-
-def batch_policy(name: str, **kwargs) -> BatchPolicy:
-    """Build the batch policy called ``name``; unknown names list the known ones."""
-    try:
-        factory = _BATCH_POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown batch policy {name!r}; known: {sorted(_BATCH_POLICIES)}") from None
-    return factory(**kwargs)
-
-
-__all__ = ["batch_policy", "routing_policy", "routing_policy_names"]
+ROUTING_POLICIES: NameRegistry[type[RoutingPolicy]] = NameRegistry("routing policy", {
+    "kv_aware": "xllm.sched.routing:KVCacheAwarePolicy",
+    "least_load": "xllm.sched.routing:LeastLoadPolicy",
+    "round_robin": "xllm.sched.routing:RoundRobinPolicy",
+}, normalize=lambda name: name.replace("-", "_"))

@@ -6,7 +6,7 @@ runs in the gateway, in tests and in a simulator. The gateway builds one
 heartbeat, the requests it dispatched itself and not yet saw finish, and how many of the
 prompt's tokens the global KV index says the instance already holds — and asks a policy.
 
-Policies (by name through :func:`xllm.sched.routing_policy`):
+Policies (by name through :data:`xllm.sched.ROUTING_POLICIES`):
 
 - ``round_robin``: the next instance in turn.
 - ``least_load``: the fewest outstanding requests (running + waiting), then the lowest KV use.
@@ -223,22 +223,3 @@ class KVCacheAwarePolicy(RoutingPolicy):
         self._remember(request.session_id, choice)
         return RouteDecision(choice, reason, latency[choice], scores)
 
-
-_POLICIES: dict[str, Callable[..., RoutingPolicy]] = {
-    "round_robin": RoundRobinPolicy,
-    "least_load": LeastLoadPolicy,
-    "kv_aware": KVCacheAwarePolicy,
-}
-
-
-def routing_policy_names() -> list[str]:
-    return sorted(_POLICIES)
-
-
-def routing_policy(name: str, **kwargs) -> RoutingPolicy:
-    """Build the routing policy called ``name``; unknown names list the known ones."""
-    try:
-        factory = _POLICIES[name.replace("-", "_")]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {routing_policy_names()}") from None
-    return factory(**kwargs)

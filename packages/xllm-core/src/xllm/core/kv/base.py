@@ -1,25 +1,19 @@
-"""The KV cache backend interface and the backend registry."""
+"""The KV cache backend interface, its sizes, and building a backend for an engine."""
 
 from __future__ import annotations
 
-import importlib
+import logging
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
+from xllm.core.kv.addressing import KVAddressing
+from xllm.core.kv.registry import KV_BACKENDS
 from xllm.core.model_api import KVCacheSpec
 
-_BACKENDS = {
-    "xtensor": "xllm.core.kv.xtensor:XTensorKVCache",
-    "paged": "xllm.core.kv.paged:PagedKVCache",
-    "contiguous": "xllm.core.kv.contiguous:ContiguousKVCache",
-}
-
-
-def backend_names() -> list[str]:
-    return list(_BACKENDS)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,10 +37,19 @@ class KVCacheLayout:
         return math.ceil(num_tokens / self.block_size)
 
 
+@dataclass(frozen=True)
+class PrefixStats:
+    """Cumulative prefix-cache lookups of a backend: prompt tokens looked up and found cached
+    (first admissions only; a preempted sequence's re-admission is not a new query)."""
+
+    queries: int = 0
+    hits: int = 0
+
+
 class KVCacheBackend(ABC):
     """KV memory for the running sequences.
 
-    Contract (the batch policy's ``KVAllocator``):
+    Contract (what the engine's :class:`~xllm.core.scheduler.Scheduler` uses):
 
     - ``admit(seq, n)`` gives a waiting sequence KV memory, reusing a cached
       prefix where the backend has a prefix cache (advancing
@@ -54,16 +57,13 @@ class KVCacheBackend(ABC):
       (0 = cannot admit; nothing changed).
     - ``allocate(seq, n)`` reserves room for the next ``n`` tokens of a running
       sequence; False, changing nothing, when memory is exhausted.
-    - ``free(seq)`` releases everything (the caller resets the sequence's progress).
+    - ``free(seq)`` releases everything (the scheduler resets the sequence's progress).
 
-    Addressing: a ``slot_addressed`` backend gives each sequence a ``seq.slot`` and
-    ``layer_kv(layer)`` returns ``[num_slots, max_len, kv_heads, dim]`` tensors in
-    which the sequence's tokens are contiguous; otherwise ``layer_kv`` returns page
-    pools ``[num_blocks, block_size, kv_heads, dim]`` and ``seq.kv_pages`` is the
-    sequence's block table.
+    Addressing: ``addressing`` (a :class:`~xllm.core.kv.addressing.KVAddressing` built by each
+    backend for itself) says how attention reaches a sequence's tokens in ``layer_kv(layer)``.
     """
 
-    slot_addressed: bool = True
+    addressing: KVAddressing
 
     def __init__(self, layout: KVCacheLayout) -> None:
         self.layout = layout
@@ -91,10 +91,18 @@ class KVCacheBackend(ABC):
     def prefetch(self, seqs) -> None:  # noqa: B027 (optional hook)
         """Called before a forward with the sequences that sample this step (map-ahead)."""
 
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        """Prefix-cache lookups so far (backends without a prefix cache: none)."""
+        return PrefixStats()
+
+    def enable_events(self) -> None:  # noqa: B027 (backends without a prefix cache have no events)
+        """Start keeping prefix-cache events for :meth:`drain_events` (only someone who drains them
+        regularly, such as an engine server publishing them, should ask: they are kept until drained)."""
+
     def drain_events(self) -> list[tuple[bool, int]]:
-        """Prefix-cache events since the last call: ``(True, hash)`` when a full block
-        became cached, ``(False, hash)`` when it was evicted. Backends without a prefix
-        cache have none."""
+        """Prefix-cache events since the last call (after :meth:`enable_events`): ``(True, hash)``
+        when a full block became cached, ``(False, hash)`` when it was evicted."""
         return []
 
     def close(self) -> None:  # noqa: B027 (optional hook)
@@ -113,15 +121,6 @@ class KVCacheBackend(ABC):
         """Bytes of KV memory currently held for live sequences."""
         used = self.layout.num_blocks - self.num_free_blocks
         return used * self.layout.block_size * self.layout.spec.bytes_per_token(self.layout.dtype)
-
-
-def create_kv_cache(name: str, layout: KVCacheLayout) -> KVCacheBackend:
-    """Instantiate the backend registered as ``name``."""
-    target = _BACKENDS.get(name)
-    if target is None:
-        raise ValueError(f"unknown KV cache backend {name!r}; known: {sorted(_BACKENDS)}")
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)(layout)
 
 
 def page_aligned_block_size(spec: KVCacheSpec, dtype: torch.dtype, minimum: int = 16, os_page: int = 4096) -> int:
@@ -145,15 +144,13 @@ def build_kv_cache(backend: str, spec: KVCacheSpec, dtype: torch.dtype, device: 
     ``"xtensor"`` falls back to ``"paged"`` where virtual memory control is
     unavailable (non-Linux, or a device other than the CPU for now). The block
     size defaults to 16 tokens (xTensor: rounded up so a block is whole OS pages).
-    Raises ``ValueError`` when the memory cannot hold one block.
+    Raises ``ValueError`` when the memory cannot hold one block or the backend is unknown.
     """
-    import logging
-
     from xllm.core.kv import vmm
 
+    backend = KV_BACKENDS.canonical(backend)
     if backend == "xtensor" and (device.type != "cpu" or not vmm.supported()):
-        logging.getLogger(__name__).warning("xTensor needs Linux virtual memory control on the CPU here; "
-                                            "using the paged backend")
+        log.warning("xTensor needs Linux virtual memory control on the CPU here; using the paged backend")
         backend = "paged"
     if block_size is None:
         block_size = page_aligned_block_size(spec, dtype) if backend == "xtensor" else 16
@@ -164,4 +161,4 @@ def build_kv_cache(backend: str, spec: KVCacheSpec, dtype: torch.dtype, device: 
                          f"({per_block} bytes)")
     layout = KVCacheLayout(spec, dtype, device, max_num_seqs, max_model_len, block_size, num_blocks,
                            enable_prefix_cache and backend != "contiguous")
-    return create_kv_cache(backend, layout)
+    return KV_BACKENDS.create(backend, layout)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from xllm.core.kv.addressing import SlotAddressing
 from xllm.core.kv.base import KVCacheBackend, KVCacheLayout
 
 
 class ContiguousKVCache(KVCacheBackend):
     def __init__(self, layout: KVCacheLayout) -> None:
         super().__init__(layout)
+        self.addressing = SlotAddressing(self, layout.block_size)
         spec = layout.spec
         shape = (layout.max_num_seqs, layout.max_model_len, spec.num_kv_heads)
         self.k = [torch.empty(*shape, spec.head_dim, dtype=layout.dtype, device=layout.device)

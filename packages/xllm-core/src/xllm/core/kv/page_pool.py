@@ -43,7 +43,7 @@ class Page:
 class PagePool:
     """``num_pages`` pages, a hash -> page prefix cache and LRU reclaim order."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, record_events: bool = False) -> None:
         if num_pages < 1:
             raise ValueError(f"a page pool needs at least one page, got {num_pages}")
         self.pages = [Page(i) for i in range(num_pages)]
@@ -52,7 +52,9 @@ class PagePool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # reusable, hashed
         self._by_hash: dict[int, int] = {}
         self.evictions = 0
-        # (stored?, block hash) in order: what a cluster's global KV index must learn
+        # (stored?, block hash) in order: what a cluster's global KV index must learn. Kept only while
+        # someone drains them (an engine server publishing them); otherwise they would pile up.
+        self.record_events = record_events
         self.events: list[tuple[bool, int]] = []
 
     # ---- capacity -----------------------------------------------------------
@@ -97,7 +99,7 @@ class PagePool:
         page = self.pages[page_id]
         if page.block_hash is not None:
             self._by_hash.pop(page.block_hash, None)
-            self.events.append((False, page.block_hash))
+            self._event(False, page.block_hash)
             page.block_hash = None
             self.evictions += 1
         page.status, page.owner, page.ref_count = PageStatus.ALLOCATED, owner, 1
@@ -139,7 +141,7 @@ class PagePool:
         self._cached.pop(page_id, None)
         if page.block_hash is not None:
             self._by_hash.pop(page.block_hash, None)
-            self.events.append((False, page.block_hash))
+            self._event(False, page.block_hash)
             page.block_hash = None
         page.status, page.owner = PageStatus.FREE, None
         page.mapped_at.clear()
@@ -156,8 +158,12 @@ class PagePool:
             return False
         page.block_hash = block_hash
         self._by_hash[block_hash] = page_id
-        self.events.append((True, block_hash))
+        self._event(True, block_hash)
         return True
+
+    def _event(self, stored: bool, block_hash: int) -> None:
+        if self.record_events:
+            self.events.append((stored, block_hash))
 
     def drain_events(self) -> list[tuple[bool, int]]:
         """The (stored?, hash) events since the last call, oldest first."""

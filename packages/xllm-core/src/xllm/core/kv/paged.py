@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from xllm.core.kv.addressing import PageAddressing
 from xllm.core.kv.base import KVCacheLayout
 from xllm.core.kv.prefix import PrefixCachingBackend
 
 
 class PagedKVCache(PrefixCachingBackend):
-    slot_addressed = False
-
     def __init__(self, layout: KVCacheLayout) -> None:
         super().__init__(layout)
+        self.addressing = PageAddressing(self, layout.block_size)
         spec = layout.spec
         shape = (layout.num_blocks, layout.block_size, spec.num_kv_heads)
         self.k = [torch.zeros(*shape, spec.head_dim, dtype=layout.dtype, device=layout.device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
-from xllm.core.kv.base import KVCacheBackend, KVCacheLayout
+from xllm.core.kv.base import KVCacheBackend, KVCacheLayout, PrefixStats
 from xllm.core.kv.page_pool import PagePool, PageStatus
 from xllm.kvstore import ROOT_HASH, hash_block
 
@@ -22,8 +22,8 @@ class PrefixCachingBackend(KVCacheBackend):
     def __init__(self, layout: KVCacheLayout) -> None:
         super().__init__(layout)
         self.pool = PagePool(layout.num_blocks)
-        self.prefix_queries = 0   # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0      # of those, tokens found cached
+        self._prefix_queries = 0   # prompt tokens looked up in the prefix cache
+        self._prefix_hits = 0      # of those, tokens found cached
         self.reused_in_place = 0  # pages reused without any mapping work
 
     # ---- subclass hooks ------------------------------------------------------------
@@ -33,7 +33,7 @@ class PrefixCachingBackend(KVCacheBackend):
 
     @abstractmethod
     def _detach(self, seq) -> None:
-        """Undo :meth:`_attach` (pages are released by the caller)."""
+        """Undo :meth:`_attach` (pages are released by the caller); nothing if ``seq`` holds no address."""
 
     @abstractmethod
     def _new_page(self, seq, block: int, sync: bool = True) -> int | None:
@@ -89,8 +89,8 @@ class PrefixCachingBackend(KVCacheBackend):
         if seq.num_preemptions == 0:
             seq.num_cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
             if self.layout.enable_prefix_cache:
-                self.prefix_queries += seq.num_prompt_tokens
-                self.prefix_hits += seq.num_cached_prompt_tokens
+                self._prefix_queries += seq.num_prompt_tokens
+                self._prefix_hits += seq.num_cached_prompt_tokens
         if not self.allocate(seq, n):
             self.free(seq)
             return 0
@@ -114,8 +114,7 @@ class PrefixCachingBackend(KVCacheBackend):
         return True
 
     def free(self, seq) -> None:
-        if not self.slot_addressed or seq.slot is not None:
-            self._detach(seq)
+        self._detach(seq)
         for page in seq.kv_pages:
             self.pool.release(page)
         seq.kv_pages = []
@@ -145,6 +144,13 @@ class PrefixCachingBackend(KVCacheBackend):
             page = self._new_page(seq, block, sync=False)
             if page is not None:
                 seq.kv_pages.append(page)
+
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        return PrefixStats(self._prefix_queries, self._prefix_hits)
+
+    def enable_events(self) -> None:
+        self.pool.record_events = True
 
     def drain_events(self) -> list[tuple[bool, int]]:
         return self.pool.drain_events()

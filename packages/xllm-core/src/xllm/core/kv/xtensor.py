@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from xllm.core.kv.addressing import SlotAddressing
 from xllm.core.kv.base import KVCacheLayout
 from xllm.core.kv.page_pool import PageStatus
 from xllm.core.kv.prefix import PrefixCachingBackend
@@ -33,10 +34,9 @@ from xllm.core.kv.vmm import OS_PAGE, VirtualMemory, VMMError
 class XTensorKVCache(PrefixCachingBackend):
     """The xTensor KV backend (Linux; needs ``memfd_create``)."""
 
-    slot_addressed = True
-
     def __init__(self, layout: KVCacheLayout) -> None:
         super().__init__(layout)
+        self.addressing = SlotAddressing(self, layout.block_size)
         spec, bs = layout.spec, layout.block_size
         elem = torch.empty((), dtype=layout.dtype).element_size()
         dims = []  # (layer, kind, head_dim) for every range that exists
@@ -47,6 +47,7 @@ class XTensorKVCache(PrefixCachingBackend):
         self.vm = VirtualMemory()
         self.blocks_per_slot = math.ceil(layout.max_model_len / bs)
         self._ranges: list[tuple[int, int, int]] = []  # (virtual base, page bytes, memfd base)
+        self._mapper: ThreadPoolExecutor | None = None
         self._buffers = []
         self.k: list[torch.Tensor] = [None] * spec.num_layers  # type: ignore[list-item]
         self.v: list[torch.Tensor | None] = [None] * spec.num_layers
@@ -153,6 +154,8 @@ class XTensorKVCache(PrefixCachingBackend):
         return True
 
     def _detach(self, seq) -> None:
+        if seq.slot is None:
+            return
         for block in range(len(seq.kv_pages)):
             self._wait_mapped(seq.slot, block)
         self._release_slot(seq.slot)
@@ -188,13 +191,13 @@ class XTensorKVCache(PrefixCachingBackend):
         return self.pool.num_in_use * sum(pb for _, pb, _ in self._ranges)
 
     def close(self) -> None:
-        mapper = getattr(self, "_mapper", None)
-        if mapper is not None:
-            mapper.shutdown(wait=True)
-        for base, page_bytes, _ in getattr(self, "_ranges", []):
+        """Unmap and release everything (also what a failed ``__init__`` had set up)."""
+        if self._mapper is not None:
+            self._mapper.shutdown(wait=True)
+            self._mapper = None
+        for base, page_bytes, _ in self._ranges:
             self.vm.release(base, self.layout.max_num_seqs * self.blocks_per_slot * page_bytes)
         self._ranges = []
-        fd = getattr(self, "fd", None)
-        if fd is not None:
-            os.close(fd)
+        if self.fd is not None:
+            os.close(self.fd)
             self.fd = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from xllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+
 
 class APIError(Exception):
     """An error to return to the client with an HTTP status."""
@@ -34,3 +36,16 @@ def overloaded(message: str) -> APIError:
 
 def internal(message: str) -> APIError:
     return APIError(500, message, "internal_error", None, None)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The API error an engine error (or any failure) stands for."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(str(exc), exc.param)
+    if isinstance(exc, EngineOverloadedError):
+        return overloaded(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "server_unavailable")
+    return internal(f"{type(exc).__name__}: {exc}")

@@ -1,35 +1,23 @@
-"""Shared request handling for chat and completions: fan-out to the engine,
-stream merging, error mapping and usage accounting."""
+"""Shared request handling for chat and completions: stream merging, the SSE stream skeleton,
+non-streaming collection and usage accounting."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import Request
 
-from xllm.core import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from xllm.gateway.engine_client import EngineClient, InstanceUnavailableError
-from xllm.gateway.openai.errors import APIError, bad_request, internal, model_not_found, overloaded
-from xllm.gateway.registry import NoInstanceError, Registry
-from xllm.gateway.router import Router, Ticket
+from xllm.gateway.openai.errors import APIError, to_api_error
 from xllm.proto.engine.v1 import engine_pb2
-
-log = logging.getLogger(__name__)
+from xllm.proto.enums import finish_reason_name
 
 INSTANCE_HEADER = "x-xllm-instance"  # response header naming the instance that took the request
-
-FINISH_NAMES = {
-    engine_pb2.FINISH_REASON_STOP: "stop",
-    engine_pb2.FINISH_REASON_LENGTH: "length",
-    engine_pb2.FINISH_REASON_ABORT: "abort",
-    engine_pb2.FINISH_REASON_ERROR: "error",
-}
 
 
 def new_id(prefix: str) -> str:
@@ -54,7 +42,7 @@ class Choice:
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason:
-            self.finish_reason = FINISH_NAMES.get(chunk.finish_reason, "stop")
+            self.finish_reason = finish_reason_name(chunk.finish_reason)
             self.completion_tokens = chunk.usage.completion_tokens
             self.cached_tokens = chunk.usage.cached_prompt_tokens
 
@@ -66,193 +54,6 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
-
-
-class Dispatcher:
-    """Resolves the model, routes each request to an instance and submits it.
-
-    Routing goes through :class:`~xllm.gateway.router.Router` (policy by name, the global KV
-    index). A request an instance cannot take (unreachable, draining) is sent to the next one;
-    a stream an instance breaks off (it died or handed the request back while shutting down)
-    is resumed on another instance from the tokens already streamed (recompute), so the
-    client sees one uninterrupted stream.
-    """
-
-    def __init__(self, registry: Registry, default_model: str, router: Router | None = None,
-                 detokenize: Callable[..., str] | None = None, max_attempts: int = 3, max_resumes: int = 2) -> None:
-        self.registry = registry
-        self.default_model = default_model
-        self.router = router or Router(registry)
-        self.detokenize = detokenize
-        self.max_attempts = max_attempts
-        self.max_resumes = max_resumes
-        self._cleanup: set[asyncio.Future] = set()  # keeps abort tasks alive until they ran
-
-    def resolve_model(self, requested: str | None) -> str:
-        served = self.registry.served_models()
-        if requested is None or requested == "":
-            return self.default_model
-        if requested not in served:
-            raise model_not_found(requested)
-        return requested
-
-    async def submit_all(self, model: str, reqs: list[engine_pb2.GenerateRequest],
-                         session: str | None = None) -> tuple[EngineClient, list[RoutedStream]]:
-        """Submit every request to one instance (choices of a request stay together).
-        On failure the already submitted ones are aborted and an APIError raised."""
-        prompt = list(reqs[0].prompt_token_ids) if reqs else []
-        ticket, streams = await self._place(model, prompt, reqs, session)
-        return ticket.state.client, [RoutedStream(self, model, ticket, r, st) for r, st in zip(reqs, streams)]
-
-    async def _place(self, model: str, prompt: list[int], reqs: list[engine_pb2.GenerateRequest],
-                     session: str | None, exclude: set[str] | None = None) -> tuple[Ticket, list]:
-        exclude = set(exclude or ())
-        last: BaseException | None = None
-        for _ in range(self.max_attempts):
-            try:
-                ticket = self.router.route(model, prompt, session, exclude)
-            except NoInstanceError as exc:
-                if last is not None:
-                    raise to_api_error(last) from last
-                raise APIError(503, str(exc), "server_unavailable") from exc
-            client = ticket.state.client
-            streams = []
-            try:
-                for r in reqs:
-                    streams.append(await client.submit(r))
-            except InstanceUnavailableError as exc:
-                self._abort_later(client, reqs[: len(streams)])
-                self.router.failed(ticket.state)
-                exclude.add(ticket.state.instance_id)
-                last = exc
-                continue
-            except BaseException as exc:
-                self._abort_later(client, reqs[: len(streams)])
-                raise to_api_error(exc) from exc
-            self.router.dispatched(ticket, len(reqs))
-            return ticket, streams
-        raise to_api_error(last) from last
-
-    def _abort_later(self, client: EngineClient, reqs: list[engine_pb2.GenerateRequest]) -> None:
-        for r in reqs:
-            task = asyncio.ensure_future(client.abort(r.request_id))
-            self._cleanup.add(task)
-            task.add_done_callback(self._cleanup.discard)
-
-    def _recover_text(self, req: engine_pb2.GenerateRequest, generated: list[int], sent: str) -> str:
-        """Text of ``generated`` the broken instance had not sent yet (held back for an incomplete
-        character or a possible stop string)."""
-        if self.detokenize is None or not generated:
-            return ""
-        skip = req.sampling.skip_special_tokens if req.sampling.HasField("skip_special_tokens") else True
-        tail = list(req.prompt_token_ids[-6:])
-        before = self.detokenize(tail, skip_special_tokens=skip)
-        after = self.detokenize(tail + generated, skip_special_tokens=skip)
-        full = after[len(before):] if after.startswith(before) else ""
-        if full.startswith(sent) and not full.endswith("\ufffd"):
-            return full[len(sent):]
-        return ""
-
-    async def resume(self, model: str, req: engine_pb2.GenerateRequest, generated: list[int],
-                     failed: set[str]) -> tuple[Ticket, engine_pb2.GenerateRequest, object]:
-        """Continue ``req`` elsewhere: its prompt plus the ``generated`` tokens, the rest of its budget."""
-        cont = engine_pb2.GenerateRequest()
-        cont.CopyFrom(req)
-        cont.prompt_token_ids.extend(generated)
-        cont.sampling.max_tokens = req.sampling.max_tokens - len(generated)
-        cont.sampling.min_tokens = max(req.sampling.min_tokens - len(generated), 0)
-        ticket, streams = await self._place(model, list(cont.prompt_token_ids), [cont], None, failed)
-        return ticket, cont, streams[0]
-
-
-class RoutedStream:
-    """The chunks of one request as the client sees them, across instance failures.
-
-    Iterating it yields the instance's chunks; if the instance breaks the stream off
-    (``InstanceUnavailableError``) the request is resumed on another instance and the
-    chunks continue, with the usage of the final chunk counting the whole request. Leaving
-    early closes the underlying stream (the engine aborts the request).
-    """
-
-    def __init__(self, dispatcher: Dispatcher, model: str, ticket: Ticket, req: engine_pb2.GenerateRequest,
-                 stream) -> None:
-        self._d = dispatcher
-        self._model = model
-        self._ticket = ticket
-        self._req = req
-        self._stream = stream
-        self.request_id = req.request_id
-        self.resumes = 0
-
-    @property
-    def instance_id(self) -> str:
-        return self._ticket.state.instance_id
-
-    async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        d, req = self._d, self._req
-        generated: list[int] = []   # every token streamed so far, across instances
-        sent = ""                   # the text streamed so far
-        carry = ""                  # recovered text to put in front of the next chunk
-        failed: set[str] = set()
-        while True:
-            ticket, got_first, accounted = self._ticket, False, False
-            inner = aiter(self._stream)
-            try:
-                async for chunk in inner:
-                    if not got_first:
-                        got_first = True
-                        d.router.first_token(ticket)
-                    if carry:
-                        chunk.text, carry = carry + chunk.text, ""
-                    generated.extend(chunk.token_ids)
-                    sent += chunk.text
-                    final = chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
-                    if final and self.resumes:
-                        chunk.usage.prompt_tokens = len(req.prompt_token_ids)
-                        chunk.usage.completion_tokens = len(generated)
-                        chunk.usage.cached_prompt_tokens = min(chunk.usage.cached_prompt_tokens,
-                                                               len(req.prompt_token_ids))
-                    yield chunk
-                    if final:
-                        return
-                return
-            except InstanceUnavailableError as exc:
-                d.router.failed(ticket.state)
-                failed.add(ticket.state.instance_id)
-                if self.resumes >= d.max_resumes:
-                    raise
-                log.warning("request %s: %s; resuming after %d token(s) on another instance", req.request_id,
-                            exc, len(generated))
-                carry = d._recover_text(req, generated, sent)
-                if req.sampling.max_tokens - len(generated) <= 0:  # only the final chunk was lost
-                    yield engine_pb2.GenerateResponse(
-                        request_id=req.request_id, text=carry, finish_reason=engine_pb2.FINISH_REASON_LENGTH,
-                        usage=engine_pb2.Usage(prompt_tokens=len(req.prompt_token_ids),
-                                               completion_tokens=len(generated)))
-                    return
-                d.router.finished(ticket, got_first)
-                accounted = True
-                self._ticket, _, self._stream = await d.resume(self._model, req, generated, failed)
-                self.resumes += 1
-                if d.router.metrics is not None:
-                    d.router.metrics.resumed(self._model, ticket.state.instance_id)
-            finally:
-                with contextlib.suppress(Exception):
-                    await inner.aclose()
-                if not accounted:
-                    d.router.finished(ticket, got_first)
-
-
-def to_api_error(exc: BaseException) -> APIError:
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, InvalidRequestError):
-        return bad_request(str(exc), exc.param)
-    if isinstance(exc, EngineOverloadedError):
-        return overloaded(str(exc))
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), "server_unavailable")
-    return internal(f"{type(exc).__name__}: {exc}")
 
 
 async def merge_streams(streams: list) -> AsyncIterator[tuple[int, engine_pb2.GenerateResponse]]:
@@ -328,4 +129,49 @@ def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-TokenText = Callable[[list[int]], list[str]]
+class StreamFormat(Protocol):
+    """What differs between the chat and the completion SSE streams (per request; keeps its counts)."""
+
+    object: str  # the chunks' "object": "chat.completion.chunk" / "text_completion"
+
+    def opening(self) -> list[dict]:
+        """Choices to send before any engine output (chat: each choice's assistant role)."""
+        ...
+
+    def choice(self, index: int, out: engine_pb2.GenerateResponse, finish: str | None) -> dict | None:
+        """The choice entry for one engine chunk of choice ``index`` (None: nothing to send)."""
+        ...
+
+    def chunk_usage(self, index: int) -> dict | None:
+        """Usage to attach to each content chunk (vLLM's ``continuous_usage_stats``), or None."""
+        ...
+
+    def final_usage(self) -> dict:
+        """The usage of the whole request (the last chunk with ``stream_options.include_usage``)."""
+        ...
+
+
+async def sse_stream(fmt: StreamFormat, rid: str, model: str, created: int, include_usage: bool,
+                     streams: list) -> AsyncIterator[str]:
+    """The SSE body of a streamed response: ``fmt``'s chunks in arrival order, an error event if
+    an engine fails mid-stream, the usage chunk when asked for, then ``[DONE]``."""
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body = {"id": rid, "object": fmt.object, "created": created, "model": model, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return sse(json.dumps(body, ensure_ascii=False))
+
+    for choice in fmt.opening():
+        yield chunk([choice])
+    try:
+        async for i, out in merge_streams(streams):
+            choice = fmt.choice(i, out, finish_reason_name(out.finish_reason))
+            if choice is not None:
+                yield chunk([choice], fmt.chunk_usage(i))
+    except Exception as exc:  # an engine failed mid-stream: tell the client, then end the stream
+        yield sse(json.dumps(to_api_error(exc).body()))
+    else:
+        if include_usage:
+            yield chunk([], fmt.final_usage())
+    yield sse("[DONE]")

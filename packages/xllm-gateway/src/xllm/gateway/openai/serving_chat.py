@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from xllm.gateway.openai.errors import APIError, bad_request
+from xllm.gateway.dispatch import Dispatcher
+from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.logprobs import chat_logprobs
 from xllm.gateway.openai.protocol import ChatCompletionRequest
 from xllm.gateway.openai.sampling import sampling_proto
-from xllm.gateway.openai.serving import (
-    FINISH_NAMES,
-    INSTANCE_HEADER,
-    Dispatcher,
-    collect,
-    engine_request,
-    merge_streams,
-    new_id,
-    sse,
-    to_api_error,
-    usage_dict,
-)
-from xllm.models import ChatTemplateError, Tokenizer
+from xllm.gateway.openai.serving import INSTANCE_HEADER, collect, engine_request, new_id, sse_stream, usage_dict
+from xllm.models.tokenizer import ChatTemplateError, Tokenizer
+from xllm.proto.engine.v1 import engine_pb2
 
 
 class ChatServing:
@@ -59,7 +48,9 @@ class ChatServing:
         headers = {INSTANCE_HEADER: client.info.instance_id}
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(self._stream(req, rid, model, created, len(prompt), streams),
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            fmt = _ChatStream(req, self.tokenizer, len(prompt), len(streams))
+            return StreamingResponse(sse_stream(fmt, rid, model, created, include_usage, streams),
                                      media_type="text/event-stream", headers=headers)
         choices = await collect(streams, [len(prompt)] * req.n, raw)
         completion = sum(c.completion_tokens for c in choices)
@@ -78,40 +69,36 @@ class ChatServing:
         }
         return JSONResponse(body, headers=headers)
 
-    async def _stream(self, req: ChatCompletionRequest, rid: str, model: str, created: int,
-                      prompt_tokens: int, streams: list) -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        completion = [0] * len(streams)
-        cached = 0
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return sse(json.dumps(body, ensure_ascii=False))
+class _ChatStream:
+    """The ``chat.completion.chunk`` events of one request (see :class:`~xllm.gateway.openai.serving.StreamFormat`)."""
 
-        for i in range(len(streams)):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        try:
-            async for i, out in merge_streams(streams):
-                completion[i] += len(out.token_ids)
-                delta = {"content": out.text} if out.text else {}
-                finish = FINISH_NAMES.get(out.finish_reason) if out.finish_reason else None
-                if finish:
-                    cached = out.usage.cached_prompt_tokens
-                if not delta and not finish and not out.logprobs:
-                    continue
-                lp = chat_logprobs(out.logprobs, self.tokenizer.token_strings) if req.logprobs else None
-                usage = usage_dict(prompt_tokens, completion[i]) if continuous else None
-                yield chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}], usage)
-        except APIError as exc:
-            yield sse(json.dumps(exc.body()))
-        except Exception as exc:  # engine died mid-stream: tell the client, then end the stream
-            yield sse(json.dumps(to_api_error(exc).body()))
-        else:
-            if include_usage:
-                yield chunk([], usage_dict(prompt_tokens, sum(completion), cached))
-        yield sse("[DONE]")
+    object = "chat.completion.chunk"
+
+    def __init__(self, req: ChatCompletionRequest, tokenizer: Tokenizer, prompt_tokens: int, n: int) -> None:
+        self.req = req
+        self.tokenizer = tokenizer
+        self.prompt_tokens = prompt_tokens
+        self.completion = [0] * n
+        self.cached = 0
+        self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+    def opening(self) -> list[dict]:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(len(self.completion))]
+
+    def choice(self, index: int, out: engine_pb2.GenerateResponse, finish: str | None) -> dict | None:
+        self.completion[index] += len(out.token_ids)
+        delta = {"content": out.text} if out.text else {}
+        if finish:
+            self.cached = out.usage.cached_prompt_tokens
+        if not delta and not finish and not out.logprobs:
+            return None
+        lp = chat_logprobs(out.logprobs, self.tokenizer.token_strings) if self.req.logprobs else None
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    def chunk_usage(self, index: int) -> dict | None:
+        return usage_dict(self.prompt_tokens, self.completion[index]) if self.continuous else None
+
+    def final_usage(self) -> dict:
+        return usage_dict(self.prompt_tokens, sum(self.completion), self.cached)

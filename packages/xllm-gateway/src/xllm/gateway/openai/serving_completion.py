@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from xllm.gateway.openai.errors import APIError, bad_request
+from xllm.gateway.dispatch import Dispatcher
+from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.logprobs import completion_logprobs
 from xllm.gateway.openai.protocol import CompletionRequest
 from xllm.gateway.openai.sampling import sampling_proto
-from xllm.gateway.openai.serving import (
-    FINISH_NAMES,
-    INSTANCE_HEADER,
-    Dispatcher,
-    collect,
-    engine_request,
-    merge_streams,
-    new_id,
-    sse,
-    to_api_error,
-    usage_dict,
-)
-from xllm.models import Tokenizer
+from xllm.gateway.openai.serving import INSTANCE_HEADER, collect, engine_request, new_id, sse_stream, usage_dict
+from xllm.models.tokenizer import Tokenizer
+from xllm.proto.engine.v1 import engine_pb2
 
 
 class CompletionServing:
@@ -69,8 +58,10 @@ class CompletionServing:
         created = int(time.time())
         total_prompt = sum(len(ids) for ids, _ in prompts)
         if req.stream:
-            return StreamingResponse(self._stream(req, rid, model, created, total_prompt, prompt_lens, echoes,
-                                                  streams), media_type="text/event-stream", headers=headers)
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            fmt = _CompletionStream(req, self.tokenizer, total_prompt, echoes)
+            return StreamingResponse(sse_stream(fmt, rid, model, created, include_usage, streams),
+                                     media_type="text/event-stream", headers=headers)
         choices = await collect(streams, prompt_lens, raw)
         body = {
             "id": rid, "object": "text_completion", "created": created, "model": model,
@@ -89,42 +80,43 @@ class CompletionServing:
         }
         return JSONResponse(body, headers=headers)
 
-    async def _stream(self, req: CompletionRequest, rid: str, model: str, created: int, total_prompt: int,
-                      prompt_lens: list[int], echoes: list[str], streams: list) -> AsyncIterator[str]:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        want_lp = req.logprobs is not None
-        completion = [0] * len(streams)
-        cached = [0] * len(streams)
-        offsets = [len(e) for e in echoes]
-        started = [False] * len(streams)
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return sse(json.dumps(body, ensure_ascii=False))
+class _CompletionStream:
+    """The ``text_completion`` events of one request (see :class:`~xllm.gateway.openai.serving.StreamFormat`)."""
 
-        try:
-            async for i, out in merge_streams(streams):
-                completion[i] += len(out.token_ids)
-                text = out.text
-                if not started[i]:
-                    text, started[i] = echoes[i] + text, True
-                finish = FINISH_NAMES.get(out.finish_reason) if out.finish_reason else None
-                if finish:
-                    cached[i] = out.usage.cached_prompt_tokens
-                if not text and not finish and not out.logprobs:
-                    continue
-                lp = None
-                if want_lp:
-                    lp = completion_logprobs(out.logprobs, self.tokenizer.token_strings, offsets[i])
-                offsets[i] += len(out.text)
-                yield chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}])
-        except APIError as exc:
-            yield sse(json.dumps(exc.body()))
-        except Exception as exc:
-            yield sse(json.dumps(to_api_error(exc).body()))
-        else:
-            if include_usage:  # cached tokens counted once per prompt, as in the non-streaming answer
-                yield chunk([], usage_dict(total_prompt, sum(completion), sum(cached[:: req.n])))
-        yield sse("[DONE]")
+    object = "text_completion"
+
+    def __init__(self, req: CompletionRequest, tokenizer: Tokenizer, total_prompt: int, echoes: list[str]) -> None:
+        self.req = req
+        self.tokenizer = tokenizer
+        self.total_prompt = total_prompt
+        self.echoes = echoes
+        self.completion = [0] * len(echoes)
+        self.cached = [0] * len(echoes)
+        self.offsets = [len(e) for e in echoes]
+        self.started = [False] * len(echoes)
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def choice(self, index: int, out: engine_pb2.GenerateResponse, finish: str | None) -> dict | None:
+        self.completion[index] += len(out.token_ids)
+        text = out.text
+        if not self.started[index]:
+            text, self.started[index] = self.echoes[index] + text, True
+        if finish:
+            self.cached[index] = out.usage.cached_prompt_tokens
+        if not text and not finish and not out.logprobs:
+            return None
+        lp = None
+        if self.req.logprobs is not None:
+            lp = completion_logprobs(out.logprobs, self.tokenizer.token_strings, self.offsets[index])
+        self.offsets[index] += len(out.text)
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def chunk_usage(self, index: int) -> dict | None:
+        return None
+
+    def final_usage(self) -> dict:
+        # cached tokens counted once per prompt, as in the non-streaming answer
+        return usage_dict(self.total_prompt, sum(self.completion), sum(self.cached[:: self.req.n]))

@@ -4,7 +4,7 @@ A registry backend has two halves speaking the same ``xllm.registry.v1`` message
 
 - the *publisher* side, used by an engine instance: register ``InstanceInfo`` under a lease,
   heartbeat (``Heartbeat``: load, KV cache events, counters) to keep the lease, deregister on
-  shutdown (:mod:`xllm.gateway.registry.publisher`);
+  shutdown (:mod:`xllm.engine.registration`);
 - the *view* side, used by a gateway: :class:`Registry` below. It holds one
   :class:`InstanceState` per live instance (its info, an engine client, the last heartbeat)
   and feeds the instances' KV events into the :class:`~xllm.kvstore.GlobalKVIndex` that
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from xllm.gateway.engine_client import EngineClient, GrpcEngineClient, InstanceUnavailableError
+from xllm.engine.client import EngineClient, GrpcEngineClient
+from xllm.engine.wire import InstanceUnavailableError
 from xllm.kvstore import GAP, GlobalKVIndex
 from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
@@ -83,7 +83,6 @@ class Registry:
         self.kv_index = GlobalKVIndex(clock=clock)
         self._client_factory = client_factory or GrpcEngineClient
         self.clock = clock
-        self._rr = itertools.count()
         self._listeners: list[Callable[[str, InstanceState], None]] = []
         self._tasks: set[asyncio.Task] = set()
         self._resyncing: set[str] = set()
@@ -108,13 +107,6 @@ class Registry:
         now = self.clock()
         healthy = [s for s in live if s.unavailable_until <= now]
         return healthy or live
-
-    def pick(self, model: str) -> EngineClient:
-        """Round-robin over the instances serving ``model`` (routing policies live in the router)."""
-        candidates = self.routable(model)
-        if not candidates:
-            raise NoInstanceError(f"no instance serves {model!r}")
-        return candidates[next(self._rr) % len(candidates)].client
 
     def add_listener(self, fn: Callable[[str, InstanceState], None]) -> None:
         """``fn(event, state)`` on ``"added"`` and ``"removed"``."""
@@ -176,9 +168,8 @@ class Registry:
         """Close a removed instance's client (once its in-flight requests are done)."""
         if state.local:
             return
-        close = getattr(state.client, "close", None)
-        if close is not None and _loop_running():  # without a loop the client never opened a channel
-            self._spawn(close())
+        if _loop_running():  # without a loop the client never opened a channel
+            self._spawn(state.client.close())
 
     def _heartbeat(self, hb: instance_pb2.Heartbeat) -> bool:
         """Apply a heartbeat; False if the instance is unknown."""
@@ -203,14 +194,11 @@ class Registry:
 
     async def _resync(self, state: InstanceState) -> None:
         """Missed KV events: ask the instance for what changed since our version (or everything)."""
-        fetch = getattr(state.client, "kv_events", None)
-        if fetch is None:
-            return
         self._resyncing.add(state.instance_id)
         try:
             for snapshot in (False, True):
                 known = self.kv_index.version(state.instance_id) or (0, 0)
-                ev = await fetch(known[1], known[0], snapshot=snapshot)
+                ev = await state.client.kv_events(known[1], known[0], snapshot=snapshot)
                 if state.removed:
                     return
                 if self.kv_index.apply(state.instance_id, ev) != GAP:

@@ -2,9 +2,10 @@
 
 In-process engines are added directly (:meth:`Registry.register`). Engine processes started
 next to the gateway (``xllm serve --instances N``) register over gRPC with the
-``xllm.registry.v1.RegistryService`` this module serves on a loopback port: a lease per
-registration, renewed by every heartbeat, swept when it expires (the same semantics as the
-etcd backend's leases, without etcd).
+``xllm.registry.v1.RegistryService`` the gateway serves on a loopback port over this registry's
+lease table (:func:`xllm.engine.registration.embedded.serve_registry`, where the engines' side
+lives too): a lease per registration, renewed by every heartbeat, swept when it expires (the
+same semantics as the etcd backend's leases, without etcd).
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
-
-from xllm.gateway.engine_client import EngineClient
+from xllm.engine.client import EngineClient
 from xllm.gateway.registry.base import Registry
-from xllm.proto.registry.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+from xllm.proto.registry.v1 import instance_pb2
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,8 @@ class _Lease:
 
 
 class EmbeddedRegistry(Registry):
-    """In-process registry; remote engines hold leases renewed by heartbeats."""
+    """In-process registry; remote engines hold leases renewed by heartbeats
+    (a :class:`xllm.engine.registration.embedded.LeaseTable`)."""
 
     backend = "embedded"
 
@@ -105,37 +105,3 @@ class EmbeddedRegistry(Registry):
             self._sweeper = None
         self._leases.clear()
         await super().close()
-
-
-class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
-    """``xllm.registry.v1.RegistryService`` over an :class:`EmbeddedRegistry`."""
-
-    def __init__(self, registry: EmbeddedRegistry) -> None:
-        self.registry = registry
-
-    async def Register(self, request: registry_pb2.RegisterRequest, context) -> registry_pb2.RegisterResponse:
-        if not request.info.instance_id or not request.info.address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "info.instance_id and info.address are required")
-        lease_id, ttl = self.registry.grant(request.info, request.ttl_seconds or 3.0)
-        return registry_pb2.RegisterResponse(lease_id=lease_id, ttl_seconds=ttl)
-
-    async def Heartbeat(self, request: registry_pb2.HeartbeatRequest, context) -> registry_pb2.HeartbeatResponse:
-        hb = request.heartbeat if request.HasField("heartbeat") else None
-        return registry_pb2.HeartbeatResponse(ok=self.registry.keepalive(request.lease_id, hb))
-
-    async def Deregister(self, request: registry_pb2.DeregisterRequest, context) -> registry_pb2.DeregisterResponse:
-        self.registry.revoke(request.lease_id)
-        return registry_pb2.DeregisterResponse()
-
-
-async def serve_registry(registry: EmbeddedRegistry, host: str = "127.0.0.1", port: int = 0
-                         ) -> tuple[grpc.aio.Server, int]:
-    """Serve ``registry``'s RegistryService on ``host:port`` (0: a free port)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    registry_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(registry), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if not bound:
-        raise OSError(f"cannot bind the registry service to {host}:{port}")
-    await server.start()
-    log.info("embedded registry serving RegistryService on %s:%d", host, bound)
-    return server, bound

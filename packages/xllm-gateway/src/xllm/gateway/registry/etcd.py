@@ -1,21 +1,12 @@
-"""The etcd registry backend: instances and heartbeats as leased keys under a namespace prefix.
+"""The gateway side of the etcd registry backend: a watch over the instances registered in etcd.
 
-Layout under ``PREFIX`` (default ``/xllm``), values are serialized protobuf messages:
-
-- ``PREFIX/instances/ID``  -> ``xllm.registry.v1.InstanceInfo``, written once per registration
-- ``PREFIX/heartbeats/ID`` -> ``xllm.registry.v1.Heartbeat``, rewritten every heartbeat
-
-Both keys hang on the instance's lease (TTL 3 s by default). The instance renews the lease and
-rewrites its heartbeat every interval (0.5 s); when it stops (kill -9, a partition) etcd expires
-the lease and deletes both keys, and every gateway's watch sees the deletion. A clean shutdown
-revokes the lease first, so gateways stop routing to it at once.
-
-The gateway side (:class:`EtcdRegistry`) reads the prefix once, then watches it from the next
-revision: PUT of an instance key adds or replaces an instance, PUT of a heartbeat key applies
-load and KV events, DELETE of an instance key removes it. When the watch breaks or etcd
-compacted the revision it needed, it reads the prefix again (reconciling: instances no longer
-present are removed) and watches from there; KV events missed meanwhile show up as a version
-gap and are fetched from the instance itself (``GetKVEvents``).
+The key layout and the instance side (lease, info and heartbeat keys) are in
+:mod:`xllm.engine.registration.etcd`. :class:`EtcdRegistry` reads the prefix once, then watches it
+from the next revision: PUT of an instance key adds or replaces an instance, PUT of a heartbeat
+key applies load and KV events, DELETE of an instance key removes it. When the watch breaks or
+etcd compacted the revision it needed, it reads the prefix again (reconciling: instances no
+longer present are removed) and watches from there; KV events missed meanwhile show up as a
+version gap and are fetched from the instance itself (``GetKVEvents``).
 """
 
 from __future__ import annotations
@@ -28,19 +19,13 @@ from collections.abc import Callable
 
 import httpx
 
-from xllm.gateway.engine_client import EngineClient
+from xllm.engine.client import EngineClient
+from xllm.engine.registration.etcd import DEFAULT_PREFIX, EtcdLayout
+from xllm.engine.registration.etcd_client import EtcdClient, EtcdCompacted, EtcdError, KeyValue
 from xllm.gateway.registry.base import Registry
-from xllm.gateway.registry.etcd_client import EtcdClient, EtcdCompacted, EtcdError, EtcdLeaseNotFound, KeyValue
 from xllm.proto.registry.v1 import instance_pb2
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PREFIX = "/xllm"
-
-
-def _keys(prefix: str) -> tuple[str, str, str]:
-    base = prefix.rstrip("/") + "/"
-    return base, base + "instances/", base + "heartbeats/"
 
 
 class EtcdRegistry(Registry):
@@ -54,7 +39,8 @@ class EtcdRegistry(Registry):
         super().__init__(client_factory, clock)
         self.etcd = etcd
         self.prefix = prefix
-        self._base, self._instances_key, self._heartbeats_key = _keys(prefix)
+        layout = EtcdLayout(prefix)
+        self._base, self._instances_key, self._heartbeats_key = layout.base, layout.instances, layout.heartbeats
         self._retry_interval = retry_interval
         self._watcher: asyncio.Task | None = None
         self._synced = asyncio.Event()
@@ -129,48 +115,3 @@ class EtcdRegistry(Registry):
                 self._heartbeat(instance_pb2.Heartbeat.FromString(value))
         except Exception:  # a malformed value must not stop the watch
             log.exception("etcd registry: cannot apply %s %s", kind, key)
-
-
-class EtcdPublisher:
-    """An instance's side of the etcd backend: lease, info key, heartbeat key."""
-
-    def __init__(self, etcd: EtcdClient, prefix: str = DEFAULT_PREFIX, ttl: float = 3.0) -> None:
-        self.etcd = etcd
-        self.prefix = prefix
-        self.ttl = ttl
-        _, self._instances_key, self._heartbeats_key = _keys(prefix)
-        self.lease: int | None = None
-        self._instance_id = ""
-
-    async def register(self, info: instance_pb2.InstanceInfo) -> None:
-        lease, _ = await self.etcd.grant(self.ttl)
-        try:
-            await self.etcd.put(self._instances_key + info.instance_id, info.SerializeToString(), lease)
-        except BaseException:
-            await self.etcd.revoke(lease)
-            raise
-        self.lease, self._instance_id = lease, info.instance_id
-
-    async def heartbeat(self, hb: instance_pb2.Heartbeat) -> bool:
-        if self.lease is None:
-            return False
-        try:
-            if await self.etcd.keepalive(self.lease) <= 0:
-                self.lease = None
-                return False
-            await self.etcd.put(self._heartbeats_key + self._instance_id, hb.SerializeToString(), self.lease)
-        except EtcdLeaseNotFound:
-            self.lease = None
-            return False
-        return True
-
-    async def deregister(self) -> None:
-        if self.lease is not None:
-            lease, self.lease = self.lease, None
-            await self.etcd.revoke(lease)
-
-    async def close(self) -> None:
-        await self.etcd.close()
-
-    def describe(self) -> str:
-        return f"etcd {','.join(self.etcd.endpoints)} {self.prefix}"

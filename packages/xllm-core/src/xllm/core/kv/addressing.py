@@ -1,0 +1,179 @@
+"""How attention finds a sequence's KV: the addressing a KV backend gives the model runner.
+
+Every backend owns one :class:`KVAddressing`. The model runner asks it to pack a step's
+addresses (:meth:`KVAddressing.pack`) and for the step's attention context
+(:meth:`KVAddressing.context`); it never looks at which kind of backend it has.
+
+- :class:`SlotAddressing` (xTensor, contiguous): each sequence owns a slot ``seq.slot`` and
+  ``layer_kv(layer)`` returns ``[slots, max_len, kv_heads, dim]`` tensors in which the sequence's
+  tokens are rows ``[slot, 0:length]``. Attention reads them in place with (slot, length); fused
+  native decode and compiled decode graphs need this view.
+- :class:`PageAddressing` (paged): ``layer_kv(layer)`` returns page pools
+  ``[num_blocks, block_size, kv_heads, dim]`` and ``seq.kv_pages`` is the block table.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+
+from xllm.core.model_api import AttentionContext
+from xllm.kernels import (
+    decode_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    paged_write_kv,
+    prefill_attention,
+)
+
+if TYPE_CHECKING:
+    from xllm.core.model_runner import BatchInputs
+    from xllm.core.sequence import Sequence as Seq
+
+Tensorize = Callable[[Sequence[int]], torch.Tensor]
+
+
+class LayerKV(Protocol):
+    """Where a backend keeps each layer's K and V (V is None for a latent cache)."""
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+@dataclass
+class SlotAddress:
+    """A step's addresses under slot addressing."""
+
+    token_slots: torch.Tensor    # slot of every packed token
+    decode_slots: torch.Tensor   # slot of each decoding sequence
+    prefill_slots: list[int]     # slot of each prefill chunk's sequence
+
+
+@dataclass
+class PageAddress:
+    """A step's addresses under page addressing."""
+
+    slot_mapping: torch.Tensor                # page-pool row (page * block_size + offset) of every packed token
+    decode_block_tables: torch.Tensor | None  # [decodes, width], padded with each table's first page
+    prefill_block_tables: list[torch.Tensor]
+
+
+class KVAddressing(ABC):
+    """The addressing of one backend (``kv``): packing a step's addresses and attending over them."""
+
+    slot_views: ClassVar[bool] = False
+    """Whether ``layer_kv`` gives per-slot contiguous views (what fused decode and compiled graphs need)."""
+
+    def __init__(self, kv: LayerKV, block_size: int) -> None:
+        self.kv = kv
+        self.block_size = block_size
+
+    @abstractmethod
+    def pack(self, tokens: list[tuple[Seq, int]], decodes: list[Seq], prefills: list[Seq],
+             tensor: Tensorize) -> SlotAddress | PageAddress:
+        """Addresses for a step computing ``tokens`` (``(seq, n)`` chunks in packed order, before the
+        step advances ``num_computed_tokens``); ``decodes``/``prefills`` are the chunks' sequences."""
+
+    @abstractmethod
+    def context(self, batch: BatchInputs) -> AttentionContext:
+        """The attention context of the packed step ``batch``."""
+
+    def decode_slots(self, batch: BatchInputs) -> torch.Tensor | None:
+        """The slot of each decoding sequence when the backend has slot views, else None."""
+        return None
+
+
+class SlotAddressing(KVAddressing):
+    slot_views = True
+
+    def pack(self, tokens, decodes, prefills, tensor) -> SlotAddress:
+        return SlotAddress(token_slots=tensor([s.slot for s, n in tokens for _ in range(n)]),
+                           decode_slots=tensor([s.slot for s in decodes]),
+                           prefill_slots=[s.slot for s in prefills])
+
+    def context(self, batch: BatchInputs) -> SlotAttention:
+        return SlotAttention(self.kv, batch)
+
+    def decode_slots(self, batch: BatchInputs) -> torch.Tensor:
+        return batch.address.decode_slots
+
+
+class PageAddressing(KVAddressing):
+    def pack(self, tokens, decodes, prefills, tensor) -> PageAddress:
+        bs = self.block_size
+        mapping = tensor([s.kv_pages[p // bs] * bs + p % bs
+                          for s, n in tokens for p in range(s.num_computed_tokens, s.num_computed_tokens + n)])
+        tables = None
+        if decodes:
+            width = max(len(s.kv_pages) for s in decodes)
+            tables = tensor([s.kv_pages + [s.kv_pages[0]] * (width - len(s.kv_pages)) for s in decodes])
+        return PageAddress(mapping, tables, [tensor(s.kv_pages) for s in prefills])
+
+    def context(self, batch: BatchInputs) -> PagedAttention:
+        return PagedAttention(self.kv, batch)
+
+
+def values_in_keys(k_cache: torch.Tensor, v_dim: int | None) -> torch.Tensor:
+    """A latent cache's values: the first ``v_dim`` channels of the cached keys (a view)."""
+    if v_dim is None:
+        raise ValueError("a KV cache without values needs v_dim (the latent width)")
+    return k_cache[..., :v_dim]
+
+
+class SlotAttention:
+    """:class:`~xllm.core.model_api.AttentionContext` over slot-addressed KV."""
+
+    def __init__(self, kv: LayerKV, batch: BatchInputs) -> None:
+        self.kv = kv
+        self.batch = batch
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                  scale: float, v_dim: int | None = None) -> torch.Tensor:
+        b, addr = self.batch, self.batch.address
+        k_cache, v_cache = self.kv.layer_kv(layer)
+        nd = b.num_decode
+        latent = v_cache is None
+        if latent:
+            v_cache = values_in_keys(k_cache, v_dim)
+        if len(k) > nd:  # prefill rows: stored here; decode rows are stored by the decode kernel
+            k_cache[addr.token_slots[nd:], b.positions[nd:]] = k[nd:]
+            if not latent and v is not None:
+                v_cache[addr.token_slots[nd:], b.positions[nd:]] = v[nd:]
+        parts = []
+        if nd:
+            k_new = k[:nd].contiguous()
+            v_new = None if latent or v is None else v[:nd].contiguous()
+            parts.append(decode_attention(q[:nd], k_cache, v_cache, addr.decode_slots, b.decode_context_lens, scale,
+                                          k_new, v_new))
+        if addr.prefill_slots:
+            parts.append(prefill_attention(q[nd:], k_cache, v_cache, addr.prefill_slots,
+                                           b.prefill_query_starts, b.prefill_context_lens, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class PagedAttention:
+    """:class:`~xllm.core.model_api.AttentionContext` over block tables."""
+
+    def __init__(self, kv: LayerKV, batch: BatchInputs) -> None:
+        self.kv = kv
+        self.batch = batch
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                  scale: float, v_dim: int | None = None) -> torch.Tensor:
+        b, addr = self.batch, self.batch.address
+        k_pool, v_pool = self.kv.layer_kv(layer)
+        paged_write_kv(k_pool, v_pool, k, v, addr.slot_mapping)
+        if v_pool is None:
+            v_pool = values_in_keys(k_pool, v_dim)
+        nd = b.num_decode
+        parts = []
+        if nd:
+            parts.append(paged_decode_attention(q[:nd], k_pool, v_pool, addr.decode_block_tables,
+                                                b.decode_context_lens, scale))
+        if addr.prefill_block_tables:
+            parts.append(paged_prefill_attention(q[nd:], k_pool, v_pool, addr.prefill_block_tables,
+                                                 b.prefill_query_starts, b.prefill_context_lens, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,157 @@
+"""The client side of ``xllm.engine.v1.EngineService``: how a gateway talks to an engine instance.
+
+One contract (:class:`EngineClient`), two implementations: :class:`GrpcEngineClient` for an
+instance in another process, :class:`xllm.engine.inprocess.InProcessEngineClient` for one in
+this process. The data crossing the boundary are the ``xllm.engine.v1`` protobuf messages either
+way. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import grpc
+
+from xllm.engine.wire import ACCEPTED_KEY, InstanceUnavailableError, error_from_status
+from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from xllm.proto.kvstore.v1 import kv_events_pb2
+from xllm.proto.registry.v1 import instance_pb2
+
+log = logging.getLogger(__name__)
+
+
+class EngineClient(Protocol):
+    """An engine instance as the gateway sees it.
+
+    ``await submit(req)`` validates and queues, raising ``InvalidRequestError`` /
+    ``EngineOverloadedError`` / ``EngineDeadError`` (``InstanceUnavailableError`` when another
+    instance could take it) before any chunk is produced; iterating the result yields the
+    request's chunks and stops after the final one; leaving the iteration early aborts the
+    request.
+    """
+
+    info: instance_pb2.InstanceInfo
+
+    async def submit(self, req: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def health(self) -> engine_pb2.HealthResponse: ...
+
+    async def load(self) -> instance_pb2.LoadReport: ...
+
+    async def kv_events(self, since_version: int, epoch: int, snapshot: bool = False) -> kv_events_pb2.KVCacheEvents:
+        """The instance's prefix-cache changes since ``since_version`` of ``epoch`` (a delta), or
+        everything it holds (``snapshot``); raises ``InstanceUnavailableError``."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections (the instance itself keeps running)."""
+        ...
+
+
+class RemoteStream:
+    """The chunks of one remote request; leaving early cancels the call (the engine aborts it)."""
+
+    def __init__(self, call, client: GrpcEngineClient, request_id: str) -> None:
+        self._call = call
+        self._client = client
+        self.request_id = request_id
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        instance_id = self._client.info.instance_id
+        try:
+            while True:
+                try:
+                    chunk = await self._call.read()
+                except grpc.aio.AioRpcError as exc:
+                    self.finished = True
+                    raise error_from_status(exc.code(), exc.details(), exc.trailing_metadata(), instance_id) from None
+                if chunk is grpc.aio.EOF:
+                    self.finished = True
+                    code = await self._call.code()
+                    if code != grpc.StatusCode.OK:
+                        raise error_from_status(code, await self._call.details(),
+                                                await self._call.trailing_metadata(), instance_id)
+                    raise InstanceUnavailableError(  # the stream ended without its final chunk
+                        f"instance {instance_id} ended the stream early", instance_id)
+                if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                    self.finished = True
+                yield chunk
+                if self.finished:
+                    return
+        finally:
+            if not self.finished:
+                self._call.cancel()
+
+
+class GrpcEngineClient:
+    """An instance serving ``xllm.engine.v1.EngineService`` at ``info.address``.
+
+    The channel is created on first use (inside the caller's event loop).
+    """
+
+    def __init__(self, info: instance_pb2.InstanceInfo, rpc_timeout: float = 5.0) -> None:
+        if not info.address:
+            raise ValueError(f"instance {info.instance_id} has no address")
+        self.info = info
+        self.rpc_timeout = rpc_timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: engine_pb2_grpc.EngineServiceStub | None = None
+
+    def _get_stub(self) -> engine_pb2_grpc.EngineServiceStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.info.address, options=[
+                ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2_000),
+                ("grpc.enable_retries", 0)])
+            self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        return self._stub
+
+    def _unavailable(self, exc: grpc.aio.AioRpcError) -> InstanceUnavailableError:
+        return InstanceUnavailableError(f"instance {self.info.instance_id}: {exc.details()}", self.info.instance_id)
+
+    async def submit(self, req: engine_pb2.GenerateRequest) -> RemoteStream:
+        call = self._get_stub().Generate(req)
+        try:
+            metadata = await call.initial_metadata()
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_status(exc.code(), exc.details(), exc.trailing_metadata(),
+                                    self.info.instance_id) from None
+        if dict(metadata or ()).get(ACCEPTED_KEY) != "1":
+            code = await call.code()
+            raise error_from_status(code, await call.details(), await call.trailing_metadata(), self.info.instance_id)
+        return RemoteStream(call, self, req.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+            await self._get_stub().Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=self.rpc_timeout)
+
+    async def health(self) -> engine_pb2.HealthResponse:
+        try:
+            return await self._get_stub().Health(engine_pb2.HealthRequest(), timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            return engine_pb2.HealthResponse(healthy=False, status=f"unreachable: {exc.code().name}")
+
+    async def load(self) -> instance_pb2.LoadReport:
+        try:
+            return await self._get_stub().GetLoad(engine_pb2.GetLoadRequest(), timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._unavailable(exc) from None
+
+    async def kv_events(self, since_version: int, epoch: int, snapshot: bool = False) -> kv_events_pb2.KVCacheEvents:
+        req = engine_pb2.GetKVEventsRequest(since_version=since_version, epoch=epoch, snapshot=snapshot)
+        try:
+            return await self._get_stub().GetKVEvents(req, timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._unavailable(exc) from None
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel, self._stub = self._channel, None, None
+            await channel.close()

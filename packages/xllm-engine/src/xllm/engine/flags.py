@@ -1,0 +1,180 @@
+"""The engine's command-line flags, defined once for ``xllm engine`` (an instance process) and
+``xllm serve`` (whose embedded or spawned engines take the same engine flags).
+
+No torch here: choices come from the name tables (:data:`xllm.core.DTYPES`,
+:data:`xllm.core.kv.KV_BACKENDS`) and :func:`engine_config` imports the engine runtime only
+when it builds a config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from xllm.core.dtypes import DTYPES
+from xllm.core.kv.registry import KV_BACKENDS
+from xllm.engine.registration.etcd import DEFAULT_PREFIX
+
+if TYPE_CHECKING:
+    from xllm.core.config import EngineConfig
+
+
+ENGINE_DESCRIPTION = ("Run one engine instance serving the xllm.engine.v1.EngineService gRPC contract; with "
+                      "--etcd (or --registry) it registers itself and heartbeats load and KV cache events so "
+                      "gateways route to it.")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def context_length(text: str) -> int:
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (a prompt token and a generated one), got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="model to serve: a Hugging Face model directory (config.json + *.safetensors), "
+                        "a .gguf file (converted once into the cache), or SmolLM2-135M-Instruct; "
+                        "default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients pass as `model` (default: SmolLM2-135M-Instruct or the --model value)")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of the engine itself (shared by ``serve`` and ``engine``; see :func:`engine_args`)."""
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES.choices(),
+                   help="precision of weights, activations and KV cache")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64,
+                   help="most sequences decoded together in one step (the running batch)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                   help="token budget per engine step; longer prompts are prefilled in chunks of this size")
+    p.add_argument("--max-model-len", type=context_length, default=None,
+                   help="context length limit (prompt + output); default: the model's")
+    p.add_argument("--kv-cache-memory", type=positive_float, default=2.0, metavar="GIB",
+                   help="memory for the KV cache in GiB; bounds how many tokens can be cached at once")
+    p.add_argument("--kv-cache-backend", default="xtensor", choices=KV_BACKENDS.choices(),
+                   help="KV memory: xtensor (virtual-contiguous per sequence, pages mapped on demand; Linux), "
+                        "paged (block tables; any platform) or contiguous (a max-length region per sequence)")
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per KV block/page, the prefix-cache granularity (default: 16, rounded up "
+                        "for xtensor so a block is whole OS pages)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="disable reuse of cached prompt prefixes between requests")
+    p.add_argument("--max-waiting", type=positive_int, default=4096,
+                   help="queued requests beyond which new ones get HTTP 503")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="overlap scheduling, input preparation and output processing with the forward on a "
+                        "worker thread (xLLM pipelined scheduling); tokens are emitted one step later")
+    p.add_argument("--no-native-decode", action="store_true",
+                   help="run decode steps of <= 8 sequences through the eager module path instead of the fused "
+                        "native kernel (for ablation)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="build a torch.compile graph for larger decode batches at start-up (~1 min on 2 cores; "
+                        "see docs/performance.md for when it pays)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda[:N], npu[:N] or auto")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch intra-op threads (default: all cores available to the process; with "
+                        "--instances N, the cores divided among the N engines)")
+    p.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
+
+
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars while converting/loading")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity")
+
+
+def add_etcd_flags(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--etcd", default=None, metavar="HOST:PORT[,HOST:PORT...]", help=what)
+    p.add_argument("--etcd-prefix", default=DEFAULT_PREFIX,
+                   help="namespace prefix of the registry keys in etcd (instances/ and heartbeats/ below it)")
+
+
+def add_instance_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of an engine instance process: its address, registration and shutdown."""
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface the gRPC service binds (internal traffic: loopback by default)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one (it is registered)")
+    p.add_argument("--instance-id", default=None,
+                   help="unique name of this instance in the registry (default: HOSTNAME-PID)")
+    p.add_argument("--advertise-address", default=None, metavar="HOST:PORT",
+                   help="address gateways should dial, when it differs from --host:--port (NAT, 0.0.0.0)")
+    add_etcd_flags(p, "register in this etcd cluster (lease + heartbeats) so gateways find this instance")
+    p.add_argument("--registry", default=None, metavar="HOST:PORT",
+                   help="register with a gateway's embedded registry service instead of etcd "
+                        "(what `xllm serve --instances` passes to its engines)")
+    p.add_argument("--lease-ttl", type=positive_float, default=3.0, metavar="SECONDS",
+                   help="registration lease: the instance is dropped this long after its last heartbeat")
+    p.add_argument("--heartbeat-interval", type=positive_float, default=0.5, metavar="SECONDS",
+                   help="how often load and KV cache events are published (also renews the lease)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM: how long running requests may finish before the rest are handed "
+                        "back to their gateways (which resume them on other instances)")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="shut down when the process that started this one exits (used by serve --instances)")
+
+
+def add_engine_process_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of an engine instance process (``xllm engine``, ``python -m xllm.engine``)."""
+    add_model_flags(p)
+    add_instance_flags(p)
+    add_engine_flags(p)
+    add_common_flags(p)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The :class:`~xllm.core.EngineConfig` the engine flags describe (raises ``ConfigError``)."""
+    from xllm.core.config import EngineConfig  # the engine runtime: only where an engine is built
+
+    return EngineConfig(
+        dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        kv_cache_memory_gib=args.kv_cache_memory, max_waiting_requests=args.max_waiting,
+        kv_cache_backend=args.kv_cache_backend, block_size=args.block_size,
+        enable_prefix_cache=not args.no_prefix_cache, async_scheduling=args.async_scheduling,
+        native_decode=not args.no_native_decode, compile_decode=args.compile_decode,
+        num_threads=args.threads, seed=args.seed)
+
+
+def engine_args(args: argparse.Namespace, instances: int) -> list[str]:
+    """The engine flags of ``args`` as engine-process arguments (for spawned instances).
+
+    Derived from :func:`add_engine_flags` itself, so a new engine flag reaches spawned engines
+    without being listed twice; ``--threads`` defaults to this process's cores split ``instances`` ways.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    flags = argparse.ArgumentParser(add_help=False)
+    add_engine_flags(flags)
+    out: list[str] = []
+    for action in flags._actions:
+        value = getattr(args, action.dest)
+        if action.dest == "threads" and value is None:
+            value = max(1, cores // instances)
+        if action.nargs == 0:  # store_true switches
+            out += [action.option_strings[0]] if value else []
+        elif value is not None:
+            out += [action.option_strings[0], str(value)]
+    return out
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "debug":  # one line per etcd request (heartbeats: several a second) is noise
+        logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -1,0 +1,39 @@
+"""The client of an engine living in the caller's process (``xllm serve`` on one machine)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from xllm.core import AsyncEngine
+from xllm.proto.engine.v1 import engine_pb2
+from xllm.proto.kvstore.v1 import kv_events_pb2
+from xllm.proto.registry.v1 import instance_pb2
+
+
+class InProcessEngineClient:
+    """:class:`xllm.engine.client.EngineClient` over an :class:`~xllm.core.AsyncEngine` in this process."""
+
+    def __init__(self, engine: AsyncEngine, info: instance_pb2.InstanceInfo) -> None:
+        self.engine = engine
+        self.info = info
+
+    async def submit(self, req: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        return self.engine.submit(req)
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def health(self) -> engine_pb2.HealthResponse:
+        ok = self.engine.is_running
+        return engine_pb2.HealthResponse(healthy=ok, status="ok" if ok else (self.engine.dead_reason or "stopped"))
+
+    async def load(self) -> instance_pb2.LoadReport:
+        return self.engine.load_report()
+
+    async def kv_events(self, since_version: int, epoch: int, snapshot: bool = False) -> kv_events_pb2.KVCacheEvents:
+        """An in-process engine publishes no KV events (epoch 0: nothing to apply): it is the only
+        instance of its gateway, so nothing routes on them, and its engine keeps none."""
+        return kv_events_pb2.KVCacheEvents(instance_id=self.info.instance_id)
+
+    async def close(self) -> None:
+        """Nothing to release: the engine's owner shuts it down."""

@@ -1,0 +1,166 @@
+"""One engine instance as a process: ``xllm engine`` (or ``python -m xllm.engine``).
+
+Load the model with :mod:`xllm.models` and build the :class:`~xllm.core.LLMEngine`
+(:mod:`xllm.engine.loader`), serve it with :class:`~xllm.engine.server.EngineServer`, and keep it
+registered with an :class:`~xllm.engine.registration.agent.InstanceAgent` (etcd or a gateway's
+embedded registry). On SIGTERM/SIGINT (or when the parent process goes away, with
+``--exit-with-parent``) it shuts down gracefully: deregister first (gateways stop sending new
+requests at once), refuse late arrivals, let running requests finish for up to the drain time,
+hand the rest back to their gateways (which resume them elsewhere), then stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+
+from xllm.core import AsyncEngine, ComputeThread, ConfigError, EngineConfig, LLMEngine
+from xllm.engine import flags
+from xllm.engine.loader import load_engine
+from xllm.engine.registration.agent import InstanceAgent, Publisher
+from xllm.engine.registration.etcd import DEFAULT_PREFIX
+from xllm.engine.server import EngineServer
+from xllm.models import ModelConfigError, ModelNotFoundError, served_name
+from xllm.proto.registry.v1 import instance_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InstanceOptions:
+    model: str | None = None
+    served_model_name: str | None = None
+    engine: EngineConfig | None = None
+    instance_id: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_address: str | None = None
+    etcd: str | None = None
+    etcd_prefix: str = DEFAULT_PREFIX
+    registry: str | None = None
+    lease_ttl: float = 3.0
+    heartbeat_interval: float = 0.5
+    drain_timeout: float = 30.0
+    exit_with_parent: bool = False
+    progress: bool = True
+
+
+def default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def build_publisher(opts: InstanceOptions) -> Publisher | None:
+    if opts.etcd:
+        from xllm.engine.registration.etcd import EtcdPublisher
+        from xllm.engine.registration.etcd_client import EtcdClient
+
+        return EtcdPublisher(EtcdClient(opts.etcd), opts.etcd_prefix, opts.lease_ttl)
+    if opts.registry:
+        from xllm.engine.registration.embedded import GrpcRegistryPublisher
+
+        return GrpcRegistryPublisher(opts.registry, opts.lease_ttl)
+    return None
+
+
+async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opts: InstanceOptions,
+                         publisher: Publisher | None = None, stop: asyncio.Event | None = None,
+                         compute: ComputeThread | None = None) -> int:
+    """Serve ``engine`` until ``stop`` is set (or a signal arrives), then shut down gracefully.
+
+    Returns how many requests were handed back at shutdown.
+    """
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+    aeng = AsyncEngine(engine, compute=compute)
+    server = EngineServer(aeng)  # before the loop starts: it observes every step
+    aeng.start()
+    agent = None
+    watchdog = None
+    handed_back = 0
+    try:
+        port = await server.start(opts.host, opts.port)
+        info.address = opts.advertise_address or f"{opts.host}:{port}"
+        if publisher is not None:
+            agent = InstanceAgent(server, info, publisher, opts.heartbeat_interval)
+            await agent.start()
+        if opts.exit_with_parent:
+            watchdog = loop.create_task(_watch_parent(os.getppid(), stop))
+        print(f"xllm engine {info.instance_id} serving {info.model.served_name} on {info.address}", flush=True)
+        await stop.wait()
+        log.info("instance %s shutting down (drain up to %.0f s)", info.instance_id, opts.drain_timeout)
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        if agent is not None:
+            await agent.stop(deregister=True)
+        handed_back = await server.drain(opts.drain_timeout)
+        await server.stop(1.0)
+        aeng.shutdown()
+        engine.close()
+        if publisher is not None:
+            with contextlib.suppress(Exception):
+                await publisher.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)
+    log.info("instance %s stopped (%d request(s) handed back)", info.instance_id, handed_back)
+    return handed_back
+
+
+async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
+    while os.getppid() == parent:
+        await asyncio.sleep(0.5)
+    log.warning("parent process %d is gone; shutting down", parent)
+    stop.set()
+
+
+def run_instance(opts: InstanceOptions) -> int:
+    """Load, serve, shut down gracefully. Returns the exit code."""
+    loaded = load_engine(opts.model, served_name(opts.model, opts.served_model_name), opts.engine,
+                         opts.instance_id or default_instance_id(), opts.progress)
+    publisher = build_publisher(opts)
+    asyncio.run(serve_instance(loaded.engine, loaded.info, opts, publisher, compute=loaded.compute))
+    loaded.compute.shutdown(wait=False)
+    return 0
+
+
+def options(args: argparse.Namespace) -> InstanceOptions:
+    """The instance the flags of :func:`xllm.engine.flags.add_engine_process_arguments` describe."""
+    return InstanceOptions(
+        model=args.model, served_model_name=args.served_model_name, engine=flags.engine_config(args),
+        instance_id=args.instance_id, host=args.host, port=args.port, advertise_address=args.advertise_address,
+        etcd=args.etcd, etcd_prefix=args.etcd_prefix, registry=args.registry, lease_ttl=args.lease_ttl,
+        heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
+        exit_with_parent=args.exit_with_parent, progress=not args.no_progress)
+
+
+def run(args: argparse.Namespace, prog: str = "xllm engine") -> int:
+    """Run the instance the parsed flags describe; configuration errors print and return 2."""
+    if args.etcd and args.registry:
+        print(f"{prog}: error: use --etcd or --registry, not both", file=sys.stderr)
+        return 2
+    try:
+        return run_instance(options(args))
+    except (ConfigError, ModelNotFoundError, ModelConfigError, ValueError, OSError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m xllm.engine`` (the same process as ``xllm engine``)."""
+    parser = argparse.ArgumentParser(prog="python -m xllm.engine", description=flags.ENGINE_DESCRIPTION,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    flags.add_engine_process_arguments(parser)
+    args = parser.parse_args(argv)
+    flags.setup_logging(args.log_level)
+    return run(args, parser.prog)

@@ -1,0 +1,87 @@
+"""The etcd registry backend's layout and its instance side.
+
+Layout under ``PREFIX`` (default ``/xllm``), values are serialized protobuf messages:
+
+- ``PREFIX/instances/ID``  -> ``xllm.registry.v1.InstanceInfo``, written once per registration
+- ``PREFIX/heartbeats/ID`` -> ``xllm.registry.v1.Heartbeat``, rewritten every heartbeat
+
+Both keys hang on the instance's lease (TTL 3 s by default). The instance renews the lease and
+rewrites its heartbeat every interval (0.5 s); when it stops (kill -9, a partition) etcd expires
+the lease and deletes both keys, and every gateway's watch sees the deletion. A clean shutdown
+revokes the lease first, so gateways stop routing to it at once. The gateway side (the watch) is
+``xllm.gateway.registry.EtcdRegistry``, reading the same :class:`EtcdLayout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xllm.engine.registration.embedded import DEFAULT_TTL
+from xllm.engine.registration.etcd_client import EtcdClient, EtcdLeaseNotFound
+from xllm.proto.registry.v1 import instance_pb2
+
+DEFAULT_PREFIX = "/xllm"
+
+
+@dataclass(frozen=True)
+class EtcdLayout:
+    """The keys of a registry namespace ``prefix``."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def base(self) -> str:
+        return self.prefix.rstrip("/") + "/"
+
+    @property
+    def instances(self) -> str:
+        return self.base + "instances/"
+
+    @property
+    def heartbeats(self) -> str:
+        return self.base + "heartbeats/"
+
+
+class EtcdPublisher:
+    """An instance's side of the etcd backend: lease, info key, heartbeat key."""
+
+    def __init__(self, etcd: EtcdClient, prefix: str = DEFAULT_PREFIX, ttl: float = DEFAULT_TTL) -> None:
+        self.etcd = etcd
+        self.prefix = prefix
+        self.ttl = ttl
+        self.layout = EtcdLayout(prefix)
+        self.lease: int | None = None
+        self._instance_id = ""
+
+    async def register(self, info: instance_pb2.InstanceInfo) -> None:
+        lease, _ = await self.etcd.grant(self.ttl)
+        try:
+            await self.etcd.put(self.layout.instances + info.instance_id, info.SerializeToString(), lease)
+        except BaseException:
+            await self.etcd.revoke(lease)
+            raise
+        self.lease, self._instance_id = lease, info.instance_id
+
+    async def heartbeat(self, hb: instance_pb2.Heartbeat) -> bool:
+        if self.lease is None:
+            return False
+        try:
+            if await self.etcd.keepalive(self.lease) <= 0:
+                self.lease = None
+                return False
+            await self.etcd.put(self.layout.heartbeats + self._instance_id, hb.SerializeToString(), self.lease)
+        except EtcdLeaseNotFound:
+            self.lease = None
+            return False
+        return True
+
+    async def deregister(self) -> None:
+        if self.lease is not None:
+            lease, self.lease = self.lease, None
+            await self.etcd.revoke(lease)
+
+    async def close(self) -> None:
+        await self.etcd.close()
+
+    def describe(self) -> str:
+        return f"etcd {','.join(self.etcd.endpoints)} {self.prefix}"

@@ -1,0 +1,223 @@
+"""The server side of ``xllm.engine.v1.EngineService``: :class:`EngineServer` over an :class:`AsyncEngine`.
+
+One engine instance per process in a cluster. The server
+
+- streams ``Generate`` chunks as the engine produces them. A request is validated and queued
+  before anything is sent: a rejected one ends with a status and no message; an accepted one
+  first sends the initial metadata ``xllm-accepted: 1`` (statuses and keys: :mod:`xllm.engine.wire`);
+- serves ``Abort``, ``Health``, ``GetLoad`` and ``GetKVEvents``;
+- keeps the instance's prefix-cache events as versioned deltas (:class:`~xllm.kvstore.KVEventLog`)
+  and builds the registry ``Heartbeat`` (load, KV delta, counters) for whoever publishes it;
+- shuts down gracefully: :meth:`EngineServer.drain` refuses new requests, lets the running ones
+  finish and, when the drain time is up, hands the rest back to their callers (status
+  UNAVAILABLE with the trailing metadata ``xllm-handed-back: 1``) so a gateway can resume them on
+  another instance.
+
+KV events are drained from the engine on its own thread: the server is a
+:class:`~xllm.core.stats.StatsObserver` of the engine (it adds itself to ``observers``), and
+after every step it moves ``LLMEngine.drain_kv_events()`` into a thread-safe queue; the event
+loop numbers them. The same hook measures prefill speed and the queued prefill work for the
+load report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from xllm.core import AsyncEngine, EngineError, StepStats
+from xllm.engine.wire import ACCEPTED_KEY, DRAINING, HANDED_BACK, Status, status_for
+from xllm.kvstore import KVEventLog
+from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from xllm.proto.kvstore.v1 import kv_events_pb2
+from xllm.proto.registry.v1 import instance_pb2
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class _Call:
+    request_id: str
+    handed_back: bool = False
+
+
+class _Observer:
+    """Runs on the engine thread after every step (see the module docstring)."""
+
+    def __init__(self, server: EngineServer) -> None:
+        self.server = server
+
+    def on_step(self, s: StepStats) -> None:
+        self.server._on_step(s)
+
+
+class EngineServer(engine_pb2_grpc.EngineServiceServicer):
+    """Serves one :class:`AsyncEngine` over gRPC (start it with :meth:`start`)."""
+
+    def __init__(self, engine: AsyncEngine, kv_history: int = 1 << 16, rate_alpha: float = 0.2) -> None:
+        self.engine = engine
+        llm = engine.engine
+        self.instance_id = llm.instance_id
+        self.block_size = llm.layout.block_size
+        llm.kv.enable_events()  # published from now on (drained after every step, see _on_step)
+        self.kv_log = KVEventLog(self.instance_id, self.block_size, max_history=kv_history)
+        self._raw_events: collections.deque[tuple[bool, int]] = collections.deque()
+        self._rate_alpha = rate_alpha
+        self.prefill_tokens_per_s = 0.0
+        self.pending_prefill_tokens = 0
+        self._counts = dict.fromkeys(instance_pb2.EngineCounters.DESCRIPTOR.fields_by_name, 0)
+        self.draining = False
+        self._calls: dict[str, _Call] = {}
+        self._server: grpc.aio.Server | None = None
+        self.port: int | None = None
+        llm.observers.append(_Observer(self))
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _on_step(self, s: StepStats) -> None:
+        llm = self.engine.engine
+        self._raw_events.extend(llm.drain_kv_events())
+        c = self._counts
+        c["prompt_tokens"] += s.prompt_tokens
+        c["generation_tokens"] += len(s.ttfts) + len(s.inter_token_latencies)
+        c["finished_requests"] += len(s.finished)
+        c["preemptions"] += s.num_preempted
+        c["prefix_cache_queries"] += s.prefix_cache_queries
+        c["prefix_cache_hits"] += s.prefix_cache_hits
+        if s.batch_size:
+            c["steps"] += 1
+        if s.num_prefill_tokens and s.step_time > 0:
+            rate = s.num_prefill_tokens / s.step_time
+            a = self._rate_alpha
+            self.prefill_tokens_per_s = rate if self.prefill_tokens_per_s == 0 else (
+                (1 - a) * self.prefill_tokens_per_s + a * rate)
+        self.pending_prefill_tokens = llm.scheduler.pending_prefill_tokens()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind ``host:port`` (0: a free port) and start serving; returns the bound port."""
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(self, server)
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if not bound:
+            raise OSError(f"cannot bind the engine service to {host}:{port}")
+        await server.start()
+        self._server, self.port = server, bound
+        log.info("engine %s serving EngineService on %s:%d", self.instance_id, host, bound)
+        return bound
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests, wait up to ``timeout`` s for the running ones, hand back the rest.
+
+        Returns how many requests were handed back.
+        """
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self._calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._calls.values())
+        for call in left:
+            call.handed_back = True
+            self.engine.abort(call.request_id)
+        if left:
+            log.warning("engine %s: drain time is up; handing %d request(s) back", self.instance_id, len(left))
+            deadline = time.monotonic() + 5.0
+            while self._calls and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        return len(left)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._calls)
+
+    # ---- reports ------------------------------------------------------------------------------
+    def _collect_events(self) -> None:
+        batch = []
+        while self._raw_events:
+            batch.append(self._raw_events.popleft())
+        if batch:
+            self.kv_log.record(batch)
+
+    def counters(self) -> instance_pb2.EngineCounters:
+        """Cumulative counters since the server started."""
+        return instance_pb2.EngineCounters(**self._counts)
+
+    def load_report(self) -> instance_pb2.LoadReport:
+        report = self.engine.load_report()
+        report.pending_prefill_tokens = self.pending_prefill_tokens
+        report.prefill_tokens_per_s = self.prefill_tokens_per_s
+        return report
+
+    def kv_events(self, since: int | None, epoch: int | None = None) -> kv_events_pb2.KVCacheEvents:
+        """KV changes since ``since`` (a delta) or everything (``since=None``: a snapshot)."""
+        self._collect_events()
+        return self.kv_log.delta(since, epoch)
+
+    def heartbeat(self, kv_since: int | None, seq: int = 0) -> instance_pb2.Heartbeat:
+        """The registry heartbeat: load, the KV delta since version ``kv_since`` (None: a
+        snapshot), cumulative counters and whether the instance is draining."""
+        return instance_pb2.Heartbeat(instance_id=self.instance_id, seq=seq, load=self.load_report(),
+                                      kv_events=self.kv_events(kv_since), counters=self.counters(),
+                                      draining=self.draining)
+
+    # ---- EngineService ------------------------------------------------------------------------
+    async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.draining:
+            await _abort(context, DRAINING)
+        try:
+            stream = self.engine.submit(request)
+        except EngineError as exc:
+            await _abort(context, status_for(exc))
+        await context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
+        call = _Call(request.request_id)
+        self._calls[request.request_id] = call
+        failure: Status | None = None
+        try:
+            async for chunk in stream:
+                if call.handed_back and chunk.finish_reason == engine_pb2.FINISH_REASON_ABORT:
+                    failure = HANDED_BACK
+                    break
+                yield chunk
+        except EngineError as exc:  # rejected on the engine thread (e.g. a duplicate id), or the engine died
+            failure = status_for(exc)
+        finally:
+            if self._calls.get(request.request_id) is call:
+                del self._calls[request.request_id]
+        if failure is not None:
+            await _abort(context, failure)
+
+    async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
+        known = request.request_id in self._calls
+        self.engine.abort(request.request_id)
+        return engine_pb2.AbortResponse(aborted=known)
+
+    async def Health(self, request: engine_pb2.HealthRequest, context) -> engine_pb2.HealthResponse:
+        if not self.engine.is_running:
+            return engine_pb2.HealthResponse(healthy=False, status=self.engine.dead_reason or "stopped")
+        if self.draining:
+            return engine_pb2.HealthResponse(healthy=False, status="draining")
+        return engine_pb2.HealthResponse(healthy=True, status="ok")
+
+    async def GetLoad(self, request: engine_pb2.GetLoadRequest, context) -> instance_pb2.LoadReport:
+        return self.load_report()
+
+    async def GetKVEvents(self, request: engine_pb2.GetKVEventsRequest, context) -> kv_events_pb2.KVCacheEvents:
+        if request.snapshot or request.epoch == 0:
+            return self.kv_events(None)
+        return self.kv_events(request.since_version, request.epoch)
+
+
+async def _abort(context: grpc.aio.ServicerContext, status: Status) -> None:
+    await context.abort(status.code, status.details, status.trailing)

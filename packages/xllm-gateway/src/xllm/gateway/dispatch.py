@@ -1,0 +1,200 @@
+"""Dispatch and failover: each request to an instance, and a broken stream resumed elsewhere.
+
+:class:`Dispatcher` resolves the model, asks the :class:`~xllm.gateway.router.Router` for an
+instance and submits the request's choices there; a request an instance cannot take
+(unreachable, draining) goes to the next choice. :class:`RoutedStream` is one request's chunks as
+the client sees them: if its instance breaks the stream off (it died, or handed the request back
+while shutting down), the request is resumed on another instance from the tokens already streamed
+(recompute), so the client sees one uninterrupted stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from xllm.engine.client import EngineClient
+from xllm.engine.wire import InstanceUnavailableError
+from xllm.gateway.openai.errors import APIError, model_not_found, to_api_error
+from xllm.gateway.registry import NoInstanceError, Registry
+from xllm.gateway.router import Router, Ticket
+from xllm.proto.engine.v1 import engine_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    """Resolves the model, routes each request to an instance and submits it.
+
+    Routing goes through :class:`~xllm.gateway.router.Router` (policy by name, the global KV
+    index). A request an instance cannot take (unreachable, draining) is sent to the next one;
+    a stream an instance breaks off (it died or handed the request back while shutting down)
+    is resumed on another instance from the tokens already streamed (recompute), so the
+    client sees one uninterrupted stream.
+    """
+
+    def __init__(self, registry: Registry, default_model: str, router: Router | None = None,
+                 detokenize: Callable[..., str] | None = None, max_attempts: int = 3, max_resumes: int = 2) -> None:
+        self.registry = registry
+        self.default_model = default_model
+        self.router = router or Router(registry)
+        self.detokenize = detokenize
+        self.max_attempts = max_attempts
+        self.max_resumes = max_resumes
+        self._cleanup: set[asyncio.Future] = set()  # keeps abort tasks alive until they ran
+
+    def resolve_model(self, requested: str | None) -> str:
+        served = self.registry.served_models()
+        if requested is None or requested == "":
+            return self.default_model
+        if requested not in served:
+            raise model_not_found(requested)
+        return requested
+
+    async def submit_all(self, model: str, reqs: list[engine_pb2.GenerateRequest],
+                         session: str | None = None) -> tuple[EngineClient, list[RoutedStream]]:
+        """Submit every request to one instance (choices of a request stay together).
+        On failure the already submitted ones are aborted and an APIError raised."""
+        prompt = list(reqs[0].prompt_token_ids) if reqs else []
+        ticket, streams = await self._place(model, prompt, reqs, session)
+        return ticket.state.client, [RoutedStream(self, model, ticket, r, st) for r, st in zip(reqs, streams)]
+
+    async def _place(self, model: str, prompt: list[int], reqs: list[engine_pb2.GenerateRequest],
+                     session: str | None, exclude: set[str] | None = None) -> tuple[Ticket, list]:
+        exclude = set(exclude or ())
+        last: BaseException | None = None
+        for _ in range(self.max_attempts):
+            try:
+                ticket = self.router.route(model, prompt, session, exclude)
+            except NoInstanceError as exc:
+                if last is not None:
+                    raise to_api_error(last) from last
+                raise APIError(503, str(exc), "server_unavailable") from exc
+            client = ticket.state.client
+            streams = []
+            try:
+                for r in reqs:
+                    streams.append(await client.submit(r))
+            except InstanceUnavailableError as exc:
+                self._abort_later(client, reqs[: len(streams)])
+                self.router.failed(ticket.state)
+                exclude.add(ticket.state.instance_id)
+                last = exc
+                continue
+            except BaseException as exc:
+                self._abort_later(client, reqs[: len(streams)])
+                raise to_api_error(exc) from exc
+            self.router.dispatched(ticket, len(reqs))
+            return ticket, streams
+        raise to_api_error(last) from last
+
+    def _abort_later(self, client: EngineClient, reqs: list[engine_pb2.GenerateRequest]) -> None:
+        for r in reqs:
+            task = asyncio.ensure_future(client.abort(r.request_id))
+            self._cleanup.add(task)
+            task.add_done_callback(self._cleanup.discard)
+
+    def _recover_text(self, req: engine_pb2.GenerateRequest, generated: list[int], sent: str) -> str:
+        """Text of ``generated`` the broken instance had not sent yet (held back for an incomplete
+        character or a possible stop string)."""
+        if self.detokenize is None or not generated:
+            return ""
+        skip = req.sampling.skip_special_tokens if req.sampling.HasField("skip_special_tokens") else True
+        tail = list(req.prompt_token_ids[-6:])
+        before = self.detokenize(tail, skip_special_tokens=skip)
+        after = self.detokenize(tail + generated, skip_special_tokens=skip)
+        full = after[len(before):] if after.startswith(before) else ""
+        if full.startswith(sent) and not full.endswith("\ufffd"):
+            return full[len(sent):]
+        return ""
+
+    async def resume(self, model: str, req: engine_pb2.GenerateRequest, generated: list[int],
+                     failed: set[str]) -> tuple[Ticket, engine_pb2.GenerateRequest, object]:
+        """Continue ``req`` elsewhere: its prompt plus the ``generated`` tokens, the rest of its budget."""
+        cont = engine_pb2.GenerateRequest()
+        cont.CopyFrom(req)
+        cont.prompt_token_ids.extend(generated)
+        cont.sampling.max_tokens = req.sampling.max_tokens - len(generated)
+        cont.sampling.min_tokens = max(req.sampling.min_tokens - len(generated), 0)
+        ticket, streams = await self._place(model, list(cont.prompt_token_ids), [cont], None, failed)
+        return ticket, cont, streams[0]
+
+
+class RoutedStream:
+    """The chunks of one request as the client sees them, across instance failures.
+
+    Iterating it yields the instance's chunks; if the instance breaks the stream off
+    (``InstanceUnavailableError``) the request is resumed on another instance and the
+    chunks continue, with the usage of the final chunk counting the whole request. Leaving
+    early closes the underlying stream (the engine aborts the request).
+    """
+
+    def __init__(self, dispatcher: Dispatcher, model: str, ticket: Ticket, req: engine_pb2.GenerateRequest,
+                 stream) -> None:
+        self._d = dispatcher
+        self._model = model
+        self._ticket = ticket
+        self._req = req
+        self._stream = stream
+        self.request_id = req.request_id
+        self.resumes = 0
+
+    @property
+    def instance_id(self) -> str:
+        return self._ticket.state.instance_id
+
+    async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        d, req = self._d, self._req
+        generated: list[int] = []   # every token streamed so far, across instances
+        sent = ""                   # the text streamed so far
+        carry = ""                  # recovered text to put in front of the next chunk
+        failed: set[str] = set()
+        while True:
+            ticket, got_first, accounted = self._ticket, False, False
+            inner = aiter(self._stream)
+            try:
+                async for chunk in inner:
+                    if not got_first:
+                        got_first = True
+                        d.router.first_token(ticket)
+                    if carry:
+                        chunk.text, carry = carry + chunk.text, ""
+                    generated.extend(chunk.token_ids)
+                    sent += chunk.text
+                    final = chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
+                    if final and self.resumes:
+                        chunk.usage.prompt_tokens = len(req.prompt_token_ids)
+                        chunk.usage.completion_tokens = len(generated)
+                        chunk.usage.cached_prompt_tokens = min(chunk.usage.cached_prompt_tokens,
+                                                               len(req.prompt_token_ids))
+                    yield chunk
+                    if final:
+                        return
+                return
+            except InstanceUnavailableError as exc:
+                d.router.failed(ticket.state)
+                failed.add(ticket.state.instance_id)
+                if self.resumes >= d.max_resumes:
+                    raise
+                log.warning("request %s: %s; resuming after %d token(s) on another instance", req.request_id,
+                            exc, len(generated))
+                carry = d._recover_text(req, generated, sent)
+                if req.sampling.max_tokens - len(generated) <= 0:  # only the final chunk was lost
+                    yield engine_pb2.GenerateResponse(
+                        request_id=req.request_id, text=carry, finish_reason=engine_pb2.FINISH_REASON_LENGTH,
+                        usage=engine_pb2.Usage(prompt_tokens=len(req.prompt_token_ids),
+                                               completion_tokens=len(generated)))
+                    return
+                d.router.finished(ticket, got_first)
+                accounted = True
+                self._ticket, _, self._stream = await d.resume(self._model, req, generated, failed)
+                self.resumes += 1
+                if d.router.metrics is not None:
+                    d.router.metrics.resumed(self._model, ticket.state.instance_id)
+            finally:
+                with contextlib.suppress(Exception):
+                    await inner.aclose()
+                if not accounted:
+                    d.router.finished(ticket, got_first)

@@ -1,0 +1,63 @@
+"""The single-process composition (build_embedded) with the real SmolLM2 model, in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xllm.core import EngineConfig
+from xllm.gateway.embedded import ServeOptions, build_embedded
+from xllm.models import DEFAULT_MODEL
+from xllm.testing.sse import sse_events
+
+pytestmark = pytest.mark.real_model
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from fastapi.testclient import TestClient
+
+    cfg = EngineConfig(dtype=torch.float32, kv_cache_memory_gib=0.05, max_model_len=256, max_num_seqs=4)
+    app = build_embedded(ServeOptions(engine=cfg, progress=False))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield app, client
+    # leaving the client ran the lifespan shutdown: the engine thread is gone
+    (instance,) = app.state.gateway.registry.instances()
+    assert not instance.engine.is_running
+
+
+def test_embedded_serves_the_default_model(embedded):
+    app, client = embedded
+    assert app.state.gateway.default_model == DEFAULT_MODEL
+    models = client.get("/v1/models").json()["data"]
+    assert [(m["id"], m["max_model_len"]) for m in models] == [(DEFAULT_MODEL, 256)]
+    assert client.get("/health").json()["status"] == "ok"
+
+
+def test_embedded_greedy_chat(embedded):
+    _, client = embedded
+    body = {"messages": FRANCE, "temperature": 0, "max_tokens": 16}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    text = out["choices"][0]["message"]["content"]
+    assert "Paris" in text
+    assert out["choices"][0]["finish_reason"] == "stop"
+    events = sse_events(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    assert events[-1] == "[DONE]"
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+    assert streamed == text
+
+
+def test_embedded_context_limit_and_metrics(embedded):
+    _, client = embedded
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 300})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "max_tokens"
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 3
+    text = client.get("/metrics").text
+    assert f'xllm:generation_tokens_total{{instance="engine-0",model_name="{DEFAULT_MODEL}"}}' in text
+    assert f'xllm:num_requests_running{{instance="engine-0",model_name="{DEFAULT_MODEL}"}} 0.0' in text

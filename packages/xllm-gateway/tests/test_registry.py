@@ -1,0 +1,68 @@
+"""The embedded instance registry: lookup by model, and round-robin routing over what it holds."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import pytest
+
+from xllm.gateway.registry import EmbeddedRegistry, NoInstanceError
+from xllm.gateway.router import Router
+from xllm.proto.registry.v1 import instance_pb2
+
+
+class Stub:
+    def __init__(self, instance_id: str, model: str) -> None:
+        self.info = instance_pb2.InstanceInfo(instance_id=instance_id,
+                                              model=instance_pb2.ModelInfo(served_name=model))
+
+
+def test_empty_registry():
+    reg = EmbeddedRegistry()
+    assert reg.instances() == []
+    assert reg.served_models() == []
+    assert reg.routable("m") == []
+    with pytest.raises(NoInstanceError, match="m"):
+        Router(reg, "round_robin").route("m", [1])
+
+
+def test_instances_by_model_and_served_models():
+    reg = EmbeddedRegistry()
+    a, b, c = Stub("a", "m1"), Stub("b", "m1"), Stub("c", "m2")
+    for s in (a, b, c):
+        reg.register(s)
+    assert set(map(id, reg.instances())) == {id(a), id(b), id(c)}
+    assert reg.instances("m1") == [a, b]
+    assert reg.instances("m2") == [c]
+    assert reg.instances("m3") == []
+    assert reg.served_models() == ["m1", "m2"]
+
+
+def test_round_robin_is_even():
+    reg = EmbeddedRegistry()
+    stubs = [Stub(f"i{k}", "m") for k in range(3)]
+    for s in stubs:
+        reg.register(s)
+    reg.register(Stub("other", "x"))
+    router = Router(reg, "round_robin")
+    picks = [router.route("m", [1, 2, 3]).state.instance_id for _ in range(30)]
+    assert collections.Counter(picks) == {"i0": 10, "i1": 10, "i2": 10}
+    # consecutive picks never repeat an instance while others are available
+    assert all(p != q for p, q in itertools.pairwise(picks))
+    assert router.route("x", [1]).state.instance_id == "other"
+    with pytest.raises(NoInstanceError):
+        router.route("missing", [1])
+
+
+def test_register_replaces_and_deregister_removes():
+    reg = EmbeddedRegistry()
+    first, second = Stub("a", "m"), Stub("a", "m")
+    reg.register(first)
+    reg.register(second)  # same instance id: replaces
+    assert reg.instances() == [second]
+    reg.deregister("a")
+    assert reg.instances() == []
+    assert reg.served_models() == []
+    reg.deregister("a")  # unknown ids are ignored
+    assert reg.routable("m") == []

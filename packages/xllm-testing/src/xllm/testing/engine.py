@@ -1,0 +1,78 @@
+"""Driving an :class:`~xllm.core.LLMEngine` in tests: build one, queue requests, step to the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xllm.core import EngineConfig, LLMEngine
+from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.tiny import TinyLM, tiny_tokenizer
+
+KV_BACKENDS = ("xtensor", "paged", "contiguous")  # every backend a test parametrized over KV memory runs on
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Autouse fixture for suites that run engines (import it into a conftest): tests share 2 cores
+    with other processes, and a second intra-op thread buys little but, oversubscribed, makes every
+    op wait on a descheduled OpenMP thread (10x slowdowns seen). Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_engine(model=None, *, kv_backend: str = "xtensor", async_scheduling: bool = False, tokenizer=None,
+                **config) -> LLMEngine:
+    """An engine over ``model`` (default: a fresh :class:`TinyLM`) with test-sized defaults: fp32,
+    8 sequences, one torch thread (tests share 2 cores with other processes; an oversubscribed
+    OpenMP thread makes every op wait, 10x slowdowns seen). ``config`` overrides any setting."""
+    config.setdefault("dtype", torch.float32)
+    config.setdefault("max_num_seqs", 8)
+    config.setdefault("num_threads", 1)
+    config = {"kv_cache_backend": kv_backend, "async_scheduling": async_scheduling, **config}
+    return LLMEngine(model if model is not None else TinyLM(), tokenizer or tiny_tokenizer(), EngineConfig(**config))
+
+
+def make_request(rid: str, prompt: list[int], priority: int = 0, arrival_time: float = 0.0,
+            **sampling) -> engine_pb2.GenerateRequest:
+    """A greedy request for 16 tokens unless ``sampling`` says otherwise."""
+    sampling.setdefault("temperature", 0.0)
+    sampling.setdefault("max_tokens", 16)
+    return engine_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, priority=priority,
+                                      arrival_time=arrival_time, sampling=engine_pb2.SamplingParams(**sampling))
+
+
+class Collected:
+    """Every chunk of every request, merged."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.text: dict[str, str] = {}
+        self.logprobs: dict[str, list[float]] = {}
+        self.final: dict[str, engine_pb2.GenerateResponse] = {}
+
+    def add(self, chunks) -> None:
+        for c in chunks:
+            assert c.request_id not in self.final, f"chunk after the final one for {c.request_id}"
+            self.tokens.setdefault(c.request_id, []).extend(c.token_ids)
+            self.text[c.request_id] = self.text.get(c.request_id, "") + c.text
+            self.logprobs.setdefault(c.request_id, []).extend(lp.logprob for lp in c.logprobs)
+            if c.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                self.final[c.request_id] = c
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 5000) -> Collected:
+    got = Collected()
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return got
+        got.add(engine.step())
+    raise AssertionError(f"engine did not finish within {max_steps} steps")
+
+
+def generate(engine: LLMEngine, requests) -> Collected:
+    for r in requests:
+        engine.add_request(r)
+    return run_to_completion(engine)

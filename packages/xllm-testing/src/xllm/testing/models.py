@@ -1,0 +1,104 @@
+"""Helpers for model tests: attention without a KV cache, full-sequence logits, random HF
+checkpoints, and a greedy engine run that records every chunk."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from xllm.core import EngineConfig, LLMEngine, StepStats
+from xllm.proto.engine.v1 import engine_pb2
+
+
+class DenseContext:
+    """Attention for one sequence with no KV cache: plain causal attention over the forward's tokens.
+    A latent (MLA) call passes ``v=None`` and ``v_dim``: the values are the keys' first ``v_dim`` channels."""
+
+    def attention(self, layer, q, k, v, scale, v_dim=None):
+        if v is None:
+            v = k[..., :v_dim]
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           is_causal=True, scale=scale)
+        return o.transpose(0, 1)
+
+
+@torch.inference_mode()
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    """Our model's float32 logits at every position of ``ids`` (one forward, no engine)."""
+    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), DenseContext())
+    return model.compute_logits(hidden)
+
+
+def save_random_hf_model(path: pathlib.Path, config, seed: int = 0, std: float = 0.15,
+                         max_shard_size: str = "100MB"):
+    """A transformers model with ``config`` and random weights large enough for sharp
+    attention (HF's default init is nearly uniform), saved with ``save_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing bias (a buffer, zero-initialized)
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    return model
+
+
+@dataclass
+class EngineRun:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[float]] = field(default_factory=dict)
+    text: dict[str, str] = field(default_factory=dict)
+    finish: dict[str, int] = field(default_factory=dict)
+    stats: list[StepStats] = field(default_factory=list)
+    counters: object = None
+
+
+class _Recorder:
+    """A :class:`~xllm.core.StatsObserver` keeping every step's stats."""
+
+    def __init__(self, into: list[StepStats]) -> None:
+        self.into = into
+
+    def on_step(self, stats: StepStats) -> None:
+        self.into.append(stats)
+
+
+def run_engine(model, tokenizer, prompts: list[list[int]], max_tokens: int, dtype=torch.float32,
+               **config) -> EngineRun:
+    """Submit every prompt at once (greedy, ignore_eos, logprobs) and step until done."""
+    config.setdefault("max_model_len", 512)
+    config.setdefault("max_num_seqs", 16)
+    config.setdefault("num_threads", 1)  # tests share 2 cores: one torch thread (see xllm.testing.engine)
+    run = EngineRun()
+    engine = LLMEngine(model, tokenizer, EngineConfig(dtype=dtype, **config),
+                       observers=[_Recorder(run.stats)])
+    for i, p in enumerate(prompts):
+        engine.add_request(engine_pb2.GenerateRequest(
+            request_id=f"p{i}", prompt_token_ids=p,
+            sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                               logprobs=True)))
+    for _ in range(10000):
+        if not engine.has_work():
+            break
+        for c in engine.step():
+            run.tokens.setdefault(c.request_id, []).extend(c.token_ids)
+            run.logprobs.setdefault(c.request_id, []).extend(lp.logprob for lp in c.logprobs)
+            run.text[c.request_id] = run.text.get(c.request_id, "") + c.text
+            if c.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                run.finish[c.request_id] = c.finish_reason
+    assert not engine.has_work(), "engine did not finish"
+    run.counters = engine.counters
+    return run

@@ -1,0 +1,115 @@
+"""Processes the integration tests start on loopback and stop by PID: servers, engines, etcd."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own (so its whole process group can be stopped), output to ``log_path``."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str, log_tail: Callable[[], str],
+                 interval: float, probe_timeout: float = 5.0) -> None:
+    """Poll ``url`` until it answers 200; fail with the log tail if ``proc`` exits or ``timeout`` s pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log_tail()}")
+        try:
+            if httpx.get(url, timeout=probe_timeout, trust_env=False).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not healthy after {timeout:.0f} s:\n{log_tail()}")
+        time.sleep(interval)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_process_group(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM the process group ``proc`` leads (started by :func:`spawn`), SIGKILL after ``timeout``;
+    reap it and check that nothing of the group is left."""
+    pgid = proc.pid
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)  # stragglers of the group
+    proc.wait(timeout)
+    deadline = time.monotonic() + timeout
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not group_alive(pgid), f"processes of group {pgid} survived"
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
+    """Poll ``predicate`` until it returns something truthy (returned) or fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def ensure_etcd() -> str:
+    """Path of the ``etcd`` binary, installing Debian's etcd-server when it is missing (CI runs as root)."""
+    found = shutil.which("etcd")
+    if found:
+        return found
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("etcd is not installed and cannot be installed here (needs root and apt-get)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "etcd-server", "etcd-client"]):
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    found = shutil.which("etcd")
+    if not found:
+        raise RuntimeError("etcd-server installed but no etcd binary on PATH")
+    return found
+
+
+def mapped_libraries(pid: int) -> set[str]:
+    """File names of the shared libraries mapped into process ``pid`` (Linux ``/proc``)."""
+    out = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and ".so" in parts[5]:
+            out.add(Path(parts[5]).name)
+    return out
