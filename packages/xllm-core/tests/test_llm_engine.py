@@ -8,40 +8,16 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from xllm.core import EngineOverloadedError, InvalidRequestError, StepStats
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.engine import Collected, generate, make_request, run_to_completion
+from xllm.testing.reference import recompute_greedy
 from xllm.testing.tiny import EOS, TinyLM, tiny_tokenizer
 
 LENGTH = engine_pb2.FINISH_REASON_LENGTH
 STOP = engine_pb2.FINISH_REASON_STOP
 ABORT = engine_pb2.FINISH_REASON_ABORT
-
-
-class DenseContext:
-    """One sequence, no cache: plain causal attention over the tokens of this forward."""
-
-    def attention(self, layer, q, k, v, scale):
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           is_causal=True, scale=scale)
-        return o.transpose(0, 1)
-
-
-@torch.inference_mode()
-def recompute_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """Greedy decoding by re-running the whole sequence every step (no KV cache, no batching)."""
-    ids, lps = list(prompt), []
-    for _ in range(n):
-        hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), DenseContext())
-        logprobs = model.compute_logits(hidden[-1:])[0].log_softmax(-1)
-        tok = int(logprobs.argmax())
-        ids.append(tok)
-        lps.append(float(logprobs[tok]))
-    return ids[len(prompt):], lps
 
 
 def prompts(seed: int, count: int, lo: int = 3, hi: int = 40) -> list[list[int]]:

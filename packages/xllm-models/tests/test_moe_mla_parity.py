@@ -27,7 +27,8 @@ from xllm.models import ARCHITECTURES, load_model
 from xllm.models.config import ModelConfigError
 from xllm.models.registry import model_class
 from xllm.models.weights import WeightLoadError
-from xllm.testing.models import full_logits, run_engine, save_random_hf_model
+from xllm.testing.models import run_engine, save_random_hf_model
+from xllm.testing.reference import full_logits
 
 transformers = pytest.importorskip("transformers")
 

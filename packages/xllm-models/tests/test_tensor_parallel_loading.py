@@ -12,7 +12,8 @@ import torch
 from xllm.models import load_model
 from xllm.models.config import ModelConfigError
 from xllm.models.tensor_parallel import TPShard
-from xllm.testing.models import DenseContext, save_random_hf_model
+from xllm.testing.models import save_random_hf_model
+from xllm.testing.reference import DenseContext
 
 transformers = pytest.importorskip("transformers")
 

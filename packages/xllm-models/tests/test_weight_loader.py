@@ -15,7 +15,8 @@ from xllm.models import load_model
 from xllm.models.loader import iter_safetensors, shard_files, tensor_names_in_file_order
 from xllm.models.weights import WeightLoadError
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.models import full_logits, save_random_hf_model
+from xllm.testing.models import save_random_hf_model
+from xllm.testing.reference import full_logits
 
 transformers = pytest.importorskip("transformers")
 

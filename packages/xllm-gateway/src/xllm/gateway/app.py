@@ -21,9 +21,10 @@ from xllm.gateway.openai.errors import APIError, bad_request, internal
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from xllm.gateway.openai.serving_chat import ChatServing
 from xllm.gateway.openai.serving_completion import CompletionServing
-from xllm.gateway.registry import Registry
+from xllm.gateway.registry import InstanceState, Registry
 from xllm.gateway.router import Router
 from xllm.models.tokenizer import Tokenizer
+from xllm.proto.registry.v1 import instance_pb2
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +79,11 @@ async def _call(fn: Callable[[], object]) -> None:
 
 
 def create_app(state: GatewayState) -> FastAPI:
+    """The gateway app: the OpenAI routes over a dispatcher and router, and the service routes."""
     router = Router(state.registry, state.routing, metrics=RouterMetrics(state.metrics.registry))
     state.registry.add_listener(
         lambda event, st: state.metrics.forget(st.model, st.instance_id) if event == "removed" else None)
     dispatcher = Dispatcher(state.registry, state.default_model, router, detokenize=state.tokenizer.decode)
-    chat = ChatServing(dispatcher, state.tokenizer, state.max_model_len)
-    completions = CompletionServing(dispatcher, state.tokenizer, state.max_model_len)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -100,6 +100,15 @@ def create_app(state: GatewayState) -> FastAPI:
 
     app = FastAPI(title="xLLM", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state
+    _add_error_handlers(app)
+    _add_openai_routes(app, ChatServing(dispatcher, state.tokenizer, state.max_model_len),
+                       CompletionServing(dispatcher, state.tokenizer, state.max_model_len))
+    _add_service_routes(app, state)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI-style body with its status."""
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_req: Request, exc: RequestValidationError):
@@ -120,6 +129,8 @@ def create_app(state: GatewayState) -> FastAPI:
         log.exception("unhandled error")
         return internal(f"{type(exc).__name__}: {exc}").response()
 
+
+def _add_openai_routes(app: FastAPI, chat: ChatServing, completions: CompletionServing) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await chat.create(body, raw)
@@ -128,14 +139,14 @@ def create_app(state: GatewayState) -> FastAPI:
     async def create_completions(body: CompletionRequest, raw: Request):
         return await completions.create(body, raw)
 
-    def _max_len(name: str) -> int:
-        lens = [s.info.model.max_model_len for s in state.registry.states(name) if s.info.model.max_model_len]
-        return min(lens) if lens else state.max_model_len
+
+def _add_service_routes(app: FastAPI, state: GatewayState) -> None:
+    """``/v1/models``, ``/health`` and ``/metrics`` over the registry's live instances."""
 
     @app.get("/v1/models")
     async def models():
         data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "xllm",
-                 "max_model_len": _max_len(name)} for name in state.registry.served_models()]
+                 "max_model_len": _max_model_len(state, name)} for name in state.registry.served_models()]
         return {"object": "list", "data": data}
 
     @app.get("/health")
@@ -148,15 +159,6 @@ def create_app(state: GatewayState) -> FastAPI:
         body = {"status": "ok" if ok else "unhealthy",
                 "instances": {k: {"healthy": r.healthy, "status": r.status} for k, r in by_id.items()}}
         return JSONResponse(body, status_code=200 if ok else 503)
-
-    async def _load(st) -> object:
-        if st.load is not None:  # a remote instance: its last heartbeat
-            return st.load
-        try:
-            return await st.client.load()
-        except Exception:  # an unreachable instance keeps its last reported values
-            log.warning("load report of %s failed", st.instance_id, exc_info=True)
-            return None
 
     @app.get("/metrics")
     async def metrics():
@@ -174,4 +176,18 @@ def create_app(state: GatewayState) -> FastAPI:
             state.metrics.set_cluster(name, by_model.get(name, []), state.registry.kv_index.num_blocks())
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return app
+
+def _max_model_len(state: GatewayState, name: str) -> int:
+    lens = [s.info.model.max_model_len for s in state.registry.states(name) if s.info.model.max_model_len]
+    return min(lens) if lens else state.max_model_len
+
+
+async def _load(st: InstanceState) -> instance_pb2.LoadReport | None:
+    """An instance's load: its last heartbeat (remote), or asked now (in-process); None if unreachable."""
+    if st.load is not None:
+        return st.load
+    try:
+        return await st.client.load()
+    except Exception:  # an unreachable instance keeps its last reported values
+        log.warning("load report of %s failed", st.instance_id, exc_info=True)
+        return None

@@ -1,5 +1,5 @@
-"""Helpers for model tests: attention without a KV cache, full-sequence logits, random HF
-checkpoints, and a greedy engine run that records every chunk."""
+"""Helpers for model tests: random HF checkpoints, and a greedy engine run that records every chunk
+(the no-cache reference forward is :mod:`xllm.testing.reference`)."""
 
 from __future__ import annotations
 
@@ -7,31 +7,9 @@ import pathlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from xllm.core import EngineConfig, LLMEngine, StepStats
 from xllm.proto.engine.v1 import engine_pb2
-
-
-class DenseContext:
-    """Attention for one sequence with no KV cache: plain causal attention over the forward's tokens.
-    A latent (MLA) call passes ``v=None`` and ``v_dim``: the values are the keys' first ``v_dim`` channels."""
-
-    def attention(self, layer, q, k, v, scale, v_dim=None):
-        if v is None:
-            v = k[..., :v_dim]
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           is_causal=True, scale=scale)
-        return o.transpose(0, 1)
-
-
-@torch.inference_mode()
-def full_logits(model, ids: list[int]) -> torch.Tensor:
-    """Our model's float32 logits at every position of ``ids`` (one forward, no engine)."""
-    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), DenseContext())
-    return model.compute_logits(hidden)
 
 
 def save_random_hf_model(path: pathlib.Path, config, seed: int = 0, std: float = 0.15,

@@ -123,12 +123,21 @@ def values_in_keys(k_cache: torch.Tensor, v_dim: int | None) -> torch.Tensor:
     return k_cache[..., :v_dim]
 
 
-class SlotAttention:
-    """:class:`~xllm.core.model_api.AttentionContext` over slot-addressed KV."""
+class _StepAttention:
+    """An :class:`~xllm.core.model_api.AttentionContext` for one packed step: decode rows first, then
+    prefill chunks, whose outputs are concatenated in that order."""
 
     def __init__(self, kv: LayerKV, batch: BatchInputs) -> None:
         self.kv = kv
         self.batch = batch
+
+    @staticmethod
+    def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class SlotAttention(_StepAttention):
+    """Attention over slot-addressed KV: reads each sequence's region in place."""
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                   scale: float, v_dim: int | None = None) -> torch.Tensor:
@@ -151,15 +160,11 @@ class SlotAttention:
         if addr.prefill_slots:
             parts.append(prefill_attention(q[nd:], k_cache, v_cache, addr.prefill_slots,
                                            b.prefill_query_starts, b.prefill_context_lens, scale))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._join(parts)
 
 
-class PagedAttention:
-    """:class:`~xllm.core.model_api.AttentionContext` over block tables."""
-
-    def __init__(self, kv: LayerKV, batch: BatchInputs) -> None:
-        self.kv = kv
-        self.batch = batch
+class PagedAttention(_StepAttention):
+    """Attention over block tables (gathers each sequence's pages)."""
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                   scale: float, v_dim: int | None = None) -> torch.Tensor:
@@ -176,4 +181,4 @@ class PagedAttention:
         if addr.prefill_block_tables:
             parts.append(paged_prefill_attention(q[nd:], k_pool, v_pool, addr.prefill_block_tables,
                                                  b.prefill_query_starts, b.prefill_context_lens, scale))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._join(parts)

@@ -1,0 +1,42 @@
+"""The engine-free reference forward: a model run over a whole sequence with plain causal attention
+and no KV cache. KV-cached, batched, chunked and fused paths are checked against it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class DenseContext:
+    """Attention for one sequence with no KV cache: plain causal attention over the forward's tokens.
+    A latent (MLA) call passes ``v=None`` and ``v_dim``: the values are the keys' first ``v_dim`` channels."""
+
+    def attention(self, layer, q, k, v, scale, v_dim=None):
+        if v is None:
+            v = k[..., :v_dim]
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           is_causal=True, scale=scale)
+        return o.transpose(0, 1)
+
+
+@torch.inference_mode()
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    """Our model's float32 logits at every position of ``ids`` (one forward, no engine)."""
+    hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), DenseContext())
+    return model.compute_logits(hidden)
+
+
+@torch.inference_mode()
+def recompute_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding by re-running the whole sequence every step (no KV cache, no batching):
+    the generated tokens and their logprobs."""
+    ids, lps = list(prompt), []
+    for _ in range(n):
+        hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), DenseContext())
+        logprobs = model.compute_logits(hidden[-1:])[0].log_softmax(-1)
+        tok = int(logprobs.argmax())
+        ids.append(tok)
+        lps.append(float(logprobs[tok]))
+    return ids[len(prompt):], lps
