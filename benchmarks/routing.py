@@ -34,6 +34,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from benchmarks.peers.xllm import model_dir as xllm_model_dir
+from benchmarks.peers.xllm import wait_instances
 from benchmarks.stats import percentile
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -184,21 +186,6 @@ def router_reasons(metrics_text: str) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def _wait_instances(base_url: str, n: int, timeout: float = 600.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            body = httpx.get(base_url + "/health", timeout=5, trust_env=False).json()
-            if sum(1 for v in body.get("instances", {}).values() if v["healthy"]) >= n:
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{n} instances not healthy after {timeout:.0f} s")
-
-
 def run_policy(policy: str, args: argparse.Namespace, model_dir: pathlib.Path, workload: list[RoutingRequest],
                warmup: list[RoutingRequest], log_dir: pathlib.Path) -> dict:
     import httpx
@@ -212,7 +199,7 @@ def run_policy(policy: str, args: argparse.Namespace, model_dir: pathlib.Path, w
            "--max-num-seqs", str(args.max_num_seqs), "--no-progress", "--log-level", "warning"]
     server = ServerProcess(f"xllm-{policy}", cmd, port, log_dir / f"serve-{policy}.log", health_path="/health")
     with server:  # starts it (waits for /health) and stops it by PID
-        _wait_instances(server.base_url, args.instances)
+        wait_instances(server.base_url, args.instances)
         model = httpx.get(server.base_url + "/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
         asyncio.run(replay(server.base_url, model, warmup))
         print(f"[routing] {policy}: {len(workload)} requests ...", flush=True)
@@ -272,12 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
     from benchmarks.prompts import PromptBank
 
-    if args.model:
-        model_dir = pathlib.Path(args.model)
-    else:
-        from xllm.models import resolve_model
-
-        model_dir = resolve_model(progress=False)
+    model_dir = xllm_model_dir(args.model)
     if args.kv_cache_memory is None:
         args.kv_cache_memory = default_kv_memory_gib(model_dir, args.dtype, args.prefixes, args.prefix_len)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -9,6 +9,7 @@ import contextlib
 import importlib.metadata
 import pathlib
 import sys
+import time
 
 from benchmarks.peers.venv import ServerProcess, free_port
 
@@ -38,3 +39,26 @@ def server(model_dir: pathlib.Path, dtype: str, threads: int, log_dir: pathlib.P
            "--dtype", dtype, "--threads", str(threads), "--max-num-seqs", str(max_num_seqs), "--no-progress",
            "--log-level", "warning", *(extra_args or [])]
     return ServerProcess(NAME, cmd, port, log_dir / f"xllm-{dtype}.log", health_path="/health")
+
+
+def model_dir(arg: str | None, progress: bool = False) -> pathlib.Path:
+    """``--model`` of a benchmark: the given dir, else the bundled SmolLM2 (converted once, cached)."""
+    if arg:
+        return pathlib.Path(arg)
+    from xllm.models import resolve_model
+
+    return resolve_model(progress=progress)
+
+
+def wait_instances(base_url: str, n: int, timeout: float = 600.0) -> None:
+    """Wait until the gateway at ``base_url`` lists ``n`` healthy engine instances."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            body = httpx.get(base_url + "/health", timeout=5, trust_env=False).json()
+            if sum(1 for v in body.get("instances", {}).values() if v["healthy"]) >= n:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"{n} instances not healthy after {timeout:.0f} s")

@@ -15,11 +15,14 @@ ENGINE_CONFIG_FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", 
                        "--kv-cache-memory", "--max-waiting", "--device", "--threads", "--seed", "--kv-cache-backend",
                        "--block-size", "--no-prefix-cache", "--async-scheduling", "--no-native-decode",
                        "--compile-decode"]
+HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout", "--mooncake-master",
+                 "--mooncake-metadata"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", *ENGINE_CONFIG_FLAGS, "--no-progress",
-               "--log-level", "--instances", "--etcd", "--etcd-prefix", "--routing"]
+               "--log-level", "--instances", "--etcd", "--etcd-prefix", "--routing", "--prefill-instances",
+               "--decode-instances", *HANDOFF_FLAGS]
 ENGINE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--instance-id", "--advertise-address",
                 "--etcd", "--etcd-prefix", "--registry", "--lease-ttl", "--heartbeat-interval", "--drain-timeout",
-                "--exit-with-parent", *ENGINE_CONFIG_FLAGS, "--no-progress", "--log-level"]
+                "--exit-with-parent", "--role", *HANDOFF_FLAGS, *ENGINE_CONFIG_FLAGS, "--no-progress", "--log-level"]
 
 
 def _sub_parser(name: str = "serve"):
@@ -85,6 +88,13 @@ def test_engine_args_for_spawned_instances():
 def test_engine_rejects_two_registries(capsys):
     assert main(["engine", "--etcd", "h:1", "--registry", "h:2", "--no-progress"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["serve", "--prefill-instances", "1", "--decode-instances", "1"], ["engine"]])
+def test_mooncake_transfer_needs_its_master(command, capsys):
+    """Checked before any engine starts, not as a traceback from each spawned engine."""
+    assert main([*command, "--kv-transfer", "mooncake", "--mooncake-master", "h:1", "--no-progress"]) == 2
+    assert "--mooncake-metadata" in capsys.readouterr().err
 
 
 

@@ -9,51 +9,23 @@ import asyncio
 import pytest
 import torch
 
-from xllm.core import AsyncEngine, EngineConfig, LLMEngine
-from xllm.engine.client import GrpcEngineClient
-from xllm.engine.registration.agent import InstanceAgent
-from xllm.engine.server import EngineServer
+from xllm.core import EngineConfig, LLMEngine
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.registry import EmbeddedRegistry
 from xllm.gateway.router import Router
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.proto.registry.v1 import instance_pb2
-from xllm.testing.registry import LocalPublisher
+from xllm.testing.served import ServedEngine
 
 pytestmark = pytest.mark.real_model
 
 MODEL = "smol"
 
 
-class Node:
+def node(model, tokenizer, instance_id: str, **cfg) -> ServedEngine:
     """One engine instance served over gRPC in this process."""
-
-    def __init__(self, model, tokenizer, instance_id: str, **cfg) -> None:
-        cfg = {"dtype": torch.float32, "kv_cache_memory_gib": 0.05, "max_model_len": 512, "max_num_seqs": 4,
-               "num_threads": 1, **cfg}
-        self.engine = LLMEngine(model, tokenizer, EngineConfig(**cfg), instance_id=instance_id)
-        self.aeng = AsyncEngine(self.engine)
-        self.server = EngineServer(self.aeng)
-        self.info = instance_pb2.InstanceInfo(
-            instance_id=instance_id, model=instance_pb2.ModelInfo(served_name=MODEL, max_model_len=512,
-                                                                  block_size=self.engine.layout.block_size))
-        self.agent: InstanceAgent | None = None
-
-    async def start(self, registry: EmbeddedRegistry | None = None) -> None:
-        self.aeng.start()
-        port = await self.server.start("127.0.0.1", 0)
-        self.info.address = f"127.0.0.1:{port}"
-        if registry is not None:
-            self.agent = InstanceAgent(self.server, self.info, LocalPublisher(registry), interval=0.05)
-            await self.agent.start()
-
-    async def stop(self) -> None:
-        if self.agent is not None:
-            await self.agent.stop()
-        await self.server.drain(0)
-        await self.server.stop(0)
-        self.aeng.shutdown()
-        self.engine.close()
+    cfg = {"dtype": torch.float32, "kv_cache_memory_gib": 0.05, "max_model_len": 512, "max_num_seqs": 4,
+           "num_threads": 1, **cfg}
+    return ServedEngine(LLMEngine(model, tokenizer, EngineConfig(**cfg), instance_id=instance_id), model=MODEL)
 
 
 def _req(rid: str, prompt: list[int], max_tokens: int, **sp) -> engine_pb2.GenerateRequest:
@@ -72,7 +44,7 @@ def test_dispatch_follows_the_cache_and_resumes_a_broken_stream(smollm2_fp32, sm
 
     async def run():
         registry = EmbeddedRegistry()
-        nodes = [Node(smollm2_fp32, tok, iid) for iid in ("a", "b")]
+        nodes = [node(smollm2_fp32, tok, iid) for iid in ("a", "b")]
         for n in nodes:
             await n.start(registry)
         dispatcher = Dispatcher(registry, MODEL, Router(registry, "kv_aware"), detokenize=tok.decode)
@@ -93,9 +65,7 @@ def test_dispatch_follows_the_cache_and_resumes_a_broken_stream(smollm2_fp32, sm
 
             # the reference: the whole answer from one instance
             other = next(n for n in nodes if n.info.instance_id != home)
-            ref_client = GrpcEngineClient(other.info)
-            ref = await _drain(await ref_client.submit(_req("ref", prompt, 24)))
-            await ref_client.close()
+            ref = await _drain(await other.client.submit(_req("ref", prompt, 24)))
             ref_tokens = [t for c in ref for t in c.token_ids]
 
             # start on one instance (both hold the prompt's prefix now), shut it down after a few tokens:
@@ -117,8 +87,7 @@ def test_dispatch_follows_the_cache_and_resumes_a_broken_stream(smollm2_fp32, sm
             assert "".join(c.text for c in got) == "".join(c.text for c in ref)
         finally:
             for n in nodes:
-                if n.aeng.is_running:
-                    await n.stop()
+                await n.stop()
             await registry.close()
 
     asyncio.run(run())

@@ -10,7 +10,7 @@ import torch
 from xllm.core import EngineConfig, LLMEngine
 from xllm.models import load_model
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.models import save_random_hf_model
+from xllm.testing.models import IdTokenizer, save_random_hf_model, tiny_qwen3_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,13 +55,6 @@ def run(model, tokenizer, waves: list[list[list[int]]], n: int = NEW, **config):
 
 
 # ---- the models ------------------------------------------------------------------------------
-class IdTokenizer:
-    eos_token_ids = frozenset()
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
-
 def smollm2_case(request):
     tok = request.getfixturevalue("smollm2_tokenizer")
     prompts = [tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
@@ -70,12 +63,12 @@ def smollm2_case(request):
 
 
 def qwen_case(name: str, path):
-    common = dict(vocab_size=997, hidden_size=128, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     if name == "qwen2":
-        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        cfg = transformers.Qwen2Config(vocab_size=997, hidden_size=128, intermediate_size=160, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                       tie_word_embeddings=True)
     else:
-        cfg = transformers.Qwen3Config(**common, head_dim=48, tie_word_embeddings=False)
+        cfg = tiny_qwen3_config()
     hf = save_random_hf_model(path, cfg, seed=3)
     model = load_model(path, torch.float32, progress=False)
     g = torch.Generator().manual_seed(7)

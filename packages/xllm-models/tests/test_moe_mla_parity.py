@@ -27,7 +27,7 @@ from xllm.models import ARCHITECTURES, load_model
 from xllm.models.config import ModelConfigError
 from xllm.models.registry import model_class
 from xllm.models.weights import WeightLoadError
-from xllm.testing.models import run_engine, save_random_hf_model
+from xllm.testing.models import IdTokenizer, run_engine, save_random_hf_model, tiny_deepseek_v2_config
 from xllm.testing.reference import full_logits
 
 transformers = pytest.importorskip("transformers")
@@ -54,15 +54,6 @@ def qwen3_moe_step2_config():
         vocab_size=1000, hidden_size=64, intermediate_size=72, moe_intermediate_size=24, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=12, num_experts_per_tok=4,
         norm_topk_prob=False, decoder_sparse_step=2, tie_word_embeddings=True, attention_bias=True, **_MOE)
-
-
-def deepseek_v2_lite_config():
-    # V2-Lite style: no q LoRA, greedy top-2 of 8, 2 shared experts, first layer dense
-    return transformers.DeepseekV2Config(
-        vocab_size=1001, hidden_size=96, intermediate_size=80, moe_intermediate_size=40, num_hidden_layers=3,
-        num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
-        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=20,
-        topk_method="greedy", **_MOE)
 
 
 def deepseek_v2_group_config():
@@ -104,18 +95,11 @@ def deepseek_v3_rotate_half_config():
 CONFIGS = {
     "qwen3_moe": (qwen3_moe_config, 10),
     "qwen3_moe_step2": (qwen3_moe_step2_config, 10),
-    "deepseek_v2_lite": (deepseek_v2_lite_config, 12),
+    "deepseek_v2_lite": (tiny_deepseek_v2_config, 12),
     "deepseek_v2_group": (deepseek_v2_group_config, 12),
     "deepseek_v3_yarn": (deepseek_v3_yarn_config, 10),
     "deepseek_v3_rotate_half": (deepseek_v3_rotate_half_config, 11),
 }
-
-
-class IdTokenizer:
-    eos_token_ids = frozenset()
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture(scope="module")

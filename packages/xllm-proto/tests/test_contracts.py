@@ -8,7 +8,8 @@ from xllm.proto.registry.v1 import instance_pb2
 def test_engine_service_methods():
     service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == {"Generate", "Abort", "Health", "GetLoad", "GetKVEvents"}
+    assert set(methods) == {"Generate", "Abort", "Health", "GetLoad", "GetKVEvents", "TransferKV"}
+    assert methods["TransferKV"].client_streaming and not methods["TransferKV"].server_streaming
     assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
     assert methods["GetLoad"].output_type.full_name == "xllm.registry.v1.LoadReport"
     assert hasattr(engine_pb2_grpc, "EngineServiceStub") and hasattr(engine_pb2_grpc, "EngineServiceServicer")
@@ -65,6 +66,18 @@ def test_finish_reason_names_cover_every_enum_value():
     values = engine_pb2.FinishReason.values()
     assert finish_reason_name(engine_pb2.FINISH_REASON_UNSPECIFIED) is None
     names = {finish_reason_name(v) for v in values if v != engine_pb2.FINISH_REASON_UNSPECIFIED}
-    assert names == {"stop", "length", "abort", "error"}
-    assert len(values) == 5, "a new FinishReason needs its API name in xllm.proto.enums"
+    assert names == {"stop", "length", "abort", "error", "handed_off"}
+    assert len(values) == 6, "a new FinishReason needs its API name in xllm.proto.enums"
     assert finish_reason_name(99) == "stop"  # a value from a newer engine still ends the request
+
+
+def test_role_names_round_trip():
+    from xllm.proto.enums import role_from_name, role_name
+
+    for name in ("mixed", "prefill", "decode"):
+        assert role_name(role_from_name(name)) == name
+    assert role_name(instance_pb2.INSTANCE_ROLE_UNSPECIFIED) == "mixed"
+    import pytest
+
+    with pytest.raises(ValueError, match="prefill"):
+        role_from_name("encode")

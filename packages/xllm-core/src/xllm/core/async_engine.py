@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
 from xllm.core.compute_thread import ComputeThread
@@ -119,6 +119,14 @@ class AsyncEngine:
         self._commands.put(("abort", request_id, None))
         self._wake.set()
 
+    def execute(self, fn: Callable[[LLMEngine], list[engine_pb2.GenerateResponse] | None]) -> asyncio.Future:
+        """Run ``fn(engine)`` on the engine thread between steps; chunks it returns are delivered to
+        their streams. The returned future (of the caller's loop) resolves to ``fn``'s result."""
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", fn, future))
+        self._wake.set()
+        return future
+
     def load_report(self) -> instance_pb2.LoadReport:
         return self.engine.load_report()
 
@@ -132,6 +140,9 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 self._deliver(self.engine.step())
+                if self.engine.stalled:  # nothing could run (e.g. KV held by hand-offs): wait for a change
+                    self._wake.wait(self._idle_wait)
+                    self._wake.clear()
         except Exception as exc:  # the engine is unusable: fail every stream loudly
             log.exception("engine loop crashed")
             self.dead_reason = f"engine loop crashed: {exc!r}"
@@ -155,6 +166,8 @@ class AsyncEngine:
                     self._streams[payload.request_id] = stream
                 except Exception as exc:  # validation raced with another request: report to the caller
                     stream._loop.call_soon_threadsafe(stream._put, exc)
+            elif kind == "call":
+                _call_on_engine(self.engine, payload, stream, out)
             else:
                 final = self.engine.abort(payload)
                 if final is not None:
@@ -180,6 +193,29 @@ class AsyncEngine:
         for stream in streams.values():
             with contextlib.suppress(RuntimeError):
                 stream._loop.call_soon_threadsafe(stream._put, err)
+
+
+def _call_on_engine(engine: LLMEngine, fn, future: asyncio.Future, out: list) -> None:
+    loop = future.get_loop()
+    try:
+        result = fn(engine)
+    except Exception as exc:
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_settle, future, None, exc)
+        return
+    if result:
+        out.extend(result)
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_settle, future, result, None)
+
+
+def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 def _dispatch(items: list) -> None:

@@ -9,7 +9,8 @@ What lives where: the queues, admission and preemption in
 :class:`~xllm.core.model_runner.ModelRunner`; one step's inputs and forward in
 :class:`~xllm.core.step.StepInFlight`; stop conditions and stream chunks in
 :class:`~xllm.core.output_processor.OutputProcessor`. The engine runs the loop
-and keeps the per-request output state and the counters.
+and keeps the per-request output state and the counters, and serves either side
+of a prefill/decode hand-off (:mod:`xllm.core.disagg`) when a listener moves the KV.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from xllm.core.config import EngineConfig
 from xllm.core.detokenizer import EngineTokenizer
+from xllm.core.disagg import DisaggListener, Handoff, PromptFinishing, Reservation
 from xllm.core.errors import EngineOverloadedError, InvalidRequestError
 from xllm.core.graph_runner import build_compiled_decode
 from xllm.core.kv import build_kv_cache
@@ -33,7 +35,7 @@ from xllm.core.platform import Platform, configure_threads, detect_platform
 from xllm.core.sampler import Sampler
 from xllm.core.sampling_params import SamplingParams
 from xllm.core.scheduler import Scheduler
-from xllm.core.sequence import PLACEHOLDER, Sequence
+from xllm.core.sequence import PLACEHOLDER, Phase, Sequence
 from xllm.core.stats import EngineCounters, FinishedRequest, StatsObserver, StepStats
 from xllm.core.step import StepInFlight
 from xllm.core.validation import RequestLimits
@@ -81,6 +83,9 @@ class LLMEngine:
         self._seed_source = random.Random(config.seed)
         self._reported_prefix = self.kv.prefix_stats
         self._in_flight: StepInFlight | None = None
+        self.disagg: DisaggListener | None = None  # who moves KV in prefill/decode hand-offs (an engine server)
+        self._abandoned: set[str] = set()  # aborted mid-hand-off: KV kept until release_kv
+        self.stalled = False  # the last step had nothing it could run
         # async scheduling: forwards run here (the caller's ComputeThread, so that loading and
         # forwards share one OpenMP pool; see xllm.core.compute_thread), or on a worker of our own
         self._owns_worker = config.async_scheduling and forward_executor is None
@@ -105,11 +110,21 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight", "request_id")
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self.scheduler.waiting)} requests already waiting")
+        phase = _PHASES.get(req.disagg_phase)
+        if phase is None or (phase is not Phase.MIXED and self.disagg is None):
+            raise InvalidRequestError("this engine does not serve prefill/decode hand-offs", "disagg_phase")
+        if phase is Phase.PREFILL and not req.HasField("kv_target"):
+            raise InvalidRequestError("a prefill-phase request needs its kv_target", "kv_target")
+        if phase is not Phase.MIXED and self.kv.page_store() is None:
+            raise InvalidRequestError(f"the {self.config.kv_cache_backend} KV backend cannot hand KV off",
+                                      "disagg_phase")
         gen = torch.Generator(device="cpu")
         gen.manual_seed(params.seed if params.seed is not None else self._seed_source.getrandbits(63))
         seq = Sequence(req.request_id, list(req.prompt_token_ids), params, req.arrival_time or time.time(),
-                       req.priority, gen)
-        self.requests[req.request_id] = self.outputs.new_request(seq)
+                       req.priority, gen, phase=phase)
+        out = self.outputs.new_request(seq)
+        out.kv_target = req.kv_target if phase is Phase.PREFILL else None
+        self.requests[req.request_id] = out
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> engine_pb2.GenerateResponse | None:
@@ -118,7 +133,14 @@ class LLMEngine:
         if out is None:
             return None
         seq = out.seq
-        self.scheduler.finish(seq)
+        if seq.request_id in self.scheduler.awaiting_kv or seq.request_id in self.scheduler.handing_off:
+            # a transfer may be reading or writing its pages: they go when the hand-off ends (release_kv)
+            self._abandoned.add(seq.request_id)
+            self.disagg.on_abandoned(seq.request_id)
+        else:
+            self.scheduler.finish(seq)
+            if seq.phase is Phase.PREFILL:  # before its hand-off began: none will happen
+                self.disagg.on_abandoned(seq.request_id)
         self.outputs.abort(out)
         chunk = self.outputs.take_chunk(out)
         self.counters.finished_requests += 1
@@ -141,9 +163,11 @@ class LLMEngine:
         outputs, swapped in when they land) and then detokenizes and emits step
         k's outputs during step k+1's forward; chunks therefore trail by one step.
         """
+        self._reserve()
         if self.config.async_scheduling:
             return self._step_overlapped()
         plan = self._schedule()
+        self.stalled = not plan
         if not plan:
             return []
         flight = self._prepare(plan)
@@ -164,6 +188,7 @@ class LLMEngine:
         # sequences whose in-flight token is their last one are not scheduled again
         parked = {s for s in self.scheduler.running if s in busy and self._saturated(s)}
         plan = self._schedule(hold=parked)
+        self.stalled = not plan and prev is None
         flight = self._prepare(plan) if plan else None
         if prev is not None:
             self._swap_in(prev)
@@ -187,12 +212,20 @@ class LLMEngine:
         chunks = [(c.seq, c.num_tokens) for c in plan.chunks]
         batch = self.runner.prepare(chunks)
         self.kv.prefetch(batch.sample_seqs)  # map next step's pages while this one computes
+        now = time.time()
         for seq, n in chunks:
             seq.num_computed_tokens += n
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
         flight = StepInFlight(plan, chunks, batch, self.runner, self.sampler, time.perf_counter())
         for seq in batch.sample_seqs:
             flight.placeholder_at.append(len(seq.output_ids))
             seq.output_ids.append(PLACEHOLDER)
+        finishing = [seq for seq in batch.sample_seqs if seq.phase is Phase.PREFILL]
+        if finishing:  # these prompts' KV becomes final during this forward: a transport may stream it
+            flight.on_layer = self.disagg.on_prompt_finishing([
+                PromptFinishing(seq.request_id, self.requests[seq.request_id].kv_target, seq.num_prompt_tokens,
+                                tuple(seq.kv_pages)) for seq in finishing])
         return flight
 
     def _swap_in(self, flight: StepInFlight) -> None:
@@ -231,12 +264,18 @@ class LLMEngine:
                 del self.requests[seq.request_id]
                 self.scheduler.finish(seq)
                 finished.append(_finished(seq, finish_reason_name(out.finish_reason), now))
+                if seq.phase is Phase.PREFILL:  # the first token ended it: nothing to hand off
+                    self.disagg.on_abandoned(seq.request_id)
+            elif seq.phase is Phase.PREFILL:
+                self._hand_off(out, token, now)
         self._account(flight, prompt_tokens, ttfts, itls, finished, time.perf_counter() - flight.started)
         return responses
 
     def _saturated(self, seq: Sequence) -> bool:
-        """Whether the token in flight is certainly the sequence's last (length limits)."""
-        return len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+        """Whether the token in flight is certainly the sequence's last here (length limits; a
+        prefill-phase sequence stops at its first token)."""
+        return (len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+                or seq.phase is Phase.PREFILL)
 
     def _kv_tight(self) -> bool:
         """Could this step's scheduling preempt? (fewer free blocks than it might need)"""
@@ -267,6 +306,68 @@ class LLMEngine:
             inter_token_latencies=itls, finished=finished, prefix_cache_queries=prefix.queries - before.queries,
             prefix_cache_hits=prefix.hits - before.hits))
 
+    # ---- prefill/decode hand-offs (xllm.core.disagg) -------------------------------------------
+    def _reserve(self) -> None:
+        """Decode side: KV memory for the prompts of newly arrived decode-phase requests."""
+        for seq in self.scheduler.reserve(self.config.max_num_seqs):
+            self.disagg.on_reserved(Reservation(seq.request_id, seq.num_prompt_tokens, seq.num_computed_tokens,
+                                                tuple(seq.kv_pages)))
+
+    def _hand_off(self, out: RequestOutput, token: int, now: float) -> None:
+        """Prefill side: the first token is out; keep the KV for the decode side and say so."""
+        seq = out.seq
+        self.scheduler.hand_off(seq)
+        scheduled = seq.first_scheduled_time or seq.arrival_time
+        self.disagg.on_handoff(Handoff(
+            seq.request_id, out.kv_target, seq.num_prompt_tokens, tuple(seq.kv_pages), token,
+            seq.generator.get_state().numpy().tobytes(), scheduled - seq.arrival_time, now - scheduled, now))
+
+    def install_kv(self, commit: engine_pb2.KVCommit, received: bool = True) -> list[engine_pb2.GenerateResponse]:
+        """Decode side: the reserved pages hold the prompt's KV (``received``), or the transfer failed
+        and this engine computes what its prefix cache lacked. Either way decoding continues after
+        the first token (sampled and streamed by the prefill side) with the sampler state it left.
+        Returns chunks to deliver (only if the request ends right here)."""
+        seq = self.scheduler.awaiting_kv.get(commit.transfer_id)
+        if seq is None or commit.transfer_id in self._abandoned:
+            return self.release_kv(commit.transfer_id)
+        if commit.num_tokens != seq.num_prompt_tokens:
+            raise InvalidRequestError(f"{commit.transfer_id}: the hand-off covers {commit.num_tokens} tokens, "
+                                      f"the prompt has {seq.num_prompt_tokens}", "num_tokens")
+        seq.generator.set_state(torch.frombuffer(bytearray(commit.generator_state), dtype=torch.uint8))
+        if received:
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            self.kv.on_computed(seq)  # the received blocks join the local prefix cache
+        out = self.requests[seq.request_id]
+        seq.output_ids.append(commit.first_token)
+        seq.first_token_time = seq.last_token_time = time.time()
+        self.outputs.append_token(out, commit.first_token, None)
+        chunk = self.outputs.take_chunk(out)  # the prefill side streamed this token; only the state advances
+        self.scheduler.resume_with_kv(seq)
+        if not out.finished:
+            return []
+        del self.requests[seq.request_id]
+        self.scheduler.finish(seq)
+        return [chunk]
+
+    def release_kv(self, request_id: str) -> list[engine_pb2.GenerateResponse]:
+        """A hand-off is over. Prefill side: free the KV (its blocks stay in the prefix cache) and end
+        the request's stream (``FINISH_REASON_HANDED_OFF``). Decode side: drop a reservation that
+        will not be used (abandoned, expired)."""
+        seq = self.scheduler.handing_off.get(request_id) or self.scheduler.awaiting_kv.get(request_id)
+        if seq is None:
+            return []
+        self.scheduler.finish(seq)
+        abandoned = request_id in self._abandoned
+        self._abandoned.discard(request_id)
+        out = self.requests.pop(request_id, None)
+        if out is None or abandoned:
+            return []
+        self.counters.finished_requests += 1
+        if seq.phase is Phase.DECODE:  # expired: the request fails here (the gateway resumes it elsewhere)
+            self.outputs.fail(out, "the prompt's KV never arrived")
+            return [self.outputs.take_chunk(out)]
+        return [self.outputs.handed_off_chunk(out)]
+
     def _notify(self, stats: StepStats) -> None:
         for obs in self.observers:
             obs.on_step(stats)
@@ -290,6 +391,10 @@ class LLMEngine:
             instance_id=self.instance_id, num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), kv_usage=self.kv.usage, kv_free_tokens=self.kv.free_tokens,
             recent_ttft=self.counters.recent_ttft, recent_tpot=self.counters.recent_tpot, timestamp=time.time())
+
+
+_PHASES = {engine_pb2.DISAGG_PHASE_NONE: Phase.MIXED, engine_pb2.DISAGG_PHASE_PREFILL: Phase.PREFILL,
+           engine_pb2.DISAGG_PHASE_DECODE: Phase.DECODE}
 
 
 def _finished(seq: Sequence, reason: str, now: float) -> FinishedRequest:

@@ -3,13 +3,14 @@ backend, and the logits of the sequences that sample this step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from xllm.core.kv.addressing import PageAddress, SlotAddress
 from xllm.core.kv.base import KVCacheBackend
-from xllm.core.model_api import CausalLM, FusedDecoder, SupportsFusedDecode
+from xllm.core.model_api import AttentionContext, CausalLM, FusedDecoder, SupportsFusedDecode
 from xllm.core.sequence import Sequence
 
 
@@ -108,8 +109,9 @@ class ModelRunner:
             address=self.kv.addressing.pack(chunks, decode_seqs, prefill_seqs, tensor))
 
     @torch.inference_mode()
-    def execute(self, batch: BatchInputs) -> torch.Tensor:
-        """Forward the packed batch; float32 logits ``[len(sample_seqs), vocab]``."""
+    def execute(self, batch: BatchInputs, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Forward the packed batch; float32 logits ``[len(sample_seqs), vocab]``. ``on_layer`` hears
+        each layer's index once the forward stored its KV (a step with prefill runs eager)."""
         if batch.num_decode == len(batch.input_ids):  # a pure decode step: pick its graph mode
             slots = self.kv.addressing.decode_slots(batch)
             if self.fused is not None and batch.num_decode <= self.fused.max_batch:
@@ -120,7 +122,24 @@ class ModelRunner:
                 self.mode_steps["compiled"] += 1
                 return self.graph(batch.input_ids, batch.positions, slots)
         self.mode_steps["eager"] += 1
-        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv.addressing.context(batch))
+        ctx = self.kv.addressing.context(batch)
+        if on_layer is not None:
+            ctx = _ReportingContext(ctx, on_layer)
+        hidden = self.model.forward(batch.input_ids, batch.positions, ctx)
         if not batch.sample_seqs:
             return hidden.new_empty(0, 0, dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.sample_rows])
+
+
+class _ReportingContext:
+    """An :class:`AttentionContext` that reports each layer once its KV is stored."""
+
+    def __init__(self, inner: AttentionContext, on_layer: Callable[[int], None]) -> None:
+        self.inner = inner
+        self.on_layer = on_layer
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
+                  v_dim: int | None = None) -> torch.Tensor:
+        out = self.inner.attention(layer, q, k, v, scale, v_dim)
+        self.on_layer(layer)
+        return out

@@ -16,6 +16,8 @@ from xllm.proto.engine.v1 import engine_pb2
 STOP = engine_pb2.FINISH_REASON_STOP
 LENGTH = engine_pb2.FINISH_REASON_LENGTH
 ABORT = engine_pb2.FINISH_REASON_ABORT
+ERROR = engine_pb2.FINISH_REASON_ERROR
+HANDED_OFF = engine_pb2.FINISH_REASON_HANDED_OFF
 
 
 @dataclass
@@ -31,6 +33,8 @@ class RequestOutput:
     pending_ids: list[int] = field(default_factory=list)
     num_generated: int = 0  # tokens appended so far (the sequence may hold a placeholder beyond)
     pending_logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)
+    kv_target: engine_pb2.KVTarget | None = None  # prefill phase: where the KV goes
+    error: str = ""
 
     @property
     def finished(self) -> bool:
@@ -76,6 +80,21 @@ class OutputProcessor:
     def abort(self, out: RequestOutput) -> None:
         self._finish(out, ABORT, "")
 
+    def fail(self, out: RequestOutput, error: str) -> None:
+        self._finish(out, ERROR, "")
+        out.error = error
+
+    @staticmethod
+    def handed_off_chunk(out: RequestOutput) -> engine_pb2.GenerateResponse:
+        """Prefill side: the request's last chunk here. No text: what the first token's chunk held
+        back (a possible stop string) is the decode side's to release, from the same state."""
+        out.finish_reason = HANDED_OFF
+        seq = out.seq
+        return engine_pb2.GenerateResponse(
+            request_id=seq.request_id, finish_reason=HANDED_OFF,
+            usage=engine_pb2.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=out.num_generated,
+                                   cached_prompt_tokens=seq.num_cached_prompt_tokens))
+
     def take_chunk(self, out: RequestOutput) -> engine_pb2.GenerateResponse:
         """The stream chunk for everything produced since the last call; the final
         chunk (finish reason set) carries all remaining text and the usage."""
@@ -92,6 +111,7 @@ class OutputProcessor:
             logprobs=out.pending_logprobs,
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
+            error=out.error,
         )
         out.sent_chars = limit
         out.pending_ids = []

@@ -6,6 +6,11 @@ admission (KV memory, prefix reuse), the whole of preemption (KV release, back t
 sequences run next is decided by a batch policy from :mod:`xllm.sched` (pure logic, no torch),
 which sees the scheduler through :class:`xllm.sched.SchedulerQueues`.
 
+Disaggregated requests (see :mod:`xllm.core.disagg`) have three more places: ``reserving`` (decode
+side, waiting for KV memory for the prompt), ``awaiting_kv`` (decode side, reserved, the prompt's KV
+on its way) and ``handing_off`` (prefill side, first token out, KV held for the transfer). Sequences
+there hold KV but take no part in steps.
+
 Not thread-safe: used from the engine's step loop only.
 """
 
@@ -15,7 +20,7 @@ from collections import deque
 from collections.abc import Collection, Iterable
 
 from xllm.core.kv.base import KVCacheBackend
-from xllm.core.sequence import SeqStatus, Sequence
+from xllm.core.sequence import Phase, SeqStatus, Sequence
 from xllm.sched import BatchPolicy, StepPlan
 
 
@@ -33,12 +38,19 @@ class Scheduler:
         self.kv = kv
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
+        self.reserving: deque[Sequence] = deque()
+        self.awaiting_kv: dict[str, Sequence] = {}
+        self.handing_off: dict[str, Sequence] = {}
         self._pinned: frozenset[Sequence] = frozenset()
         self._release_after_unpin: list[Sequence] = []
 
     # ---- queues -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence in (priority, arrival) order."""
+        """Queue a new sequence in (priority, arrival) order (a decode-phase one: for a KV reservation)."""
+        if seq.phase is Phase.DECODE:
+            seq.status = SeqStatus.RESERVING
+            self.reserving.append(seq)
+            return
         seq.status = SeqStatus.WAITING
         key = (seq.priority, seq.arrival_time)
         idx = len(self.waiting)
@@ -61,6 +73,10 @@ class Scheduler:
             self.waiting.remove(seq)
         if any(s is seq for s in self.running):
             self.running.remove(seq)
+        if seq in self.reserving:
+            self.reserving.remove(seq)
+        self.awaiting_kv.pop(seq.request_id, None)
+        self.handing_off.pop(seq.request_id, None)
         seq.status = SeqStatus.FINISHED
         if seq in self._pinned:
             self._release_after_unpin.append(seq)
@@ -68,7 +84,40 @@ class Scheduler:
             self.kv.free(seq)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        """Anything a step could do (sequences awaiting their KV or handing it off wait for others)."""
+        return bool(self.running or self.waiting or self.reserving)
+
+    @property
+    def num_holding_kv(self) -> int:
+        """Sequences with KV memory: running, and those on either side of a hand-off."""
+        return len(self.running) + len(self.awaiting_kv) + len(self.handing_off)
+
+    # ---- prefill/decode hand-offs ----------------------------------------------------------------
+    def reserve(self, max_seqs: int) -> list[Sequence]:
+        """Give decode-phase sequences (in arrival order) KV memory for their whole prompt, reusing
+        the local prefix cache, while ``max_seqs`` sequences hold KV at most and memory lasts."""
+        reserved = []
+        while self.reserving and self.num_holding_kv < max_seqs:
+            seq = self.reserving[0]
+            if self.kv.admit(seq, seq.num_tokens) < 1:
+                break
+            self.reserving.popleft()
+            seq.status = SeqStatus.AWAITING_KV
+            self.awaiting_kv[seq.request_id] = seq
+            reserved.append(seq)
+        return reserved
+
+    def resume_with_kv(self, seq: Sequence) -> None:
+        """A reserved sequence has its prompt's KV (or will recompute what it lacks): it runs."""
+        del self.awaiting_kv[seq.request_id]
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def hand_off(self, seq: Sequence) -> None:
+        """A prefill-phase sequence sampled its first token: it stops running, its KV stays."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.HANDING_OFF
+        self.handing_off[seq.request_id] = seq
 
     def pending_prefill_tokens(self) -> int:
         """Prompt tokens still to compute: queued requests plus running ones mid-prefill."""

@@ -16,6 +16,17 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    RESERVING = "reserving"      # decode phase: waiting for KV memory to receive the prompt's KV into
+    AWAITING_KV = "awaiting_kv"  # decode phase: KV reserved, the prefill instance is computing / sending it
+    HANDING_OFF = "handing_off"  # prefill phase: first token out, KV held until the decode side has it
+
+
+class Phase(enum.Enum):
+    """Which part of a request this engine serves (prefill/decode disaggregation)."""
+
+    MIXED = "mixed"      # the whole request
+    PREFILL = "prefill"  # the prompt and the first token, then hand the KV off
+    DECODE = "decode"    # receive the prompt's KV (reusing the local prefix cache), then decode
 
 
 @dataclass(eq=False)
@@ -47,6 +58,8 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    phase: Phase = Phase.MIXED
 
     @property
     def num_tokens(self) -> int:

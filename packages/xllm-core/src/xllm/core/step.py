@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ class StepInFlight:
     started: float
     result: SampleResult | None = None
     placeholder_at: list[int] = field(default_factory=list)  # output index of each sampled seq's placeholder
+    on_layer: Callable[[int], None] | None = None  # hears each layer stored (prefill hand-offs streaming KV)
     _future: Future | None = field(default=None, repr=False)
 
     @property
@@ -58,7 +60,7 @@ class StepInFlight:
         raise IndexError(row)
 
     def _run(self) -> SampleResult | None:
-        logits = self.runner.execute(self.batch)
+        logits = self.runner.execute(self.batch, self.on_layer)
         return self.sampler(logits, self.batch.sample_seqs) if self.batch.sample_seqs else None
 
     def start(self, executor: Executor | None) -> None:

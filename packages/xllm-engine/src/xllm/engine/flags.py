@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING
 
 from xllm.core.dtypes import DTYPES
 from xllm.core.kv.registry import KV_BACKENDS
+from xllm.engine.handoff import KV_TRANSPORTS
+from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.registration.etcd import DEFAULT_PREFIX
+from xllm.proto.enums import ROLE_NAMES
 
 if TYPE_CHECKING:
     from xllm.core.config import EngineConfig
@@ -128,6 +131,43 @@ def add_instance_flags(p: argparse.ArgumentParser) -> None:
                         "back to their gateways (which resume them on other instances)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="shut down when the process that started this one exits (used by serve --instances)")
+    p.add_argument("--role", default="mixed", choices=list(ROLE_NAMES.values()),
+                   help="the part of requests this instance serves: mixed (whole requests), prefill (prompts "
+                        "and first tokens, handing the KV to a decode instance) or decode (continues from "
+                        "handed-off KV); a gateway routes in PD mode when it finds prefill and decode instances")
+    add_handoff_flags(p)
+
+
+def add_handoff_flags(p: argparse.ArgumentParser) -> None:
+    """How prefill/decode hand-offs move KV (every instance can serve either side)."""
+    p.add_argument("--kv-transfer", default="fd", choices=KV_TRANSPORTS.choices(),
+                   help="how this instance receives handed-off KV: fd (one host: the prefill instance's memfd "
+                        "over a Unix socket, its pages copied from a mapping; needs the xtensor KV backend), grpc "
+                        "(between hosts: pages over gRPC, each layer as soon as the prefill stored it) or "
+                        "mooncake (through a Mooncake store; pip install 'xllm-engine[mooncake]')")
+    p.add_argument("--kv-handoff-timeout", type=positive_float, default=30.0, metavar="SECONDS",
+                   help="prefill side: release a request's KV if the decode instance has not confirmed this "
+                        "long after the first token")
+    p.add_argument("--kv-reservation-timeout", type=positive_float, default=60.0, metavar="SECONDS",
+                   help="decode side: give up a KV reservation nobody filled by then (the request fails here "
+                        "and the gateway resumes it elsewhere)")
+    p.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
+                   help="the Mooncake store's master (with --kv-transfer mooncake, and on prefill instances "
+                        "sending to such decode instances)")
+    p.add_argument("--mooncake-metadata", default=None, metavar="URL",
+                   help="the Mooncake metadata server, e.g. http://127.0.0.1:8080/metadata")
+
+
+def handoff_options(args: argparse.Namespace) -> HandoffOptions:
+    """The hand-off settings the flags describe (``ValueError`` names a missing companion flag)."""
+    if args.kv_transfer == "mooncake" and not (args.mooncake_master and args.mooncake_metadata):
+        raise ValueError("--kv-transfer mooncake needs --mooncake-master HOST:PORT and --mooncake-metadata URL "
+                         "(a Mooncake master started with its HTTP metadata server)")
+    return HandoffOptions(
+        transport=args.kv_transfer, handoff_timeout=args.kv_handoff_timeout,
+        reservation_timeout=args.kv_reservation_timeout,
+        transport_options={"timeout": args.kv_handoff_timeout, "mooncake_master": args.mooncake_master,
+                           "mooncake_metadata": args.mooncake_metadata})
 
 
 def add_engine_process_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,12 +195,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def engine_args(args: argparse.Namespace, instances: int) -> list[str]:
     """The engine flags of ``args`` as engine-process arguments (for spawned instances).
 
-    Derived from :func:`add_engine_flags` itself, so a new engine flag reaches spawned engines
-    without being listed twice; ``--threads`` defaults to this process's cores split ``instances`` ways.
+    Derived from :func:`add_engine_flags` and :func:`add_handoff_flags` themselves, so a new engine
+    flag reaches spawned engines without being listed twice; ``--threads`` defaults to this process's
+    cores split ``instances`` ways.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     flags = argparse.ArgumentParser(add_help=False)
     add_engine_flags(flags)
+    add_handoff_flags(flags)
     out: list[str] = []
     for action in flags._actions:
         value = getattr(args, action.dest)

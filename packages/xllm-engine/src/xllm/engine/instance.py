@@ -19,15 +19,17 @@ import os
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xllm.core import AsyncEngine, ComputeThread, ConfigError, EngineConfig, LLMEngine
 from xllm.engine import flags
+from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.loader import load_engine
 from xllm.engine.registration.agent import InstanceAgent, Publisher
 from xllm.engine.registration.etcd import DEFAULT_PREFIX
 from xllm.engine.server import EngineServer
 from xllm.models import ModelConfigError, ModelNotFoundError, served_name
+from xllm.proto.enums import role_from_name
 from xllm.proto.registry.v1 import instance_pb2
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ class InstanceOptions:
     drain_timeout: float = 30.0
     exit_with_parent: bool = False
     progress: bool = True
+    role: str = "mixed"
+    handoff: HandoffOptions = field(default_factory=HandoffOptions)
 
 
 def default_instance_id() -> str:
@@ -82,14 +86,15 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
     aeng = AsyncEngine(engine, compute=compute)
-    server = EngineServer(aeng)  # before the loop starts: it observes every step
+    server = EngineServer(aeng, handoff=opts.handoff)  # before the loop starts: it observes every step
     aeng.start()
     agent = None
     watchdog = None
     handed_back = 0
     try:
-        port = await server.start(opts.host, opts.port)
+        port = await server.start(opts.host, opts.port, opts.advertise_address)
         info.address = opts.advertise_address or f"{opts.host}:{port}"
+        info.role = role_from_name(opts.role)
         if publisher is not None:
             agent = InstanceAgent(server, info, publisher, opts.heartbeat_interval)
             await agent.start()
@@ -141,7 +146,8 @@ def options(args: argparse.Namespace) -> InstanceOptions:
         instance_id=args.instance_id, host=args.host, port=args.port, advertise_address=args.advertise_address,
         etcd=args.etcd, etcd_prefix=args.etcd_prefix, registry=args.registry, lease_ttl=args.lease_ttl,
         heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
-        exit_with_parent=args.exit_with_parent, progress=not args.no_progress)
+        exit_with_parent=args.exit_with_parent, progress=not args.no_progress, role=args.role,
+        handoff=flags.handoff_options(args))
 
 
 def run(args: argparse.Namespace, prog: str = "xllm engine") -> int:

@@ -11,7 +11,12 @@ One engine instance per process in a cluster. The server
 - shuts down gracefully: :meth:`EngineServer.drain` refuses new requests, lets the running ones
   finish and, when the drain time is up, hands the rest back to their callers (status
   UNAVAILABLE with the trailing metadata ``xllm-handed-back: 1``) so a gateway can resume them on
-  another instance.
+  another instance;
+- serves either side of a prefill/decode hand-off (:mod:`xllm.engine.handoff`): a decode-phase
+  request's first message is its KV reservation (``kv_reservation``), a prefill-phase request's
+  stream ends with ``FINISH_REASON_HANDED_OFF`` once its KV went to the decode instance, and
+  ``TransferKV`` receives KV over gRPC (and Mooncake commits). The chunk after a hand-off on either
+  side carries its ``disagg_stats``.
 
 KV events are drained from the engine on its own thread: the server is a
 :class:`~xllm.core.stats.StatsObserver` of the engine (it adds itself to ``observers``), and
@@ -31,6 +36,9 @@ from dataclasses import dataclass
 import grpc
 
 from xllm.core import AsyncEngine, EngineError, StepStats
+from xllm.engine.handoff import grpc as grpc_transport
+from xllm.engine.handoff.base import HandoffOptions
+from xllm.engine.handoff.manager import HandoffManager
 from xllm.engine.wire import ACCEPTED_KEY, DRAINING, HANDED_BACK, Status, status_for
 from xllm.kvstore import KVEventLog
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -58,7 +66,8 @@ class _Observer:
 class EngineServer(engine_pb2_grpc.EngineServiceServicer):
     """Serves one :class:`AsyncEngine` over gRPC (start it with :meth:`start`)."""
 
-    def __init__(self, engine: AsyncEngine, kv_history: int = 1 << 16, rate_alpha: float = 0.2) -> None:
+    def __init__(self, engine: AsyncEngine, kv_history: int = 1 << 16, rate_alpha: float = 0.2,
+                 handoff: HandoffOptions | None = None) -> None:
         self.engine = engine
         llm = engine.engine
         self.instance_id = llm.instance_id
@@ -74,6 +83,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         self._calls: dict[str, _Call] = {}
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.handoff = HandoffManager(engine, handoff or HandoffOptions(), self.count)
         llm.observers.append(_Observer(self))
 
     # ---- engine thread ------------------------------------------------------------------------
@@ -97,15 +107,17 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         self.pending_prefill_tokens = llm.scheduler.pending_prefill_tokens()
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Bind ``host:port`` (0: a free port) and start serving; returns the bound port."""
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    async def start(self, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None) -> int:
+        """Bind ``host:port`` (0: a free port) and start serving; returns the bound port. ``advertise``:
+        the address other instances reach this one at (for KV hand-offs), if not ``host:port``."""
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *grpc_transport.CHANNEL_OPTIONS])
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self, server)
         bound = server.add_insecure_port(f"{host}:{port}")
         if not bound:
             raise OSError(f"cannot bind the engine service to {host}:{port}")
         await server.start()
         self._server, self.port = server, bound
+        await self.handoff.start(advertise or f"{host}:{bound}")
         log.info("engine %s serving EngineService on %s:%d", self.instance_id, host, bound)
         return bound
 
@@ -130,6 +142,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         return len(left)
 
     async def stop(self, grace: float | None = 1.0) -> None:
+        await self.handoff.stop()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
@@ -149,6 +162,10 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             batch.append(self._raw_events.popleft())
         if batch:
             self.kv_log.record(batch)
+
+    def count(self, counter: str, n: int = 1) -> None:
+        """Advance one of the cumulative counters of the heartbeats (``EngineCounters`` field names)."""
+        self._counts[counter] += n
 
     def counters(self) -> instance_pb2.EngineCounters:
         """Cumulative counters since the server started."""
@@ -176,25 +193,48 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.draining:
             await _abort(context, DRAINING)
+        rid = request.request_id
+        decode = request.disagg_phase == engine_pb2.DISAGG_PHASE_DECODE
+        reserved = self.handoff.expect_reservation(rid) if decode and self.handoff.enabled else None
         try:
             stream = self.engine.submit(request)
         except EngineError as exc:
+            self.handoff.forget(rid)
             await _abort(context, status_for(exc))
         await context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
-        call = _Call(request.request_id)
-        self._calls[request.request_id] = call
+        call = _Call(rid)
+        self._calls[rid] = call
         failure: Status | None = None
+        chunks = aiter(stream)
+        pending = asyncio.ensure_future(anext(chunks))  # the stream's next chunk (never cancelled: that aborts)
         try:
-            async for chunk in stream:
+            if reserved is not None:  # the reservation first: what the prefill instance needs
+                await asyncio.wait({reserved, pending}, return_when=asyncio.FIRST_COMPLETED)
+                if reserved.done():
+                    yield engine_pb2.GenerateResponse(request_id=rid, kv_reservation=reserved.result())
+            while True:
+                try:
+                    chunk = await pending
+                except StopAsyncIteration:
+                    break
                 if call.handed_back and chunk.finish_reason == engine_pb2.FINISH_REASON_ABORT:
                     failure = HANDED_BACK
                     break
+                stats = self.handoff.take_stats(rid)
+                if stats is not None:
+                    chunk.disagg_stats.CopyFrom(stats)
                 yield chunk
+                if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                    break
+                pending = asyncio.ensure_future(anext(chunks))
         except EngineError as exc:  # rejected on the engine thread (e.g. a duplicate id), or the engine died
             failure = status_for(exc)
         finally:
-            if self._calls.get(request.request_id) is call:
-                del self._calls[request.request_id]
+            if not pending.done():
+                pending.cancel()  # the call is gone: leaving the stream aborts the request
+            self.handoff.forget(rid)
+            if self._calls.get(rid) is call:
+                del self._calls[rid]
         if failure is not None:
             await _abort(context, failure)
 
@@ -212,6 +252,9 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
 
     async def GetLoad(self, request: engine_pb2.GetLoadRequest, context) -> instance_pb2.LoadReport:
         return self.load_report()
+
+    async def TransferKV(self, request_iterator, context) -> engine_pb2.KVTransferAck:
+        return await grpc_transport.receive(self.handoff, request_iterator, self.handoff.fetch)
 
     async def GetKVEvents(self, request: engine_pb2.GetKVEventsRequest, context) -> kv_events_pb2.KVCacheEvents:
         if request.snapshot or request.epoch == 0:

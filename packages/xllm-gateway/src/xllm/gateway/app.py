@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xllm.gateway.dispatch import Dispatcher
-from xllm.gateway.metrics import EngineMetrics, RouterMetrics
+from xllm.gateway.metrics import EngineMetrics, PDMetrics, RouterMetrics
 from xllm.gateway.openai.errors import APIError, bad_request, internal
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from xllm.gateway.openai.serving_chat import ChatServing
@@ -81,9 +81,18 @@ async def _call(fn: Callable[[], object]) -> None:
 def create_app(state: GatewayState) -> FastAPI:
     """The gateway app: the OpenAI routes over a dispatcher and router, and the service routes."""
     router = Router(state.registry, state.routing, metrics=RouterMetrics(state.metrics.registry))
-    state.registry.add_listener(
-        lambda event, st: state.metrics.forget(st.model, st.instance_id) if event == "removed" else None)
-    dispatcher = Dispatcher(state.registry, state.default_model, router, detokenize=state.tokenizer.decode)
+
+    def on_instance(event: str, st: InstanceState) -> None:
+        if event == "removed":
+            state.metrics.forget(st.model, st.instance_id)
+        else:
+            state.metrics.set_role(st.model, st.instance_id, st.role)
+
+    state.registry.add_listener(on_instance)
+    for st in state.registry.states():  # registered before the app (the embedded engine)
+        on_instance("added", st)
+    dispatcher = Dispatcher(state.registry, state.default_model, router, detokenize=state.tokenizer.decode,
+                            pd_metrics=PDMetrics(state.metrics.registry))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

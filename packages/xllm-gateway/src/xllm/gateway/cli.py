@@ -42,12 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cluster mode on this machine: start N engine processes (gRPC on loopback ports) "
                             "registered with this gateway's embedded registry (or in etcd with --etcd) and "
                             "route between them; default: gateway and one engine in one process")
+    serve.add_argument("--prefill-instances", type=flags.positive_int, default=None, metavar="N",
+                       help="prefill/decode disaggregation on this machine: start N prefill engine processes (with "
+                            "--decode-instances M decode ones, and --instances K mixed ones if given); the gateway "
+                            "routes each request to a prefill and a decode instance and the KV is handed over")
+    serve.add_argument("--decode-instances", type=flags.positive_int, default=None, metavar="M",
+                       help="the decode engine processes of --prefill-instances (both are needed)")
     flags.add_etcd_flags(serve, "cluster mode with an etcd registry: route to the engine instances registered in "
                                 "etcd (started with `xllm engine --etcd ...`; with --instances the local ones "
                                 "register there too)")
     serve.add_argument("--routing", default="kv_aware", choices=ROUTING_POLICIES.choices(),
                        help="how the gateway picks an instance: kv_aware (prefix-cache reuse traded against "
                             "predicted latency, session affinity, load fallback), least_load or round_robin")
+    flags.add_handoff_flags(serve)
     flags.add_common_flags(serve)
 
     engine = sub.add_parser("engine", help="run one engine instance (gRPC EngineService) for a cluster",
@@ -64,15 +71,21 @@ def serve(args: argparse.Namespace) -> int:
     from xllm.models.config import ModelConfigError
     from xllm.models.source import ModelNotFoundError
 
+    if bool(args.prefill_instances) != bool(args.decode_instances):
+        print("xllm serve: error: --prefill-instances and --decode-instances go together", file=sys.stderr)
+        return 2
     try:
-        if args.instances or args.etcd:
+        flags.handoff_options(args)  # checked here, not by each spawned engine
+        if args.instances or args.etcd or args.prefill_instances:
             from xllm.gateway.cluster import ClusterOptions, build_cluster
 
+            roles = {"mixed": args.instances or 0, "prefill": args.prefill_instances or 0,
+                     "decode": args.decode_instances or 0}
             app = build_cluster(ClusterOptions(
-                model=args.model, served_model_name=args.served_model_name, instances=args.instances or 0,
+                model=args.model, served_model_name=args.served_model_name, instances=roles,
                 etcd=args.etcd, etcd_prefix=args.etcd_prefix, routing=args.routing,
                 max_model_len=args.max_model_len,
-                engine_args=flags.engine_args(args, args.instances or 1), log_level=args.log_level,
+                engine_args=flags.engine_args(args, max(sum(roles.values()), 1)), log_level=args.log_level,
                 progress=not args.no_progress))
         else:
             from xllm.gateway.embedded import ServeOptions, build_embedded

@@ -3,6 +3,8 @@
 - ``xllm serve --instances N``: starts N engine processes (``python -m xllm.engine``) on this
   machine. They register with the gateway's embedded registry over gRPC (``RegistryService`` on
   a loopback port), or in etcd with ``--etcd``.
+- ``xllm serve --prefill-instances N --decode-instances M``: the same with engines in the prefill
+  and decode roles; the gateway routes in PD mode (:mod:`xllm.gateway.disagg`).
 - ``xllm serve --etcd HOST:PORT``: joins the engine instances registered in etcd under the
   prefix (started anywhere with ``xllm engine --etcd ...``).
 
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 class ClusterOptions:
     model: str | None = None
     served_model_name: str | None = None
-    instances: int = 0
+    instances: dict[str, int] = field(default_factory=dict)  # engine processes to start, by role
     etcd: str | None = None
     etcd_prefix: str = DEFAULT_PREFIX
     routing: str = "kv_aware"
@@ -53,11 +55,11 @@ class ClusterOptions:
 
 
 class EngineProcesses:
-    """Engine processes started by the gateway and stopped with it."""
+    """Engine processes started by the gateway and stopped with it (``roles``: how many of each)."""
 
-    def __init__(self, count: int, base_cmd: list[str], log_dir: Path | None = None,
+    def __init__(self, roles: dict[str, int], base_cmd: list[str], log_dir: Path | None = None,
                  stop_timeout: float = 40.0) -> None:
-        self.count = count
+        self.roles = roles
         self.base_cmd = base_cmd
         self.log_dir = log_dir
         self.stop_timeout = stop_timeout
@@ -65,17 +67,19 @@ class EngineProcesses:
         self._logs: list = []
 
     def start(self, registry_args: list[str]) -> None:
-        for i in range(self.count):
-            cmd = [*self.base_cmd, "--instance-id", f"engine-{i}", *registry_args]
-            out = None
-            if self.log_dir is not None:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                out = open(self.log_dir / f"engine-{i}.log", "ab")  # noqa: SIM115 (closed in stop())
-                self._logs.append(out)
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT if out else None)
-            log.info("started engine-%d (pid %d)", i, proc.pid)
-            self.procs.append(proc)
+        for role, count in self.roles.items():
+            for i in range(count):
+                name = f"engine-{i}" if role == "mixed" else f"{role}-{i}"
+                cmd = [*self.base_cmd, "--instance-id", name, "--role", role, *registry_args]
+                out = None
+                if self.log_dir is not None:
+                    self.log_dir.mkdir(parents=True, exist_ok=True)
+                    out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop())
+                    self._logs.append(out)
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT if out else None)
+                log.info("started %s (pid %d)", name, proc.pid)
+                self.procs.append(proc)
 
     def stop(self) -> None:
         """SIGTERM every child (they drain), SIGKILL what is left after the stop timeout."""
@@ -112,7 +116,7 @@ def build_cluster(opts: ClusterOptions):
     registry = EtcdRegistry(EtcdClient(opts.etcd), opts.etcd_prefix) if opts.etcd else EmbeddedRegistry()
     state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=EngineMetrics(), default_model=name,
                          max_model_len=max_len, routing=opts.routing)
-    if opts.instances:
+    if any(opts.instances.values()):
         procs = EngineProcesses(opts.instances, engine_command(str(model_dir), name, opts),
                                 Path(opts.log_dir) if opts.log_dir else None,
                                 stop_timeout=opts.drain_timeout + 10)
@@ -135,6 +139,7 @@ def build_cluster(opts: ClusterOptions):
 
         state.on_startup.append(start_engines)
         state.on_shutdown.append(stop_engines)
+    local = ", ".join(f"{n} {role}" for role, n in opts.instances.items() if n)
     log.info("gateway for %s: %s registry, routing %s, %s", name, registry.backend, opts.routing,
-             f"{opts.instances} local engine process(es)" if opts.instances else "engines from etcd")
+             f"local engine processes: {local}" if local else "engines from etcd")
     return create_app(state)

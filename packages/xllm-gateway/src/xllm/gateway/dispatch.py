@@ -1,11 +1,14 @@
-"""Dispatch and failover: each request to an instance, and a broken stream resumed elsewhere.
+"""Dispatch and failover: each request to an instance (or a prefill/decode pair), and a broken
+stream resumed elsewhere.
 
 :class:`Dispatcher` resolves the model, asks the :class:`~xllm.gateway.router.Router` for an
 instance and submits the request's choices there; a request an instance cannot take
-(unreachable, draining) goes to the next choice. :class:`RoutedStream` is one request's chunks as
-the client sees them: if its instance breaks the stream off (it died, or handed the request back
-while shutting down), the request is resumed on another instance from the tokens already streamed
-(recompute), so the client sees one uninterrupted stream.
+(unreachable, draining) goes to the next choice. When the model has prefill and decode instances
+(PD mode) each choice is placed on a pair instead: reserved on the decode instance, then sent to
+the prefill instance with the reservation (:mod:`xllm.gateway.disagg`). :class:`RoutedStream` is
+one request's chunks as the client sees them: if its instance breaks the stream off (it died, or
+handed the request back while shutting down), the request is resumed on another instance from the
+tokens already streamed (recompute), so the client sees one uninterrupted stream.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from collections.abc import AsyncIterator, Callable
 
 from xllm.engine.client import EngineClient
 from xllm.engine.wire import InstanceUnavailableError
+from xllm.gateway.disagg import PDStream, phase_request
+from xllm.gateway.metrics import PDMetrics
 from xllm.gateway.openai.errors import APIError, model_not_found, to_api_error
 from xllm.gateway.registry import NoInstanceError, Registry
 from xllm.gateway.router import Router, Ticket
@@ -36,14 +41,19 @@ class Dispatcher:
     """
 
     def __init__(self, registry: Registry, default_model: str, router: Router | None = None,
-                 detokenize: Callable[..., str] | None = None, max_attempts: int = 3, max_resumes: int = 2) -> None:
+                 detokenize: Callable[..., str] | None = None, max_attempts: int = 3, max_resumes: int = 2,
+                 pd_metrics: PDMetrics | None = None, handoff_grace: float = 5.0) -> None:
+        """``handoff_grace``: how long a decode instance may take to show it has the KV after its
+        prefill instance failed past the first token, before the request is resumed elsewhere."""
         self.registry = registry
         self.default_model = default_model
         self.router = router or Router(registry)
         self.detokenize = detokenize
         self.max_attempts = max_attempts
         self.max_resumes = max_resumes
-        self._cleanup: set[asyncio.Future] = set()  # keeps abort tasks alive until they ran
+        self.pd_metrics = pd_metrics or PDMetrics()
+        self.handoff_grace = handoff_grace
+        self._background: set[asyncio.Future] = set()  # keeps detached tasks alive until they ran
 
     def resolve_model(self, requested: str | None) -> str:
         served = self.registry.served_models()
@@ -64,6 +74,9 @@ class Dispatcher:
     async def _place(self, model: str, prompt: list[int], reqs: list[engine_pb2.GenerateRequest],
                      session: str | None, exclude: set[str] | None = None) -> tuple[Ticket, list]:
         exclude = set(exclude or ())
+        prefills, decodes = self.router.pd_pools(model, exclude)
+        if prefills and decodes:
+            return await self._place_pd(model, prompt, reqs, session, exclude)
         last: BaseException | None = None
         for _ in range(self.max_attempts):
             try:
@@ -90,11 +103,93 @@ class Dispatcher:
             return ticket, streams
         raise to_api_error(last) from last
 
+    async def _place_pd(self, model: str, prompt: list[int], reqs: list[engine_pb2.GenerateRequest],
+                        session: str | None, exclude: set[str]) -> tuple[Ticket, list[PDStream]]:
+        """Reserve every choice on one decode instance, then send them to a prefill instance."""
+        last: BaseException | None = None
+        for _ in range(self.max_attempts):
+            try:
+                p_ticket, d_ticket = self.router.route_pd(model, prompt, reqs[0].sampling.max_tokens, session, exclude)
+            except NoInstanceError as exc:
+                if last is not None:
+                    raise to_api_error(last) from last
+                raise APIError(503, str(exc), "server_unavailable") from exc
+            client, reserved = d_ticket.state.client, []
+            try:
+                for r in reqs:
+                    it = aiter(await client.submit(phase_request(r, engine_pb2.DISAGG_PHASE_DECODE)))
+                    first = await anext(it)
+                    if not first.HasField("kv_reservation"):
+                        raise InstanceUnavailableError(f"decode instance {d_ticket.state.instance_id} reserved no "
+                                                       f"KV ({first.error or 'no reservation'})",
+                                                       d_ticket.state.instance_id)
+                    reserved.append((r, it, first.kv_reservation))
+            except InstanceUnavailableError as exc:
+                await self._close_all([it for _, it, _ in reserved])
+                self.router.failed(d_ticket.state)
+                exclude.add(d_ticket.state.instance_id)
+                last = exc
+                continue
+            except BaseException as exc:
+                await self._close_all([it for _, it, _ in reserved])
+                raise to_api_error(exc) from exc
+            self.router.dispatched(d_ticket, len(reqs))
+            streams = []
+            try:
+                for i, (r, it, target) in enumerate(reserved):
+                    if i == 0:
+                        p_ticket, p_stream = await self.submit_prefill(model, r, target, session, exclude, p_ticket)
+                    else:  # the other choices follow the first to its prefill instance
+                        p_stream = await p_ticket.state.client.submit(
+                            phase_request(r, engine_pb2.DISAGG_PHASE_PREFILL, target))
+                    streams.append(PDStream(self, model, r, p_ticket, p_stream, d_ticket, it, target, session,
+                                           self.handoff_grace))
+            except BaseException as exc:
+                await self._close_all([it for _, it, _ in reserved])
+                raise to_api_error(exc) from exc
+            self.router.dispatched(p_ticket, len(reqs))
+            return d_ticket, streams
+        raise to_api_error(last) from last
+
+    async def submit_prefill(self, model: str, req: engine_pb2.GenerateRequest, target: engine_pb2.KVTarget,
+                             session: str | None, exclude: set[str],
+                             ticket: Ticket | None = None) -> tuple[Ticket, object]:
+        """Send the prefill phase of ``req`` (its decode side reserved as ``target``) to a prefill
+        instance, trying others while they are unavailable (the caller accounts the dispatch)."""
+        tried = set(exclude)
+        last: BaseException | None = None
+        for _ in range(self.max_attempts):
+            if ticket is None:
+                try:
+                    ticket = self.router.route_prefill(model, list(req.prompt_token_ids), session, tried)
+                except NoInstanceError as exc:
+                    raise InstanceUnavailableError(f"no prefill instance could take it ({last or exc})") from exc
+            try:
+                stream = await ticket.state.client.submit(phase_request(req, engine_pb2.DISAGG_PHASE_PREFILL, target))
+            except InstanceUnavailableError as exc:
+                self.router.failed(ticket.state)
+                tried.add(ticket.state.instance_id)
+                ticket, last = None, exc
+                continue
+            return ticket, stream
+        raise InstanceUnavailableError(f"no prefill instance could take it ({last})")
+
+    @staticmethod
+    async def _close_all(iterators: list) -> None:
+        for it in iterators:  # closing an open call aborts its request (and frees its reservation)
+            with contextlib.suppress(Exception):
+                await it.aclose()
+
+    def background(self, coro) -> asyncio.Future:
+        """Run ``coro`` detached from the request that started it (kept alive until it ends)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
     def _abort_later(self, client: EngineClient, reqs: list[engine_pb2.GenerateRequest]) -> None:
         for r in reqs:
-            task = asyncio.ensure_future(client.abort(r.request_id))
-            self._cleanup.add(task)
-            task.add_done_callback(self._cleanup.discard)
+            self.background(client.abort(r.request_id))
 
     def _recover_text(self, req: engine_pb2.GenerateRequest, generated: list[int], sent: str) -> str:
         """Text of ``generated`` the broken instance had not sent yet (held back for an incomplete
@@ -174,8 +269,11 @@ class RoutedStream:
                         return
                 return
             except InstanceUnavailableError as exc:
-                d.router.failed(ticket.state)
-                failed.add(ticket.state.instance_id)
+                if exc.instance_id and exc.instance_id != ticket.state.instance_id:
+                    failed.add(exc.instance_id)  # another part of a PD pair (accounted there)
+                else:
+                    d.router.failed(ticket.state)
+                    failed.add(ticket.state.instance_id)
                 if self.resumes >= d.max_resumes:
                     raise
                 log.warning("request %s: %s; resuming after %d token(s) on another instance", req.request_id,

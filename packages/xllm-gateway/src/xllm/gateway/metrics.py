@@ -19,11 +19,15 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from xllm.core.stats import StepStats
+from xllm.proto.enums import ROLE_NAMES
 from xllm.proto.registry.v1 import instance_pb2
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_HANDOFF_OUTCOMES = (("sent", "kv_handoffs_sent"), ("installed", "kv_handoffs_installed"),
+                     ("failed", "kv_handoff_failures"), ("timeout", "kv_handoff_timeouts"),
+                     ("expired", "kv_reservations_expired"))
 
 
 class EngineMetrics:
@@ -58,6 +62,12 @@ class EngineMetrics:
         self.decode_batch_size = Histogram("xllm:decode_batch_size", "Decoding sequences per engine step.", labels,
                                            buckets=_BATCH_BUCKETS, registry=r)
 
+        self.instance_role = Gauge("xllm:instance_role", "1 for the role each instance serves (mixed, prefill, "
+                                   "decode).", [*labels, "role"], registry=r)
+        self.kv_handoffs = Counter("xllm:kv_handoffs", "KV hand-offs by outcome, counted by the instances: sent "
+                                   "(prefill side), installed or failed (decode side), timeout (the decode side never "
+                                   "confirmed), expired (a reservation nobody filled).", [*labels, "outcome"],
+                                   registry=r)
         self._last_counters: dict[tuple[str, str], instance_pb2.EngineCounters] = {}
         cl = ["model_name"]
         self.cluster_instances = Gauge("xllm:cluster_instances", "Live engine instances.", cl, registry=r)
@@ -98,6 +108,10 @@ class EngineMetrics:
             delta = getattr(counters, field) - getattr(last, field)
             if delta > 0:
                 counter.labels(*lb).inc(delta)
+        for outcome, field in _HANDOFF_OUTCOMES:
+            delta = getattr(counters, field) - getattr(last, field)
+            if delta > 0:
+                self.kv_handoffs.labels(*lb, outcome).inc(delta)
         self._last_counters[lb] = counters
 
     def set_cluster(self, model_name: str, loads: list[instance_pb2.LoadReport], kv_blocks: int) -> None:
@@ -107,12 +121,18 @@ class EngineMetrics:
         self.cluster_kv_usage.labels(model_name).set(sum(r.kv_usage for r in loads) / len(loads) if loads else 0.0)
         self.cluster_kv_blocks.set(kv_blocks)
 
+    def set_role(self, model_name: str, instance: str, role: str) -> None:
+        self.instance_role.labels(model_name, instance, role).set(1)
+
     def forget(self, model_name: str, instance: str) -> None:
         """Drop an instance's gauges (it left the cluster); counters stay, as Prometheus expects."""
         lb = (model_name, instance)
         for gauge in (self.running, self.waiting, self.kv_usage):
             with contextlib.suppress(KeyError):
                 gauge.remove(*lb)
+        for role in ROLE_NAMES.values():
+            with contextlib.suppress(KeyError):
+                self.instance_role.remove(*lb, role)
         self._last_counters.pop(lb, None)
 
     def render(self) -> bytes:
@@ -191,3 +211,54 @@ class RouterMetrics:
 
     def resumed(self, model: str, instance: str) -> None:
         self.resumed_count.labels(model, instance).inc()
+
+
+class PDMetrics:
+    """Prefill/decode hand-offs seen by the gateway (per model and KV transport): bytes moved and
+    transfer time as the decode instances measured them, transfers that failed (the decode side
+    recomputed), the TTFT breakdown, prefill retries, hand-offs lost with their prefill instance,
+    and requests cancelled mid-way."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry or CollectorRegistry()
+        tl = ["model_name", "transport"]
+        self.transfer_bytes = Counter("xllm:kv_transfer_bytes", "KV bytes handed from prefill to decode instances.",
+                                      tl, registry=r)
+        self.transfer_seconds = Histogram(
+            "xllm:kv_transfer_seconds", "KV hand-off time, measured on the decode side (first byte to KV checked; "
+            "with grpc it overlaps the prefill).", tl, buckets=_LATENCY_BUCKETS, registry=r)
+        self.transfer_failures = Counter("xllm:kv_transfer_failures",
+                                         "KV hand-offs that failed (the decode instance recomputed the prompt).", tl,
+                                         registry=r)
+        self.ttft_phase = Histogram("xllm:pd_ttft_breakdown_seconds",
+                                    "Where PD requests' time went: queue and prefill on the prefill instance, KV "
+                                    "transfer (the part the prefill did not hide), first decode step.",
+                                    ["model_name", "phase"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_retries = Counter("xllm:pd_prefill_retries", "Prefills retried on another prefill instance.",
+                                       ["model_name", "instance"], registry=r)
+        self.handoffs_lost = Counter("xllm:pd_handoffs_lost",
+                                     "Requests whose prefill instance failed after the first token without the "
+                                     "decode side getting the KV (resumed elsewhere).", ["model_name"], registry=r)
+        self.cancelled = Counter("xllm:pd_cancelled", "PD requests the client left before they finished.",
+                                 ["model_name"], registry=r)
+
+    def handoff(self, model: str, transport: str, stats) -> None:
+        if stats.recomputed:
+            self.transfer_failures.labels(model, transport).inc()
+            return
+        self.transfer_bytes.labels(model, transport).inc(stats.transfer_bytes)
+        self.transfer_seconds.labels(model, transport).observe(stats.transfer_seconds)
+
+    def ttft_breakdown(self, model: str, times) -> None:
+        for phase, value in (("queue", times.queue), ("prefill", times.prefill), ("transfer", times.transfer),
+                             ("first_decode", times.first_decode or 0.0)):
+            self.ttft_phase.labels(model, phase).observe(value)
+
+    def prefill_retry(self, model: str, instance: str) -> None:
+        self.prefill_retries.labels(model, instance).inc()
+
+    def handoff_lost(self, model: str) -> None:
+        self.handoffs_lost.labels(model).inc()
+
+    def cancelled_request(self, model: str) -> None:
+        self.cancelled.labels(model).inc()

@@ -4,6 +4,10 @@ The policy itself is pure logic in :mod:`xllm.sched.routing`; this module builds
 from the registry (each instance's last heartbeat) and from what this gateway dispatched and
 has not yet seen answered (heartbeats are up to an interval old; a burst of requests must see
 the ones sent a moment ago), and keeps that accounting as requests start and finish.
+
+PD mode: when a model has live prefill and decode instances, :meth:`Router.route_pd` places each
+request on a pair (:class:`xllm.sched.PDPlacement`), with the prefix each side holds matched in
+the same global KV index (both roles publish their caches).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass, field
 
 from xllm.gateway.registry.base import InstanceState, NoInstanceError, Registry
 from xllm.kvstore import block_hashes
-from xllm.sched import ROUTING_POLICIES, InstanceSnapshot, RouteDecision, RouteRequest, RoutingPolicy
+from xllm.sched import ROUTING_POLICIES, InstanceSnapshot, PDPlacement, RouteDecision, RouteRequest, RoutingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,7 @@ class Router:
                  queued_expect_ttl: float = 120.0, metrics=None) -> None:
         self.registry = registry
         self.policy = ROUTING_POLICIES.create(policy) if isinstance(policy, str) else policy
+        self.placement = PDPlacement(ROUTING_POLICIES.create(policy) if isinstance(policy, str) else None)
         self.expect_ttl = expect_ttl              # after the first token: until heartbeats confirm the blocks
         self.queued_expect_ttl = queued_expect_ttl  # before it: the request may wait in the engine's queue
         self.metrics = metrics
@@ -55,6 +60,7 @@ class Router:
     def _on_registry_event(self, event: str, state: InstanceState) -> None:
         if event == "removed":
             self.policy.forget_instance(state.instance_id)
+            self.placement.forget_instance(state.instance_id)
 
     # ---- deciding ---------------------------------------------------------------------------
     def route(self, model: str, prompt: Sequence[int], session: str | None = None,
@@ -68,6 +74,44 @@ class Router:
             raise NoInstanceError(f"no live instance serves {model!r}")
         if len(candidates) == 1:
             return Ticket(candidates[0], RouteDecision(candidates[0].instance_id, "only"), len(prompt), 0)
+        hashes_by_bs, matched = self._match(candidates, prompt)
+        snaps = [self._snapshot(s, matched.get(s.instance_id, 0)) for s in candidates]
+        decision = self.policy.route(RouteRequest(len(prompt), session), snaps)
+        return self._ticket(candidates, decision, prompt, hashes_by_bs, matched)
+
+    # ---- PD mode ------------------------------------------------------------------------------
+    def pd_pools(self, model: str, exclude: Collection[str] = ()) -> tuple[list[InstanceState], list[InstanceState]]:
+        """The live prefill and decode instances of ``model`` (PD mode when both are non-empty)."""
+        live = [s for s in self.registry.routable(model) if s.instance_id not in exclude]
+        return [s for s in live if s.role == "prefill"], [s for s in live if s.role == "decode"]
+
+    def route_pd(self, model: str, prompt: Sequence[int], max_new_tokens: int, session: str | None = None,
+                 exclude: Collection[str] = ()) -> tuple[Ticket, Ticket]:
+        """A (prefill, decode) pair for ``prompt`` (raises :class:`NoInstanceError` without one of each)."""
+        prefills, decodes = self.pd_pools(model, exclude)
+        if not prefills or not decodes:
+            raise NoInstanceError(f"no live prefill and decode instances serve {model!r}")
+        hashes_by_bs, matched = self._match(prefills + decodes, prompt)
+        request = RouteRequest(len(prompt), session, max_new_tokens)
+        decision = self.placement.route(request, [self._snapshot(s, matched.get(s.instance_id, 0)) for s in prefills],
+                                        [self._snapshot(s, matched.get(s.instance_id, 0)) for s in decodes])
+        return (self._ticket(prefills, decision.prefill, prompt, hashes_by_bs, matched),
+                self._ticket(decodes, decision.decode, prompt, hashes_by_bs, matched))
+
+    def route_prefill(self, model: str, prompt: Sequence[int], session: str | None = None,
+                      exclude: Collection[str] = ()) -> Ticket:
+        """Another prefill instance for a request whose decode side is already reserved."""
+        prefills, _ = self.pd_pools(model, exclude)
+        if not prefills:
+            raise NoInstanceError(f"no live prefill instance serves {model!r}")
+        hashes_by_bs, matched = self._match(prefills, prompt)
+        snaps = [self._snapshot(s, matched.get(s.instance_id, 0)) for s in prefills]
+        decision = self.placement.prefill_policy.route(RouteRequest(len(prompt), session), snaps)
+        return self._ticket(prefills, decision, prompt, hashes_by_bs, matched)
+
+    def _match(self, candidates: list[InstanceState], prompt: Sequence[int]) -> tuple[dict[int, list[int]],
+                                                                                      dict[str, int]]:
+        """The prompt's block hashes per block size, and the prefix tokens each candidate holds."""
         hashes_by_bs: dict[int, list[int]] = {}
         matched: dict[str, int] = {}
         for bs in {s.block_size for s in candidates if s.block_size > 0}:
@@ -75,8 +119,11 @@ class Router:
             ids = {s.instance_id for s in candidates if s.block_size == bs}
             for iid, blocks in self.registry.kv_index.match(hashes, ids).items():
                 matched[iid] = blocks * bs
-        snaps = [self._snapshot(s, matched.get(s.instance_id, 0)) for s in candidates]
-        decision = self.policy.route(RouteRequest(len(prompt), session), snaps)
+        return hashes_by_bs, matched
+
+    @staticmethod
+    def _ticket(candidates: list[InstanceState], decision: RouteDecision, prompt: Sequence[int],
+                hashes_by_bs: dict[int, list[int]], matched: dict[str, int]) -> Ticket:
         state = next(s for s in candidates if s.instance_id == decision.instance_id)
         return Ticket(state, decision, len(prompt), min(matched.get(state.instance_id, 0), len(prompt)),
                       hashes_by_bs.get(state.block_size, []))
@@ -98,6 +145,7 @@ class Router:
             recent_ttft=load.recent_ttft if load is not None else 0.0,
             recent_tpot=load.recent_tpot if load is not None else 0.0,
             inflight=s.inflight, matched_tokens=matched_tokens,
+            kv_free_tokens=load.kv_free_tokens if load is not None else -1,
             cached_blocks=self.registry.kv_index.num_blocks(s.instance_id))
 
     # ---- accounting ----------------------------------------------------------------------------

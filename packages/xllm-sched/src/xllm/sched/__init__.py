@@ -5,6 +5,8 @@
   the engine scheduler's queues (:class:`SchedulerQueues`).
 - :mod:`xllm.sched.routing`: global routing across engine instances (round robin,
   least load, KV-cache-aware with session affinity and load-aware fallback).
+- :mod:`xllm.sched.pd`: placement for prefill/decode disaggregation (a decode instance, then a
+  prefill instance).
 - :mod:`xllm.sched.registry`: policies by name (:data:`BATCH_POLICIES`, :data:`ROUTING_POLICIES`).
 """
 
@@ -16,6 +18,7 @@ from xllm.sched.batch_policy import (
     SchedulerQueues,
     StepPlan,
 )
+from xllm.sched.pd import PDDecision, PDPlacement
 from xllm.sched.registry import BATCH_POLICIES, ROUTING_POLICIES
 from xllm.sched.routing import (
     InstanceSnapshot,
@@ -35,6 +38,8 @@ __all__ = [
     "InstanceSnapshot",
     "KVCacheAwarePolicy",
     "LeastLoadPolicy",
+    "PDDecision",
+    "PDPlacement",
     "RoundRobinPolicy",
     "RouteDecision",
     "RouteRequest",

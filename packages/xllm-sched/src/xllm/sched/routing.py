@@ -47,6 +47,7 @@ class InstanceSnapshot:
     inflight: int = 0                    # requests this router sent there and not yet saw finish
     matched_tokens: int = 0              # leading prompt tokens already cached there
     cached_blocks: int = 0               # prefix blocks the instance holds (global KV index)
+    kv_free_tokens: int = -1             # KV room left, in tokens; -1 = not reported yet
 
     @property
     def outstanding(self) -> int:
@@ -58,6 +59,7 @@ class InstanceSnapshot:
 class RouteRequest:
     num_prompt_tokens: int
     session_id: str | None = None
+    max_new_tokens: int = 0  # how many tokens it may generate (the KV it may need beyond the prompt)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,39 @@ def save_random_hf_model(path: pathlib.Path, config, seed: int = 0, std: float =
     return model
 
 
+class IdTokenizer:
+    """The tokenizer of random models: no EOS, a token's text is its id."""
+
+    eos_token_ids = frozenset()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+_TINY = dict(max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+def tiny_qwen3_config():
+    """A dense Qwen3 (q/k norms, head_dim 48 > hidden/heads, GQA 4:2), transformers config."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=997, hidden_size=128, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, head_dim=48,
+                       tie_word_embeddings=False)
+
+
+def tiny_deepseek_v2_config():
+    """DeepSeek-V2-Lite in miniature (MLA without q LoRA: the cache holds the latent and the rope
+    key; greedy top-2 of 8 experts, 2 shared, first layer dense), transformers config."""
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(
+        vocab_size=1001, hidden_size=96, intermediate_size=80, moe_intermediate_size=40, num_hidden_layers=3,
+        num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
+        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=16, v_head_dim=20,
+        topk_method="greedy", **_TINY)
+
+
 @dataclass
 class EngineRun:
     tokens: dict[str, list[int]] = field(default_factory=dict)

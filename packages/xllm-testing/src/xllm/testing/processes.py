@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import shutil
 import signal
@@ -44,6 +45,20 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str, lo
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} not healthy after {timeout:.0f} s:\n{log_tail()}")
         time.sleep(interval)
+
+
+def child_processes(pid: int) -> dict[int, list[str]]:
+    """The direct children of process ``pid``: ``{pid: argv}`` (Linux ``/proc``)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # the name may hold spaces and parentheses
+            if ppid == pid:
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    return out
 
 
 def group_alive(pgid: int) -> bool:
@@ -113,3 +128,49 @@ def mapped_libraries(pid: int) -> set[str]:
         if len(parts) >= 6 and ".so" in parts[5]:
             out.add(Path(parts[5]).name)
     return out
+
+
+def ensure_mooncake() -> str:
+    """Path of ``mooncake_master``, installing Debian's libibverbs1 (which the PyPI wheel
+    ``mooncake-transfer-engine-non-cuda`` needs to import) when it is missing; skips the test
+    when the wheel is not installed."""
+    try:
+        importlib.import_module("mooncake.store")
+    except ImportError as exc:
+        if "libibverbs" not in str(exc):
+            pytest.skip(f"mooncake is not installed: {exc}")
+        if os.geteuid() != 0 or not shutil.which("apt-get"):
+            pytest.skip("mooncake needs libibverbs1 (apt-get install libibverbs1)")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "libibverbs1"]):
+            subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
+        importlib.import_module("mooncake.store")
+    import sys
+
+    found = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
+    if not Path(found).is_file():
+        pytest.skip("mooncake_master is not installed")
+    return found
+
+
+def start_mooncake_master(log_dir: Path) -> tuple[subprocess.Popen, str, str]:
+    """A Mooncake master with its HTTP metadata server, on free ports (its metadata and metrics
+    ports bind every interface whatever it is told: stop it by PID). Returns the process, the
+    master address and the metadata URL."""
+    binary = ensure_mooncake()
+    rpc, meta, metrics = free_port(), free_port(), free_port()
+    log_path = log_dir / "mooncake-master.log"
+    proc = spawn([binary, "-rpc_address=127.0.0.1", f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
+                  "-http_metadata_server_host=127.0.0.1", f"-http_metadata_server_port={meta}",
+                  f"-metrics_port={metrics}"], log_path)
+    url = f"http://127.0.0.1:{meta}/metadata"
+    deadline = time.monotonic() + 30
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", rpc), timeout=1):
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError("mooncake_master did not start")
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{rpc}", url

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from xllm.core.kv.addressing import KVAddressing
+from xllm.core.kv.page_store import PageStore
 from xllm.core.kv.registry import KV_BACKENDS
 from xllm.core.model_api import KVCacheSpec
 
@@ -35,6 +36,14 @@ class KVCacheLayout:
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
+
+    @property
+    def fingerprint(self) -> str:
+        """What two engines must share for one to use the other's KV pages: layers, KV heads, K and V
+        widths, dtype and block size (e.g. ``30L3H64K64V/bfloat16/32``)."""
+        s = self.spec
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{s.num_layers}L{s.num_kv_heads}H{s.head_dim}K{s.v_head_dim}V/{dtype}/{self.block_size}"
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,11 @@ class KVCacheBackend(ABC):
         """Prefix-cache events since the last call (after :meth:`enable_events`): ``(True, hash)``
         when a full block became cached, ``(False, hash)`` when it was evicted."""
         return []
+
+    def page_store(self) -> PageStore | None:
+        """The backend's pages as bytes (for KV hand-off between engines); None for a backend
+        without pages (contiguous)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release OS resources (only at shutdown: tensors become invalid)."""

@@ -11,6 +11,7 @@ import torch
 
 from xllm.core.kv.addressing import PageAddressing
 from xllm.core.kv.base import KVCacheLayout
+from xllm.core.kv.page_store import PageStore
 from xllm.core.kv.prefix import PrefixCachingBackend
 
 
@@ -40,6 +41,13 @@ class PagedKVCache(PrefixCachingBackend):
 
     def layer_kv(self, layer: int):
         return self.k[layer], self.v[layer]
+
+    def page_store(self) -> PageStore:
+        pools = [(layer, t) for layer in range(self.layout.spec.num_layers) for t in (self.k[layer], self.v[layer])
+                 if t is not None]
+        buffers = tuple(memoryview(t.view(torch.uint8).numpy()).cast("B") for _, t in pools)
+        return PageStore(self.layout.fingerprint, buffers, tuple(t[0].nbytes for _, t in pools),
+                         tuple(layer for layer, _ in pools))
 
     def physical_bytes_in_use(self) -> int:
         return self.pool.num_in_use * self.bytes_per_page

@@ -17,8 +17,10 @@ attention reads it with (slot, length) — no block table.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
+import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -27,6 +29,7 @@ import torch
 from xllm.core.kv.addressing import SlotAddressing
 from xllm.core.kv.base import KVCacheLayout
 from xllm.core.kv.page_pool import PageStatus
+from xllm.core.kv.page_store import PageStore
 from xllm.core.kv.prefix import PrefixCachingBackend
 from xllm.core.kv.vmm import OS_PAGE, VirtualMemory, VMMError
 
@@ -47,7 +50,9 @@ class XTensorKVCache(PrefixCachingBackend):
         self.vm = VirtualMemory()
         self.blocks_per_slot = math.ceil(layout.max_model_len / bs)
         self._ranges: list[tuple[int, int, int]] = []  # (virtual base, page bytes, memfd base)
+        self._range_layers: list[int] = []
         self._mapper: ThreadPoolExecutor | None = None
+        self._file_map: mmap.mmap | None = None  # the whole memfd, mapped once for page_store()
         self._buffers = []
         self.k: list[torch.Tensor] = [None] * spec.num_layers  # type: ignore[list-item]
         self.v: list[torch.Tensor | None] = [None] * spec.num_layers
@@ -63,6 +68,7 @@ class XTensorKVCache(PrefixCachingBackend):
                 slot_bytes = self.blocks_per_slot * page_bytes
                 base = self.vm.reserve(layout.max_num_seqs * slot_bytes)
                 self._ranges.append((base, page_bytes, fd_offset))
+                self._range_layers.append(layer)
                 fd_offset += layout.num_blocks * page_bytes
                 buf = (ctypes.c_uint8 * (layout.max_num_seqs * slot_bytes)).from_address(base)
                 self._buffers.append(buf)
@@ -183,6 +189,17 @@ class XTensorKVCache(PrefixCachingBackend):
     def layer_kv(self, layer: int):
         return self.k[layer], self.v[layer]
 
+    def page_store(self) -> PageStore:
+        """The memfd itself (mapped once more, whole) and each range's place in it."""
+        if self._file_map is None:
+            self._file_map = mmap.mmap(self.fd, self.physical_bytes_total, mmap.MAP_SHARED,
+                                       mmap.PROT_READ | mmap.PROT_WRITE)
+        whole = memoryview(self._file_map)
+        buffers = tuple(whole[fd_base:fd_base + self.layout.num_blocks * page_bytes]
+                        for _, page_bytes, fd_base in self._ranges)
+        return PageStore(self.layout.fingerprint, buffers, tuple(pb for _, pb, _ in self._ranges),
+                         tuple(self._range_layers), self.fd, tuple(fd_base for _, _, fd_base in self._ranges), whole)
+
     @property
     def map_stats(self):
         return self.vm.stats
@@ -198,6 +215,10 @@ class XTensorKVCache(PrefixCachingBackend):
         for base, page_bytes, _ in self._ranges:
             self.vm.release(base, self.layout.max_num_seqs * self.blocks_per_slot * page_bytes)
         self._ranges = []
+        if self._file_map is not None:
+            with contextlib.suppress(BufferError):  # views still alive: unmapped when they go
+                self._file_map.close()
+            self._file_map = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from xllm.engine.client import EngineClient, GrpcEngineClient
 from xllm.engine.wire import InstanceUnavailableError
 from xllm.kvstore import GAP, GlobalKVIndex
+from xllm.proto.enums import role_name
 from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
 
@@ -70,6 +71,11 @@ class InstanceState:
     @property
     def block_size(self) -> int:
         return self.info.model.block_size
+
+    @property
+    def role(self) -> str:
+        """``"mixed"``, ``"prefill"`` or ``"decode"``: the part of requests the gateway sends it."""
+        return role_name(self.info.role)
 
 
 class Registry:

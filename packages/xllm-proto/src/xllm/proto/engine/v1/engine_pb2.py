@@ -26,7 +26,7 @@ from xllm.proto.kvstore.v1 import kv_events_pb2 as xllm_dot_proto_dot_kvstore_do
 from xllm.proto.registry.v1 import instance_pb2 as xllm_dot_proto_dot_registry_dot_v1_dot_instance__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!xllm/proto/engine/v1/engine.proto\x12\x0exllm.engine.v1\x1a%xllm/proto/kvstore/v1/kv_events.proto\x1a%xllm/proto/registry/v1/instance.proto\"\xaf\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x41\n\nlogit_bias\x18\x10 \x03(\x0b\x32-.xllm.engine.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.xllm.engine.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\r\n\x05model\x18\x05 \x01(\t\x12\x14\n\x0c\x61rrival_time\x18\x06 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.xllm.engine.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xf6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.xllm.engine.v1.TokenLogprob\x12\x33\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1c.xllm.engine.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12$\n\x05usage\x18\x07 \x01(\x0b\x32\x15.xllm.engine.v1.Usage\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"1\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\"\x10\n\x0eGetLoadRequest\"L\n\x12GetKVEventsRequest\x12\x15\n\rsince_version\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x8b\x03\n\rEngineService\x12O\n\x08Generate\x12\x1f.xllm.engine.v1.GenerateRequest\x1a .xllm.engine.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.xllm.engine.v1.AbortRequest\x1a\x1d.xllm.engine.v1.AbortResponse\x12G\n\x06Health\x12\x1d.xllm.engine.v1.HealthRequest\x1a\x1e.xllm.engine.v1.HealthResponse\x12G\n\x07GetLoad\x12\x1e.xllm.engine.v1.GetLoadRequest\x1a\x1c.xllm.registry.v1.LoadReport\x12Q\n\x0bGetKVEvents\x12\".xllm.engine.v1.GetKVEventsRequest\x1a\x1e.xllm.kvstore.v1.KVCacheEventsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!xllm/proto/engine/v1/engine.proto\x12\x0exllm.engine.v1\x1a%xllm/proto/kvstore/v1/kv_events.proto\x1a%xllm/proto/registry/v1/instance.proto\"\xaf\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x41\n\nlogit_bias\x18\x10 \x03(\x0b\x32-.xllm.engine.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"k\n\x08KVTarget\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\r\x12\x0e\n\x06layout\x18\x05 \x01(\t\"\x88\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.xllm.engine.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\r\n\x05model\x18\x05 \x01(\t\x12\x14\n\x0c\x61rrival_time\x18\x06 \x01(\x01\x12\x31\n\x0c\x64isagg_phase\x18\x07 \x01(\x0e\x32\x1b.xllm.engine.v1.DisaggPhase\x12+\n\tkv_target\x18\x08 \x01(\x0b\x32\x18.xllm.engine.v1.KVTarget\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.xllm.engine.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xdb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.xllm.engine.v1.TokenLogprob\x12\x33\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1c.xllm.engine.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12$\n\x05usage\x18\x07 \x01(\x0b\x32\x15.xllm.engine.v1.Usage\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x30\n\x0ekv_reservation\x18\t \x01(\x0b\x32\x18.xllm.engine.v1.KVTarget\x12\x31\n\x0c\x64isagg_stats\x18\n \x01(\x0b\x32\x1b.xllm.engine.v1.DisaggStats\"\xdf\x01\n\x0b\x44isaggStats\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12transferred_tokens\x18\x05 \x01(\r\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x12\n\nrecomputed\x18\x07 \x01(\x08\x12\x0f\n\x07\x66\x61ilure\x18\x08 \x01(\t\x12\x1a\n\x12overlapped_seconds\x18\t \x01(\x01\"\xc3\x01\n\x08KVCommit\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\x05\x12\x17\n\x0fgenerator_state\x18\x06 \x01(\x0c\x12\x0e\n\x06layout\x18\x07 \x01(\t\x12\x13\n\x0b\x62lock_crc32\x18\x08 \x03(\r\x12\x12\n\nstore_keys\x18\t \x03(\t\"_\n\x07KVPages\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05range\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\"q\n\x11KVTransferMessage\x12(\n\x05pages\x18\x01 \x01(\x0b\x32\x17.xllm.engine.v1.KVPagesH\x00\x12*\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x18.xllm.engine.v1.KVCommitH\x00\x42\x06\n\x04part\"x\n\x0bKVFdHandoff\x12(\n\x06\x63ommit\x18\x01 \x01(\x0b\x32\x18.xllm.engine.v1.KVCommit\x12\x14\n\x0csource_pages\x18\x02 \x03(\r\x12\x15\n\rmemfd_offsets\x18\x03 \x03(\x04\x12\x12\n\npage_bytes\x18\x04 \x03(\x04\"1\n\rKVTransferAck\x12\x11\n\tinstalled\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"1\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\"\x10\n\x0eGetLoadRequest\"L\n\x12GetKVEventsRequest\x12\x15\n\rsince_version\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08*W\n\x0b\x44isaggPhase\x12\x15\n\x11\x44ISAGG_PHASE_NONE\x10\x00\x12\x18\n\x14\x44ISAGG_PHASE_PREFILL\x10\x01\x12\x17\n\x13\x44ISAGG_PHASE_DECODE\x10\x02*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_HANDED_OFF\x10\x05\x32\xdd\x03\n\rEngineService\x12O\n\x08Generate\x12\x1f.xllm.engine.v1.GenerateRequest\x1a .xllm.engine.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.xllm.engine.v1.AbortRequest\x1a\x1d.xllm.engine.v1.AbortResponse\x12G\n\x06Health\x12\x1d.xllm.engine.v1.HealthRequest\x1a\x1e.xllm.engine.v1.HealthResponse\x12G\n\x07GetLoad\x12\x1e.xllm.engine.v1.GetLoadRequest\x1a\x1c.xllm.registry.v1.LoadReport\x12Q\n\x0bGetKVEvents\x12\".xllm.engine.v1.GetKVEventsRequest\x1a\x1e.xllm.kvstore.v1.KVCacheEvents\x12P\n\nTransferKV\x12!.xllm.engine.v1.KVTransferMessage\x1a\x1d.xllm.engine.v1.KVTransferAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,34 +35,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1706
-  _globals['_FINISHREASON']._serialized_end=1851
+  _globals['_DISAGGPHASE']._serialized_start=2820
+  _globals['_DISAGGPHASE']._serialized_end=2907
+  _globals['_FINISHREASON']._serialized_start=2910
+  _globals['_FINISHREASON']._serialized_end=3085
   _globals['_SAMPLINGPARAMS']._serialized_start=132
   _globals['_SAMPLINGPARAMS']._serialized_end=819
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=626
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=674
-  _globals['_GENERATEREQUEST']._serialized_start=822
-  _globals['_GENERATEREQUEST']._serialized_end=990
-  _globals['_TOPLOGPROB']._serialized_start=992
-  _globals['_TOPLOGPROB']._serialized_end=1039
-  _globals['_TOKENLOGPROB']._serialized_start=1041
-  _globals['_TOKENLOGPROB']._serialized_end=1131
-  _globals['_USAGE']._serialized_start=1133
-  _globals['_USAGE']._serialized_end=1220
-  _globals['_GENERATERESPONSE']._serialized_start=1223
-  _globals['_GENERATERESPONSE']._serialized_end=1469
-  _globals['_ABORTREQUEST']._serialized_start=1471
-  _globals['_ABORTREQUEST']._serialized_end=1505
-  _globals['_ABORTRESPONSE']._serialized_start=1507
-  _globals['_ABORTRESPONSE']._serialized_end=1539
-  _globals['_HEALTHREQUEST']._serialized_start=1541
-  _globals['_HEALTHREQUEST']._serialized_end=1556
-  _globals['_HEALTHRESPONSE']._serialized_start=1558
-  _globals['_HEALTHRESPONSE']._serialized_end=1607
-  _globals['_GETLOADREQUEST']._serialized_start=1609
-  _globals['_GETLOADREQUEST']._serialized_end=1625
-  _globals['_GETKVEVENTSREQUEST']._serialized_start=1627
-  _globals['_GETKVEVENTSREQUEST']._serialized_end=1703
-  _globals['_ENGINESERVICE']._serialized_start=1854
-  _globals['_ENGINESERVICE']._serialized_end=2249
+  _globals['_KVTARGET']._serialized_start=821
+  _globals['_KVTARGET']._serialized_end=928
+  _globals['_GENERATEREQUEST']._serialized_start=931
+  _globals['_GENERATEREQUEST']._serialized_end=1195
+  _globals['_TOPLOGPROB']._serialized_start=1197
+  _globals['_TOPLOGPROB']._serialized_end=1244
+  _globals['_TOKENLOGPROB']._serialized_start=1246
+  _globals['_TOKENLOGPROB']._serialized_end=1336
+  _globals['_USAGE']._serialized_start=1338
+  _globals['_USAGE']._serialized_end=1425
+  _globals['_GENERATERESPONSE']._serialized_start=1428
+  _globals['_GENERATERESPONSE']._serialized_end=1775
+  _globals['_DISAGGSTATS']._serialized_start=1778
+  _globals['_DISAGGSTATS']._serialized_end=2001
+  _globals['_KVCOMMIT']._serialized_start=2004
+  _globals['_KVCOMMIT']._serialized_end=2199
+  _globals['_KVPAGES']._serialized_start=2201
+  _globals['_KVPAGES']._serialized_end=2296
+  _globals['_KVTRANSFERMESSAGE']._serialized_start=2298
+  _globals['_KVTRANSFERMESSAGE']._serialized_end=2411
+  _globals['_KVFDHANDOFF']._serialized_start=2413
+  _globals['_KVFDHANDOFF']._serialized_end=2533
+  _globals['_KVTRANSFERACK']._serialized_start=2535
+  _globals['_KVTRANSFERACK']._serialized_end=2584
+  _globals['_ABORTREQUEST']._serialized_start=2586
+  _globals['_ABORTREQUEST']._serialized_end=2620
+  _globals['_ABORTRESPONSE']._serialized_start=2622
+  _globals['_ABORTRESPONSE']._serialized_end=2654
+  _globals['_HEALTHREQUEST']._serialized_start=2656
+  _globals['_HEALTHREQUEST']._serialized_end=2671
+  _globals['_HEALTHRESPONSE']._serialized_start=2673
+  _globals['_HEALTHRESPONSE']._serialized_end=2722
+  _globals['_GETLOADREQUEST']._serialized_start=2724
+  _globals['_GETLOADREQUEST']._serialized_end=2740
+  _globals['_GETKVEVENTSREQUEST']._serialized_start=2742
+  _globals['_GETKVEVENTSREQUEST']._serialized_end=2818
+  _globals['_ENGINESERVICE']._serialized_start=3088
+  _globals['_ENGINESERVICE']._serialized_end=3565
 # @@protoc_insertion_point(module_scope)

@@ -9,6 +9,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DisaggPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DISAGG_PHASE_NONE: _ClassVar[DisaggPhase]
+    DISAGG_PHASE_PREFILL: _ClassVar[DisaggPhase]
+    DISAGG_PHASE_DECODE: _ClassVar[DisaggPhase]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -16,11 +22,16 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_HANDED_OFF: _ClassVar[FinishReason]
+DISAGG_PHASE_NONE: DisaggPhase
+DISAGG_PHASE_PREFILL: DisaggPhase
+DISAGG_PHASE_DECODE: DisaggPhase
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
+FINISH_REASON_HANDED_OFF: FinishReason
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "logit_bias", "include_stop_str_in_output", "skip_special_tokens")
@@ -69,21 +80,39 @@ class SamplingParams(_message.Message):
     skip_special_tokens: bool
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
+class KVTarget(_message.Message):
+    __slots__ = ("transport", "address", "transfer_id", "matched_tokens", "layout")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    address: str
+    transfer_id: str
+    matched_tokens: int
+    layout: str
+    def __init__(self, transport: _Optional[str] = ..., address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., matched_tokens: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "model", "arrival_time")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "model", "arrival_time", "disagg_phase", "kv_target")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    DISAGG_PHASE_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     priority: int
     model: str
     arrival_time: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., arrival_time: _Optional[float] = ...) -> None: ...
+    disagg_phase: DisaggPhase
+    kv_target: KVTarget
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., arrival_time: _Optional[float] = ..., disagg_phase: _Optional[_Union[DisaggPhase, str]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -114,7 +143,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "error")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "error", "kv_reservation", "disagg_stats")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +152,8 @@ class GenerateResponse(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    KV_RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    DISAGG_STATS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -131,7 +162,95 @@ class GenerateResponse(_message.Message):
     stop_reason: str
     usage: Usage
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    kv_reservation: KVTarget
+    disagg_stats: DisaggStats
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., kv_reservation: _Optional[_Union[KVTarget, _Mapping]] = ..., disagg_stats: _Optional[_Union[DisaggStats, _Mapping]] = ...) -> None: ...
+
+class DisaggStats(_message.Message):
+    __slots__ = ("queue_seconds", "prefill_seconds", "transfer_seconds", "transfer_bytes", "transferred_tokens", "transport", "recomputed", "failure", "overlapped_seconds")
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERRED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAPPED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    queue_seconds: float
+    prefill_seconds: float
+    transfer_seconds: float
+    transfer_bytes: int
+    transferred_tokens: int
+    transport: str
+    recomputed: bool
+    failure: str
+    overlapped_seconds: float
+    def __init__(self, queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transferred_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., recomputed: _Optional[bool] = ..., failure: _Optional[str] = ..., overlapped_seconds: _Optional[float] = ...) -> None: ...
+
+class KVCommit(_message.Message):
+    __slots__ = ("transfer_id", "num_tokens", "first_block", "num_blocks", "first_token", "generator_state", "layout", "block_crc32", "store_keys")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CRC32_FIELD_NUMBER: _ClassVar[int]
+    STORE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    num_tokens: int
+    first_block: int
+    num_blocks: int
+    first_token: int
+    generator_state: bytes
+    layout: str
+    block_crc32: _containers.RepeatedScalarFieldContainer[int]
+    store_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_token: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., layout: _Optional[str] = ..., block_crc32: _Optional[_Iterable[int]] = ..., store_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KVPages(_message.Message):
+    __slots__ = ("transfer_id", "range", "first_block", "data", "crc32")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    range: int
+    first_block: int
+    data: bytes
+    crc32: int
+    def __init__(self, transfer_id: _Optional[str] = ..., range: _Optional[int] = ..., first_block: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class KVTransferMessage(_message.Message):
+    __slots__ = ("pages", "commit")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    pages: KVPages
+    commit: KVCommit
+    def __init__(self, pages: _Optional[_Union[KVPages, _Mapping]] = ..., commit: _Optional[_Union[KVCommit, _Mapping]] = ...) -> None: ...
+
+class KVFdHandoff(_message.Message):
+    __slots__ = ("commit", "source_pages", "memfd_offsets", "page_bytes")
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MEMFD_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    commit: KVCommit
+    source_pages: _containers.RepeatedScalarFieldContainer[int]
+    memfd_offsets: _containers.RepeatedScalarFieldContainer[int]
+    page_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, commit: _Optional[_Union[KVCommit, _Mapping]] = ..., source_pages: _Optional[_Iterable[int]] = ..., memfd_offsets: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVTransferAck(_message.Message):
+    __slots__ = ("installed", "error")
+    INSTALLED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    installed: bool
+    error: str
+    def __init__(self, installed: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

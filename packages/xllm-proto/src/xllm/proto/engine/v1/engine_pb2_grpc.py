@@ -61,6 +61,11 @@ class EngineServiceStub:
                 request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GetKVEventsRequest.SerializeToString,
                 response_deserializer=xllm_dot_proto_dot_kvstore_dot_v1_dot_kv__events__pb2.KVCacheEvents.FromString,
                 _registered_method=True)
+        self.TransferKV = channel.stream_unary(
+                '/xllm.engine.v1.EngineService/TransferKV',
+                request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.KVTransferMessage.SerializeToString,
+                response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.KVTransferAck.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -99,6 +104,14 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TransferKV(self, request_iterator, context):
+        """KV hand-off from a prefill instance (the gRPC and Mooncake transports): pages (gRPC), then the
+        commit; answered once the decode side installed the KV or gave up on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +139,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetKVEvents,
                     request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GetKVEventsRequest.FromString,
                     response_serializer=xllm_dot_proto_dot_kvstore_dot_v1_dot_kv__events__pb2.KVCacheEvents.SerializeToString,
+            ),
+            'TransferKV': grpc.stream_unary_rpc_method_handler(
+                    servicer.TransferKV,
+                    request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.KVTransferMessage.FromString,
+                    response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.KVTransferAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +281,33 @@ class EngineService:
             '/xllm.engine.v1.EngineService/GetKVEvents',
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GetKVEventsRequest.SerializeToString,
             xllm_dot_proto_dot_kvstore_dot_v1_dot_kv__events__pb2.KVCacheEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/xllm.engine.v1.EngineService/TransferKV',
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.KVTransferMessage.SerializeToString,
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.KVTransferAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from xllm.proto.kvstore.v1 import kv_events_pb2 as xllm_dot_proto_dot_kvstore_dot_v1_dot_kv__events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%xllm/proto/registry/v1/instance.proto\x12\x10xllm.registry.v1\x1a%xllm/proto/kvstore/v1/kv_events.proto\"Z\n\tModelInfo\x12\x13\n\x0bserved_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\xa2\x01\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12,\n\x04role\x18\x03 \x01(\x0e\x32\x1e.xllm.registry.v1.InstanceRole\x12*\n\x05model\x18\x04 \x01(\x0b\x32\x1b.xllm.registry.v1.ModelInfo\x12\x12\n\nstart_time\x18\x05 \x01(\x01\"\xf0\x01\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x16\n\x0ekv_free_tokens\x18\x05 \x01(\x04\x12\x13\n\x0brecent_ttft\x18\x06 \x01(\x02\x12\x13\n\x0brecent_tpot\x18\x07 \x01(\x02\x12\x11\n\ttimestamp\x18\x08 \x01(\x01\x12\x1e\n\x16pending_prefill_tokens\x18\t \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x02\"\xba\x01\n\x0e\x45ngineCounters\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x19\n\x11generation_tokens\x18\x02 \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x03 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x04 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x04\x12\r\n\x05steps\x18\x07 \x01(\x04\"\xd2\x01\n\tHeartbeat\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12*\n\x04load\x18\x03 \x01(\x0b\x32\x1c.xllm.registry.v1.LoadReport\x12\x31\n\tkv_events\x18\x04 \x01(\x0b\x32\x1e.xllm.kvstore.v1.KVCacheEvents\x12\x32\n\x08\x63ounters\x18\x05 \x01(\x0b\x32 .xllm.registry.v1.EngineCounters\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08*{\n\x0cInstanceRole\x12\x1d\n\x19INSTANCE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13INSTANCE_ROLE_MIXED\x10\x01\x12\x19\n\x15INSTANCE_ROLE_PREFILL\x10\x02\x12\x18\n\x14INSTANCE_ROLE_DECODE\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%xllm/proto/registry/v1/instance.proto\x12\x10xllm.registry.v1\x1a%xllm/proto/kvstore/v1/kv_events.proto\"Z\n\tModelInfo\x12\x13\n\x0bserved_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\xa2\x01\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12,\n\x04role\x18\x03 \x01(\x0e\x32\x1e.xllm.registry.v1.InstanceRole\x12*\n\x05model\x18\x04 \x01(\x0b\x32\x1b.xllm.registry.v1.ModelInfo\x12\x12\n\nstart_time\x18\x05 \x01(\x01\"\xf0\x01\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x16\n\x0ekv_free_tokens\x18\x05 \x01(\x04\x12\x13\n\x0brecent_ttft\x18\x06 \x01(\x02\x12\x13\n\x0brecent_tpot\x18\x07 \x01(\x02\x12\x11\n\ttimestamp\x18\x08 \x01(\x01\x12\x1e\n\x16pending_prefill_tokens\x18\t \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x02\"\xe9\x02\n\x0e\x45ngineCounters\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x19\n\x11generation_tokens\x18\x02 \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x03 \x01(\x04\x12\x13\n\x0bpreemptions\x18\x04 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x04\x12\r\n\x05steps\x18\x07 \x01(\x04\x12\x18\n\x10kv_handoffs_sent\x18\x08 \x01(\x04\x12\x1d\n\x15kv_handoffs_installed\x18\t \x01(\x04\x12\x1b\n\x13kv_handoff_failures\x18\n \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x0b \x01(\x04\x12\x1b\n\x13kv_handoff_timeouts\x18\x0c \x01(\x04\x12\x1f\n\x17kv_reservations_expired\x18\r \x01(\x04\"\xd2\x01\n\tHeartbeat\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12*\n\x04load\x18\x03 \x01(\x0b\x32\x1c.xllm.registry.v1.LoadReport\x12\x31\n\tkv_events\x18\x04 \x01(\x0b\x32\x1e.xllm.kvstore.v1.KVCacheEvents\x12\x32\n\x08\x63ounters\x18\x05 \x01(\x0b\x32 .xllm.registry.v1.EngineCounters\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08*{\n\x0cInstanceRole\x12\x1d\n\x19INSTANCE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13INSTANCE_ROLE_MIXED\x10\x01\x12\x19\n\x15INSTANCE_ROLE_PREFILL\x10\x02\x12\x18\n\x14INSTANCE_ROLE_DECODE\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xllm.proto.registry.v1.instance_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INSTANCEROLE']._serialized_start=1000
-  _globals['_INSTANCEROLE']._serialized_end=1123
+  _globals['_INSTANCEROLE']._serialized_start=1175
+  _globals['_INSTANCEROLE']._serialized_end=1298
   _globals['_MODELINFO']._serialized_start=98
   _globals['_MODELINFO']._serialized_end=188
   _globals['_INSTANCEINFO']._serialized_start=191
@@ -41,7 +41,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADREPORT']._serialized_start=356
   _globals['_LOADREPORT']._serialized_end=596
   _globals['_ENGINECOUNTERS']._serialized_start=599
-  _globals['_ENGINECOUNTERS']._serialized_end=785
-  _globals['_HEARTBEAT']._serialized_start=788
-  _globals['_HEARTBEAT']._serialized_end=998
+  _globals['_ENGINECOUNTERS']._serialized_end=960
+  _globals['_HEARTBEAT']._serialized_start=963
+  _globals['_HEARTBEAT']._serialized_end=1173
 # @@protoc_insertion_point(module_scope)

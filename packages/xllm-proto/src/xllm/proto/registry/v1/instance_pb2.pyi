@@ -69,7 +69,7 @@ class LoadReport(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., recent_ttft: _Optional[float] = ..., recent_tpot: _Optional[float] = ..., timestamp: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class EngineCounters(_message.Message):
-    __slots__ = ("prompt_tokens", "generation_tokens", "finished_requests", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "steps")
+    __slots__ = ("prompt_tokens", "generation_tokens", "finished_requests", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "steps", "kv_handoffs_sent", "kv_handoffs_installed", "kv_handoff_failures", "kv_transfer_bytes", "kv_handoff_timeouts", "kv_reservations_expired")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,12 @@ class EngineCounters(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOFFS_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOFFS_INSTALLED_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOFF_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOFF_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    KV_RESERVATIONS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generation_tokens: int
     finished_requests: int
@@ -84,7 +90,13 @@ class EngineCounters(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     steps: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    kv_handoffs_sent: int
+    kv_handoffs_installed: int
+    kv_handoff_failures: int
+    kv_transfer_bytes: int
+    kv_handoff_timeouts: int
+    kv_reservations_expired: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., kv_handoffs_sent: _Optional[int] = ..., kv_handoffs_installed: _Optional[int] = ..., kv_handoff_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_handoff_timeouts: _Optional[int] = ..., kv_reservations_expired: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("instance_id", "seq", "load", "kv_events", "counters", "draining")

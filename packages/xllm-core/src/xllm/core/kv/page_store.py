@@ -1,0 +1,54 @@
+"""A KV backend's pages as bytes: what moving KV between engines reads and writes (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PageStore:
+    """Where a backend's KV pages physically are, for moving blocks between engines.
+
+    For every (layer, K|V) range in layout order (``range_layers[r]``: its layer), page ``p`` is
+    bytes ``[p * page_bytes[r], (p + 1) * page_bytes[r])`` of the writable ``buffers[r]``; a block's
+    bytes are its page in every range, concatenated. A backend over a memfd (xTensor) also names it:
+    range ``r`` starts at ``memfd_offsets[r]`` in the file, so another process holding the fd can copy
+    pages in the kernel.
+    """
+
+    layout: str
+    buffers: tuple[memoryview, ...]
+    page_bytes: tuple[int, ...]
+    range_layers: tuple[int, ...]
+    memfd: int | None = None
+    memfd_offsets: tuple[int, ...] = ()
+    memfd_map: memoryview | None = None  # the whole memfd, mapped writable (the ranges' buffers are slices of it)
+
+    def ranges_of_layer(self, layer: int) -> list[int]:
+        return [r for r, lay in enumerate(self.range_layers) if lay == layer]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(self.page_bytes)
+
+    def read_block(self, page: int) -> bytes:
+        return b"".join(buf[page * pb:(page + 1) * pb] for buf, pb in zip(self.buffers, self.page_bytes))
+
+    def read_pages(self, r: int, pages: list[int] | tuple[int, ...]) -> bytes:
+        """Range ``r``'s page of each of ``pages``, concatenated."""
+        buf, pb = self.buffers[r], self.page_bytes[r]
+        return b"".join(buf[p * pb:(p + 1) * pb] for p in pages)
+
+    def write_page(self, r: int, page: int, data: bytes | memoryview) -> None:
+        pb = self.page_bytes[r]
+        if len(data) != pb:
+            raise ValueError(f"a page of range {r} is {pb} bytes, got {len(data)}")
+        self.buffers[r][page * pb:(page + 1) * pb] = data
+
+    def write_block(self, page: int, data: bytes | memoryview) -> None:
+        if len(data) != self.block_bytes:
+            raise ValueError(f"a block is {self.block_bytes} bytes, got {len(data)}")
+        at = 0
+        for buf, pb in zip(self.buffers, self.page_bytes):
+            buf[page * pb:(page + 1) * pb] = data[at:at + pb]
+            at += pb

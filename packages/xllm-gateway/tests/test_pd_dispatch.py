@@ -1,0 +1,235 @@
+"""PD mode through the gateway's dispatcher, over real engine servers in this process (tiny model):
+the stream a client sees equals one engine serving the whole request (tokens, text, finish reason;
+greedy and seeded, several choices), the decode instance holding a prefix is chosen and receives
+only the rest, a prefill instance that dies before the first token is replaced, a decode instance
+that dies mid-stream is resumed through another pair, and a client leaving between the phases
+frees both sides. Every one of these shows in the gateway's PD metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from xllm.engine.handoff.base import HandoffOptions
+from xllm.gateway.dispatch import Dispatcher
+from xllm.gateway.metrics import PDMetrics
+from xllm.gateway.registry import EmbeddedRegistry
+from xllm.gateway.router import Router
+from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.engine import Collected, generate, make_engine, make_request
+from xllm.testing.served import ServedEngine
+from xllm.testing.tiny import TinyLM, tiny_tokenizer
+
+MODEL = "tiny"
+LM = TinyLM()
+TOK = tiny_tokenizer()
+PROMPT = TOK.encode_pieces(list("the quick brown fox jumps over the lazy dog, twice over " * 2))
+GREEDY = dict(max_tokens=24, ignore_eos=True)
+SEEDED = dict(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
+TIMEOUT = 60.0
+
+
+class Cluster:
+    """Prefill and decode instances registered with one in-process registry, and a dispatcher."""
+
+    def __init__(self, roles: dict[str, str], transport: str = "fd") -> None:
+        self.registry = EmbeddedRegistry()
+        self.nodes: dict[str, ServedEngine] = {}
+        for iid, role in roles.items():
+            engine = make_engine(LM)
+            engine.instance_id = iid
+            self.nodes[iid] = ServedEngine(engine, role=role, model=MODEL, handoff=HandoffOptions(transport=transport))
+        self.prom = CollectorRegistry()
+        self.dispatcher = Dispatcher(self.registry, MODEL, Router(self.registry, "kv_aware"),
+                                     detokenize=TOK.decode, pd_metrics=PDMetrics(self.prom), handoff_grace=1.0)
+
+    async def __aenter__(self) -> Cluster:
+        for node in self.nodes.values():
+            await node.start(self.registry)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for node in self.nodes.values():
+            await node.stop()
+        await self.registry.close()
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.prom.get_sample_value(name, {"model_name": MODEL, **labels}) or 0.0
+
+    async def generate(self, rid: str, prompt: list[int], n: int = 1, **sampling):
+        """Every choice of one API request through the dispatcher: (client view, streams)."""
+        reqs = [make_request(f"{rid}-{i}", prompt, **sampling) for i in range(n)]
+        _, streams = await self.dispatcher.submit_all(MODEL, reqs)
+        got = Collected()
+        for s in streams:
+            async for chunk in s:
+                got.add([chunk])
+        return got, streams
+
+    async def settled(self, iid: str, free_blocks: int) -> bool:
+        """Whether instance ``iid`` ends up with no request and ``free_blocks`` free (polled: the
+        release runs on the engine thread after the call ended)."""
+        engine = self.nodes[iid].engine
+        for _ in range(200):
+            if not engine.requests and engine.kv.num_free_blocks == free_blocks:
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+
+def reference(rid: str, prompt: list[int], n: int = 1, **sampling) -> Collected:
+    """One engine serving each choice whole (the oracle)."""
+    return generate(make_engine(LM), [make_request(f"{rid}-{i}", prompt, **sampling) for i in range(n)])
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_pd_streams_equal_one_engine(sampling):
+    async def main():
+        async with Cluster({"p": "prefill", "d": "decode"}) as c:
+            got, streams = await c.generate("r", PROMPT, n=2, **sampling)
+            pd = [s._stream for s in streams]
+            return got, pd, c.metric("xllm:kv_transfer_bytes_total", transport="fd"), \
+                c.metric("xllm:pd_ttft_breakdown_seconds_count", phase="transfer")
+
+    got, pd, moved, breakdowns = run(main())
+    ref = reference("r", PROMPT, n=2, **sampling)
+    for rid in ("r-0", "r-1"):
+        assert got.tokens[rid] == ref.tokens[rid] and got.text[rid] == ref.text[rid]
+        assert got.final[rid].finish_reason == ref.final[rid].finish_reason == engine_pb2.FINISH_REASON_LENGTH
+        assert got.final[rid].usage.completion_tokens == sampling["max_tokens"]
+    assert all((s.prefill.state.instance_id, s.decode.state.instance_id) == ("p", "d") for s in pd)
+    assert moved > 0 and breakdowns == 2
+
+
+def test_the_decode_instance_holding_the_prefix_is_chosen_and_receives_only_the_rest():
+    system = TOK.encode_pieces(list("you are a helpful assistant and you answer briefly. " * 3)[:130])
+    first, second = system + TOK.encode_pieces(list("hi")), system + TOK.encode_pieces(list("yo"))
+
+    async def main():
+        async with Cluster({"p": "prefill", "d1": "decode", "d2": "decode"}) as c:
+            _, (s1,) = await c.generate("a", first, **GREEDY)
+            home = s1._stream.decode.state.instance_id
+            for _ in range(200):  # its heartbeats carry the blocks it holds into the global index
+                if c.registry.kv_index.num_blocks(home):
+                    break
+                await asyncio.sleep(0.02)
+            got, (s2,) = await c.generate("b", second, **GREEDY)
+            return home, s1._stream.target, s2._stream, got, c.nodes["p"].engine.kv.prefix_stats.hits
+
+    home, t1, pd2, got, prefill_hits = run(main())
+    bs = make_engine(LM).layout.block_size
+    assert pd2.decode.state.instance_id == home
+    assert t1.matched_tokens == 0 and pd2.target.matched_tokens == len(system) // bs * bs > 0
+    assert prefill_hits >= len(system) // bs * bs  # the prefill instance reused its own copy too
+    assert got.tokens["b-0"] == reference("b", second, **GREEDY).tokens["b-0"]
+
+
+def _die_on_first_request(node: ServedEngine, loop: asyncio.AbstractEventLoop, died: list[str]) -> None:
+    """Make ``node`` stop serving when a request reaches its engine, before any token of it."""
+    add = node.engine.add_request
+
+    def add_request(req):
+        if not died:
+            died.append(node.instance_id)
+            asyncio.run_coroutine_threadsafe(node.server.stop(0), loop).result()
+            return None  # the request dies with the instance
+        return add(req)
+
+    node.engine.add_request = add_request
+
+
+def test_a_prefill_instance_dying_before_the_first_token_is_replaced():
+    async def main():
+        async with Cluster({"p1": "prefill", "p2": "prefill", "d": "decode"}) as c:
+            died: list[str] = []
+            for iid in ("p1", "p2"):
+                _die_on_first_request(c.nodes[iid], asyncio.get_running_loop(), died)
+            got, (stream,) = await c.generate("r", PROMPT, **SEEDED)
+            pd = stream._stream
+            return got, died, pd, stream.resumes, c.metric("xllm:pd_prefill_retries_total", instance=died[0])
+
+    got, died, pd, resumes, retries = run(main())
+    assert len(died) == 1 and pd.prefill.state.instance_id != died[0] and pd.prefill_attempts == 2
+    assert retries == 1 and resumes == 0  # the reservation waited: no resume needed
+    ref = reference("r", PROMPT, **SEEDED)
+    assert got.tokens["r-0"] == ref.tokens["r-0"] and got.text["r-0"] == ref.text["r-0"]
+
+
+def test_a_prefill_instance_dying_after_the_first_token_without_handing_off_is_resumed():
+    """The prefill instance streams the first token, then dies before sending the KV: the decode
+    side never shows a token, so after the grace period the request is resumed (prompt + the
+    token already streamed) through the other prefill instance."""
+    async def main():
+        async with Cluster({"p1": "prefill", "p2": "prefill", "d": "decode"}) as c:
+            first_seen, died, stopping = asyncio.Event(), [], []
+            for iid in ("p1", "p2"):
+                node = c.nodes[iid]
+
+                async def die_instead_of_sending(request_id, target, out, node=node):
+                    if died:
+                        return await real_send[node.instance_id](request_id, target, out)
+                    died.append(node.instance_id)
+                    await out.commit()  # the first token is sampled
+                    await first_seen.wait()  # and the client has it
+                    stopping.append(asyncio.ensure_future(node.server.stop(0)))  # (it cancels this task)
+
+                real_send[iid] = node.server.handoff._send
+                node.server.handoff._send = die_instead_of_sending
+            _, (stream,) = await c.dispatcher.submit_all(MODEL, [make_request("r-0", PROMPT, **GREEDY)])
+            got = Collected()
+            async for chunk in stream:
+                got.add([chunk])
+                first_seen.set()
+            return got, died, stream.resumes, c.metric("xllm:pd_handoffs_lost_total")
+
+    real_send: dict = {}
+    got, died, resumes, lost = run(main())
+    assert len(died) == 1 and resumes == 1 and lost == 1
+    ref = reference("r", PROMPT, **GREEDY)
+    assert got.tokens["r-0"] == ref.tokens["r-0"] and got.text["r-0"] == ref.text["r-0"]
+    assert got.final["r-0"].usage.completion_tokens == GREEDY["max_tokens"]
+
+
+def test_a_decode_instance_dying_mid_stream_is_resumed_through_another_pair():
+    async def main():
+        async with Cluster({"p": "prefill", "d1": "decode", "d2": "decode"}) as c:
+            reqs = [make_request("r-0", PROMPT, **GREEDY)]
+            _, (stream,) = await c.dispatcher.submit_all(MODEL, reqs)
+            first_decode = stream._stream.decode.state.instance_id
+            got, stopper = Collected(), None
+            async for chunk in stream:
+                got.add([chunk])
+                if len(got.tokens["r-0"]) >= 6 and stopper is None:
+                    stopper = asyncio.ensure_future(c.nodes[first_decode].stop())
+            await stopper
+            return got, stream, first_decode
+
+    got, stream, first_decode = run(main())
+    ref = reference("r", PROMPT, **GREEDY)
+    assert stream.resumes == 1 and stream._stream.decode.state.instance_id != first_decode
+    assert got.tokens["r-0"] == ref.tokens["r-0"] and got.text["r-0"] == ref.text["r-0"]
+    assert got.final["r-0"].usage.completion_tokens == GREEDY["max_tokens"]
+
+
+def test_a_client_leaving_between_the_phases_frees_both_sides():
+    async def main():
+        async with Cluster({"p": "prefill", "d": "decode"}) as c:
+            free = {iid: n.engine.kv.num_free_blocks for iid, n in c.nodes.items()}
+            _, (stream,) = await c.dispatcher.submit_all(MODEL, [make_request("r-0", PROMPT, max_tokens=40,
+                                                                              ignore_eos=True)])
+            it = aiter(stream)
+            first = await anext(it)  # the prefill instance's first token; the client goes away
+            with contextlib.suppress(StopAsyncIteration):
+                await it.aclose()
+            freed = [await c.settled(iid, blocks) for iid, blocks in free.items()]
+            return first, freed, c.metric("xllm:pd_cancelled_total")
+
+    first, freed, cancelled = run(main())
+    assert len(first.token_ids) == 1 and all(freed) and cancelled == 1

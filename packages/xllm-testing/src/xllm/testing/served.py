@@ -1,0 +1,97 @@
+"""Engines served over loopback gRPC inside the test process, and the prefill/decode hand-off as a
+gateway drives it (for tests of the engine service and of the gateway's dispatch)."""
+
+from __future__ import annotations
+
+from xllm.core import AsyncEngine, LLMEngine
+from xllm.engine.client import GrpcEngineClient
+from xllm.engine.handoff.base import HandoffOptions
+from xllm.engine.registration.agent import InstanceAgent
+from xllm.engine.registration.embedded import LeaseTable
+from xllm.engine.server import EngineServer
+from xllm.proto.engine.v1 import engine_pb2
+from xllm.proto.enums import role_from_name
+from xllm.proto.registry.v1 import instance_pb2
+from xllm.testing.engine import Collected
+from xllm.testing.registry import LocalPublisher
+
+PREFILL, DECODE = engine_pb2.DISAGG_PHASE_PREFILL, engine_pb2.DISAGG_PHASE_DECODE
+HANDED_OFF = engine_pb2.FINISH_REASON_HANDED_OFF
+
+
+class ServedEngine:
+    """One :class:`LLMEngine` behind an :class:`EngineServer` on 127.0.0.1 (a free port), with a
+    client to it; registered (heartbeats every 50 ms) when started with a lease table."""
+
+    def __init__(self, engine: LLMEngine, *, role: str = "mixed", model: str = "tiny",
+                 handoff: HandoffOptions | None = None) -> None:
+        self.engine = engine
+        self.aeng = AsyncEngine(engine)
+        self.server = EngineServer(self.aeng, handoff=handoff)
+        self.info = instance_pb2.InstanceInfo(
+            instance_id=engine.instance_id, role=role_from_name(role),
+            model=instance_pb2.ModelInfo(served_name=model, max_model_len=engine.max_model_len,
+                                         block_size=engine.layout.block_size))
+        self.client: GrpcEngineClient | None = None
+        self.agent: InstanceAgent | None = None
+
+    @property
+    def instance_id(self) -> str:
+        return self.info.instance_id
+
+    async def start(self, leases: LeaseTable | None = None) -> ServedEngine:
+        self.aeng.start()
+        port = await self.server.start("127.0.0.1", 0)
+        self.info.address = f"127.0.0.1:{port}"
+        self.client = GrpcEngineClient(self.info)
+        if leases is not None:
+            self.agent = InstanceAgent(self.server, self.info, LocalPublisher(leases), interval=0.05)
+            await self.agent.start()
+        return self
+
+    async def stop(self) -> None:
+        """Stop serving (idempotent): what a dead instance looks like to its peers."""
+        if not self.aeng.is_running:
+            return
+        if self.agent is not None:
+            await self.agent.stop()
+        if self.client is not None:
+            await self.client.close()
+        await self.server.drain(0)
+        await self.server.stop(0)
+        self.aeng.shutdown()
+        self.engine.close()
+
+
+def pd_request(rid: str, phase: int, prompt: list[int], target: engine_pb2.KVTarget | None = None,
+               **sampling) -> engine_pb2.GenerateRequest:
+    """A request for one phase (greedy, 16 tokens unless ``sampling`` says otherwise)."""
+    sampling.setdefault("temperature", 0.0)
+    sampling.setdefault("max_tokens", 16)
+    req = engine_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, disagg_phase=phase,
+                                     sampling=engine_pb2.SamplingParams(**sampling))
+    if target is not None:
+        req.kv_target.CopyFrom(target)
+    return req
+
+
+async def pd_generate(prefill: ServedEngine, decode: ServedEngine, rid: str, prompt: list[int], **sampling
+                      ) -> tuple[Collected, engine_pb2.KVTarget, engine_pb2.DisaggStats | None]:
+    """What a gateway does: reserve on the decode side, prefill with its target, stream both.
+    Returns the client's view, the reservation and the decode side's hand-off stats (``None`` when
+    the request ended on the prefill side)."""
+    d_stream = aiter(await decode.client.submit(pd_request(rid, DECODE, prompt, **sampling)))
+    reservation = (await anext(d_stream)).kv_reservation
+    got, stats = Collected(), None
+    async for chunk in await prefill.client.submit(pd_request(rid, PREFILL, prompt, reservation, **sampling)):
+        if chunk.finish_reason == HANDED_OFF:
+            break
+        got.add([chunk])
+    if rid in got.final:
+        await d_stream.aclose()
+        return got, reservation, None
+    async for chunk in d_stream:
+        if chunk.HasField("disagg_stats") and stats is None:
+            stats = chunk.disagg_stats
+        got.add([chunk])
+    return got, reservation, stats
