@@ -195,6 +195,11 @@ def test_request_validation(new_engine, tiny_model):
     with pytest.raises(InvalidRequestError) as err:
         eng.add_request(make_request("ok", [1], max_tokens=1))
     assert err.value.param == "request_id"
+    resumed = make_request("u", [1, 2], max_tokens=1)
+    resumed.undelivered_output_tokens = 3  # more undelivered output than the prompt holds
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request(resumed)
+    assert err.value.param == "undelivered_output_tokens"
     eng.add_request(make_request("f", [1], max_tokens=1))
     with pytest.raises(EngineOverloadedError):
         eng.add_request(make_request("g", [1], max_tokens=1))

@@ -6,13 +6,25 @@ change the logits exactly as specified. Then through the engine: a seeded reques
 does not depend on batch neighbours, chunked prefill or preemption, and a logit bias naming a
 token outside the vocabulary is a 400-class error.
 
-Goodness of fit: Pearson's chi-square over the kept tokens with a bound far in the tail
-(df + 8 sqrt(2 df) + 10); the draws are seeded, so the outcome is deterministic.
+Two checks per distribution (``assert_fits``), both against the distribution written from its
+definition:
+
+- exact: the sampler draws by the exponential race (the argmax of ``p / E``, ``E ~ Exp(1)`` from the
+  row's generator), so replaying each row's seeded noise gives the token the *reference*
+  distribution yields for that draw; every draw must match (up to float near-ties). A 1%
+  temperature error changes dozens of the 4,000 draws (``test_the_fit_checks_detect_a_small_error``
+  shows the check fails on it);
+- statistical: Pearson's chi-square over the kept tokens at a false-alarm rate of 1e-4 per check
+  (critical value by Wilson–Hilferty), which checks the race itself samples the distribution,
+  independently of how the noise is drawn.
+
+The draws are seeded, so the outcome is deterministic.
 """
 
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import pytest
 import torch
@@ -39,25 +51,57 @@ def seq(gen_seed: int, prompt=(1, 2, 3), output=(), **params) -> Sequence:
 
 
 def draw(row: torch.Tensor, n: int = DRAWS, **params) -> torch.Tensor:
-    """``n`` independent draws (one seeded sequence each) from ``row`` under ``params``."""
-    seqs = [seq(10_000 + i, **params) for i in range(n)]
+    """``n`` independent draws (one seeded sequence each, seeds ``FIRST_SEED + i``) from ``row``."""
+    seqs = [seq(FIRST_SEED + i, **params) for i in range(n)]
     return torch.tensor(Sampler(frozenset())(row.expand(n, -1).clone(), seqs).token_ids)
 
 
-def assert_fits(tokens: torch.Tensor, probs: torch.Tensor) -> None:
-    """Every draw has positive probability and the counts fit ``probs`` (chi-square)."""
+FIRST_SEED = 10_000
+FALSE_ALARM = 1e-4
+
+
+def chi2_critical(df: int, alpha: float = FALSE_ALARM) -> float:
+    """The chi-square quantile ``1 - alpha`` (Wilson–Hilferty; within ~1% for df >= 1 here)."""
+    z = NormalDist().inv_cdf(1 - alpha)
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def race_mismatches(tokens: torch.Tensor, probs: torch.Tensor, first_seed: int) -> int:
+    """Draws that differ from what ``probs`` gives under the same seeded exponential noise
+    (rows whose top two ratios are within 1e-5 are float near-ties and not counted)."""
+    noise = torch.stack([torch.empty(len(probs)).exponential_(generator=torch.Generator().manual_seed(first_seed + i))
+                         for i in range(len(tokens))])
+    ratio = probs.float().unsqueeze(0) / noise
+    top2 = ratio.topk(2, -1).values
+    clear = top2[:, 0] > top2[:, 1] * (1 + 1e-5)
+    return int(((ratio.argmax(-1) != tokens) & clear).sum())
+
+
+def chi2_statistic(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over the support (cells with < 5 expected pooled) and its degrees of freedom."""
     support = probs > 0
-    assert bool(support[tokens].all()), "a token outside the allowed set was drawn"
     counts = torch.bincount(tokens, minlength=len(probs)).double()
     expected = probs.double() * len(tokens)
-    keep = support & (expected >= 5)  # Pearson needs >= 5 expected; pool the rest
+    keep = support & (expected >= 5)
     chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
     rest_c, rest_e = float(counts[support & ~keep].sum()), float(expected[support & ~keep].sum())
     df = int(keep.sum()) - 1
     if rest_e >= 5:
         chi2 += (rest_c - rest_e) ** 2 / rest_e
         df += 1
-    assert chi2 < df + 8 * math.sqrt(2 * max(df, 1)) + 10, f"chi2 {chi2:.1f} with {df} degrees of freedom"
+    return chi2, df
+
+
+def assert_fits(tokens: torch.Tensor, probs: torch.Tensor, first_seed: int = FIRST_SEED) -> None:
+    """Every draw is inside the support, is the reference's draw under the same noise, and the
+    counts fit ``probs`` (chi-square at a 1e-4 false-alarm rate)."""
+    support = probs > 0
+    assert bool(support[tokens].all()), "a token outside the allowed set was drawn"
+    wrong = race_mismatches(tokens, probs, first_seed)
+    assert wrong == 0, f"{wrong} of {len(tokens)} draws differ from the reference distribution's"
+    chi2, df = chi2_statistic(tokens, probs)
+    if df >= 1:
+        assert chi2 < chi2_critical(df), f"chi2 {chi2:.1f} >= {chi2_critical(df):.1f} ({df} degrees of freedom)"
 
 
 def renormalized(probs: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
@@ -100,6 +144,17 @@ def test_min_p_draws_are_at_least_min_p_times_the_best(min_p):
 def test_temperature_samples_softmax_of_scaled_logits(t):
     row = logits_row(3, scale=1.0)
     assert_fits(draw(row, temperature=t), (row / t).softmax(-1))
+
+
+def test_the_fit_checks_detect_a_small_error():
+    """The checks have power: draws at a temperature 1% off fail the exact check by many draws, and
+    the chi-square bound alone rejects a 10% error at the 4,000 draws the tests use."""
+    row, t = logits_row(0), 1.0
+    probs = (row / t).softmax(-1)
+    assert race_mismatches(draw(row, temperature=t), probs, FIRST_SEED) == 0
+    assert race_mismatches(draw(row, temperature=t * 1.01), probs, FIRST_SEED) >= 10
+    chi2, df = chi2_statistic(draw(row, temperature=t * 1.10), probs)
+    assert chi2 > chi2_critical(df)
 
 
 def test_temperature_zero_is_greedy_whatever_else_is_set():
@@ -153,7 +208,7 @@ def test_penalties_and_bias_change_the_logits_as_specified():
     seqs = [seq(20_000 + i, prompt=prompt, output=output, **params) for i in range(DRAWS)]
     tokens = torch.tensor(Sampler(frozenset())(row.expand(DRAWS, -1).clone(), seqs).token_ids)
     ref = reference_logits(row, prompt, output, seqs[0].params)
-    assert_fits(tokens, (ref / 0.9).softmax(-1))
+    assert_fits(tokens, (ref / 0.9).softmax(-1), first_seed=20_000)
 
 
 def test_same_seed_same_draws_and_different_seeds_differ():

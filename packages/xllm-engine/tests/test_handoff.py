@@ -14,6 +14,7 @@ from xllm.engine.handoff import grpc as grpc_transport
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.engine import generate, make_engine, make_request
+from xllm.testing.processes import until
 from xllm.testing.served import DECODE, HANDED_OFF, PREFILL, ServedEngine, pd_generate, pd_request
 from xllm.testing.tiny import TinyLM, tiny_tokenizer
 
@@ -107,10 +108,7 @@ def test_an_unreachable_decode_side_releases_the_prefill_kv_and_the_reservation_
             assert chunks[0].disagg_stats.prefill_seconds > 0
             rest = [c async for c in d_stream]  # the reservation expires: the request fails there
             assert rest[-1].finish_reason == engine_pb2.FINISH_REASON_ERROR and "never arrived" in rest[-1].error
-            for _ in range(50):
-                if prefill.engine.kv.num_free_blocks == free_p:
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: prefill.engine.kv.num_free_blocks == free_p, 10, "the prefill side's KV freed")
             return (prefill.server.counters(), decode.server.counters(), prefill.engine.kv.num_free_blocks == free_p,
                     decode.engine.kv.num_free_blocks == free_d)
         finally:
@@ -133,17 +131,12 @@ def test_cancelling_between_the_phases_frees_both_sides():
             assert decode.engine.kv.num_free_blocks < free_d
             with contextlib.suppress(StopAsyncIteration):
                 await it.aclose()  # the client went away after the reservation, before any prefill
-            for _ in range(100):
-                if decode.engine.kv.num_free_blocks == free_d and not decode.engine.requests:
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: decode.engine.kv.num_free_blocks == free_d and not decode.engine.requests, 10,
+                        "the abandoned reservation freed")
             freed_d = decode.engine.kv.num_free_blocks == free_d
             # a prefill for the abandoned reservation finds nothing to fill, and still frees its own KV
             chunks = [c async for c in await prefill.client.submit(pd_request("r", PREFILL, PROMPT, target, **GREEDY))]
-            for _ in range(100):
-                if prefill.engine.kv.num_free_blocks == free_p:
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: prefill.engine.kv.num_free_blocks == free_p, 10, "the prefill side's KV freed")
             return freed_d, chunks, prefill.engine.kv.num_free_blocks == free_p
         finally:
             await prefill.stop()

@@ -13,6 +13,7 @@ from xllm.engine.registration.etcd import EtcdLayout
 from xllm.engine.registration.etcd_client import parse_endpoints, prefix_range_end
 from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
+from xllm.testing.processes import until
 from xllm.testing.registry import LocalPublisher
 
 
@@ -68,10 +69,7 @@ def test_agent_acknowledges_deltas_and_registers_again_when_the_lease_is_lost():
         assert await agent.beat()
         assert source.asked[-1] == source.version - 1  # then deltas since the acknowledged version
         leases.infos.clear()  # the registry forgot the lease (it restarted)
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if agent.registrations == 2:
-                break
+        await until(lambda: agent.registrations == 2, 10, "the agent to register again")
         assert agent.registrations == 2 and list(leases.infos.values()) == [INFO]
         await agent.stop(deregister=True)
         assert not leases.infos and not agent.registered

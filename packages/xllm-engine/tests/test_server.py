@@ -21,6 +21,7 @@ from xllm.engine.wire import (
 from xllm.kvstore import block_hashes
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from xllm.testing.engine import generate, make_engine, make_request
+from xllm.testing.processes import until
 from xllm.testing.tiny import tiny_tokenizer
 
 
@@ -128,10 +129,8 @@ def test_health_load_abort_and_cancel():
         call2 = stub.Generate(make_request("cancelled", prompt, max_tokens=100, ignore_eos=True))
         await call2.read()
         call2.cancel()
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if not server.engine.engine.has_work() and not server.num_inflight:
-                break
+        await until(lambda: not server.engine.engine.has_work() and not server.num_inflight, 10,
+                    "the cancelled call's request aborted")
         return health, first, load, aborted, rest, unknown, server.engine.engine.has_work()
 
     health, first, load, aborted, rest, unknown, busy = _serve(test)
@@ -172,32 +171,47 @@ def test_kv_events_and_heartbeat_follow_the_prefix_cache():
 
 
 def test_drain_refuses_new_requests_and_hands_back_the_rest():
+    """A drain with no grace hands the running request back: its stream ends with UNAVAILABLE +
+    handed-back after some of its tokens and before its end; those tokens are the uninterrupted
+    run's first ones (nothing lost or repeated before the cut), and a new request is refused."""
     prompt = tiny_tokenizer().encode_pieces(list("abcdefgh"))
+    max_tokens = 140
 
     async def test(server, stub):
-        call = stub.Generate(make_request("long", prompt, max_tokens=140, ignore_eos=True))
-        await call.read()
+        whole = await _collect(stub.Generate(make_request("whole", prompt, max_tokens=max_tokens, ignore_eos=True)))
+        call = stub.Generate(make_request("long", prompt, max_tokens=max_tokens, ignore_eos=True))
+        first = await call.read()
         handed = await server.drain(timeout=0.0)
         refused = stub.Generate(make_request("late", prompt, max_tokens=2))
         refused_code = await refused.code()
         refused_md = dict(await refused.trailing_metadata())
-        chunks = await _collect_until_error(call)
+        chunks, error = await _collect_until_error(call)
         health = await stub.Health(engine_pb2.HealthRequest())
-        return refused_code, refused_md, handed, chunks, await call.code(), dict(await call.trailing_metadata()), health
+        return (whole, refused_code, refused_md, handed, [first, *chunks], error, dict(await call.trailing_metadata()),
+                health)
 
-    refused_code, refused_md, handed, chunks, code, trailing, health = _serve(test, max_model_len=160)
+    whole, refused_code, refused_md, handed, chunks, error, trailing, health = _serve(test, max_model_len=160)
     assert refused_code == grpc.StatusCode.UNAVAILABLE and refused_md[DRAINING_KEY] == "1"
     assert handed == 1
+    assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE and trailing[HANDED_BACK_KEY] == "1"
     assert all(c.finish_reason == engine_pb2.FINISH_REASON_UNSPECIFIED for c in chunks)
-    assert code == grpc.StatusCode.UNAVAILABLE and trailing[HANDED_BACK_KEY] == "1"
+    streamed = [t for c in chunks for t in c.token_ids]
+    reference = [t for c in whole for t in c.token_ids]
+    assert len(reference) == max_tokens
+    assert 0 < len(streamed) < max_tokens  # cut mid-way: handed back, not finished
+    assert streamed == reference[:len(streamed)]
     assert not health.healthy and health.status == "draining"
 
 
-async def _collect_until_error(call) -> list[engine_pb2.GenerateResponse]:
+async def _collect_until_error(call) -> tuple[list[engine_pb2.GenerateResponse], grpc.aio.AioRpcError | None]:
+    """The chunks a call delivered before it failed, and the failure (None if it finished)."""
+    chunks = []
     try:
-        return await _collect(call)
-    except grpc.aio.AioRpcError:
-        return []
+        while (chunk := await call.read()) is not grpc.aio.EOF:
+            chunks.append(chunk)
+    except grpc.aio.AioRpcError as exc:
+        return chunks, exc
+    return chunks, None
 
 
 @pytest.mark.parametrize("timeout", [5.0])

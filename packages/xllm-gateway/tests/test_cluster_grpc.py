@@ -14,6 +14,7 @@ from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.registry import EmbeddedRegistry
 from xllm.gateway.router import Router
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.processes import until
 from xllm.testing.served import ServedEngine
 
 pytestmark = pytest.mark.real_model
@@ -54,10 +55,8 @@ def test_dispatch_follows_the_cache_and_resumes_a_broken_stream(smollm2_fp32, sm
             client, streams = await dispatcher.submit_all(MODEL, [_req("r1", prompt, 3)])
             await _drain(streams[0])
             home = client.info.instance_id
-            for _ in range(100):  # the next heartbeats carry its prefix blocks into the global index
-                if registry.kv_index.num_blocks(home):
-                    break
-                await asyncio.sleep(0.02)
+            # the next heartbeats carry its prefix blocks into the global index
+            await until(lambda: registry.kv_index.num_blocks(home), 10, "the prefix blocks in the global index")
             client2, streams = await dispatcher.submit_all(MODEL, [_req("r2", system + tok.encode(" Hi"), 3)])
             chunks = await _drain(streams[0])
             assert client2.info.instance_id == home

@@ -83,7 +83,7 @@ def test_re_registration_replaces_the_old_instance_and_closes_its_client():
         moved = info("a")
         moved.address = "127.0.0.1:9999"
         reg.grant(moved, 3.0)
-        await asyncio.sleep(0)
+        await asyncio.wait_for(reg.settled(), 10)  # the old client is closed in the background
         assert reg.get("a").client is not old and old.closed
         assert not reg.keepalive(old_lease)
 
@@ -112,7 +112,7 @@ def test_heartbeats_feed_the_global_kv_index_and_gaps_resync_from_the_instance()
         lost = log.version
         log.record([(False, hashes[0])])
         assert reg.keepalive(lease, heartbeat("a", log, since=lost))  # the delta up to `lost` never arrived
-        await asyncio.sleep(0.05)  # the resync task asks the instance
+        await reg.settled()  # the resync task asked the instance
         assert client.resyncs and client.resyncs[0][:2] == (v, log.epoch)
         assert reg.kv_index.match(hashes) == {} and reg.kv_index.holders(hashes[2]) == {"a"}
         reg.revoke(lease)
@@ -279,3 +279,22 @@ def test_resumes_are_bounded():
                 pass
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("cut", range(1, 4))
+def test_text_held_back_by_a_broken_instance_is_neither_lost_nor_repeated(cut):
+    """A character split at the failure: its first bytes' tokens go to the next instance as
+    undelivered (it emits the character once complete); text held back whole (a possible stop
+    string) is sent by the gateway; at the very end, an incomplete character ends as U+FFFD."""
+    from xllm.testing.tiny import PieceTokenizer
+
+    tok = PieceTokenizer([])
+    d = _dispatch([FlakyClient("a")], detokenize=tok.decode)
+    req = _gen(prompt=tok.encode_pieces(["Say: "]))
+    emoji = "😀".encode()
+    generated = tok.encode_pieces(["ab", "cd"] + [bytes([b]) for b in emoji[:cut]])
+    assert d._recover_text(req, generated, "abcd") == ("", cut)
+    assert d._recover_text(req, generated, "ab") == ("cd", cut)  # "cd" was held back for a stop string
+    assert d._recover_text(req, generated, "abcd", final=True) == ("\ufffd", 0)
+    whole = tok.encode_pieces(["ab", "cd", emoji])
+    assert d._recover_text(req, whole, "abcd😀") == ("", 0)

@@ -20,6 +20,7 @@ from xllm.gateway.registry import EmbeddedRegistry
 from xllm.gateway.router import Router
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.engine import Collected, generate, make_engine, make_request
+from xllm.testing.processes import until
 from xllm.testing.served import ServedEngine
 from xllm.testing.tiny import TinyLM, tiny_tokenizer
 
@@ -73,11 +74,11 @@ class Cluster:
         """Whether instance ``iid`` ends up with no request and ``free_blocks`` free (polled: the
         release runs on the engine thread after the call ended)."""
         engine = self.nodes[iid].engine
-        for _ in range(200):
-            if not engine.requests and engine.kv.num_free_blocks == free_blocks:
-                return True
-            await asyncio.sleep(0.02)
-        return False
+        try:
+            await until(lambda: not engine.requests and engine.kv.num_free_blocks == free_blocks, 4, f"{iid} idle")
+        except AssertionError:
+            return False
+        return True
 
 
 def reference(rid: str, prompt: list[int], n: int = 1, **sampling) -> Collected:
@@ -116,10 +117,8 @@ def test_the_decode_instance_holding_the_prefix_is_chosen_and_receives_only_the_
         async with Cluster({"p": "prefill", "d1": "decode", "d2": "decode"}) as c:
             _, (s1,) = await c.generate("a", first, **GREEDY)
             home = s1._stream.decode.state.instance_id
-            for _ in range(200):  # its heartbeats carry the blocks it holds into the global index
-                if c.registry.kv_index.num_blocks(home):
-                    break
-                await asyncio.sleep(0.02)
+            # its heartbeats carry the blocks it holds into the global index
+            await until(lambda: c.registry.kv_index.num_blocks(home), 10, "the blocks in the global index")
             got, (s2,) = await c.generate("b", second, **GREEDY)
             return home, s1._stream.target, s2._stream, got, c.nodes["p"].engine.kv.prefix_stats.hits
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from xllm.core import InvalidRequestError
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.openai.errors import APIError
-from xllm.gateway.openai.serving import Choice, collect, merge_streams, usage_dict
+from xllm.gateway.openai.serving import Choice, collect, merge_streams, sse, usage_dict
 from xllm.gateway.registry import EmbeddedRegistry
 from xllm.proto.engine.v1 import engine_pb2
 
@@ -20,6 +21,7 @@ class Stream:
     def __init__(self, rid: str, n: int, fail_at: int | None = None, delay: float = 0.0) -> None:
         self.rid, self.n, self.fail_at, self.delay = rid, n, fail_at, delay
         self.closed_early = False
+        self.ended = asyncio.Event()  # set when the generator has run its finally block
 
     async def __aiter__(self):
         done = False
@@ -40,6 +42,7 @@ class Stream:
         finally:
             if not done:
                 self.closed_early = True
+            self.ended.set()
 
 
 class Disconnectable:
@@ -95,7 +98,7 @@ def test_leaving_the_merge_closes_every_stream(n_streams):
         async for _ in agen:
             break
         await agen.aclose()
-        await asyncio.sleep(0.05)  # let the cancelled pumps unwind
+        await asyncio.wait_for(asyncio.gather(*(s.ended.wait() for s in streams)), 10)  # the pumps unwound
 
     asyncio.run(run())
     assert all(s.closed_early for s in streams)
@@ -126,7 +129,7 @@ def test_collect_aborts_when_the_client_disconnects():
         try:
             await collect(streams, [1, 1], request)
         finally:
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(asyncio.gather(*(s.ended.wait() for s in streams)), 10)
 
     with pytest.raises(APIError) as info:
         asyncio.run(run())
@@ -142,6 +145,7 @@ class Client:
         self.fail_on = fail_on
         self.submitted: list[str] = []
         self.aborted: list[str] = []
+        self.all_aborted = asyncio.Event()  # every submitted request was aborted
 
     async def submit(self, req):
         if len(self.submitted) == self.fail_on:
@@ -151,6 +155,8 @@ class Client:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+        if sorted(self.aborted) == sorted(self.submitted):
+            self.all_aborted.set()
 
 
 def _dispatcher(client: Client | None) -> Dispatcher:
@@ -179,7 +185,7 @@ def test_submit_all_aborts_the_submitted_ones_on_failure():
         try:
             await d.submit_all("m", reqs)
         finally:
-            await asyncio.sleep(0)  # let the scheduled aborts run
+            await asyncio.wait_for(client.all_aborted.wait(), 10)  # the aborts run in the background
 
     with pytest.raises(APIError) as info:
         asyncio.run(run())
@@ -214,3 +220,13 @@ def test_collect_maps_engine_errors_to_api_errors():
     with pytest.raises(APIError) as info:
         asyncio.run(run())
     assert (info.value.status, info.value.param, info.value.message) == (400, "prompt", "engine rejected it")
+
+
+def test_an_event_is_one_line_for_clients_that_split_like_splitlines():
+    """httpx's aiter_lines and requests' iter_lines split at U+2028, U+0085, \\x1c...; JSON leaves those
+    raw, so the server escapes them (a model's text can contain any of them)."""
+    text = "a\u2028b\u2029c\x85d\x1ce\x1df\x1eg\x0bh\x0ci\nj"
+    event = sse(json.dumps({"text": text}, ensure_ascii=False))
+    lines = event.splitlines()
+    assert lines[0].startswith("data: ") and lines[1:] == [""]
+    assert json.loads(lines[0][6:])["text"] == text

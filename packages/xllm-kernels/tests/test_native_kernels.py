@@ -94,10 +94,25 @@ def test_native_kernels_can_be_disabled():
     assert out.stdout.strip() == "ok"
 
 
-def test_argmax_rows_matches_torch_including_ties():
+@needs_native
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1001])
+def test_native_argmax_matches_torch_including_ties(vocab):
+    """The C kernel itself (not ``argmax_rows``, which falls back to torch where the kernel cannot
+    run): ties resolve to the first index, as in torch, across vector-width boundaries."""
     from xllm.kernels.sampling import argmax_rows
 
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 1001, generator=g)
-    x[2, 5] = x[2, 900] = 50.0  # a tie: the first index wins, as in torch
-    assert argmax_rows(x).tolist() == x.argmax(-1).tolist()
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    if vocab > 1:
+        x[1, 0] = x[1, vocab - 1] = 50.0           # first and last
+        x[2, vocab // 2] = x[2, vocab - 1] = 50.0  # middle and last (often another vector lane)
+        x[3] = 7.0                                 # all equal: index 0
+        x[4, vocab - 1] = 60.0                     # the maximum in the tail
+        x[5, :] = float("-inf")
+        x[5, vocab - 1] = -1e30
+    lib = native.for_tensors(x)
+    assert lib is not None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.lib.xllm_argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    assert out.tolist() == x.argmax(-1).tolist()
+    assert argmax_rows(x).tolist() == out.tolist()  # the wrapper takes the kernel here

@@ -72,22 +72,16 @@ def test_fp32_fused_decode_equals_eager(model_dir):
     assert diff < 1e-4, diff
 
 
-def test_bf16_fused_decode_tracks_eager(model_dir):
-    """bf16 rounds at the same points but accumulates in a different order: require the
-    first tokens to agree and logprobs of agreeing positions to be close."""
+def test_bf16_fused_decode_equals_eager(model_dir):
+    """In bf16 too: the module path runs the same native kernels in the same order (the model
+    tests hold both to HF fp32 by number, ``test_bf16_numerics``)."""
     model = load_model(model_dir, torch.bfloat16, progress=False)
     ps = prompts()
-    eager, eager_lp, _ = generate(model, ps, native_decode=False, n=8)
-    fused, fused_lp, steps = generate(model, ps, native_decode=True, n=8)
+    eager, eager_lp, _ = generate(model, ps, native_decode=False)
+    fused, fused_lp, steps = generate(model, ps, native_decode=True)
     assert steps > 0
-    agree = 0
-    for r in eager:
-        for j, (a, b) in enumerate(zip(eager[r], fused[r])):
-            if a != b:
-                break
-            agree += 1
-            assert abs(eager_lp[r][j] - fused_lp[r][j]) < 0.15
-    assert agree >= 0.75 * sum(len(t) for t in eager.values())
+    assert fused == eager
+    assert fused_lp == eager_lp
 
 
 def test_batches_over_eight_use_the_module_path(model_dir):

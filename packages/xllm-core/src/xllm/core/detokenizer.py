@@ -37,9 +37,11 @@ class IncrementalDetokenizer:
 
     @classmethod
     def for_prompt(cls, decoder: TokenDecoder, prompt_ids: list[int], skip_special_tokens: bool = True,
-                   context: int = 6) -> IncrementalDetokenizer:
-        tail = list(prompt_ids[-context:])
-        return cls(decoder, skip_special_tokens, tail, 0, len(tail))
+                   context: int = 6, undelivered: int = 0) -> IncrementalDetokenizer:
+        """Text starts after the prompt, or ``undelivered`` tokens before its end (their text is
+        released with the first tokens pushed, once complete)."""
+        tail = list(prompt_ids[-(context + undelivered):]) if context + undelivered else []
+        return cls(decoder, skip_special_tokens, tail, 0, len(tail) - undelivered)
 
     def _window(self) -> tuple[str, str]:
         decode = self.decoder.decode

@@ -122,7 +122,7 @@ class LLMEngine:
         gen.manual_seed(params.seed if params.seed is not None else self._seed_source.getrandbits(63))
         seq = Sequence(req.request_id, list(req.prompt_token_ids), params, req.arrival_time or time.time(),
                        req.priority, gen, phase=phase)
-        out = self.outputs.new_request(seq)
+        out = self.outputs.new_request(seq, req.undelivered_output_tokens)
         out.kv_target = req.kv_target if phase is Phase.PREFILL else None
         self.requests[req.request_id] = out
         self.scheduler.add(seq)

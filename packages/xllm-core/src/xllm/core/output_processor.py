@@ -49,8 +49,10 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def new_request(self, seq: Sequence) -> RequestOutput:
-        detok = IncrementalDetokenizer.for_prompt(self.decoder, seq.prompt_ids, seq.params.skip_special_tokens)
+    def new_request(self, seq: Sequence, undelivered: int = 0) -> RequestOutput:
+        """``undelivered``: trailing prompt tokens whose text goes out with the first chunk that completes it."""
+        detok = IncrementalDetokenizer.for_prompt(self.decoder, seq.prompt_ids, seq.params.skip_special_tokens,
+                                                  undelivered=undelivered)
         return RequestOutput(seq, detok)
 
     def append_token(self, out: RequestOutput, token: int,

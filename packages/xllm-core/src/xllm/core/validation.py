@@ -31,6 +31,8 @@ class RequestLimits:
         prompt = req.prompt_token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty", "prompt")
+        if req.undelivered_output_tokens > len(prompt):
+            raise InvalidRequestError("undelivered_output_tokens exceeds the prompt", "undelivered_output_tokens")
         vocab = self.vocab_size
         if vocab and (min(prompt) < 0 or max(prompt) >= vocab):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")

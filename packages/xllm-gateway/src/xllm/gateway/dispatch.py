@@ -191,26 +191,32 @@ class Dispatcher:
         for r in reqs:
             self.background(client.abort(r.request_id))
 
-    def _recover_text(self, req: engine_pb2.GenerateRequest, generated: list[int], sent: str) -> str:
-        """Text of ``generated`` the broken instance had not sent yet (held back for an incomplete
-        character or a possible stop string)."""
+    def _recover_text(self, req: engine_pb2.GenerateRequest, generated: list[int], sent: str,
+                      final: bool = False) -> tuple[str, int]:
+        """What of ``generated`` the broken instance had not delivered: the complete text it held back
+        (for a possible stop string), to send now, and the trailing tokens of an incomplete character,
+        whose text the next instance releases once its first tokens complete it. ``final`` (no
+        tokens follow): everything, an incomplete character as U+FFFD, as an engine would end it."""
         if self.detokenize is None or not generated:
-            return ""
+            return "", 0
         skip = req.sampling.skip_special_tokens if req.sampling.HasField("skip_special_tokens") else True
         tail = list(req.prompt_token_ids[-6:])
         before = self.detokenize(tail, skip_special_tokens=skip)
-        after = self.detokenize(tail + generated, skip_special_tokens=skip)
-        full = after[len(before):] if after.startswith(before) else ""
-        if full.startswith(sent) and not full.endswith("\ufffd"):
-            return full[len(sent):]
-        return ""
+        for cut in range(min(len(generated), 4) + 1):  # a character spans at most 4 byte tokens
+            after = self.detokenize(tail + generated[:len(generated) - cut], skip_special_tokens=skip)
+            full = after[len(before):] if after.startswith(before) else None
+            if full is not None and full.startswith(sent) and (final or not full.endswith("\ufffd")):
+                return full[len(sent):], cut
+        return "", 0
 
     async def resume(self, model: str, req: engine_pb2.GenerateRequest, generated: list[int],
-                     failed: set[str]) -> tuple[Ticket, engine_pb2.GenerateRequest, object]:
-        """Continue ``req`` elsewhere: its prompt plus the ``generated`` tokens, the rest of its budget."""
+                     failed: set[str], undelivered: int = 0) -> tuple[Ticket, engine_pb2.GenerateRequest, object]:
+        """Continue ``req`` elsewhere: its prompt plus the ``generated`` tokens (the last
+        ``undelivered`` of them without their text sent), the rest of its budget."""
         cont = engine_pb2.GenerateRequest()
         cont.CopyFrom(req)
         cont.prompt_token_ids.extend(generated)
+        cont.undelivered_output_tokens = undelivered
         cont.sampling.max_tokens = req.sampling.max_tokens - len(generated)
         cont.sampling.min_tokens = max(req.sampling.min_tokens - len(generated), 0)
         ticket, streams = await self._place(model, list(cont.prompt_token_ids), [cont], None, failed)
@@ -278,16 +284,17 @@ class RoutedStream:
                     raise
                 log.warning("request %s: %s; resuming after %d token(s) on another instance", req.request_id,
                             exc, len(generated))
-                carry = d._recover_text(req, generated, sent)
                 if req.sampling.max_tokens - len(generated) <= 0:  # only the final chunk was lost
+                    text, _ = d._recover_text(req, generated, sent, final=True)
                     yield engine_pb2.GenerateResponse(
-                        request_id=req.request_id, text=carry, finish_reason=engine_pb2.FINISH_REASON_LENGTH,
+                        request_id=req.request_id, text=text, finish_reason=engine_pb2.FINISH_REASON_LENGTH,
                         usage=engine_pb2.Usage(prompt_tokens=len(req.prompt_token_ids),
                                                completion_tokens=len(generated)))
                     return
+                carry, undelivered = d._recover_text(req, generated, sent)
                 d.router.finished(ticket, got_first)
                 accounted = True
-                self._ticket, _, self._stream = await d.resume(self._model, req, generated, failed)
+                self._ticket, _, self._stream = await d.resume(self._model, req, generated, failed, undelivered)
                 self.resumes += 1
                 if d.router.metrics is not None:
                     d.router.metrics.resumed(self._model, ticket.state.instance_id)

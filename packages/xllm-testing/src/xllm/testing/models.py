@@ -71,10 +71,12 @@ def tiny_deepseek_v2_config():
 class EngineRun:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[float]] = field(default_factory=dict)
+    top: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # with top_logprobs > 0
     text: dict[str, str] = field(default_factory=dict)
     finish: dict[str, int] = field(default_factory=dict)
     stats: list[StepStats] = field(default_factory=list)
     counters: object = None
+    native_decode_steps: int = 0  # decode steps the fused native step ran
 
 
 class _Recorder:
@@ -88,8 +90,9 @@ class _Recorder:
 
 
 def run_engine(model, tokenizer, prompts: list[list[int]], max_tokens: int, dtype=torch.float32,
-               **config) -> EngineRun:
-    """Submit every prompt at once (greedy, ignore_eos, logprobs) and step until done."""
+               top_logprobs: int = 0, **config) -> EngineRun:
+    """Submit every prompt at once (greedy, ignore_eos, logprobs; the ``top_logprobs`` most likely
+    tokens of every position in ``EngineRun.top``) and step until done."""
     config.setdefault("max_model_len", 512)
     config.setdefault("max_num_seqs", 16)
     config.setdefault("num_threads", 1)  # tests share 2 cores: one torch thread (see xllm.testing.engine)
@@ -100,16 +103,18 @@ def run_engine(model, tokenizer, prompts: list[list[int]], max_tokens: int, dtyp
         engine.add_request(engine_pb2.GenerateRequest(
             request_id=f"p{i}", prompt_token_ids=p,
             sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                               logprobs=True)))
+                                               logprobs=True, top_logprobs=top_logprobs)))
     for _ in range(10000):
         if not engine.has_work():
             break
         for c in engine.step():
             run.tokens.setdefault(c.request_id, []).extend(c.token_ids)
             run.logprobs.setdefault(c.request_id, []).extend(lp.logprob for lp in c.logprobs)
+            run.top.setdefault(c.request_id, []).extend({t.token_id: t.logprob for t in lp.top} for lp in c.logprobs)
             run.text[c.request_id] = run.text.get(c.request_id, "") + c.text
             if c.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                 run.finish[c.request_id] = c.finish_reason
     assert not engine.has_work(), "engine did not finish"
     run.counters = engine.counters
+    run.native_decode_steps = engine.runner.native_decode_steps
     return run

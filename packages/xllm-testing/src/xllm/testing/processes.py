@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import os
@@ -45,6 +46,17 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, what: str, lo
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} not healthy after {timeout:.0f} s:\n{log_tail()}")
         time.sleep(interval)
+
+
+async def until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.01):
+    """:func:`wait_for` inside an event loop: for state another thread changes (an engine's step
+    loop) that offers no event to await. Fails with ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(interval)
+    return value
 
 
 def child_processes(pid: int) -> dict[int, list[str]]:

@@ -125,8 +125,14 @@ def engine_request(request_id: str, prompt_ids: list[int], sampling: engine_pb2.
                                       model=model, priority=priority, arrival_time=time.time())
 
 
+# Characters str.splitlines() (so httpx's aiter_lines and requests' iter_lines) breaks lines at, which
+# JSON leaves unescaped: escaped in every event, so a client splitting that way never cuts one in two.
+_LINE_BREAKS = {c: f"\\u{c:04x}" for c in (0x0B, 0x0C, 0x1C, 0x1D, 0x1E, 0x85, 0x2028, 0x2029)}
+
+
 def sse(data: str) -> str:
-    return f"data: {data}\n\n"
+    """One server-sent event carrying ``data`` (JSON text) on a single line."""
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
 
 
 class StreamFormat(Protocol):

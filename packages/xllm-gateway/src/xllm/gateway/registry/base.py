@@ -131,6 +131,12 @@ class Registry:
     async def start(self) -> None:
         """Start background work (watches, lease expiry)."""
 
+    async def settled(self) -> None:
+        """Return once the background work started so far (KV resyncs, closing replaced clients)
+        and any it started in turn has ended."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()

@@ -95,7 +95,7 @@ class KVTarget(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., matched_tokens: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "model", "arrival_time", "disagg_phase", "kv_target")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "model", "arrival_time", "disagg_phase", "kv_target", "undelivered_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class GenerateRequest(_message.Message):
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
     DISAGG_PHASE_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    UNDELIVERED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -112,7 +113,8 @@ class GenerateRequest(_message.Message):
     arrival_time: float
     disagg_phase: DisaggPhase
     kv_target: KVTarget
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., arrival_time: _Optional[float] = ..., disagg_phase: _Optional[_Union[DisaggPhase, str]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+    undelivered_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., arrival_time: _Optional[float] = ..., disagg_phase: _Optional[_Union[DisaggPhase, str]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., undelivered_output_tokens: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

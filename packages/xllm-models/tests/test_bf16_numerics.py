@@ -1,0 +1,131 @@
+"""The production configuration (bf16 weights, native kernels, xTensor KV, the fused decode step)
+held to numbers against HF transformers in fp32, with the bound taken from HF's own bf16.
+
+bf16 is not token-equal to fp32 over long outputs, so "close to fp32" needs a yardstick: HF's bf16
+forward of the same weights, teacher-forced over the same positions. Over a few hundred positions
+of our greedy bf16 decode, we require
+
+- top-1 agreement with HF fp32 (our token is fp32's argmax) at least HF bf16's, less 2% of positions;
+- the error of our log-prob of each chosen token against HF fp32's within 1.2x HF bf16's own
+  (mean) and 1.3x (99th percentile). Measured: 0.96x and 1.01x.
+
+And batched decode must produce the text each request gets alone (content, not just lengths): up to a
+first difference, which may only fall where the alone run's top two tokens were a near-tie at bf16's
+resolution.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from xllm.testing.models import run_engine
+
+pytestmark = pytest.mark.real_model
+
+NEW_TOKENS = 40
+BF16_TIE = 0.25  # two bf16 steps of a logit in [16, 32)
+TEXTS = [
+    "The history of the printing press begins",
+    "def quicksort(items):\n    ",
+    "Photosynthesis is the process by which",
+    "Ingredients for a simple bread: flour,",
+    "In 1969, the first humans",
+    "The three laws of motion state that",
+    "Dear customer, thank you for your order.",
+    "A haiku about autumn rain:\n",
+]
+CHAT = ["What is the capital of Japan?", "Give me three tips for learning to cook.",
+        "Why do cats purr?", "Explain recursion to a child."]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer) -> list[list[int]]:
+    tok = smollm2_tokenizer
+    return [tok.encode(t) for t in TEXTS] + [tok.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT]
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2_dir):
+    from xllm.models import load_model
+
+    return load_model(smollm2_dir, torch.bfloat16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(hf_smollm2_fp32):
+    return copy.deepcopy(hf_smollm2_fp32).to(torch.bfloat16)
+
+
+@torch.inference_mode()
+def rows(hf, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """HF log-softmax (fp32) rows predicting each of ``output``'s tokens."""
+    logits = hf(torch.tensor([prompt + output[:-1]])).logits[0, len(prompt) - 1:]
+    return logits.float().log_softmax(-1)
+
+
+@pytest.mark.parametrize("native_decode", [True, False], ids=["fused", "modules"])
+def test_bf16_decode_is_as_close_to_hf_fp32_as_hf_bf16_is(smollm2_bf16, smollm2_tokenizer, hf_smollm2_fp32,
+                                                          hf_bf16, prompts, native_decode):
+    """Eight at once: every decode step takes the fused native step, or (``modules``) the eager
+    modules with the native skinny GEMMs and decode attention. A 5% error in the attention scale of
+    the fused step raised the mean error from 0.96x to 1.38x HF bf16's: the bound is 1.2x."""
+    batch = prompts[:8]
+    run = run_engine(smollm2_bf16, smollm2_tokenizer, batch, NEW_TOKENS, dtype=torch.bfloat16,
+                     native_decode=native_decode)
+    assert sum(s.num_decode_tokens for s in run.stats) == len(batch) * (NEW_TOKENS - 1)
+    assert run.native_decode_steps == (NEW_TOKENS - 1 if native_decode else 0)
+    ours_agree = hf_agree = 0
+    ours_err, hf_err = [], []
+    for i, p in enumerate(batch):
+        toks, lps = run.tokens[f"p{i}"], torch.tensor(run.logprobs[f"p{i}"])
+        ref, half = rows(hf_smollm2_fp32, p, toks), rows(hf_bf16, p, toks)
+        pick = torch.arange(len(toks)), torch.tensor(toks)
+        ours_agree += int((ref.argmax(-1) == torch.tensor(toks)).sum())
+        hf_agree += int((half.argmax(-1) == ref.argmax(-1)).sum())
+        ours_err.append((lps - ref[pick]).abs())
+        hf_err.append((half[pick] - ref[pick]).abs())
+    n = len(batch) * NEW_TOKENS
+    ours_err_t, hf_err_t = torch.cat(ours_err), torch.cat(hf_err)
+    figures = {
+        "positions": n, "top-1 = HF fp32 (ours)": ours_agree, "top-1 = HF fp32 (HF bf16)": hf_agree,
+        "mean |dlogprob| ours": float(ours_err_t.mean()), "mean |dlogprob| HF bf16": float(hf_err_t.mean()),
+        "p99 |dlogprob| ours": float(ours_err_t.quantile(0.99)),
+        "p99 |dlogprob| HF bf16": float(hf_err_t.quantile(0.99)),
+    }
+    print(figures)
+    assert ours_agree >= hf_agree - 0.02 * n, figures
+    assert figures["mean |dlogprob| ours"] <= 1.2 * figures["mean |dlogprob| HF bf16"], figures
+    assert figures["p99 |dlogprob| ours"] <= 1.3 * figures["p99 |dlogprob| HF bf16"], figures
+
+
+@pytest.fixture(scope="module")
+def alone_runs(smollm2_bf16, smollm2_tokenizer, prompts):
+    """Each prompt run by itself (with the top two log-probs of every position)."""
+    return [run_engine(smollm2_bf16, smollm2_tokenizer, [p], NEW_TOKENS, dtype=torch.bfloat16, top_logprobs=2)
+            for p in prompts]
+
+
+@pytest.mark.parametrize("size", [8, 12], ids=["fused", "modules"])
+def test_batched_decode_produces_what_each_request_gets_alone(smollm2_bf16, smollm2_tokenizer, prompts,
+                                                              alone_runs, size):
+    """Eight at once (the fused native step) and twelve (the module path while more than eight run)
+    against each prompt alone, by content."""
+    batched = run_engine(smollm2_bf16, smollm2_tokenizer, prompts[:size], NEW_TOKENS, dtype=torch.bfloat16)
+    assert (batched.native_decode_steps > 0) == (size <= 8)
+    parted = 0
+    for i, alone in enumerate(alone_runs[:size]):
+        a, b = alone.tokens["p0"], batched.tokens[f"p{i}"]
+        assert len(b) == NEW_TOKENS and batched.finish[f"p{i}"] == alone.finish["p0"]
+        if a == b:
+            assert batched.text[f"p{i}"] == alone.text["p0"]
+            continue
+        j = next(k for k, (x, y) in enumerate(zip(a, b)) if x != y)
+        # where they part, the alone run must have rated the batched run's token (nearly) as high as its
+        # own: within two bf16 steps of a logit below 32 (the LM head's output is bf16, 0.125 apart there)
+        top = alone.top["p0"][j]
+        assert b[j] in top and top[a[j]] - top[b[j]] <= BF16_TIE, f"prompt {i} parts at token {j}: {b[j]}, {top}"
+        parted += 1
+    print(f"{parted} of {size} batched outputs part from the alone run, each at a near-tie")
