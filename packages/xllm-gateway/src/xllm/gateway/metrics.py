@@ -102,16 +102,14 @@ class EngineMetrics:
         restarted = counters.steps < last.steps or counters.prompt_tokens < last.prompt_tokens
         if restarted:
             last = instance_pb2.EngineCounters()
-        for counter, field in ((self.prompt_tokens, "prompt_tokens"), (self.generation_tokens, "generation_tokens"),
-                               (self.prefix_queries, "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits"),
-                               (self.preemptions, "preemptions")):
+        series = [(self.prompt_tokens, (), "prompt_tokens"), (self.generation_tokens, (), "generation_tokens"),
+                  (self.prefix_queries, (), "prefix_cache_queries"), (self.prefix_hits, (), "prefix_cache_hits"),
+                  (self.preemptions, (), "preemptions"),
+                  *((self.kv_handoffs, (outcome,), field) for outcome, field in _HANDOFF_OUTCOMES)]
+        for counter, extra, field in series:
             delta = getattr(counters, field) - getattr(last, field)
-            if delta > 0:
-                counter.labels(*lb).inc(delta)
-        for outcome, field in _HANDOFF_OUTCOMES:
-            delta = getattr(counters, field) - getattr(last, field)
-            if delta > 0:
-                self.kv_handoffs.labels(*lb, outcome).inc(delta)
+            if delta > 0:  # a series appears with its first count
+                counter.labels(*lb, *extra).inc(delta)
         self._last_counters[lb] = counters
 
     def set_cluster(self, model_name: str, loads: list[instance_pb2.LoadReport], kv_blocks: int) -> None:
