@@ -42,8 +42,10 @@ import time
 from dataclasses import dataclass, fields
 
 from benchmarks.client import EndpointProfile, RequestSpec, run_requests
+from benchmarks.metrics import histogram_quantile, scrape, total
 from benchmarks.peers.xllm import model_dir as xllm_model_dir
 from benchmarks.peers.xllm import wait_instances
+from benchmarks.report import pct, ratio
 from benchmarks.stats import SLO, RequestRecord, goodput, serving_summary, slo_attainment
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -79,43 +81,11 @@ def build_workload(bank, args: argparse.Namespace) -> Workload:
 
 # ---- /metrics -------------------------------------------------------------------------------------
 
-def scrape(base_url: str) -> dict[str, list[tuple[dict, float]]]:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(base_url + "/metrics", timeout=10, trust_env=False).text
-    out: dict[str, list[tuple[dict, float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), s.value))
-    return out
-
-
-def _total(m: dict, name: str, **labels: str) -> float:
-    return sum(v for lb, v in m.get(name, []) if all(lb.get(k) == x for k, x in labels.items()))
-
-
-def _histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
-    """Prometheus-style quantile from cumulative ``(upper bound, count)`` buckets (linear inside one)."""
-    buckets = sorted(buckets)
-    total = buckets[-1][1] if buckets else 0
-    if not total:
-        return math.nan
-    rank, lo, prev = q * total, 0.0, 0.0
-    for le, count in buckets:
-        if count >= rank:
-            if math.isinf(le):
-                return lo
-            return lo + (le - lo) * ((rank - prev) / (count - prev) if count > prev else 1.0)
-        lo, prev = le, count
-    return lo
-
-
 def pd_figures(before: dict, after: dict, transport: str, requests: int) -> dict:
     """What moved between the two scrapes: KV bytes and transfer time per request, failures, and
     the mean TTFT breakdown."""
     def diff(name: str, **labels: str) -> float:
-        return _total(after, name, **labels) - _total(before, name, **labels)
+        return total(after, name, **labels) - total(before, name, **labels)
 
     les = sorted({float(lb["le"]) for lb, _ in after.get("xllm:kv_transfer_seconds_bucket", [])
                   if lb.get("transport") == transport})
@@ -129,8 +99,8 @@ def pd_figures(before: dict, after: dict, transport: str, requests: int) -> dict
         "transfers": n,
         "bytes_per_request": diff("xllm:kv_transfer_bytes_total", transport=transport) / n if n else None,
         "transfer_ms_mean": diff("xllm:kv_transfer_seconds_sum", transport=transport) / n * 1e3 if n else None,
-        "transfer_ms_p50": _histogram_quantile(buckets, 0.5) * 1e3,
-        "transfer_ms_p99": _histogram_quantile(buckets, 0.99) * 1e3,
+        "transfer_ms_p50": histogram_quantile(buckets, 0.5) * 1e3,
+        "transfer_ms_p99": histogram_quantile(buckets, 0.99) * 1e3,
         "transfer_failures": diff("xllm:kv_transfer_failures_total", transport=transport),
         "prefill_retries": diff("xllm:pd_prefill_retries_total"),
         "ttft_breakdown_ms_mean": breakdown,
@@ -247,9 +217,8 @@ def _f(x, digits: int = 0) -> str:
 
 
 def _ratio(a, b) -> str:
-    if a is None or b is None or not b or (isinstance(a, float) and math.isnan(a)) or math.isnan(b):
-        return "–"
-    return f"{a / b:.2f}x"
+    r = ratio(a, b)
+    return "–" if r is None else f"{r:.2f}x"
 
 
 def _slo_figures(run: dict, tpot_ms: float) -> tuple[float, float]:
@@ -267,8 +236,8 @@ def markdown(runs: dict[str, dict], meta: dict, errors: dict[str, str]) -> str:
         f"{meta['requests']} requests, Poisson {meta['rate']} req/s; {meta['long_fraction']:.0%} with "
         f"{meta['long_prompt_len']}-token prompts, the rest {meta['short_prompt_len']}; {meta['output_len']} output "
         f"tokens each; one thread per engine process, KV cache {meta['kv_cache_memory']} GiB each. SLO: TPOT <= "
-        f"{meta['slo_tpot_ms']:g} ms. CPU busy before/after: {_pct(meta.get('cpu_busy_before'))} / "
-        f"{_pct(meta.get('cpu_busy_after'))}.",
+        f"{meta['slo_tpot_ms']:g} ms. CPU busy before/after: {pct(meta.get('cpu_busy_before'))} / "
+        f"{pct(meta.get('cpu_busy_after'))}.",
         "",
         "| config | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | long-prompt TTFT p50 | "
         "short-prompt TTFT p50 | SLO attainment | goodput (req/s) | output tok/s | failed |",
@@ -328,10 +297,6 @@ def markdown(runs: dict[str, dict], meta: dict, errors: dict[str, str]) -> str:
 
 def _record(d: dict) -> RequestRecord:
     return RequestRecord(**{f.name: d[f.name] for f in fields(RequestRecord) if f.name in d})
-
-
-def _pct(v) -> str:
-    return "?" if v is None else f"{v:.0%}"
 
 
 def plot(runs: dict[str, dict], path: pathlib.Path) -> None:

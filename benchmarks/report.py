@@ -34,6 +34,11 @@ def fmt(x: float | None) -> str:
     return f"{x:.2f}"
 
 
+def pct(x: float | None) -> str:
+    """A fraction as a percentage ("?" when unknown)."""
+    return "?" if x is None else f"{x:.0%}"
+
+
 def ratio(ours: float | None, peer: float | None) -> float | None:
     """ours / peer, or None when either is missing, NaN or the peer's is 0."""
     if ours is None or peer is None or math.isnan(ours) or math.isnan(peer) or peer == 0:

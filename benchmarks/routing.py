@@ -29,13 +29,14 @@ import datetime
 import json
 import pathlib
 import random
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass
 
+from benchmarks.metrics import parse, total
 from benchmarks.peers.xllm import model_dir as xllm_model_dir
 from benchmarks.peers.xllm import wait_instances
+from benchmarks.report import pct
 from benchmarks.stats import percentile
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -102,7 +103,7 @@ def markdown(runs: dict[str, dict], meta: dict) -> str:
         f"Model {meta['model']} ({meta['dtype']}), prompts {meta['prefix_len']} + {meta['suffix_len']} tokens, "
         f"{meta['output_len']} output tokens, Poisson {meta['rate']} req/s, KV cache {meta['kv_cache_memory']} GiB "
         f"per instance, {meta['threads']} thread(s) per instance. CPU busy before/after: "
-        f"{_pct(meta.get('cpu_busy_before'))} / {_pct(meta.get('cpu_busy_after'))}.",
+        f"{pct(meta.get('cpu_busy_before'))} / {pct(meta.get('cpu_busy_after'))}.",
         "",
         "| policy | prefix-cache hit rate | requests with a hit | engine hit rate (incl. warm-up) | TTFT p50 (ms) "
         "| TTFT p95 (ms) | TTFT p99 (ms) | E2E p50 (ms) | req/s | failed | requests per instance |",
@@ -117,10 +118,6 @@ def markdown(runs: dict[str, dict], meta: dict) -> str:
             f"{'–' if engine is None else f'{engine:.1%}'} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p95']:.0f} | "
             f"{s['ttft_ms']['p99']:.0f} | {s['e2e_ms']['p50']:.0f} | {s['req_per_s']:.2f} | {s['failed']} | {spread} |")
     return "\n".join(lines) + "\n"
-
-
-def _pct(v) -> str:
-    return "?" if v is None else f"{v:.0%}"
 
 
 # ---- running ------------------------------------------------------------------------------------
@@ -168,21 +165,17 @@ async def replay(base_url: str, model: str, workload: list[RoutingRequest]) -> t
 
 def engine_hit_rate(metrics_text: str) -> float | None:
     """Prefix-cache hits / queries summed over the instances, from the gateway's /metrics."""
-    def total(name: str) -> float:
-        return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", metrics_text,
-                                                           re.MULTILINE))
-
-    queries = total("xllm:prefix_cache_queries_total")
-    return total("xllm:prefix_cache_hits_total") / queries if queries else None
+    samples = parse(metrics_text)
+    queries = total(samples, "xllm:prefix_cache_queries_total")
+    return total(samples, "xllm:prefix_cache_hits_total") / queries if queries else None
 
 
 def router_reasons(metrics_text: str) -> dict[str, int]:
     """Requests per routing reason (``xllm:router_requests_total``), summed over instances."""
     out: dict[str, int] = {}
-    for m in re.finditer(r'^xllm:router_requests_total\{([^}]*)\} (\S+)$', metrics_text, re.MULTILINE):
-        reason = re.search(r'reason="([^"]*)"', m.group(1))
-        key = reason.group(1) if reason else "?"
-        out[key] = out.get(key, 0) + int(float(m.group(2)))
+    for labels, value in parse(metrics_text).get("xllm:router_requests_total", []):
+        key = labels.get("reason", "?")
+        out[key] = out.get(key, 0) + int(value)
     return dict(sorted(out.items()))
 
 

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
+from benchmarks.metrics import histogram_quantile
 from benchmarks.pd import (
     CONFIGS,
-    _histogram_quantile,
     build_parser,
     build_workload,
     markdown,
@@ -40,9 +40,9 @@ def test_workload_mixes_long_and_short_prompts_at_poisson_arrivals():
 
 def test_histogram_quantile_interpolates_inside_a_bucket():
     buckets = [(0.1, 2.0), (0.2, 6.0), (0.5, 8.0), (math.inf, 8.0)]
-    assert _histogram_quantile(buckets, 0.5) == pytest.approx(0.15)   # rank 4 halfway through (0.1, 0.2]
-    assert _histogram_quantile(buckets, 1.0) == pytest.approx(0.5)
-    assert math.isnan(_histogram_quantile([], 0.5))
+    assert histogram_quantile(buckets, 0.5) == pytest.approx(0.15)   # rank 4 halfway through (0.1, 0.2]
+    assert histogram_quantile(buckets, 1.0) == pytest.approx(0.5)
+    assert math.isnan(histogram_quantile([], 0.5))
 
 
 def _scrape(n: float, seconds: float, nbytes: float, breakdown: float) -> dict:
