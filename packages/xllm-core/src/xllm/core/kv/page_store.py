@@ -12,8 +12,8 @@ class PageStore:
     For every (layer, K|V) range in layout order (``range_layers[r]``: its layer), page ``p`` is
     bytes ``[p * page_bytes[r], (p + 1) * page_bytes[r])`` of the writable ``buffers[r]``; a block's
     bytes are its page in every range, concatenated. A backend over a memfd (xTensor) also names it:
-    range ``r`` starts at ``memfd_offsets[r]`` in the file, so another process holding the fd can copy
-    pages in the kernel.
+    range ``r`` starts at ``memfd_offsets[r]`` in the file, so another process holding the fd can map
+    it and copy pages out.
     """
 
     layout: str
@@ -32,7 +32,7 @@ class PageStore:
         return sum(self.page_bytes)
 
     def read_block(self, page: int) -> bytes:
-        return b"".join(buf[page * pb:(page + 1) * pb] for buf, pb in zip(self.buffers, self.page_bytes))
+        return b"".join(self.read_pages(r, (page,)) for r in range(len(self.buffers)))
 
     def read_pages(self, r: int, pages: list[int] | tuple[int, ...]) -> bytes:
         """Range ``r``'s page of each of ``pages``, concatenated."""
@@ -48,7 +48,7 @@ class PageStore:
     def write_block(self, page: int, data: bytes | memoryview) -> None:
         if len(data) != self.block_bytes:
             raise ValueError(f"a block is {self.block_bytes} bytes, got {len(data)}")
-        at = 0
-        for buf, pb in zip(self.buffers, self.page_bytes):
-            buf[page * pb:(page + 1) * pb] = data[at:at + pb]
+        view, at = memoryview(data), 0
+        for r, pb in enumerate(self.page_bytes):
+            self.write_page(r, page, view[at:at + pb])
             at += pb
