@@ -260,6 +260,8 @@ def test_a_broken_stream_resumes_with_the_tokens_so_far():
         resumed = second.submitted[0]
         # the continuation carries the prompt plus the 2 tokens already streamed, and the rest of the budget
         assert list(resumed.prompt_token_ids) == [1, 2, 3, 103, 104] and resumed.sampling.max_tokens == 4
+        # under its own id (the broken instance may still hold the first attempt), shown to the client as one
+        assert resumed.request_id == "r#1" and {c.request_id for c in chunks} == {"r"}
         assert sum(len(c.token_ids) for c in chunks) == 6
         assert chunks[-1].usage.prompt_tokens == 3 and chunks[-1].usage.completion_tokens == 6
         assert streams[0].resumes == 1

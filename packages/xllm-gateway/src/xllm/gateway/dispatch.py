@@ -210,11 +210,18 @@ class Dispatcher:
         return "", 0
 
     async def resume(self, model: str, req: engine_pb2.GenerateRequest, generated: list[int],
-                     failed: set[str], undelivered: int = 0) -> tuple[Ticket, engine_pb2.GenerateRequest, object]:
+                     failed: set[str], undelivered: int = 0,
+                     attempt: int = 1) -> tuple[Ticket, engine_pb2.GenerateRequest, object]:
         """Continue ``req`` elsewhere: its prompt plus the ``generated`` tokens (the last
-        ``undelivered`` of them without their text sent), the rest of its budget."""
+        ``undelivered`` of them without their text sent), the rest of its budget.
+
+        The continuation runs under its own id, ``<id>#<attempt>``: an instance may still hold what
+        is left of the earlier attempt (a decode instance whose prefill partner died keeps the
+        abandoned reservation until the hand-off ends, and the abort of the broken call can arrive
+        late), and the two must never be taken for one another."""
         cont = engine_pb2.GenerateRequest()
         cont.CopyFrom(req)
+        cont.request_id = f"{req.request_id}#{attempt}"
         cont.prompt_token_ids.extend(generated)
         cont.undelivered_output_tokens = undelivered
         cont.sampling.max_tokens = req.sampling.max_tokens - len(generated)
@@ -260,6 +267,7 @@ class RoutedStream:
                     if not got_first:
                         got_first = True
                         d.router.first_token(ticket)
+                    chunk.request_id = req.request_id  # a continuation's chunks too (it runs as <id>#<n>)
                     if carry:
                         chunk.text, carry = carry + chunk.text, ""
                     generated.extend(chunk.token_ids)
@@ -294,7 +302,8 @@ class RoutedStream:
                 carry, undelivered = d._recover_text(req, generated, sent)
                 d.router.finished(ticket, got_first)
                 accounted = True
-                self._ticket, _, self._stream = await d.resume(self._model, req, generated, failed, undelivered)
+                self._ticket, _, self._stream = await d.resume(self._model, req, generated, failed, undelivered,
+                                                               attempt=self.resumes + 1)
                 self.resumes += 1
                 if d.router.metrics is not None:
                     d.router.metrics.resumed(self._model, ticket.state.instance_id)

@@ -12,7 +12,7 @@ from xllm.engine.server import EngineServer
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.enums import role_from_name
 from xllm.proto.registry.v1 import instance_pb2
-from xllm.testing.engine import Collected
+from xllm.testing.engine import Collected, make_request
 from xllm.testing.registry import LocalPublisher
 
 PREFILL, DECODE = engine_pb2.DISAGG_PHASE_PREFILL, engine_pb2.DISAGG_PHASE_DECODE
@@ -65,11 +65,9 @@ class ServedEngine:
 
 def pd_request(rid: str, phase: int, prompt: list[int], target: engine_pb2.KVTarget | None = None,
                **sampling) -> engine_pb2.GenerateRequest:
-    """A request for one phase (greedy, 16 tokens unless ``sampling`` says otherwise)."""
-    sampling.setdefault("temperature", 0.0)
-    sampling.setdefault("max_tokens", 16)
-    req = engine_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, disagg_phase=phase,
-                                     sampling=engine_pb2.SamplingParams(**sampling))
+    """:func:`~xllm.testing.engine.make_request` for one phase of a hand-off (to ``target``)."""
+    req = make_request(rid, prompt, **sampling)
+    req.disagg_phase = phase
     if target is not None:
         req.kv_target.CopyFrom(target)
     return req
