@@ -1,4 +1,5 @@
-"""The OpenAI request schemas: strict types, ranges and cross-field rules."""
+"""The OpenAI request schemas: strict types, ranges, cross-field rules, and every OpenAI field
+implemented, harmlessly accepted or refused by name; unknown fields refused."""
 
 from __future__ import annotations
 
@@ -50,9 +51,111 @@ def test_completion_defaults():
     assert r.prompts() == ["Hi"]
 
 
-def test_unknown_fields_are_ignored():
-    r = chat(frobnicate=True, service_tier="auto")
-    assert not hasattr(r, "frobnicate")
+def test_unknown_fields_are_refused():
+    for make in (chat, completion):
+        with pytest.raises(ValidationError) as info:
+            make(frobnicate=True)
+        (err,) = info.value.errors()
+        assert (err["type"], err["loc"]) == ("extra_forbidden", ("frobnicate",))
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        chat(messages=[{"role": "user", "content": "x", "colour": "red"}])
+    with pytest.raises(ValidationError):
+        chat(stream=True, stream_options={"include_usage": True, "bogus": 1})
+    with pytest.raises(ValidationError):
+        completion(messages=MSG)  # a chat field on completions
+    with pytest.raises(ValidationError):
+        completion(tools=[])
+
+
+# OpenAI fields refused with a 400 naming them (the value shown is one a client would send)
+REFUSED = [
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("prediction", {"type": "content", "content": "x"}),
+    ("web_search_options", {}),
+    ("reasoning_effort", "low"),
+    ("verbosity", "low"),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("function_call", "auto"),
+    ("store", True),
+    ("modalities", ["text", "audio"]),
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("tool_choice", "required"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), REFUSED)
+def test_unsupported_openai_fields_are_refused_by_name(field, value):
+    with pytest.raises(ValidationError) as info:
+        chat(**{field: value})
+    assert error_locs(info.value) == {field}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("store", False), ("metadata", {"team": "a", "run": "7"}), ("parallel_tool_calls", False),
+    ("response_format", {"type": "text"}), ("tool_choice", "none"), ("tool_choice", "auto"),
+    ("service_tier", "auto"), ("service_tier", "default"), ("modalities", ["text"]), ("user", "u1"),
+    ("safety_identifier", "h-123"), ("prompt_cache_key", "k"), ("prompt_cache_retention", "24h"),
+    ("audio", None), ("prediction", None), ("functions", None), ("reasoning_effort", None),
+])
+def test_harmless_openai_fields_are_accepted(field, value):
+    got = chat(**{field: value}).model_dump(exclude_none=True)
+    assert got.get(field) == value
+
+
+def test_metadata_follows_openais_bounds():
+    chat(metadata={f"k{i}": "v" for i in range(16)})
+    for bad in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": 1}):
+        with pytest.raises(ValidationError) as info:
+            chat(metadata=bad)
+        assert error_locs(info.value) == {"metadata"}
+
+
+def test_completion_fields_of_openai():
+    assert completion(echo=True, best_of=1, suffix="", user="u", seed=3).echo is True
+    assert completion(response_format={"type": "text"}).response_format.type == "text"
+    with pytest.raises(ValidationError):
+        completion(response_format={"type": "json_object"})
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",
+                                   "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_numbers_are_refused(field, value):
+    with pytest.raises(ValidationError) as info:
+        chat(**{field: value})
+    assert error_locs(info.value) == {field}
+    with pytest.raises(ValidationError):
+        chat(logit_bias={"1": value})
+
+
+def test_priority_and_service_tier():
+    assert chat().requested_priority() is None and chat().engine_priority() == 0
+    assert chat(service_tier="default").requested_priority() is None
+    assert chat(priority=-5).requested_priority() == ("priority", -5)
+    assert chat(service_tier="priority").requested_priority() == ("service_tier", -1)
+    assert chat(service_tier="flex").engine_priority() == 1
+    assert chat(service_tier="flex", priority=3).requested_priority() == ("priority", 3)
+    assert completion(priority=2).engine_priority() == 2
+    with pytest.raises(ValidationError):
+        chat(service_tier="platinum")
+
+
+def test_affinity_key():
+    assert chat().affinity_key() is None
+    assert chat(user="u").affinity_key() == "u"
+    assert chat(user="u", prompt_cache_key="k").affinity_key() == "k"
+    assert chat(user="u", prompt_cache_key="k", session_id="s").affinity_key() == "s"
+    assert completion(user="u").affinity_key() == "u"
+
+
+@pytest.mark.parametrize("field", ["model", "user", "session_id", "prompt_cache_key"])
+def test_identifiers_are_bounded(field):
+    assert getattr(chat(**{field: "x" * 256}), field) == "x" * 256
+    with pytest.raises(ValidationError) as info:
+        chat(**{field: "x" * 257})
+    assert error_locs(info.value) == {field}
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -88,7 +191,7 @@ def test_int_is_accepted_for_float():
 
 
 @pytest.mark.parametrize(("field", "bad", "good"), [
-    ("n", 0, 1), ("n", 17, 16),
+    ("n", 0, 1), ("n", 129, 128),  # OpenAI's range; the server's bound is ApiLimits.max_n
     ("temperature", -0.01, 0), ("temperature", 2.01, 2),
     ("top_p", 0, 0.01), ("top_p", 1.01, 1),
     ("presence_penalty", -2.5, -2), ("presence_penalty", 2.5, 2),
@@ -99,7 +202,7 @@ def test_int_is_accepted_for_float():
     ("top_logprobs", -1, 0), ("top_logprobs", 21, 20),
     ("top_k", -2, -1), ("top_k", INT32_MAX + 1, INT32_MAX),
     ("min_p", -0.1, 0), ("min_p", 1.1, 1),
-    ("repetition_penalty", 0, 0.01),
+    ("repetition_penalty", 0, 0.01), ("repetition_penalty", 100.5, 100),
     ("min_tokens", -1, 0), ("min_tokens", UINT32_MAX + 1, UINT32_MAX),
     ("priority", INT32_MAX + 1, INT32_MAX), ("priority", -INT32_MAX - 2, -INT32_MAX - 1),
 ])
@@ -130,9 +233,7 @@ def test_stop_list():
     assert chat(stop="x").stop_list() == ["x"]
     assert chat(stop=["a", "b"]).stop_list() == ["a", "b"]
     assert chat(stop=None).stop_list() == []
-    assert chat(stop=[str(i) for i in range(16)]).stop_list() == [str(i) for i in range(16)]
-    with pytest.raises(ValidationError, match="at most 16"):
-        chat(stop=[str(i) for i in range(17)])
+    assert chat(stop=[str(i) for i in range(17)]).stop_list() == [str(i) for i in range(17)]  # counted by limits
     with pytest.raises(ValidationError, match="non-empty"):
         chat(stop="")
     with pytest.raises(ValidationError, match="non-empty"):
@@ -157,8 +258,9 @@ def test_stop_token_ids_must_be_token_ids():
 
 
 def test_top_logprobs_requires_logprobs():
-    with pytest.raises(ValidationError, match="top_logprobs requires logprobs"):
+    with pytest.raises(ValidationError, match="requires logprobs") as info:
         chat(top_logprobs=2)
+    assert error_locs(info.value) == {"top_logprobs"}
     assert chat(top_logprobs=2, logprobs=True).top_logprobs == 2
     assert chat(top_logprobs=0).top_logprobs == 0  # 0 alternatives need nothing
 
@@ -166,6 +268,7 @@ def test_top_logprobs_requires_logprobs():
 def test_stream_options_require_stream():
     with pytest.raises(ValidationError, match="stream_options"):
         chat(stream_options={"include_usage": True})
+    assert chat(stream=True, stream_options={"include_obfuscation": True}).stream_options.include_obfuscation
     r = chat(stream=True, stream_options={"include_usage": True})
     assert r.stream_options.include_usage is True
     assert r.stream_options.continuous_usage_stats is False
@@ -190,8 +293,18 @@ def test_messages():
         chat(messages=[{"role": "wizard", "content": "x"}])
     with pytest.raises(ValidationError):
         chat(messages=[{"role": "user", "content": 5}])
-    with pytest.raises(ValidationError):
-        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+    for parts, match in (([{"type": "image_url", "image_url": "x"}], "only text parts"),
+                         ([{"type": "text", "text": "a"}, {"type": "input_audio"}], "content part 1"),
+                         ([{"type": "text"}], "must be"), ([{"type": "text", "text": "a", "x": 1}], "must be"),
+                         (["a"], "only text parts")):
+        with pytest.raises(ValidationError, match=match) as info:
+            chat(messages=[{"role": "user", "content": parts}])
+        assert error_locs(info.value) == {"messages"}
+    with pytest.raises(ValidationError, match="function"):
+        chat(messages=[{"role": "function", "content": "x", "name": "f"}])
+    for field, value in (("audio", {"id": "a1"}), ("function_call", {"name": "f", "arguments": "{}"})):
+        with pytest.raises(ValidationError, match="not supported"):
+            chat(messages=[{"role": "assistant", "content": None, field: value}])
 
 
 def test_message_text_and_template_dict():
@@ -203,6 +316,14 @@ def test_message_text_and_template_dict():
     assert dev.for_template() == {"role": "system", "content": "be brief", "name": "ops"}
     assert ChatMessage.model_validate({"role": "user", "content": "x"}).for_template() == {"role": "user",
                                                                                           "content": "x"}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assistant = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call],
+                                            "refusal": None, "annotations": [], "audio": None})
+    assert assistant.for_template() == {"role": "assistant", "content": "", "tool_calls": [call]}
+    tool = ChatMessage.model_validate({"role": "tool", "content": "42", "tool_call_id": "c1"})
+    assert tool.for_template() == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+    refused = ChatMessage.model_validate({"role": "assistant", "content": None, "refusal": "I can't."})
+    assert refused.text() == "I can't."
 
 
 @pytest.mark.parametrize(("prompt", "expected"), [

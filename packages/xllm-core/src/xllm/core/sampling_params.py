@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from xllm.core.errors import InvalidRequestError
 from xllm.proto.engine.v1 import engine_pb2
 
 MAX_TOP_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-2  # a positive temperature below this is raised to it (vLLM's floor): 1/T overflows below
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be a finite number", name)
+        if any(not math.isfinite(v) for v in self.logit_bias.values()):
+            raise InvalidRequestError("logit_bias values must be finite numbers", "logit_bias")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if not 0 <= self.temperature <= 100:
@@ -47,9 +57,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
-        if self.repetition_penalty <= 0:
-            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-                                      "repetition_penalty")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                                      f"{self.repetition_penalty}", "repetition_penalty")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})",
                                       "min_tokens")

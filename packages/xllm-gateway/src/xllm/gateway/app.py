@@ -1,4 +1,10 @@
-"""The FastAPI application: OpenAI routes, health, metrics, error mapping."""
+"""The FastAPI application: OpenAI routes, health, metrics, error mapping.
+
+Every route sits behind :class:`~xllm.gateway.guard.ApiGuard` (request ids, API keys on
+``/v1/*``, the in-flight bound). The OpenAI routes read their body themselves, bounded by
+:class:`~xllm.gateway.openai.limits.ApiLimits`, and parse, validate, template and tokenize it on
+the :class:`~xllm.gateway.openai.preprocess.Preprocessor`'s threads, never on the event loop.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +21,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from xllm.gateway.access import AccessPolicy, Caller
 from xllm.gateway.dispatch import Dispatcher
+from xllm.gateway.guard import REQUEST_ID_HEADER, ApiGuard, caller_of, request_id_of
 from xllm.gateway.metrics import EngineMetrics, PDMetrics, RouterMetrics
-from xllm.gateway.openai.errors import APIError, bad_request, internal
-from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from xllm.gateway.openai.errors import RETRY_AFTER_SECONDS, APIError, internal_error, new_request_id
+from xllm.gateway.openai.limits import ApiLimits
+from xllm.gateway.openai.preprocess import Preprocessor
+from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from xllm.gateway.openai.request_body import validation_error
 from xllm.gateway.openai.serving_chat import ChatServing
 from xllm.gateway.openai.serving_completion import CompletionServing
 from xllm.gateway.registry import InstanceState, Registry
@@ -34,6 +45,7 @@ class GatewayState:
     """Everything the routes need; built by :mod:`xllm.gateway.embedded` / :mod:`xllm.gateway.cluster`.
 
     ``on_startup`` / ``on_shutdown`` callables may be coroutine functions (run on the app's loop).
+    ``limits`` bound the OpenAI requests; ``access`` holds the API keys and who may set priorities.
     """
 
     registry: Registry
@@ -45,31 +57,8 @@ class GatewayState:
     on_startup: list[Callable[[], object]] = field(default_factory=list)
     routing: str = "kv_aware"
     started: float = field(default_factory=time.time)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "none"}
-
-
-def _is_type_tag(part: object) -> bool:
-    """Pydantic names the member of a union it tried (``str``, ``list[int]``, ...) in ``loc``."""
-    return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {first.get('msg')}", None
-    loc = list(first.get("loc", ()))
-    if loc and loc[0] == "body":
-        loc = loc[1:]
-    loc = [str(x) for x in loc if not _is_type_tag(x)]
-    param = loc[0] if loc else None  # the request parameter, as in OpenAI's error bodies
-    where = ".".join(loc)
-    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    return (f"{where}: {msg}" if where else msg), param
+    limits: ApiLimits = field(default_factory=ApiLimits)
+    access: AccessPolicy = field(default_factory=AccessPolicy)
 
 
 async def _call(fn: Callable[[], object]) -> None:
@@ -91,8 +80,8 @@ def create_app(state: GatewayState) -> FastAPI:
     state.registry.add_listener(on_instance)
     for st in state.registry.states():  # registered before the app (the embedded engine)
         on_instance("added", st)
-    dispatcher = Dispatcher(state.registry, state.default_model, router, detokenize=state.tokenizer.decode,
-                            pd_metrics=PDMetrics(state.metrics.registry))
+    dispatcher = Dispatcher(state.registry, state.default_model, router, pd_metrics=PDMetrics(state.metrics.registry))
+    preprocessor = Preprocessor(state.limits)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -106,12 +95,15 @@ def create_app(state: GatewayState) -> FastAPI:
             except Exception:
                 log.exception("shutdown hook failed")
         await state.registry.close()
+        preprocessor.close()
 
     app = FastAPI(title="xLLM", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state
+    app.add_middleware(ApiGuard, access=state.access, max_inflight=state.limits.max_inflight_requests)
     _add_error_handlers(app)
-    _add_openai_routes(app, ChatServing(dispatcher, state.tokenizer, state.max_model_len),
-                       CompletionServing(dispatcher, state.tokenizer, state.max_model_len))
+    _add_openai_routes(app, preprocessor, state.access,
+                       ChatServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor),
+                       CompletionServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor))
     _add_service_routes(app, state)
     return app
 
@@ -121,8 +113,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_req: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return bad_request(message, param).response()
+        return validation_error(list(exc.errors())).response()
 
     @app.exception_handler(APIError)
     async def _on_api_error(_req: Request, exc: APIError):
@@ -134,19 +125,30 @@ def _add_error_handlers(app: FastAPI) -> None:
         return APIError(exc.status_code, str(exc.detail), kind).response()
 
     @app.exception_handler(Exception)
-    async def _on_error(_req: Request, exc: Exception):
-        log.exception("unhandled error")
-        return internal(f"{type(exc).__name__}: {exc}").response()
+    async def _on_error(req: Request, exc: Exception):
+        """Logged with the request id; the client gets a generic message naming that id."""
+        request_id = request_id_of(req.scope) or new_request_id()
+        response = internal_error(exc, request_id).response()
+        response.headers[REQUEST_ID_HEADER] = request_id
+        return response
 
 
-def _add_openai_routes(app: FastAPI, chat: ChatServing, completions: CompletionServing) -> None:
+def _add_openai_routes(app: FastAPI, preprocessor: Preprocessor, access: AccessPolicy, chat: ChatServing,
+                       completions: CompletionServing) -> None:
+    anonymous = Caller(False, access.allow_client_priority)
+
+    async def parse(raw: Request, model: type[OpenAIRequest]) -> OpenAIRequest:
+        req = await preprocessor.parse(raw, model)
+        access.check_priority(caller_of(raw.scope) or anonymous, req)
+        return req
+
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        return await chat.create(body, raw)
+    async def chat_completions(raw: Request):
+        return await chat.create(await parse(raw, ChatCompletionRequest), raw)
 
     @app.post("/v1/completions")
-    async def create_completions(body: CompletionRequest, raw: Request):
-        return await completions.create(body, raw)
+    async def create_completions(raw: Request):
+        return await completions.create(await parse(raw, CompletionRequest), raw)
 
 
 def _add_service_routes(app: FastAPI, state: GatewayState) -> None:
@@ -167,7 +169,9 @@ def _add_service_routes(app: FastAPI, state: GatewayState) -> None:
         ok = any(r.healthy for r in reports)
         body = {"status": "ok" if ok else "unhealthy",
                 "instances": {k: {"healthy": r.healthy, "status": r.status} for k, r in by_id.items()}}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        if ok:
+            return JSONResponse(body)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
     @app.get("/metrics")
     async def metrics():

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xllm.core import AsyncEngine, EngineConfig
 from xllm.engine.inprocess import InProcessEngineClient
 from xllm.engine.loader import load_engine
+from xllm.gateway.access import AccessPolicy
 from xllm.gateway.app import GatewayState, create_app
 from xllm.gateway.metrics import EngineMetrics
+from xllm.gateway.openai.limits import ApiLimits
 from xllm.gateway.registry import EmbeddedRegistry
 from xllm.models import served_name
 
@@ -28,6 +30,8 @@ class ServeOptions:
     engine: EngineConfig | None = None
     progress: bool = True
     routing: str = "kv_aware"
+    limits: ApiLimits = field(default_factory=ApiLimits)  # of the OpenAI API
+    access: AccessPolicy = field(default_factory=AccessPolicy)  # API keys, priority permission
 
 
 def build_embedded(opts: ServeOptions):
@@ -45,5 +49,5 @@ def build_embedded(opts: ServeOptions):
     registry.register(InProcessEngineClient(async_engine, loaded.info))
     state = GatewayState(registry=registry, tokenizer=loaded.tokenizer, metrics=metrics, default_model=name,
                          max_model_len=engine.max_model_len, on_shutdown=[async_engine.shutdown, stop_compute],
-                         routing=opts.routing)
+                         routing=opts.routing, limits=opts.limits, access=opts.access)
     return create_app(state)

@@ -1,15 +1,24 @@
-"""OpenAI request schemas (validated at the boundary, strict types).
+"""OpenAI request schemas: validated at the boundary, strict types, unknown fields refused.
 
-Fields the OpenAI API defines are accepted with its semantics; the common
-vLLM extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, ...) are accepted too. Unknown fields are ignored.
+Every field OpenAI defines for chat completions and (legacy) completions is declared here and is
+either implemented, accepted because accepting it is harmless (``store: false``, ``metadata``,
+``parallel_tool_calls``, ``response_format: {"type": "text"}``, ``tool_choice: "none"|"auto"``,
+``service_tier: "auto"|"default"``, ...), or refused with a 400 naming it (``audio``,
+``prediction``, JSON modes, forced tool calls, ...). The common vLLM extensions (``top_k``,
+``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
+...) are accepted too. Any other field is refused ("Unrecognized request argument supplied: X",
+as OpenAI answers), and so are non-finite numbers. ``docs/openai-api.md`` lists every field.
+
+Limits an operator tunes (counts, lengths, the body size) are checked after validation, in
+:mod:`xllm.gateway.openai.limits`; lone surrogates and the JSON body's depth before it, in
+:mod:`xllm.gateway.openai.request_body`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from xllm.core.sampling_params import MAX_TOP_LOGPROBS
 
@@ -21,21 +30,48 @@ INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 MaxTokens = Annotated[int, Field(ge=1, le=UINT32_MAX)]
+Identifier = Annotated[str, Field(max_length=256)]  # model, user, session and cache keys
+
+# 0 < temperature < MIN_TEMPERATURE is raised to it (as vLLM does): dividing logits by a smaller one
+# overflows float32 (a temperature below float32's smallest normal gives NaN probabilities).
+MIN_TEMPERATURE = 1e-2
+
+# service_tier -> engine priority (lower is served first); anything but 0 needs permission
+SERVICE_TIER_PRIORITY = {"auto": 0, "default": 0, "flex": 1, "scale": -1, "priority": -1}
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+def _refuse_set(reasons: dict[str, str]):
+    """A validator refusing any value but null for each field of ``reasons`` (field -> why)."""
+
+    def check(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(reasons[info.field_name])
+        return value
+
+    return field_validator(*reasons)(classmethod(check))
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+    include_obfuscation: bool | None = None  # accepted; no obfuscation padding is ever added
 
 
-class _SamplingFields(BaseModel):
-    """Sampling fields shared by chat and completions."""
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
-    model_config = ConfigDict(strict=True, extra="ignore")
 
-    model: str | None = None
-    n: Annotated[int, Field(ge=1, le=16)] = 1
+class _SamplingFields(_Strict):
+    """Fields shared by chat and completions."""
+
+    model: Identifier | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1  # the server's bound: ApiLimits.max_n
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -45,11 +81,13 @@ class _SamplingFields(BaseModel):
     stop: StopField = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Identifier | None = None
+    response_format: ResponseFormat | None = None
+    service_tier: ServiceTier | None = None
     # vLLM-style extensions
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=100)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
@@ -57,14 +95,12 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     priority: Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0
     # xLLM extension: requests of one chat session go to the instance that holds its KV cache
-    session_id: Annotated[str, Field(max_length=256)] | None = None
+    session_id: Identifier | None = None
 
     @field_validator("stop")
     @classmethod
-    def _stop_list(cls, v: StopField) -> StopField:
+    def _stops_not_empty(cls, v: StopField) -> StopField:
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop sequences are allowed")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must be non-empty")
         return v
@@ -74,14 +110,22 @@ class _SamplingFields(BaseModel):
     def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
             if not (key.isascii() and key.isdigit() and int(key) <= INT32_MAX):
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:32]!r}")
         return v
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: ResponseFormat | None) -> ResponseFormat | None:
+        if v is not None and v.type != "text":
+            raise ValueError(f"type {v.type!r} is not supported yet (only 'text')")
+        return v
 
     def affinity_key(self) -> str | None:
         """The chat/session affinity hint for routing: ``session_id``, else ``user``."""
@@ -90,28 +134,71 @@ class _SamplingFields(BaseModel):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def requested_priority(self) -> tuple[str, int] | None:
+        """The field asking for non-default scheduling and the engine priority it asks for
+        (``priority`` wins over ``service_tier``); None for default scheduling."""
+        if self.priority:
+            return "priority", self.priority
+        tier = SERVICE_TIER_PRIORITY[self.service_tier or "auto"]
+        return ("service_tier", tier) if tier else None
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    def engine_priority(self) -> int:
+        """The engine's priority for this request (lower is served first; 0 is the default)."""
+        asked = self.requested_priority()
+        return asked[1] if asked else 0
+
+
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class ChatMessage(_Strict):
+    """One message. Text content only; ``tool_calls`` / ``tool_call_id`` go to the chat template."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: Identifier | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant
+    tool_call_id: Identifier | None = None  # tool
+    refusal: str | None = None  # assistant: its text when content is null
+    annotations: list[Any] | None = None  # assistant: accepted, not used
+    audio: Any = None
+    function_call: Any = None
+
+    _refused = _refuse_set({"audio": "audio messages are not supported (text only)",
+                            "function_call": "deprecated function calling is not supported; use tool_calls"})
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        """Named errors for content parts (a plain union error would only say 'not a string')."""
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content part {i} has type {str(kind)[:32]!r}: only text parts are supported")
+                if not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+                    raise ValueError(f"content part {i} must be {{'type': 'text', 'text': <string>}}")
+        elif v is not None and not isinstance(v, str):
+            raise ValueError("must be a string, a list of text parts or null")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
-        return self.content or ""
+        if self.content is None:
+            return self.refusal or ""
+        return self.content
 
     def for_template(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.name:
             msg["name"] = self.name
+        if self.tool_calls is not None:
+            msg["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
@@ -121,14 +208,67 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    prompt_cache_key: Identifier | None = None  # routing affinity, as session_id
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # accepted; the prefix cache decides
+    safety_identifier: Identifier | None = None  # accepted, not used
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    functions: Any = None
+    function_call: Any = None
+    add_generation_prompt: bool = True  # vLLM extension
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
+    _refused = _refuse_set({
+        "audio": "audio output is not supported (text only)",
+        "prediction": "predicted outputs are not supported",
+        "web_search_options": "web search is not supported",
+        "reasoning_effort": "reasoning effort is not supported by this server",
+        "verbosity": "verbosity is not supported by this server",
+        "functions": "deprecated function calling is not supported; use tools",
+        "function_call": "deprecated function calling is not supported; use tool_choice",
+    })
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs to be true")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_forced_tools(cls, v: str | dict | None) -> str | dict | None:
+        if v == "required" or isinstance(v, dict):
+            raise ValueError("forcing tool calls ('required' or a named tool) is not supported yet; "
+                             "use 'auto' or 'none'")
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("true is not supported (this server keeps no completions)")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            raise ValueError("only the 'text' modality is supported")
+        return v
+
+    def affinity_key(self) -> str | None:
+        """``session_id``, else ``prompt_cache_key``, else ``user``."""
+        return self.session_id or self.prompt_cache_key or self.user or None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -143,13 +283,19 @@ class CompletionRequest(_SamplingFields):
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of must equal n (best-of ranking is not supported)")
-        return self
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("must equal n (best-of ranking is not supported)")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -158,3 +304,6 @@ class CompletionRequest(_SamplingFields):
         if p and isinstance(p[0], int):
             return [list(p)]  # one tokenized prompt
         return list(p)
+
+
+OpenAIRequest = ChatCompletionRequest | CompletionRequest

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from xllm.gateway.openai.protocol import _SamplingFields
+from xllm.gateway.openai.protocol import MIN_TEMPERATURE, _SamplingFields
 from xllm.proto.engine.v1 import engine_pb2
 
 
 def sampling_proto(req: _SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int,
                    seed_offset: int = 0) -> engine_pb2.SamplingParams:
     """Build the engine message; ``seed_offset`` separates the ``n`` choices of
-    one seeded request (choice ``i`` uses ``seed + i``)."""
+    one seeded request (choice ``i`` uses ``seed + i``). A temperature in (0, ``MIN_TEMPERATURE``)
+    is raised to ``MIN_TEMPERATURE`` (vLLM does the same): a smaller one overflows the scaled logits."""
     sp = engine_pb2.SamplingParams(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
@@ -24,6 +25,8 @@ def sampling_proto(req: _SamplingFields, max_tokens: int, logprobs: bool, top_lo
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:
+            if name == "temperature" and 0 < value < MIN_TEMPERATURE:
+                value = MIN_TEMPERATURE
             setattr(sp, name, value)
     if req.top_k is not None and req.top_k > 0:
         sp.top_k = req.top_k

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.logprobs import chat_logprobs
+from xllm.gateway.openai.preprocess import Preprocessor
 from xllm.gateway.openai.protocol import ChatCompletionRequest
 from xllm.gateway.openai.sampling import sampling_proto
 from xllm.gateway.openai.serving import INSTANCE_HEADER, collect, engine_request, new_id, sse_stream, usage_dict
@@ -18,19 +19,27 @@ from xllm.proto.engine.v1 import engine_pb2
 
 
 class ChatServing:
-    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, max_model_len: int) -> None:
+    """Chat requests: the template rendered and tokenized on the preprocessor's threads (never on
+    the event loop), the ``n`` choices submitted together, the answer streamed or collected."""
+
+    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, max_model_len: int,
+                 preprocessor: Preprocessor) -> None:
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.preprocessor = preprocessor
+
+    def _render(self, req: ChatCompletionRequest) -> list[int]:
+        try:
+            return self.tokenizer.apply_chat_template([m.for_template() for m in req.messages],
+                                                      add_generation_prompt=req.add_generation_prompt,
+                                                      tools=req.tools)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from exc
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         model = self.dispatcher.resolve_model(req.model)
-        try:
-            prompt = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages],
-                                                        add_generation_prompt=req.add_generation_prompt,
-                                                        tools=req.tools)
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages") from exc
+        prompt = await self.preprocessor.run(self._render, req)
         if len(prompt) >= self.max_model_len:
             raise bad_request(f"the conversation has {len(prompt)} tokens but the context length is "
                               f"{self.max_model_len}", "messages", "context_length_exceeded")
@@ -41,7 +50,7 @@ class ChatServing:
         reqs = [
             engine_request(f"{rid}-{i}", prompt,
                            sampling_proto(req, max_tokens, req.logprobs, req.top_logprobs or 0, seed_offset=i),
-                           model, req.priority)
+                           model, req.engine_priority())
             for i in range(req.n)
         ]
         client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.logprobs import completion_logprobs
+from xllm.gateway.openai.preprocess import Preprocessor
 from xllm.gateway.openai.protocol import CompletionRequest
 from xllm.gateway.openai.sampling import sampling_proto
 from xllm.gateway.openai.serving import INSTANCE_HEADER, collect, engine_request, new_id, sse_stream, usage_dict
@@ -18,10 +19,15 @@ from xllm.proto.engine.v1 import engine_pb2
 
 
 class CompletionServing:
-    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, max_model_len: int) -> None:
+    """Completion requests: every prompt tokenized (or its token ids checked) on the preprocessor's
+    threads, ``prompts x n`` choices submitted together, the answer streamed or collected."""
+
+    def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, max_model_len: int,
+                 preprocessor: Preprocessor) -> None:
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.preprocessor = preprocessor
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str]:
         if isinstance(prompt, str):
@@ -40,9 +46,12 @@ class CompletionServing:
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         return ids, text
 
+    def _tokenize_all(self, req: CompletionRequest) -> list[tuple[list[int], str]]:
+        return [self._tokenize(p) for p in req.prompts()]
+
     async def create(self, req: CompletionRequest, raw: Request):
         model = self.dispatcher.resolve_model(req.model)
-        prompts = [self._tokenize(p) for p in req.prompts()]
+        prompts = await self.preprocessor.run(self._tokenize_all, req)
         want_lp = req.logprobs is not None
         rid = new_id("cmpl")
         reqs, prompt_lens, echoes = [], [], []
@@ -50,7 +59,7 @@ class CompletionServing:
             for j in range(req.n):
                 k = p_idx * req.n + j
                 sp = sampling_proto(req, req.max_tokens, want_lp, req.logprobs or 0, seed_offset=j)
-                reqs.append(engine_request(f"{rid}-{k}", ids, sp, model, req.priority))
+                reqs.append(engine_request(f"{rid}-{k}", ids, sp, model, req.engine_priority()))
                 prompt_lens.append(len(ids))
                 echoes.append(text if req.echo else "")
         client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())
@@ -59,7 +68,7 @@ class CompletionServing:
         total_prompt = sum(len(ids) for ids, _ in prompts)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            fmt = _CompletionStream(req, self.tokenizer, total_prompt, echoes)
+            fmt = _CompletionStream(req, self.tokenizer, total_prompt, echoes, prompt_lens)
             return StreamingResponse(sse_stream(fmt, rid, model, created, include_usage, streams),
                                      media_type="text/event-stream", headers=headers)
         choices = await collect(streams, prompt_lens, raw)
@@ -86,11 +95,14 @@ class _CompletionStream:
 
     object = "text_completion"
 
-    def __init__(self, req: CompletionRequest, tokenizer: Tokenizer, total_prompt: int, echoes: list[str]) -> None:
+    def __init__(self, req: CompletionRequest, tokenizer: Tokenizer, total_prompt: int, echoes: list[str],
+                 prompt_lens: list[int]) -> None:
         self.req = req
         self.tokenizer = tokenizer
         self.total_prompt = total_prompt
         self.echoes = echoes
+        self.prompt_lens = prompt_lens  # of each choice
+        self.continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         self.completion = [0] * len(echoes)
         self.cached = [0] * len(echoes)
         self.offsets = [len(e) for e in echoes]
@@ -115,7 +127,7 @@ class _CompletionStream:
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
     def chunk_usage(self, index: int) -> dict | None:
-        return None
+        return usage_dict(self.prompt_lens[index], self.completion[index]) if self.continuous else None
 
     def final_usage(self) -> dict:
         # cached tokens counted once per prompt, as in the non-streaming answer

@@ -1,0 +1,79 @@
+"""The ``xllm serve`` flags of the OpenAI API's security and limits, and what they build: the
+:class:`~xllm.gateway.openai.limits.ApiLimits` and :class:`~xllm.gateway.access.AccessPolicy`
+of the gateway (defaults come from those classes, documented there). No torch here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+
+from xllm.gateway.access import API_KEY_ENV, AccessPolicy, parse_keys
+from xllm.gateway.openai.limits import MIB, OPENAI_MAX_N, ApiLimits
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def add_api_flags(p: argparse.ArgumentParser) -> None:
+    """The API key, priority and request-limit flags of ``xllm serve``."""
+    d = ApiLimits()
+    g = p.add_argument_group("API security and limits",
+                             "who may call the OpenAI API (/v1/*) and how large a request may be")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on every /v1/* route (repeatable; also "
+                        f"${API_KEY_ENV}, comma-separated, which keeps keys off the command line); "
+                        f"/health and /metrics stay open")
+    g.add_argument("--priority-api-key", action="append", default=None, metavar="KEY",
+                   help="an API key whose requests may set `priority` or a `service_tier` other than auto/default "
+                        "(repeatable; also a valid API key); other clients asking for it get 403")
+    g.add_argument("--allow-client-priority", action="store_true",
+                   help="without --api-key: let every client set `priority` / `service_tier` (default: 403)")
+    g.add_argument("--max-inflight-requests", type=_non_negative_int, default=0, metavar="N",
+                   help="most generation requests (streams until they end) the gateway holds at once; one more "
+                        "gets 503 with Retry-After; 0: unlimited")
+    g.add_argument("--max-body-mib", type=_positive_float, default=d.max_body_bytes / MIB, metavar="MIB",
+                   help="largest HTTP request body, in MiB; a larger one gets 413 before it is read")
+    g.add_argument("--max-prompt-chars", type=_positive_int, default=d.max_prompt_chars, metavar="N",
+                   help="most characters of prompt (messages and tools, or the string prompts) one request may "
+                        "send, checked before tokenization")
+    g.add_argument("--max-prompts", type=_positive_int, default=d.max_prompts, metavar="N",
+                   help="most prompts in one /v1/completions request")
+    g.add_argument("--max-n", type=_positive_int, default=d.max_n, metavar="N",
+                   help=f"most choices (`n`) per prompt (at most {OPENAI_MAX_N})")
+    g.add_argument("--max-logprobs", type=_non_negative_int, default=d.max_logprobs, metavar="N",
+                   help="most alternatives per token a request may ask for (`top_logprobs`, completions `logprobs`)")
+
+
+def api_limits(args: argparse.Namespace) -> ApiLimits:
+    """The limits the flags describe; ``ValueError`` for values out of range."""
+    return ApiLimits(max_body_bytes=max(int(args.max_body_mib * MIB), 1), max_prompt_chars=args.max_prompt_chars,
+                     max_prompts=args.max_prompts, max_n=args.max_n, max_logprobs=args.max_logprobs,
+                     max_inflight_requests=args.max_inflight_requests or None)
+
+
+def access_policy(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> AccessPolicy:
+    """The API keys of the flags and of ``$XLLM_API_KEY`` (in ``environ``, default ``os.environ``);
+    ``ValueError`` for a blank key or --allow-client-priority with API keys."""
+    environ = os.environ if environ is None else environ
+    return AccessPolicy(api_keys=parse_keys(args.api_key, environ.get(API_KEY_ENV)),
+                        priority_keys=parse_keys(args.priority_api_key),
+                        allow_client_priority=args.allow_client_priority)

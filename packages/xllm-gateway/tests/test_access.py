@@ -1,0 +1,162 @@
+"""API keys and priority permission: the policy on its own, then through the app (the fake engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from xllm.gateway.access import AccessPolicy, Caller
+from xllm.gateway.app import create_app
+from xllm.gateway.metrics import EngineMetrics
+from xllm.gateway.openai.errors import APIError
+from xllm.gateway.openai.protocol import ChatCompletionRequest
+
+MSG = [{"role": "user", "content": "Hi"}]
+CHAT = "/v1/chat/completions"
+KEYS = AccessPolicy(api_keys=frozenset({"sk-user"}), priority_keys=frozenset({"sk-prio"}))
+
+
+def status_of(fn, *args) -> int:
+    try:
+        fn(*args)
+    except APIError as err:
+        return err.status
+    return 200
+
+
+# ---- the policy -----------------------------------------------------------------------------------
+
+
+def test_open_server_takes_anyone_without_priority():
+    open_ = AccessPolicy()
+    assert not open_.requires_key
+    assert open_.authenticate(None) == Caller(False, False)
+    assert open_.authenticate("Bearer whatever") == Caller(False, False)
+
+
+def test_keys_are_required_and_checked():
+    assert KEYS.requires_key
+    for header in (None, "", "Bearer", "Bearer ", "Basic sk-user", "sk-user", "Bearer sk-use", "Bearer sk-user2",
+                   "Bearer SK-USER"):
+        with pytest.raises(APIError) as info:
+            KEYS.authenticate(header)
+        assert (info.value.status, info.value.type) == (401, "authentication_error")
+    assert KEYS.authenticate("Bearer sk-user") == Caller(True, False)
+    assert KEYS.authenticate("bearer  sk-user ") == Caller(True, False)
+    assert KEYS.authenticate("Bearer sk-prio") == Caller(True, True)  # a priority key is an API key too
+
+
+def test_priority_keys_without_api_keys():
+    policy = AccessPolicy(priority_keys=frozenset({"sk-prio"}))
+    assert not policy.requires_key
+    assert policy.authenticate(None) == Caller(False, False)
+    assert policy.authenticate("Bearer nope") == Caller(False, False)
+    assert policy.authenticate("Bearer sk-prio") == Caller(True, True)
+
+
+def test_allow_client_priority():
+    policy = AccessPolicy(allow_client_priority=True)
+    assert policy.authenticate(None) == Caller(False, True)
+    with pytest.raises(ValueError, match="--allow-client-priority"):
+        AccessPolicy(api_keys=frozenset({"k"}), allow_client_priority=True)
+    for bad in ("", " k", "k\n"):
+        with pytest.raises(ValueError, match="non-empty"):
+            AccessPolicy(api_keys=frozenset({bad}))
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"priority": 1}, "priority"), ({"priority": -1}, "priority"),
+                                               ({"service_tier": "priority"}, "service_tier"),
+                                               ({"service_tier": "flex"}, "service_tier")])
+def test_check_priority(fields, param):
+    req = ChatCompletionRequest.model_validate({"messages": MSG, **fields})
+    with pytest.raises(APIError) as info:
+        AccessPolicy.check_priority(Caller(True, False), req)
+    assert (info.value.status, info.value.type, info.value.param) == (403, "permission_error", param)
+    AccessPolicy.check_priority(Caller(True, True), req)
+    default = ChatCompletionRequest.model_validate({"messages": MSG, "priority": 0, "service_tier": "default"})
+    AccessPolicy.check_priority(Caller(False, False), default)
+
+
+# ---- through the app ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def app_with(fake_state):
+    """``app_with(access=...)``: a test client of an app over the fake engine with those settings."""
+    from fastapi.testclient import TestClient
+
+    clients = []
+
+    def make(**changes):
+        state = dataclasses.replace(fake_state, metrics=EngineMetrics(), **changes)  # one metrics registry per app
+        c = TestClient(create_app(state), raise_server_exceptions=False)
+        clients.append(c.__enter__())
+        return c
+
+    yield make
+    for c in clients:
+        c.__exit__(None, None, None)
+
+
+def assert_error(r, status: int, type_: str, param=None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert (err["type"], err["param"]) == (type_, param), err
+    return err
+
+
+def test_api_key_on_every_v1_route_only(app_with, fake_engine):
+    client = app_with(access=KEYS)
+    for method, path, body in (("POST", CHAT, {"messages": MSG, "max_tokens": 1}),
+                               ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                               ("GET", "/v1/models", None), ("GET", "/v1/nope", None)):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic sk-user"}):
+            r = client.request(method, path, json=body, headers=headers)
+            err = assert_error(r, 401, "authentication_error")
+            assert err["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+            assert "sk-user" not in r.text
+    assert fake_engine.submitted == []
+    ok = {"Authorization": "Bearer sk-user"}
+    assert client.post(CHAT, json={"messages": MSG, "max_tokens": 1}, headers=ok).status_code == 200
+    assert client.get("/v1/models", headers=ok).status_code == 200
+    assert client.get("/v1/models", headers={"Authorization": "Bearer sk-prio"}).status_code == 200
+    assert client.get("/health").status_code == 200  # probes and scrapers need no key
+    assert client.get("/metrics").status_code == 200
+
+
+def test_auth_comes_before_the_body_is_read(app_with):
+    """A client without a key cannot make the server read (or size-check) a body."""
+    client = app_with(access=KEYS)
+    r = client.post(CHAT, content=b"x" * 100, headers={"content-length": str(10**12)})
+    assert r.status_code == 401
+
+
+@pytest.mark.parametrize(("fields", "param", "engine_priority"), [
+    ({"priority": 7}, "priority", 7), ({"priority": -3}, "priority", -3),
+    ({"service_tier": "priority"}, "service_tier", -1), ({"service_tier": "flex"}, "service_tier", 1),
+])
+def test_priority_needs_permission(app_with, fake_engine, fields, param, engine_priority):
+    body = {"messages": MSG, "max_tokens": 1, **fields}
+    default_server = app_with()
+    err = assert_error(default_server.post(CHAT, json=body), 403, "permission_error", param)
+    assert err["code"] == "permission_denied"
+    keyed = app_with(access=KEYS)
+    assert_error(keyed.post(CHAT, json=body, headers={"Authorization": "Bearer sk-user"}), 403,
+                 "permission_error", param)
+    assert_error(keyed.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, **fields},
+                            headers={"Authorization": "Bearer sk-user"}), 403, "permission_error", param)
+    assert fake_engine.submitted == []
+    r = keyed.post(CHAT, json=body, headers={"Authorization": "Bearer sk-prio"})
+    assert r.status_code == 200, r.text
+    permissive = app_with(access=AccessPolicy(allow_client_priority=True))
+    assert permissive.post(CHAT, json=body).status_code == 200
+    assert [q.priority for q in fake_engine.submitted] == [engine_priority, engine_priority]
+
+
+def test_default_scheduling_needs_no_permission(app_with, fake_engine):
+    client = app_with()
+    for fields in ({}, {"priority": 0}, {"service_tier": "auto"}, {"service_tier": "default"}):
+        assert client.post(CHAT, json={"messages": MSG, "max_tokens": 1, **fields}).status_code == 200
+    assert [q.priority for q in fake_engine.submitted] == [0, 0, 0, 0]
