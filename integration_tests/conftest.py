@@ -178,23 +178,11 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
 
     Initialised wider than HF's default (0.5, not 0.02) so that its greedy text varies from token
     to token with clear top-2 margins: with the default it repeats one token forever, and a lost or
-    repeated token in a moved stream would not show in the text."""
-    import shutil
+    repeated token in a moved stream would not show in the text (built by
+    ``xllm.testing.models.save_tiny_llama``, which the reliability benchmark uses too)."""
+    from xllm.testing.models import save_tiny_llama
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, rms_norm_eps=1e-5,
-                      initializer_range=0.5)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (Path(smollm2_dir) / name).is_file():
-            shutil.copy(Path(smollm2_dir) / name, out / name)
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
 TINY_ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "0.05", "--threads", "1", "--max-num-seqs", "16")

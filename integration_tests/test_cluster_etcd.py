@@ -5,7 +5,6 @@ abruptly (kill -9) and joining again while traffic flows."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
@@ -16,6 +15,7 @@ from xllm.engine.registration.etcd_client import EtcdClient
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.testing.metrics import metric_value, parse_metrics
 from xllm.testing.processes import mapped_libraries, wait_for
+from xllm.testing.sse import stream_completion
 
 MODEL = "tiny"
 LEASE_TTL = 3.0
@@ -39,31 +39,7 @@ async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, first
             "stream": True, "stream_options": {"include_usage": True}, "logprobs": 2}
     if session:
         body["session_id"] = session
-    out = {"instance": None, "usage": None, "finish": [], "errors": [], "chunks": 0, "text": "", "tokens": [],
-           "top": []}
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        out["status"] = resp.status_code
-        out["instance"] = resp.headers.get("x-xllm-instance")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                out["errors"].append(event["error"])
-                continue
-            if event.get("usage"):
-                out["usage"] = event["usage"]
-            for choice in event.get("choices", []):
-                out["chunks"] += 1
-                out["text"] += choice.get("text") or ""
-                if choice.get("logprobs"):
-                    out["tokens"] += choice["logprobs"]["tokens"]
-                    out["top"] += choice["logprobs"]["top_logprobs"]
-                if first is not None:
-                    first.set()
-                if choice.get("finish_reason"):
-                    out["finish"].append(choice["finish_reason"])
-    return out
+    return await stream_completion(client, body, first)
 
 
 def _index_blocks(gw) -> float:

@@ -106,17 +106,3 @@ def test_window_stays_small():
     text = "".join(detok.push([i]) for i in ids)
     assert text == TEXT * 20
     assert longest <= 12
-
-
-@pytest.mark.parametrize("cut", range(1, 4))
-def test_undelivered_prompt_tokens_are_released_with_the_first_tokens_that_complete_them(cut):
-    """A resumed request: its prompt ends with the first bytes of 😀 (output of the broken run whose
-    text never went out); the new run's first token completes it and the character is emitted."""
-    tok = PieceTokenizer([])
-    emoji = "😀".encode()
-    prompt = tok.encode_pieces(["Hi ", "there "] + [bytes([b]) for b in emoji[:cut]])
-    rest = tok.encode_pieces([emoji[cut:], " ok"])
-    detok = IncrementalDetokenizer.for_prompt(tok, prompt, undelivered=cut)
-    assert [detok.push([i]) for i in rest] == ["😀", " ok"]
-    plain = IncrementalDetokenizer.for_prompt(tok, prompt)  # without: the character would be lost
-    assert "".join(plain.push([i]) for i in rest) != "😀 ok"

@@ -72,7 +72,7 @@ def copy_blocks(prefill, decode, reservation, handoff) -> int:
 
 def commit_of(handoff) -> engine_pb2.KVCommit:
     return engine_pb2.KVCommit(transfer_id=handoff.request_id, num_tokens=handoff.num_tokens,
-                               first_token=handoff.first_token, generator_state=handoff.generator_state)
+                               first_token=handoff.first_token)
 
 
 def _full_run(prefill, decode, rid, prompt, **kw):

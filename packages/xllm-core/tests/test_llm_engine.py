@@ -11,7 +11,7 @@ import torch
 
 from xllm.core import EngineOverloadedError, InvalidRequestError, StepStats
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.engine import Collected, generate, make_request, run_to_completion
+from xllm.testing.engine import Collected, generate, make_engine, make_request, run_to_completion
 from xllm.testing.reference import recompute_greedy
 from xllm.testing.tiny import EOS, TinyLM, tiny_tokenizer
 
@@ -195,11 +195,12 @@ def test_request_validation(new_engine, tiny_model):
     with pytest.raises(InvalidRequestError) as err:
         eng.add_request(make_request("ok", [1], max_tokens=1))
     assert err.value.param == "request_id"
-    resumed = make_request("u", [1, 2], max_tokens=1)
-    resumed.undelivered_output_tokens = 3  # more undelivered output than the prompt holds
-    with pytest.raises(InvalidRequestError) as err:
-        eng.add_request(resumed)
-    assert err.value.param == "undelivered_output_tokens"
+    for resumed_tokens, max_tokens in ((2, 4), (2, 1)):  # the whole prompt / more than max_tokens
+        resumed = make_request("u", [1, 2], max_tokens=max_tokens)
+        resumed.resumed_output_tokens = resumed_tokens
+        with pytest.raises(InvalidRequestError) as err:
+            eng.add_request(resumed)
+        assert err.value.param == "resumed_output_tokens"
     eng.add_request(make_request("f", [1], max_tokens=1))
     with pytest.raises(EngineOverloadedError):
         eng.add_request(make_request("g", [1], max_tokens=1))
@@ -288,3 +289,21 @@ def test_engine_rejects_an_unsupported_dtype_and_tiny_pool(new_engine):
         new_engine(TinyLM(), dtype=torch.float16)
     with pytest.raises(ValueError, match="too small"):
         new_engine(TinyLM(), kv_cache_memory_gib=1e-9)
+
+
+@pytest.mark.parametrize("field,value", [("repetition_penalty", float("inf")), ("repetition_penalty", float("nan")),
+                                         ("temperature", float("nan")), ("top_p", float("nan")),
+                                         ("presence_penalty", float("inf")), ("repetition_penalty", 1e6)])
+def test_non_finite_or_overflowing_sampling_values_are_refused(tiny_model, field, value):
+    """gRPC clients reach the engine without the gateway's checks (and proto floats are float32)."""
+    eng = make_engine(tiny_model)
+    with pytest.raises(InvalidRequestError) as err:
+        eng.add_request(make_request("x", [1, 2], **{field: value}))
+    assert err.value.param == field
+
+
+def test_a_tiny_positive_temperature_samples_instead_of_producing_nan(tiny_model):
+    eng = make_engine(tiny_model)
+    got = generate(eng, [make_request("t", [1, 2], max_tokens=8, temperature=1e-45, seed=3)])
+    greedy = generate(make_engine(tiny_model), [make_request("g", [1, 2], max_tokens=8)])
+    assert got.tokens["t"] == greedy.tokens["g"]  # 0.01 on peaked logits: the argmax, never a NaN draw

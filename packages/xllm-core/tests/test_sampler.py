@@ -15,8 +15,8 @@ V = 12
 
 def seq(prompt=(5, 6), output=(), seed: int | None = 0, **params) -> Sequence:
     params.setdefault("max_tokens", 50)
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return Sequence("r", list(prompt), SamplingParams(**params), 0.0, generator=gen, output_ids=list(output))
+    return Sequence("r", list(prompt), SamplingParams(**params), 0.0, seed=seed if seed is not None else 7,
+                    output_ids=list(output))
 
 
 def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
@@ -105,11 +105,15 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
 
     def run(neighbours: bool) -> list[int]:
         mine = seq(temperature=1.0, seed=42)
-        others = [seq(temperature=0.5, seed=1, top_k=2), seq(temperature=0.0), seq(temperature=1.0, seed=None)]
-        if not neighbours:
-            return [sampler(logits[1:2], [mine]).token_ids[0] for _ in range(30)]
-        others[2].generator = torch.Generator().manual_seed(5)
-        return [sampler(logits, [others[0], mine, others[1], others[2]]).token_ids[1] for _ in range(30)]
+        others = [seq(temperature=0.5, seed=1, top_k=2), seq(temperature=0.0), seq(temperature=1.0, seed=5)]
+        batch, row = ([mine], logits[1:2]) if not neighbours else ([others[0], mine, others[1], others[2]], logits)
+        drawn = []
+        for _ in range(30):  # each draw at the next output position
+            tokens = sampler(row, batch).token_ids
+            for s, t in zip(batch, tokens):
+                s.output_ids.append(t)
+            drawn.append(tokens[batch.index(mine)])
+        return drawn
 
     alone = run(False)
     assert run(True) == alone

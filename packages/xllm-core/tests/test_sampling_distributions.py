@@ -10,7 +10,7 @@ Two checks per distribution (``assert_fits``), both against the distribution wri
 definition:
 
 - exact: the sampler draws by the exponential race (the argmax of ``p / E``, ``E ~ Exp(1)`` from the
-  row's generator), so replaying each row's seeded noise gives the token the *reference*
+  row's generator, keyed by (seed, output index)), so replaying each row's seeded noise gives the token the *reference*
   distribution yields for that draw; every draw must match (up to float near-ties). A 1%
   temperature error changes dozens of the 4,000 draws (``test_the_fit_checks_detect_a_small_error``
   shows the check fails on it);
@@ -33,6 +33,7 @@ from xllm.core import InvalidRequestError
 from xllm.core.sampler import Sampler
 from xllm.core.sampling_params import SamplingParams
 from xllm.core.sequence import Sequence
+from xllm.kernels.sampling import draw_generator
 from xllm.testing.engine import generate, make_request, run_to_completion
 
 V = 40
@@ -44,10 +45,10 @@ def logits_row(seed: int = 0, scale: float = 2.0) -> torch.Tensor:
 
 
 def seq(gen_seed: int, prompt=(1, 2, 3), output=(), **params) -> Sequence:
-    """A sequence whose sampling generator is seeded with ``gen_seed`` (as the engine seeds it)."""
+    """A sequence seeded with ``gen_seed`` (its draw at output index i uses ``draw_generator(gen_seed, i)``)."""
     params.setdefault("max_tokens", 100)
-    return Sequence(f"r{gen_seed}", list(prompt), SamplingParams(**params), 0.0,
-                    generator=torch.Generator().manual_seed(gen_seed), output_ids=list(output))
+    return Sequence(f"r{gen_seed}", list(prompt), SamplingParams(**params), 0.0, seed=gen_seed,
+                    output_ids=list(output))
 
 
 def draw(row: torch.Tensor, n: int = DRAWS, **params) -> torch.Tensor:
@@ -66,10 +67,11 @@ def chi2_critical(df: int, alpha: float = FALSE_ALARM) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def race_mismatches(tokens: torch.Tensor, probs: torch.Tensor, first_seed: int) -> int:
+def race_mismatches(tokens: torch.Tensor, probs: torch.Tensor, first_seed: int, index: int = 0) -> int:
     """Draws that differ from what ``probs`` gives under the same seeded exponential noise
-    (rows whose top two ratios are within 1e-5 are float near-ties and not counted)."""
-    noise = torch.stack([torch.empty(len(probs)).exponential_(generator=torch.Generator().manual_seed(first_seed + i))
+    at output position ``index`` (rows whose top two ratios are within 1e-5 are float near-ties and
+    not counted)."""
+    noise = torch.stack([torch.empty(len(probs)).exponential_(generator=draw_generator(first_seed + i, index))
                          for i in range(len(tokens))])
     ratio = probs.float().unsqueeze(0) / noise
     top2 = ratio.topk(2, -1).values
@@ -92,12 +94,12 @@ def chi2_statistic(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, in
     return chi2, df
 
 
-def assert_fits(tokens: torch.Tensor, probs: torch.Tensor, first_seed: int = FIRST_SEED) -> None:
-    """Every draw is inside the support, is the reference's draw under the same noise, and the
-    counts fit ``probs`` (chi-square at a 1e-4 false-alarm rate)."""
+def assert_fits(tokens: torch.Tensor, probs: torch.Tensor, first_seed: int = FIRST_SEED, index: int = 0) -> None:
+    """Every draw is inside the support, is the reference's draw under the same noise (draws at
+    output position ``index``), and the counts fit ``probs`` (chi-square at a 1e-4 false-alarm rate)."""
     support = probs > 0
     assert bool(support[tokens].all()), "a token outside the allowed set was drawn"
-    wrong = race_mismatches(tokens, probs, first_seed)
+    wrong = race_mismatches(tokens, probs, first_seed, index)
     assert wrong == 0, f"{wrong} of {len(tokens)} draws differ from the reference distribution's"
     chi2, df = chi2_statistic(tokens, probs)
     if df >= 1:
@@ -208,7 +210,7 @@ def test_penalties_and_bias_change_the_logits_as_specified():
     seqs = [seq(20_000 + i, prompt=prompt, output=output, **params) for i in range(DRAWS)]
     tokens = torch.tensor(Sampler(frozenset())(row.expand(DRAWS, -1).clone(), seqs).token_ids)
     ref = reference_logits(row, prompt, output, seqs[0].params)
-    assert_fits(tokens, (ref / 0.9).softmax(-1), first_seed=20_000)
+    assert_fits(tokens, (ref / 0.9).softmax(-1), first_seed=20_000, index=len(output))
 
 
 def test_same_seed_same_draws_and_different_seeds_differ():
@@ -217,7 +219,9 @@ def test_same_seed_same_draws_and_different_seeds_differ():
 
     def run(s: int) -> list[int]:
         sq = seq(s, temperature=1.0, seed=s)
-        return [sampler(row[None], [sq]).token_ids[0] for _ in range(50)]
+        for _ in range(50):  # each draw at the next output position
+            sq.output_ids.append(sampler(row[None], [sq]).token_ids[0])
+        return sq.output_ids
 
     assert run(42) == run(42)
     assert run(42) != run(43)

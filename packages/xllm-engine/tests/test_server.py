@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
 
 from xllm.core import AsyncEngine, EngineDeadError, EngineOverloadedError, InvalidRequestError
+from xllm.core.errors import EngineCrashedError
 from xllm.engine.server import EngineServer
 from xllm.engine.wire import (
     ACCEPTED_KEY,
     DRAINING_KEY,
     ERROR_PARAM_KEY,
     HANDED_BACK_KEY,
+    OVERLOADED_KEY,
     InstanceUnavailableError,
+    RequestFailedError,
     error_from_status,
     status_for,
 )
@@ -22,7 +26,7 @@ from xllm.kvstore import block_hashes
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from xllm.testing.engine import generate, make_engine, make_request
 from xllm.testing.processes import until
-from xllm.testing.tiny import tiny_tokenizer
+from xllm.testing.tiny import TinyLM, tiny_tokenizer
 
 
 def _serve(test, **config):
@@ -91,22 +95,35 @@ def test_rejections_are_statuses_that_map_back_to_engine_errors():
 
 
 def test_error_mapping():
-    assert isinstance(error_from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "full"), EngineOverloadedError)
-    assert isinstance(error_from_status(grpc.StatusCode.UNAVAILABLE, "gone"), EngineDeadError)
-    assert isinstance(error_from_status(grpc.StatusCode.INTERNAL, None), EngineDeadError)
+    """Instance faults (another instance may serve it) versus request faults (never replayed)."""
+    assert isinstance(error_from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", ((OVERLOADED_KEY, "1"),)),
+                      EngineOverloadedError)
+    # gRPC's own RESOURCE_EXHAUSTED (a message over its size limit) is the request's fault: a 400
+    too_big = error_from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max")
+    assert isinstance(too_big, InvalidRequestError) and too_big.param == "prompt"
+    refused = error_from_status(grpc.StatusCode.UNAVAILABLE, "connection refused", instance_id="e1")
+    assert isinstance(refused, InstanceUnavailableError) and not refused.crashed and not refused.suspect
+    broken = error_from_status(grpc.StatusCode.UNAVAILABLE, "Socket closed", instance_id="e1", mid_stream=True)
+    assert broken.crashed and broken.suspect  # it vanished while running the request: it may be the cause
+    assert isinstance(error_from_status(grpc.StatusCode.UNKNOWN, "Unexpected error"), RequestFailedError)
     bad = error_from_status(grpc.StatusCode.INVALID_ARGUMENT, "no", ((ERROR_PARAM_KEY, ""),))
     assert isinstance(bad, InvalidRequestError) and bad.param is None
     handed = error_from_status(grpc.StatusCode.UNAVAILABLE, "bye", ((HANDED_BACK_KEY, "1"),), "e1")
     assert isinstance(handed, InstanceUnavailableError) and handed.handed_back and handed.instance_id == "e1"
+    assert not handed.suspect
     draining = error_from_status(grpc.StatusCode.UNAVAILABLE, "x", ((DRAINING_KEY, "1"),), "e1")
     assert isinstance(draining, InstanceUnavailableError) and not draining.handed_back
     assert "draining" in str(draining)
     # the server's mapping and the client's are inverses
-    for exc in (InvalidRequestError("bad", "top_p"), EngineOverloadedError("full"), EngineDeadError("gone")):
+    for exc in (InvalidRequestError("bad", "top_p"), EngineOverloadedError("full"), EngineDeadError("gone"),
+                RequestFailedError("boom")):
         status = status_for(exc)
         back = error_from_status(status.code, status.details, status.trailing)
         assert type(back) is (InstanceUnavailableError if isinstance(exc, EngineDeadError) else type(exc))
         assert str(back).endswith(str(exc)) or str(exc) in str(back)
+    for suspect in (True, False):
+        back = error_from_status(*_fields(status_for(EngineCrashedError("crashed", suspect))), mid_stream=True)
+        assert isinstance(back, InstanceUnavailableError) and back.crashed and back.suspect is suspect
     assert error_from_status(*_fields(status_for(InvalidRequestError("bad", "top_p")))).param == "top_p"
 
 
@@ -228,3 +245,62 @@ def test_drain_waits_for_running_requests(timeout):
     handed, chunks, code = _serve(test)
     assert handed == 0 and code == grpc.StatusCode.OK
     assert chunks[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
+
+
+class PoisonedLM(TinyLM):
+    """Crashes (like a kernel bug would) on any forward that contains ``POISON``, once ``release``
+    is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def forward(self, input_ids, positions, ctx):
+        if bool((input_ids == POISON).any()):
+            self.release.wait(30)
+            raise RuntimeError("kernel fault")
+        return super().forward(input_ids, positions, ctx)
+
+
+POISON = 7
+
+
+def test_a_crashing_step_marks_its_requests_suspect_and_the_rest_bystanders():
+    """The engine loop dies in a step: the requests of that step are reported as suspects (the
+    gateway fails one that is a suspect twice), the others as bystanders (resumed freely); health
+    and the heartbeat then say the engine is dead."""
+    model = PoisonedLM()
+    engine = make_engine(model, max_num_seqs=1)
+
+    async def main():
+        aeng = AsyncEngine(engine)
+        server = EngineServer(aeng)
+        aeng.start()
+        port = await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        try:
+            poisoned = stub.Generate(make_request("poison", [3, POISON, 4], max_tokens=4))
+            assert dict(await poisoned.initial_metadata()).get(ACCEPTED_KEY) == "1"
+            waiting = stub.Generate(make_request("waiting", [3, 4], max_tokens=4))  # queued behind it (1 seq)
+            assert dict(await waiting.initial_metadata()).get(ACCEPTED_KEY) == "1"
+            model.release.set()
+            errors = {}
+            for rid, call in (("poison", poisoned), ("waiting", waiting)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in call:
+                        pass
+                errors[rid] = error_from_status(err.value.code(), err.value.details(),
+                                                err.value.trailing_metadata(), "e", mid_stream=True)
+            health = await stub.Health(engine_pb2.HealthRequest())
+            return errors, health, server.heartbeat(None)
+        finally:
+            await channel.close()
+            await server.stop(0)
+            aeng.shutdown()
+
+    errors, health, beat = asyncio.run(main())
+    assert errors["poison"].crashed and errors["poison"].suspect
+    assert errors["waiting"].crashed and not errors["waiting"].suspect
+    assert not health.healthy and "crashed" in health.status
+    assert "crashed" in beat.unhealthy_reason

@@ -17,12 +17,20 @@ ENGINE_CONFIG_FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", 
                        "--compile-decode"]
 HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout", "--mooncake-master",
                  "--mooncake-metadata"]
+CLUSTER_SECURITY_FLAGS = ["--cluster-token", "--cluster-token-file", "--tls-cert", "--tls-key", "--tls-ca",
+                          "--tls-server-name", "--etcd-ca", "--etcd-cert", "--etcd-key"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", *ENGINE_CONFIG_FLAGS, "--no-progress",
                "--log-level", "--instances", "--etcd", "--etcd-prefix", "--routing", "--prefill-instances",
-               "--decode-instances", *HANDOFF_FLAGS]
+               "--decode-instances", "--etcd-watch-timeout", "--engine-idle-timeout", "--request-timeout",
+               *HANDOFF_FLAGS, *CLUSTER_SECURITY_FLAGS]
 ENGINE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--instance-id", "--advertise-address",
                 "--etcd", "--etcd-prefix", "--registry", "--lease-ttl", "--heartbeat-interval", "--drain-timeout",
-                "--exit-with-parent", "--role", *HANDOFF_FLAGS, *ENGINE_CONFIG_FLAGS, "--no-progress", "--log-level"]
+                "--exit-with-parent", "--role", *HANDOFF_FLAGS, *ENGINE_CONFIG_FLAGS, "--no-progress", "--log-level",
+                *CLUSTER_SECURITY_FLAGS]
+
+API_FLAGS = ["--api-key", "--priority-api-key", "--allow-client-priority", "--max-inflight-requests",
+             "--max-body-mib", "--max-prompt-chars", "--max-prompts", "--max-n", "--max-logprobs"]
+SERVE_FLAGS = [*SERVE_FLAGS, *API_FLAGS]  # the OpenAI API's keys and limits (xllm.gateway.api_flags)
 
 
 def _sub_parser(name: str = "serve"):
@@ -184,3 +192,67 @@ def test_a_cluster_gateway_imports_no_torch():
             "assert not loaded, loaded[:5]\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+# ---- the OpenAI API's keys and limits (xllm.gateway.api_flags) ----------------------------------
+
+
+def test_api_flags_defaults_are_the_documented_limits():
+    from xllm.gateway.access import AccessPolicy
+    from xllm.gateway.api_flags import access_policy, api_limits
+    from xllm.gateway.openai.limits import ApiLimits
+
+    args = build_parser().parse_args(["serve"])
+    assert api_limits(args) == ApiLimits()
+    assert access_policy(args, environ={}) == AccessPolicy()
+
+
+def test_api_flags_build_limits_and_keys():
+    from xllm.gateway.api_flags import access_policy, api_limits
+
+    args = build_parser().parse_args(["serve", "--api-key", "k1", "--api-key", "k2", "--priority-api-key", "p1",
+                                      "--max-inflight-requests", "7", "--max-body-mib", "0.5", "--max-prompt-chars",
+                                      "1000", "--max-prompts", "3", "--max-n", "2", "--max-logprobs", "0"])
+    limits = api_limits(args)
+    assert (limits.max_inflight_requests, limits.max_body_bytes, limits.max_prompt_chars) == (7, 512 * 1024, 1000)
+    assert (limits.max_prompts, limits.max_n, limits.max_logprobs) == (3, 2, 0)
+    access = access_policy(args, environ={"XLLM_API_KEY": " k3 , ,k4"})
+    assert access.api_keys == {"k1", "k2", "k3", "k4"} and access.priority_keys == {"p1"}
+    assert not access.allow_client_priority
+    assert access_policy(build_parser().parse_args(["serve"]), environ={"XLLM_API_KEY": "env-key"}).requires_key
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--api-key", ""], "non-empty"),
+    (["--api-key", "k", "--allow-client-priority"], "--allow-client-priority"),
+    (["--max-n", "200"], "max_n"),
+    (["--max-logprobs", "21"], "max_logprobs"),
+])
+def test_bad_api_flags_are_clean_errors(argv, message, capsys):
+    assert main(["serve", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xllm serve: error:") and message in err
+
+
+@pytest.mark.parametrize("argv", [["serve", "--max-n", "0"], ["serve", "--max-body-mib", "0"],
+                                  ["serve", "--max-inflight-requests", "-1"], ["serve", "--max-prompts", "x"]])
+def test_api_flags_reject_bad_numbers(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+
+
+def test_serve_passes_the_api_options_to_the_app(monkeypatch):
+    """``xllm serve`` (embedded) hands the limits and keys of its flags to the gateway it builds."""
+    import uvicorn
+
+    import xllm.gateway.embedded as embedded
+
+    built = []
+    monkeypatch.setattr(embedded, "build_embedded", lambda opts: built.append(opts) or "app")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: built.append(app))
+    monkeypatch.delenv("XLLM_API_KEY", raising=False)
+    assert main(["serve", "--no-progress", "--api-key", "k", "--priority-api-key", "p", "--max-n", "3"]) == 0
+    opts, app = built
+    assert app == "app"
+    assert opts.limits.max_n == 3 and opts.access.api_keys == {"k"} and opts.access.priority_keys == {"p"}

@@ -48,7 +48,7 @@ def test_dispatch_follows_the_cache_and_resumes_a_broken_stream(smollm2_fp32, sm
         nodes = [node(smollm2_fp32, tok, iid) for iid in ("a", "b")]
         for n in nodes:
             await n.start(registry)
-        dispatcher = Dispatcher(registry, MODEL, Router(registry, "kv_aware"), detokenize=tok.decode)
+        dispatcher = Dispatcher(registry, MODEL, Router(registry, "kv_aware"))
         try:
             assert {s.instance_id for s in registry.states()} == {"a", "b"}
             prompt = system + question

@@ -45,7 +45,7 @@ class Cluster:
             self.nodes[iid] = ServedEngine(engine, role=role, model=MODEL, handoff=HandoffOptions(transport=transport))
         self.prom = CollectorRegistry()
         self.dispatcher = Dispatcher(self.registry, MODEL, Router(self.registry, "kv_aware"),
-                                     detokenize=TOK.decode, pd_metrics=PDMetrics(self.prom), handoff_grace=1.0)
+                                     pd_metrics=PDMetrics(self.prom), handoff_grace=1.0)
 
     async def __aenter__(self) -> Cluster:
         for node in self.nodes.values():

@@ -12,13 +12,14 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
 from xllm.core.compute_thread import ComputeThread
 from xllm.core.engine import LLMEngine
-from xllm.core.errors import EngineDeadError, EngineOverloadedError
+from xllm.core.errors import EngineCrashedError, EngineDeadError, EngineOverloadedError
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.registry.v1 import instance_pb2
 
@@ -74,6 +75,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.dead_reason: str | None = None
+        self.crashed = False  # the loop died of an exception (not a shutdown)
+        self._closing = threading.Lock()  # orders submit() against the loop's end
+        self._busy_since: float | None = None  # monotonic start of the step running now
 
     # ---- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -111,7 +115,10 @@ class AsyncEngine:
         if len(self.engine.scheduler.waiting) + self._commands.qsize() >= self.engine.config.max_waiting_requests:
             raise EngineOverloadedError("too many requests waiting; retry later")
         stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
-        self._commands.put(("add", req, stream))
+        with self._closing:  # never queued after the loop's last look at its commands
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+            self._commands.put(("add", req, stream))
         self._wake.set()
         return stream
 
@@ -131,27 +138,58 @@ class AsyncEngine:
         return self.engine.load_report()
 
     # ---- engine thread ----------------------------------------------------
+    def stalled_for(self) -> float:
+        """Seconds the loop has had work without finishing an iteration (0 while idle or moving):
+        a step that never returns shows here while heartbeats keep flowing."""
+        busy_since = self._busy_since
+        return 0.0 if busy_since is None else time.monotonic() - busy_since
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._busy_since = None
                 self._drain_commands()
                 if not self.engine.has_work():
                     self._wake.wait(self._idle_wait)
                     self._wake.clear()
                     continue
+                self._busy_since = time.monotonic()
                 self._deliver(self.engine.step())
                 if self.engine.stalled:  # nothing could run (e.g. KV held by hand-offs): wait for a change
                     self._wake.wait(self._idle_wait)
                     self._wake.clear()
         except Exception as exc:  # the engine is unusable: fail every stream loudly
-            log.exception("engine loop crashed")
-            self.dead_reason = f"engine loop crashed: {exc!r}"
-            err = EngineDeadError(self.dead_reason)
-            self._deliver_error_all(err)
+            suspects = self.engine.stepping_request_ids()
+            log.exception("engine loop crashed (requests in the failing step: %s)", sorted(suspects))
+            self.dead_reason = f"engine loop crashed: {type(exc).__name__}"
+            self.crashed = True
+            streams, self._streams = self._streams, {}
+            for rid, stream in streams.items():
+                err = EngineCrashedError(self.dead_reason, suspect=rid in suspects)
+                with contextlib.suppress(RuntimeError):
+                    stream._loop.call_soon_threadsafe(stream._put, err)
         finally:
-            if self.dead_reason is None:
-                self.dead_reason = "engine shut down"
-            self._deliver_error_all(EngineDeadError(self.dead_reason))
+            with self._closing:
+                if self.dead_reason is None:
+                    self.dead_reason = "engine shut down"
+            never_ran = EngineCrashedError(self.dead_reason, suspect=False) if self.crashed else \
+                EngineDeadError(self.dead_reason)
+            self._fail_queued(never_ran)
+            self._deliver_error_all(never_ran)
+
+    def _fail_queued(self, err: BaseException) -> None:
+        """Requests queued while the loop stopped: they get the error (they would wait forever)."""
+        while True:
+            try:
+                kind, _payload, stream = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                with contextlib.suppress(RuntimeError):
+                    stream._loop.call_soon_threadsafe(stream._put, err)
+            elif kind == "call":
+                with contextlib.suppress(RuntimeError):
+                    stream.get_loop().call_soon_threadsafe(_settle, stream, None, err)
 
     def _drain_commands(self) -> None:
         out: list[engine_pb2.GenerateResponse] = []
@@ -162,8 +200,9 @@ class AsyncEngine:
                 break
             if kind == "add":
                 try:
-                    self.engine.add_request(payload)
+                    ready = self.engine.add_request(payload)
                     self._streams[payload.request_id] = stream
+                    out.extend(ready)
                 except Exception as exc:  # validation raced with another request: report to the caller
                     stream._loop.call_soon_threadsafe(stream._put, exc)
             elif kind == "call":

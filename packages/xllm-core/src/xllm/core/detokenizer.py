@@ -37,11 +37,10 @@ class IncrementalDetokenizer:
 
     @classmethod
     def for_prompt(cls, decoder: TokenDecoder, prompt_ids: list[int], skip_special_tokens: bool = True,
-                   context: int = 6, undelivered: int = 0) -> IncrementalDetokenizer:
-        """Text starts after the prompt, or ``undelivered`` tokens before its end (their text is
-        released with the first tokens pushed, once complete)."""
-        tail = list(prompt_ids[-(context + undelivered):]) if context + undelivered else []
-        return cls(decoder, skip_special_tokens, tail, 0, len(tail) - undelivered)
+                   context: int = 6) -> IncrementalDetokenizer:
+        """Text starts after the prompt (its last ``context`` tokens seed the window)."""
+        tail = list(prompt_ids[-context:]) if context else []
+        return cls(decoder, skip_special_tokens, tail, 0, len(tail))
 
     def _window(self) -> tuple[str, str]:
         decode = self.decoder.decode

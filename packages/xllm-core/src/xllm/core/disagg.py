@@ -51,7 +51,6 @@ class Handoff:
     num_tokens: int
     pages: tuple[int, ...]
     first_token: int
-    generator_state: bytes
     queue_seconds: float
     prefill_seconds: float
     sampled_at: float = field(default=0.0)  # time.time() of the first token

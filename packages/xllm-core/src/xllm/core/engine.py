@@ -20,8 +20,6 @@ import random
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 
-import torch
-
 from xllm.core.config import EngineConfig
 from xllm.core.detokenizer import EngineTokenizer
 from xllm.core.disagg import DisaggListener, Handoff, PromptFinishing, Reservation
@@ -86,6 +84,7 @@ class LLMEngine:
         self.disagg: DisaggListener | None = None  # who moves KV in prefill/decode hand-offs (an engine server)
         self._abandoned: set[str] = set()  # aborted mid-hand-off: KV kept until release_kv
         self.stalled = False  # the last step had nothing it could run
+        self._stepping: list[Sequence] = []  # the sequences of the step being prepared/run (stepping_request_ids)
         # async scheduling: forwards run here (the caller's ComputeThread, so that loading and
         # forwards share one OpenMP pool; see xllm.core.compute_thread), or on a worker of our own
         self._owns_worker = config.async_scheduling and forward_executor is None
@@ -103,8 +102,10 @@ class LLMEngine:
         Raises :class:`InvalidRequestError` naming the offending parameter."""
         return self.limits.check(req)
 
-    def add_request(self, req: engine_pb2.GenerateRequest) -> None:
-        """Queue a request; raises :class:`InvalidRequestError` or :class:`EngineOverloadedError`."""
+    def add_request(self, req: engine_pb2.GenerateRequest) -> list[engine_pb2.GenerateResponse]:
+        """Queue a request; raises :class:`InvalidRequestError` or :class:`EngineOverloadedError`.
+        Returns chunks to deliver at once: only a resumed request whose earlier run had already
+        ended (its final chunk was lost) ends here, with that chunk, without being queued."""
         params = self.validate(req)
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight", "request_id")
@@ -118,14 +119,17 @@ class LLMEngine:
         if phase is not Phase.MIXED and self.kv.page_store() is None:
             raise InvalidRequestError(f"the {self.config.kv_cache_backend} KV backend cannot hand KV off",
                                       "disagg_phase")
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(params.seed if params.seed is not None else self._seed_source.getrandbits(63))
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(req.request_id, list(req.prompt_token_ids), params, req.arrival_time or time.time(),
-                       req.priority, gen, phase=phase)
-        out = self.outputs.new_request(seq, req.undelivered_output_tokens)
+                       req.priority, seed=seed, num_resumed=req.resumed_output_tokens, phase=phase)
+        out = self.outputs.new_request(seq, req.resumed_sent_chars)
+        if out.finished:
+            self.counters.finished_requests += 1
+            return [self.outputs.take_chunk(out)]
         out.kv_target = req.kv_target if phase is Phase.PREFILL else None
         self.requests[req.request_id] = out
         self.scheduler.add(seq)
+        return []
 
     def abort(self, request_id: str) -> engine_pb2.GenerateResponse | None:
         """Cancel a request; returns its final (aborted) chunk, or None if unknown."""
@@ -150,6 +154,14 @@ class LLMEngine:
             finished=[_finished(seq, "abort", time.time())]))
         return chunk
 
+    def stepping_request_ids(self) -> set[str]:
+        """Requests of the step being scheduled, prepared or computed (with async scheduling, also
+        the one in flight): the suspects when a step raises."""
+        seqs = set(self._stepping)
+        if self._in_flight is not None:
+            seqs |= self._in_flight.seqs
+        return {s.request_id for s in seqs}
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
 
@@ -173,7 +185,9 @@ class LLMEngine:
         flight = self._prepare(plan)
         flight.start(None)
         self._swap_in(flight)
-        return self._emit(flight)
+        responses = self._emit(flight)
+        self._stepping = []
+        return responses
 
     def _step_overlapped(self) -> list[engine_pb2.GenerateResponse]:
         responses: list[engine_pb2.GenerateResponse] = []
@@ -198,7 +212,9 @@ class LLMEngine:
             flight.start(self._worker)
         self._in_flight = flight
         if prev is not None:
+            self._stepping = list(prev.seqs)  # emitting it may still fail
             responses += self._emit(prev)  # overlaps the forward just started
+        self._stepping = []
         return responses
 
     def _schedule(self, hold: set[Sequence] | frozenset[Sequence] = frozenset()) -> StepPlan:
@@ -210,6 +226,7 @@ class LLMEngine:
         """Pack the step's inputs and advance its sequences as if it had run; each
         sequence that samples this step gets a placeholder for its new token."""
         chunks = [(c.seq, c.num_tokens) for c in plan.chunks]
+        self._stepping = [seq for seq, _ in chunks]
         batch = self.runner.prepare(chunks)
         self.kv.prefetch(batch.sample_seqs)  # map next step's pages while this one computes
         now = time.time()
@@ -274,7 +291,7 @@ class LLMEngine:
     def _saturated(self, seq: Sequence) -> bool:
         """Whether the token in flight is certainly the sequence's last here (length limits; a
         prefill-phase sequence stops at its first token)."""
-        return (len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+        return (seq.num_resumed + len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
                 or seq.phase is Phase.PREFILL)
 
     def _kv_tight(self) -> bool:
@@ -320,12 +337,13 @@ class LLMEngine:
         scheduled = seq.first_scheduled_time or seq.arrival_time
         self.disagg.on_handoff(Handoff(
             seq.request_id, out.kv_target, seq.num_prompt_tokens, tuple(seq.kv_pages), token,
-            seq.generator.get_state().numpy().tobytes(), scheduled - seq.arrival_time, now - scheduled, now))
+            scheduled - seq.arrival_time, now - scheduled, now))
 
     def install_kv(self, commit: engine_pb2.KVCommit, received: bool = True) -> list[engine_pb2.GenerateResponse]:
         """Decode side: the reserved pages hold the prompt's KV (``received``), or the transfer failed
         and this engine computes what its prefix cache lacked. Either way decoding continues after
-        the first token (sampled and streamed by the prefill side) with the sampler state it left.
+        the first token (sampled and streamed by the prefill side; later draws depend only on the
+        seed and the output index).
         Returns chunks to deliver (only if the request ends right here)."""
         seq = self.scheduler.awaiting_kv.get(commit.transfer_id)
         if seq is None or commit.transfer_id in self._abandoned:
@@ -333,7 +351,6 @@ class LLMEngine:
         if commit.num_tokens != seq.num_prompt_tokens:
             raise InvalidRequestError(f"{commit.transfer_id}: the hand-off covers {commit.num_tokens} tokens, "
                                       f"the prompt has {seq.num_prompt_tokens}", "num_tokens")
-        seq.generator.set_state(torch.frombuffer(bytearray(commit.generator_state), dtype=torch.uint8))
         if received:
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.kv.on_computed(seq)  # the received blocks join the local prefix cache

@@ -28,3 +28,12 @@ class EngineOverloadedError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine loop has stopped (shut down or crashed)."""
+
+
+class EngineCrashedError(EngineDeadError):
+    """The engine loop crashed while the request was in flight. ``suspect``: the request was in the
+    step that raised (it may be what crashed the engine); otherwise it was a bystander."""
+
+    def __init__(self, message: str, suspect: bool) -> None:
+        super().__init__(message)
+        self.suspect = suspect

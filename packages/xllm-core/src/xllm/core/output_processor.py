@@ -49,11 +49,25 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def new_request(self, seq: Sequence, undelivered: int = 0) -> RequestOutput:
-        """``undelivered``: trailing prompt tokens whose text goes out with the first chunk that completes it."""
-        detok = IncrementalDetokenizer.for_prompt(self.decoder, seq.prompt_ids, seq.params.skip_special_tokens,
-                                                  undelivered=undelivered)
-        return RequestOutput(seq, detok)
+    def new_request(self, seq: Sequence, sent_chars: int = 0) -> RequestOutput:
+        """The output state of a new request. A resumed one (``seq.num_resumed`` > 0) replays its
+        earlier output through the detokenizer and the stop checks, token by token as one run
+        would have, and counts the first ``sent_chars`` characters of that text as delivered: what
+        an earlier run held back (a possible stop string, a character split at the failure) comes
+        out with the next chunk, and a stop string begun before the failure still matches. The
+        replay may end the request (its earlier run had ended; only its final chunk was lost):
+        ``finished`` is then set and :meth:`take_chunk` gives the final chunk."""
+        earlier = seq.prompt_ids[seq.num_request_prompt_tokens:]
+        detok = IncrementalDetokenizer.for_prompt(self.decoder, seq.prompt_ids[:seq.num_request_prompt_tokens],
+                                                  seq.params.skip_special_tokens)
+        out = RequestOutput(seq, detok)
+        for token in earlier:
+            if out.finished:
+                break
+            self.append_token(out, token, None)
+        out.pending_ids = []
+        out.sent_chars = min(sent_chars, len(out.text))
+        return out
 
     def append_token(self, out: RequestOutput, token: int,
                      logprob: tuple[float, list[tuple[int, float]]] | None) -> None:
@@ -76,7 +90,7 @@ class OutputProcessor:
             if p.stop and self._check_stop_strings(out, before):
                 return
         if not out.finished and (out.num_generated >= p.max_tokens
-                                 or seq.num_prompt_tokens + out.num_generated >= self.max_model_len):
+                                 or seq.num_request_prompt_tokens + out.num_generated >= self.max_model_len):
             self._finish(out, LENGTH, "")
 
     def abort(self, out: RequestOutput) -> None:
@@ -94,8 +108,7 @@ class OutputProcessor:
         seq = out.seq
         return engine_pb2.GenerateResponse(
             request_id=seq.request_id, finish_reason=HANDED_OFF,
-            usage=engine_pb2.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=out.num_generated,
-                                   cached_prompt_tokens=seq.num_cached_prompt_tokens))
+            usage=_usage(out))
 
     def take_chunk(self, out: RequestOutput) -> engine_pb2.GenerateResponse:
         """The stream chunk for everything produced since the last call; the final
@@ -119,10 +132,7 @@ class OutputProcessor:
         out.pending_ids = []
         out.pending_logprobs = []
         if out.finished:
-            chunk.usage.CopyFrom(engine_pb2.Usage(
-                prompt_tokens=out.seq.num_prompt_tokens,
-                completion_tokens=out.num_generated,
-                cached_prompt_tokens=out.seq.num_cached_prompt_tokens))
+            chunk.usage.CopyFrom(_usage(out))
         return chunk
 
     def _check_stop_strings(self, out: RequestOutput, before: int) -> bool:
@@ -146,3 +156,11 @@ class OutputProcessor:
         """End the request, releasing any text the detokenizer still held back."""
         out.finish_reason, out.stop_reason = reason, stop_reason
         out.text += out.detok.flush()
+
+
+def _usage(out: RequestOutput) -> engine_pb2.Usage:
+    """The whole request's usage (a resumed request: the client's prompt, every run's output)."""
+    seq = out.seq
+    prompt = seq.num_request_prompt_tokens
+    return engine_pb2.Usage(prompt_tokens=prompt, completion_tokens=out.num_generated,
+                            cached_prompt_tokens=min(seq.num_cached_prompt_tokens, prompt))

@@ -12,6 +12,7 @@ from xllm.kernels.sampling import (
     apply_repetition_penalty,
     apply_top_k_top_p_min_p,
     argmax_rows,
+    draw_generator,
     sample_from_probs,
 )
 
@@ -32,7 +33,11 @@ class Sampler:
     """Applies each sequence's logit processors and draws its next token.
 
     Order: logit bias, penalties, min-tokens masking, then greedy argmax or
-    temperature -> top-k -> top-p -> min-p -> seeded categorical draw.
+    temperature -> top-k -> top-p -> min-p -> seeded categorical draw. The draw of a
+    sequence's output position ``i`` uses a generator keyed by ``(seed, i)``
+    (:func:`xllm.kernels.sampling.draw_generator`), so it is the same on any instance and
+    after any preemption, resume or hand-off. Called when each sequence's next token is the
+    one being drawn (its known outputs, earlier runs' included, are ``num_output_tokens()``).
     """
 
     def __init__(self, eos_token_ids: frozenset[int]) -> None:
@@ -54,7 +59,8 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None
             scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
             probs = scaled.softmax(dim=-1)
-            sampled = sample_from_probs(probs, [s.generator for s in seqs])
+            gens = [None if p.greedy else draw_generator(s.seed, s.num_output_tokens()) for s, p in zip(seqs, params)]
+            sampled = sample_from_probs(probs, gens)
             chosen = torch.where(greedy, chosen, sampled)
         token_ids = chosen.tolist()
         out_lp: list = [None] * len(seqs)
@@ -81,7 +87,7 @@ class Sampler:
                 logits[i].index_add_(0, ids, vals)
         if any(s.params.needs_penalties for s in seqs):
             logits = self._penalties(logits, seqs)
-        masked = [(i, s) for i, s in enumerate(seqs) if len(s.real_output_ids) < s.params.min_tokens]
+        masked = [(i, s) for i, s in enumerate(seqs) if s.num_output_tokens() < s.params.min_tokens]
         if masked:
             logits = logits.clone()
             for i, s in masked:
@@ -98,7 +104,7 @@ class Sampler:
         counts = torch.zeros(b, vocab, dtype=torch.int32)
         seen = torch.zeros(b, vocab, dtype=torch.bool)
         for i, s in enumerate(seqs):
-            generated = s.real_output_ids
+            generated = s.all_output_ids()
             if generated:
                 out = torch.tensor(generated, dtype=torch.long)
                 counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))

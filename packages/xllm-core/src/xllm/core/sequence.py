@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from xllm.core.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # stands for a token still being computed (async scheduling)
@@ -46,7 +44,8 @@ class Sequence:
     params: SamplingParams
     arrival_time: float
     priority: int = 0
-    generator: torch.Generator | None = None
+    seed: int = 0            # sampling draws are keyed by (seed, output index): xllm.kernels.sampling
+    num_resumed: int = 0     # the last prompt tokens that are output of an earlier run (a resumed request)
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
@@ -67,7 +66,23 @@ class Sequence:
 
     @property
     def num_prompt_tokens(self) -> int:
+        """Tokens known at arrival (a resumed request's earlier output included): what the KV
+        cache, prefill and hand-offs work on."""
         return len(self.prompt_ids)
+
+    @property
+    def num_request_prompt_tokens(self) -> int:
+        """The client's prompt: without the output of an earlier run of a resumed request."""
+        return len(self.prompt_ids) - self.num_resumed
+
+    def num_output_tokens(self) -> int:
+        """Generated tokens known so far across runs (a resumed run's earlier output included)."""
+        return self.num_resumed + len(self.real_output_ids)
+
+    def all_output_ids(self) -> list[int]:
+        """Generated tokens known so far across runs, earlier runs' first."""
+        earlier = self.prompt_ids[len(self.prompt_ids) - self.num_resumed:] if self.num_resumed else []
+        return earlier + self.real_output_ids if earlier else self.real_output_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens ``[start, end)`` of prompt + output without building the full list."""

@@ -31,25 +31,32 @@ class RequestLimits:
         prompt = req.prompt_token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty", "prompt")
-        if req.undelivered_output_tokens > len(prompt):
-            raise InvalidRequestError("undelivered_output_tokens exceeds the prompt", "undelivered_output_tokens")
+        resumed = req.resumed_output_tokens
+        if resumed >= len(prompt):
+            raise InvalidRequestError("resumed_output_tokens must be less than the prompt's length",
+                                      "resumed_output_tokens")
+        if resumed > params.max_tokens:
+            raise InvalidRequestError(f"resumed_output_tokens ({resumed}) exceeds max_tokens ({params.max_tokens})",
+                                      "resumed_output_tokens")
         vocab = self.vocab_size
         if vocab and (min(prompt) < 0 or max(prompt) >= vocab):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         if vocab and any(not 0 <= t < vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
-        if len(prompt) >= self.max_model_len:
+        # A resumed request's earlier output (the last `resumed` prompt tokens) counts against max_tokens.
+        prompt_len = len(prompt) - resumed
+        if prompt_len >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {len(prompt)} tokens but the context length is {self.max_model_len}", "prompt")
-        if len(prompt) + params.max_tokens > self.max_model_len:
+                f"the prompt has {prompt_len} tokens but the context length is {self.max_model_len}", "prompt")
+        if prompt_len + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
+                f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
                 f"length {self.max_model_len}", "max_tokens")
         # A sequence that cannot fit the whole KV pool on its own would be preempted and
         # re-admitted forever (the engine would never finish it): reject it up front.
         capacity = self.layout.capacity_tokens
-        if self.layout.blocks_for(len(prompt) + params.max_tokens) > self.layout.num_blocks:
+        if self.layout.blocks_for(prompt_len + params.max_tokens) > self.layout.num_blocks:
             raise InvalidRequestError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV cache "
-                f"capacity of {capacity} tokens", "prompt" if len(prompt) > capacity else "max_tokens")
+                f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds the KV cache "
+                f"capacity of {capacity} tokens", "prompt" if prompt_len > capacity else "max_tokens")
         return params

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import grpc
 
+from xllm.engine.security import NO_SECURITY, ClusterSecurity, open_channel
 from xllm.engine.wire import ACCEPTED_KEY, InstanceUnavailableError, error_from_status
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from xllm.proto.kvstore.v1 import kv_events_pb2
@@ -68,18 +69,25 @@ class RemoteStream:
         try:
             while True:
                 try:
-                    chunk = await self._call.read()
+                    chunk = await asyncio.wait_for(self._call.read(), self._client.stream_idle_timeout)
+                except TimeoutError:
+                    self.finished = True
+                    self._call.cancel()
+                    raise InstanceUnavailableError(
+                        f"instance {instance_id} sent nothing for {self._client.stream_idle_timeout:g} s",
+                        instance_id, crashed=True, suspect=True) from None
                 except grpc.aio.AioRpcError as exc:
                     self.finished = True
-                    raise error_from_status(exc.code(), exc.details(), exc.trailing_metadata(), instance_id) from None
+                    raise error_from_status(exc.code(), exc.details(), exc.trailing_metadata(), instance_id,
+                                            mid_stream=True) from None
                 if chunk is grpc.aio.EOF:
                     self.finished = True
                     code = await self._call.code()
                     if code != grpc.StatusCode.OK:
                         raise error_from_status(code, await self._call.details(),
-                                                await self._call.trailing_metadata(), instance_id)
+                                                await self._call.trailing_metadata(), instance_id, mid_stream=True)
                     raise InstanceUnavailableError(  # the stream ended without its final chunk
-                        f"instance {instance_id} ended the stream early", instance_id)
+                        f"instance {instance_id} ended the stream early", instance_id, crashed=True, suspect=True)
                 if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                     self.finished = True
                 yield chunk
@@ -93,20 +101,31 @@ class RemoteStream:
 class GrpcEngineClient:
     """An instance serving ``xllm.engine.v1.EngineService`` at ``info.address``.
 
-    The channel is created on first use (inside the caller's event loop).
+    The channel is created on first use (inside the caller's event loop), with the cluster token
+    and TLS of ``security`` (:func:`xllm.engine.security.open_channel`).
     """
 
-    def __init__(self, info: instance_pb2.InstanceInfo, rpc_timeout: float = 5.0) -> None:
+    def __init__(self, info: instance_pb2.InstanceInfo, rpc_timeout: float = 5.0,
+                 security: ClusterSecurity = NO_SECURITY, stream_idle_timeout: float | None = 300.0,
+                 request_deadline: float | None = None) -> None:
+        """``rpc_timeout``: deadline of the unary calls; ``stream_idle_timeout``: longest wait for a
+        request's next chunk (its first one included: queueing counts) before the instance is taken
+        for hung and the request moved elsewhere (``InstanceUnavailableError``); ``request_deadline``:
+        a deadline on the whole ``Generate`` call (None: none). The instance's answer to accept or
+        reject a request is awaited at most ``stream_idle_timeout`` too."""
         if not info.address:
             raise ValueError(f"instance {info.instance_id} has no address")
         self.info = info
         self.rpc_timeout = rpc_timeout
+        self.stream_idle_timeout = stream_idle_timeout
+        self.request_deadline = request_deadline
+        self.security = security
         self._channel: grpc.aio.Channel | None = None
         self._stub: engine_pb2_grpc.EngineServiceStub | None = None
 
     def _get_stub(self) -> engine_pb2_grpc.EngineServiceStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.info.address, options=[
+            self._channel = open_channel(self.info.address, self.security, options=[
                 ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
                 ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2_000),
                 ("grpc.enable_retries", 0)])
@@ -117,9 +136,13 @@ class GrpcEngineClient:
         return InstanceUnavailableError(f"instance {self.info.instance_id}: {exc.details()}", self.info.instance_id)
 
     async def submit(self, req: engine_pb2.GenerateRequest) -> RemoteStream:
-        call = self._get_stub().Generate(req)
+        call = self._get_stub().Generate(req, timeout=self.request_deadline)
         try:
-            metadata = await call.initial_metadata()
+            metadata = await asyncio.wait_for(call.initial_metadata(), self.stream_idle_timeout)
+        except TimeoutError:
+            call.cancel()
+            raise InstanceUnavailableError(f"instance {self.info.instance_id} did not accept or reject the request "
+                                           f"within {self.stream_idle_timeout:g} s", self.info.instance_id) from None
         except grpc.aio.AioRpcError as exc:
             raise error_from_status(exc.code(), exc.details(), exc.trailing_metadata(),
                                     self.info.instance_id) from None

@@ -18,6 +18,7 @@ from xllm.core.kv.registry import KV_BACKENDS
 from xllm.engine.handoff import KV_TRANSPORTS
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.registration.etcd import DEFAULT_PREFIX
+from xllm.engine.security import TOKEN_ENV, ClusterSecurity, resolve_token
 from xllm.proto.enums import ROLE_NAMES
 
 if TYPE_CHECKING:
@@ -107,6 +108,58 @@ def add_etcd_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--etcd", default=None, metavar="HOST:PORT[,HOST:PORT...]", help=what)
     p.add_argument("--etcd-prefix", default=DEFAULT_PREFIX,
                    help="namespace prefix of the registry keys in etcd (instances/ and heartbeats/ below it)")
+    p.add_argument("--etcd-ca", default=None, metavar="FILE",
+                   help="PEM CA to verify etcd's certificate with (for https:// endpoints of an etcd started "
+                        "with --cert-file/--key-file)")
+    p.add_argument("--etcd-cert", default=None, metavar="FILE",
+                   help="PEM client certificate presented to etcd (etcd --client-cert-auth; with etcd auth "
+                        "enabled its common name is the etcd user)")
+    p.add_argument("--etcd-key", default=None, metavar="FILE", help="PEM private key of --etcd-cert")
+
+
+def add_security_flags(p: argparse.ArgumentParser) -> None:
+    """How the internal gRPC services (engines, embedded registry, KV transfer) are protected
+    (:mod:`xllm.engine.security`); the same flags on ``xllm serve`` and ``xllm engine``."""
+    g = p.add_argument_group("cluster security", "authentication and TLS of the internal gRPC services")
+    g.add_argument("--cluster-token", default=None, metavar="TOKEN",
+                   help=f"shared secret every engine and gateway of the cluster presents and requires on the "
+                        f"internal gRPC services (needed to bind them to a non-loopback address); without "
+                        f"this flag and --cluster-token-file it is read from ${TOKEN_ENV}, which is better: "
+                        f"other users can read command lines")
+    g.add_argument("--cluster-token-file", default=None, metavar="PATH",
+                   help="read the cluster token from this file (surrounding whitespace ignored)")
+    g.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="PEM certificate (chain) to serve the internal gRPC services over TLS with (with --tls-key)")
+    g.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="PEM CA that signed the cluster's --tls-cert certificates: connections to engines and "
+                        "registries use TLS and verify the server with it")
+    g.add_argument("--tls-server-name", default=None, metavar="NAME",
+                   help="name the servers' certificates carry, when it is not the host dialled (one certificate "
+                        "for the whole cluster)")
+
+
+def cluster_security(args: argparse.Namespace) -> ClusterSecurity:
+    """The :class:`~xllm.engine.security.ClusterSecurity` the security and etcd flags describe (the
+    token from ``--cluster-token``, ``--cluster-token-file`` or ``$XLLM_CLUSTER_TOKEN``); raises
+    ``ValueError`` naming the flag to fix."""
+    return ClusterSecurity(
+        token=resolve_token(args.cluster_token, args.cluster_token_file), tls_cert=args.tls_cert,
+        tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
+        etcd_ca=args.etcd_ca, etcd_cert=args.etcd_cert, etcd_key=args.etcd_key)
+
+
+def security_args(security: ClusterSecurity) -> list[str]:
+    """The TLS and etcd TLS flags of ``security`` for a spawned engine process. Never the token: it
+    goes through the environment (:meth:`ClusterSecurity.environment`), not the visible argv."""
+    out: list[str] = []
+    for flag, value in (("--tls-cert", security.tls_cert), ("--tls-key", security.tls_key),
+                        ("--tls-ca", security.tls_ca), ("--tls-server-name", security.tls_server_name),
+                        ("--etcd-ca", security.etcd_ca), ("--etcd-cert", security.etcd_cert),
+                        ("--etcd-key", security.etcd_key)):
+        if value:
+            out += [flag, value]
+    return out
 
 
 def add_instance_flags(p: argparse.ArgumentParser) -> None:
@@ -174,6 +227,7 @@ def add_engine_process_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag of an engine instance process (``xllm engine``, ``python -m xllm.engine``)."""
     add_model_flags(p)
     add_instance_flags(p)
+    add_security_flags(p)
     add_engine_flags(p)
     add_common_flags(p)
 

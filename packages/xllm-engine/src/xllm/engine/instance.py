@@ -22,11 +22,13 @@ import sys
 from dataclasses import dataclass, field
 
 from xllm.core import AsyncEngine, ComputeThread, ConfigError, EngineConfig, LLMEngine
+from xllm.core.errors import EngineCrashedError
 from xllm.engine import flags
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.loader import load_engine
 from xllm.engine.registration.agent import InstanceAgent, Publisher
 from xllm.engine.registration.etcd import DEFAULT_PREFIX
+from xllm.engine.security import NO_SECURITY, ClusterSecurity
 from xllm.engine.server import EngineServer
 from xllm.models import ModelConfigError, ModelNotFoundError, served_name
 from xllm.proto.enums import role_from_name
@@ -54,6 +56,7 @@ class InstanceOptions:
     progress: bool = True
     role: str = "mixed"
     handoff: HandoffOptions = field(default_factory=HandoffOptions)
+    security: ClusterSecurity = NO_SECURITY
 
 
 def default_instance_id() -> str:
@@ -65,11 +68,12 @@ def build_publisher(opts: InstanceOptions) -> Publisher | None:
         from xllm.engine.registration.etcd import EtcdPublisher
         from xllm.engine.registration.etcd_client import EtcdClient
 
-        return EtcdPublisher(EtcdClient(opts.etcd), opts.etcd_prefix, opts.lease_ttl)
+        return EtcdPublisher(EtcdClient(opts.etcd, ssl_context=opts.security.etcd_ssl_context()), opts.etcd_prefix,
+                             opts.lease_ttl)
     if opts.registry:
         from xllm.engine.registration.embedded import GrpcRegistryPublisher
 
-        return GrpcRegistryPublisher(opts.registry, opts.lease_ttl)
+        return GrpcRegistryPublisher(opts.registry, opts.lease_ttl, security=opts.security)
     return None
 
 
@@ -78,7 +82,8 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
                          compute: ComputeThread | None = None) -> int:
     """Serve ``engine`` until ``stop`` is set (or a signal arrives), then shut down gracefully.
 
-    Returns how many requests were handed back at shutdown.
+    Returns how many requests were handed back at shutdown; raises ``EngineCrashedError`` (after the
+    same shutdown) when the engine loop crashed.
     """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -86,10 +91,11 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
     aeng = AsyncEngine(engine, compute=compute)
-    server = EngineServer(aeng, handoff=opts.handoff)  # before the loop starts: it observes every step
+    # before the loop starts: it observes every step
+    server = EngineServer(aeng, handoff=opts.handoff, security=opts.security)
     aeng.start()
     agent = None
-    watchdog = None
+    watchdog = engine_watch = None
     handed_back = 0
     try:
         port = await server.start(opts.host, opts.port, opts.advertise_address)
@@ -100,12 +106,15 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
             await agent.start()
         if opts.exit_with_parent:
             watchdog = loop.create_task(_watch_parent(os.getppid(), stop))
+        engine_watch = loop.create_task(_watch_engine(aeng, stop))
         print(f"xllm engine {info.instance_id} serving {info.model.served_name} on {info.address}", flush=True)
         await stop.wait()
         log.info("instance %s shutting down (drain up to %.0f s)", info.instance_id, opts.drain_timeout)
     finally:
         if watchdog is not None:
             watchdog.cancel()
+        if engine_watch is not None:
+            engine_watch.cancel()
         if agent is not None:
             await agent.stop(deregister=True)
         handed_back = await server.drain(opts.drain_timeout)
@@ -118,8 +127,21 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.remove_signal_handler(sig)
+    if aeng.crashed:
+        raise EngineCrashedError(aeng.dead_reason or "engine loop crashed", suspect=False)
     log.info("instance %s stopped (%d request(s) handed back)", info.instance_id, handed_back)
     return handed_back
+
+
+async def _watch_engine(aeng: AsyncEngine, stop: asyncio.Event, interval: float = 0.2) -> None:
+    """A crashed engine loop (its streams already failed, each marked suspect or bystander) takes
+    the instance down: deregistered and stopped, so no gateway sends it anything again and a
+    supervisor can restart it (the process exits with status 1)."""
+    while aeng.is_running:
+        await asyncio.sleep(interval)
+    if not stop.is_set():
+        log.error("engine loop is dead (%s); deregistering and stopping", aeng.dead_reason)
+        stop.set()
 
 
 async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
@@ -134,8 +156,13 @@ def run_instance(opts: InstanceOptions) -> int:
     loaded = load_engine(opts.model, served_name(opts.model, opts.served_model_name), opts.engine,
                          opts.instance_id or default_instance_id(), opts.progress)
     publisher = build_publisher(opts)
-    asyncio.run(serve_instance(loaded.engine, loaded.info, opts, publisher, compute=loaded.compute))
-    loaded.compute.shutdown(wait=False)
+    try:
+        asyncio.run(serve_instance(loaded.engine, loaded.info, opts, publisher, compute=loaded.compute))
+    except EngineCrashedError as exc:
+        log.error("instance stopped: %s", exc)
+        return 1
+    finally:
+        loaded.compute.shutdown(wait=False)
     return 0
 
 
@@ -147,7 +174,7 @@ def options(args: argparse.Namespace) -> InstanceOptions:
         etcd=args.etcd, etcd_prefix=args.etcd_prefix, registry=args.registry, lease_ttl=args.lease_ttl,
         heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
         exit_with_parent=args.exit_with_parent, progress=not args.no_progress, role=args.role,
-        handoff=flags.handoff_options(args))
+        handoff=flags.handoff_options(args), security=flags.cluster_security(args))
 
 
 def run(args: argparse.Namespace, prog: str = "xllm engine") -> int:
@@ -156,7 +183,10 @@ def run(args: argparse.Namespace, prog: str = "xllm engine") -> int:
         print(f"{prog}: error: use --etcd or --registry, not both", file=sys.stderr)
         return 2
     try:
-        return run_instance(options(args))
+        opts = options(args)
+        opts.security.check_bind(opts.host, "the engine service (--host)")  # before the model loads
+        opts.security.check_files()
+        return run_instance(opts)
     except (ConfigError, ModelNotFoundError, ModelConfigError, ValueError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -31,7 +31,7 @@ import asyncio
 import collections
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -39,7 +39,8 @@ from xllm.core import AsyncEngine, EngineError, StepStats
 from xllm.engine.handoff import grpc as grpc_transport
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.handoff.manager import HandoffManager
-from xllm.engine.wire import ACCEPTED_KEY, DRAINING, HANDED_BACK, Status, status_for
+from xllm.engine.security import NO_SECURITY, ClusterSecurity, bind, new_server
+from xllm.engine.wire import ACCEPTED_KEY, DRAINING, HANDED_BACK, RequestFailedError, Status, status_for
 from xllm.kvstore import KVEventLog
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from xllm.proto.kvstore.v1 import kv_events_pb2
@@ -64,11 +65,17 @@ class _Observer:
 
 
 class EngineServer(engine_pb2_grpc.EngineServiceServicer):
-    """Serves one :class:`AsyncEngine` over gRPC (start it with :meth:`start`)."""
+    """Serves one :class:`AsyncEngine` over gRPC (start it with :meth:`start`).
+
+    ``security``: the cluster token and TLS the service requires, and its KV hand-offs to other
+    instances present (:mod:`xllm.engine.security`)."""
 
     def __init__(self, engine: AsyncEngine, kv_history: int = 1 << 16, rate_alpha: float = 0.2,
-                 handoff: HandoffOptions | None = None) -> None:
+                 handoff: HandoffOptions | None = None, security: ClusterSecurity = NO_SECURITY,
+                 stall_timeout: float = 60.0) -> None:
         self.engine = engine
+        self.security = security
+        self.stall_timeout = stall_timeout
         llm = engine.engine
         self.instance_id = llm.instance_id
         self.block_size = llm.layout.block_size
@@ -83,7 +90,9 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         self._calls: dict[str, _Call] = {}
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
-        self.handoff = HandoffManager(engine, handoff or HandoffOptions(), self.count)
+        handoff = handoff or HandoffOptions()
+        handoff = replace(handoff, transport_options={**handoff.transport_options, "security": security})
+        self.handoff = HandoffManager(engine, handoff, self.count)
         llm.observers.append(_Observer(self))
 
     # ---- engine thread ------------------------------------------------------------------------
@@ -110,11 +119,9 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
     async def start(self, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None) -> int:
         """Bind ``host:port`` (0: a free port) and start serving; returns the bound port. ``advertise``:
         the address other instances reach this one at (for KV hand-offs), if not ``host:port``."""
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *grpc_transport.CHANNEL_OPTIONS])
+        server = new_server(self.security, grpc_transport.CHANNEL_OPTIONS)
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self, server)
-        bound = server.add_insecure_port(f"{host}:{port}")
-        if not bound:
-            raise OSError(f"cannot bind the engine service to {host}:{port}")
+        bound = bind(server, host, port, self.security, "the engine service (--host)")
         await server.start()
         self._server, self.port = server, bound
         await self.handoff.start(advertise or f"{host}:{bound}")
@@ -184,10 +191,22 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
 
     def heartbeat(self, kv_since: int | None, seq: int = 0) -> instance_pb2.Heartbeat:
         """The registry heartbeat: load, the KV delta since version ``kv_since`` (None: a
-        snapshot), cumulative counters and whether the instance is draining."""
+        snapshot), cumulative counters, whether the instance is draining and, if its engine
+        does not work, why."""
         return instance_pb2.Heartbeat(instance_id=self.instance_id, seq=seq, load=self.load_report(),
                                       kv_events=self.kv_events(kv_since), counters=self.counters(),
-                                      draining=self.draining)
+                                      draining=self.draining, unhealthy_reason=self.health_problem())
+
+    def health_problem(self) -> str:
+        """Why the engine cannot serve ("" while it can): its loop died, or one step has been
+        running for more than ``stall_timeout`` seconds (heartbeats come from the event loop, so
+        they keep flowing while the engine thread is stuck)."""
+        if not self.engine.is_running:
+            return self.engine.dead_reason or "engine stopped"
+        stalled = self.engine.stalled_for()
+        if stalled > self.stall_timeout:
+            return f"engine step running for {stalled:.0f} s"
+        return ""
 
     # ---- EngineService ------------------------------------------------------------------------
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -229,6 +248,9 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
                 pending = asyncio.ensure_future(anext(chunks))
         except EngineError as exc:  # rejected on the engine thread (e.g. a duplicate id), or the engine died
             failure = status_for(exc)
+        except Exception:  # a bug met by this request: fail it alone (the gateway does not replay it)
+            log.exception("engine %s: request %s failed", self.instance_id, rid)
+            failure = status_for(RequestFailedError("internal error while serving the request"))
         finally:
             if not pending.done():
                 pending.cancel()  # the call is gone: leaving the stream aborts the request
@@ -244,8 +266,9 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.AbortResponse(aborted=known)
 
     async def Health(self, request: engine_pb2.HealthRequest, context) -> engine_pb2.HealthResponse:
-        if not self.engine.is_running:
-            return engine_pb2.HealthResponse(healthy=False, status=self.engine.dead_reason or "stopped")
+        problem = self.health_problem()
+        if problem:
+            return engine_pb2.HealthResponse(healthy=False, status=problem)
         if self.draining:
             return engine_pb2.HealthResponse(healthy=False, status="draining")
         return engine_pb2.HealthResponse(healthy=True, status="ok")

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from xllm.engine import flags
+from xllm.gateway.api_flags import access_policy, add_api_flags, api_limits
 from xllm.sched import ROUTING_POLICIES
 
 DESCRIPTION = """xLLM: an OpenAI-compatible LLM inference service.
@@ -51,11 +52,25 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_etcd_flags(serve, "cluster mode with an etcd registry: route to the engine instances registered in "
                                 "etcd (started with `xllm engine --etcd ...`; with --instances the local ones "
                                 "register there too)")
+    serve.add_argument("--etcd-watch-timeout", type=flags.positive_float, default=10.0, metavar="SECONDS",
+                       help="the etcd watch counts as dead (frozen etcd, lost connection) when nothing arrives on "
+                            "it for this long; the gateway then re-reads the registry and watches again, routing "
+                            "on its last view meanwhile. Instances heartbeat twice a second, so a live watch is "
+                            "never silent that long; for an empty prefix, set etcd's "
+                            "--experimental-watch-progress-notify-interval below it")
+    serve.add_argument("--engine-idle-timeout", type=flags.positive_float, default=300.0, metavar="SECONDS",
+                       help="cluster mode: an engine that sends a request nothing for this long (the wait for its "
+                            "first token included) is taken for hung: the request moves to another instance and "
+                            "the engine's circuit breaker opens")
+    serve.add_argument("--request-timeout", type=flags.positive_float, default=None, metavar="SECONDS",
+                       help="cluster mode: a deadline on each request's engine call (default: none)")
     serve.add_argument("--routing", default="kv_aware", choices=ROUTING_POLICIES.choices(),
                        help="how the gateway picks an instance: kv_aware (prefix-cache reuse traded against "
                             "predicted latency, session affinity, load fallback), least_load or round_robin")
     flags.add_handoff_flags(serve)
+    flags.add_security_flags(serve)  # cluster mode: the internal gRPC services (engines, registry)
     flags.add_common_flags(serve)
+    add_api_flags(serve)  # the OpenAI API's keys, priority permission and request limits
 
     engine = sub.add_parser("engine", help="run one engine instance (gRPC EngineService) for a cluster",
                             description=flags.ENGINE_DESCRIPTION,
@@ -76,6 +91,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     try:
         flags.handoff_options(args)  # checked here, not by each spawned engine
+        api = {"limits": api_limits(args), "access": access_policy(args)}
         if args.instances or args.etcd or args.prefill_instances:
             from xllm.gateway.cluster import ClusterOptions, build_cluster
 
@@ -83,15 +99,17 @@ def serve(args: argparse.Namespace) -> int:
                      "decode": args.decode_instances or 0}
             app = build_cluster(ClusterOptions(
                 model=args.model, served_model_name=args.served_model_name, instances=roles,
-                etcd=args.etcd, etcd_prefix=args.etcd_prefix, routing=args.routing,
+                etcd=args.etcd, etcd_prefix=args.etcd_prefix, etcd_watch_timeout=args.etcd_watch_timeout,
+                engine_idle_timeout=args.engine_idle_timeout, request_timeout=args.request_timeout,
+                routing=args.routing,
                 max_model_len=args.max_model_len,
                 engine_args=flags.engine_args(args, max(sum(roles.values()), 1)), log_level=args.log_level,
-                progress=not args.no_progress))
+                progress=not args.no_progress, security=flags.cluster_security(args), **api))
         else:
             from xllm.gateway.embedded import ServeOptions, build_embedded
 
             app = build_embedded(ServeOptions(args.model, args.served_model_name, flags.engine_config(args),
-                                              not args.no_progress, routing=args.routing))
+                                              not args.no_progress, routing=args.routing, **api))
     except (ConfigError, ModelNotFoundError, ModelConfigError, ValueError) as exc:
         print(f"xllm serve: error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,12 @@
 - ``xllm serve --etcd HOST:PORT``: joins the engine instances registered in etcd under the
   prefix (started anywhere with ``xllm engine --etcd ...``).
 
+Security (:mod:`xllm.engine.security`): the gateway's engine clients and its embedded registry use
+the cluster token and TLS of ``ClusterOptions.security``; spawned engines get the token through
+their environment (never their command line, which ``ps`` shows) and the TLS flags as arguments.
+With the embedded registry and no token given, a random one is made for this run: only this
+gateway and its own engines can then call them, even other users of the same machine cannot.
+
 The gateway loads only the tokenizer and ``config.json`` (tokenization and prefix hashing happen
 at the front); the engines load the model. Nothing here imports torch (the first use of a GGUF
 model converts it once, which does).
@@ -17,7 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,11 +34,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xllm.engine.client import GrpcEngineClient
+from xllm.engine.flags import security_args
 from xllm.engine.registration.embedded import serve_registry
 from xllm.engine.registration.etcd import DEFAULT_PREFIX
-from xllm.engine.registration.etcd_client import EtcdClient
+from xllm.engine.registration.etcd_client import DEFAULT_WATCH_TIMEOUT, EtcdClient
+from xllm.engine.security import NO_SECURITY, ClusterSecurity
+from xllm.gateway.access import AccessPolicy
 from xllm.gateway.app import GatewayState, create_app
-from xllm.gateway.metrics import EngineMetrics
+from xllm.gateway.metrics import EngineMetrics, RegistryMetrics
+from xllm.gateway.openai.limits import ApiLimits
 from xllm.gateway.registry import EmbeddedRegistry, EtcdRegistry
 from xllm.models.config import ModelConfig
 from xllm.models.source import resolve_model, served_name
@@ -45,6 +59,9 @@ class ClusterOptions:
     instances: dict[str, int] = field(default_factory=dict)  # engine processes to start, by role
     etcd: str | None = None
     etcd_prefix: str = DEFAULT_PREFIX
+    etcd_watch_timeout: float = DEFAULT_WATCH_TIMEOUT  # a silent watch counts as dead after this
+    engine_idle_timeout: float = 300.0  # an engine silent this long on a request is taken for hung
+    request_timeout: float | None = None  # deadline of each Generate call
     routing: str = "kv_aware"
     max_model_len: int | None = None
     engine_args: list[str] = field(default_factory=list)  # extra engine flags (engine config)
@@ -52,15 +69,20 @@ class ClusterOptions:
     drain_timeout: float = 30.0
     progress: bool = True
     log_dir: str | None = None
+    limits: ApiLimits = field(default_factory=ApiLimits)  # of the OpenAI API
+    access: AccessPolicy = field(default_factory=AccessPolicy)  # API keys, priority permission
+    security: ClusterSecurity = NO_SECURITY  # cluster token and TLS of the internal gRPC services
 
 
 class EngineProcesses:
-    """Engine processes started by the gateway and stopped with it (``roles``: how many of each)."""
+    """Engine processes started by the gateway and stopped with it (``roles``: how many of each).
+    ``env``: variables added to their environment (the cluster token)."""
 
     def __init__(self, roles: dict[str, int], base_cmd: list[str], log_dir: Path | None = None,
-                 stop_timeout: float = 40.0) -> None:
+                 stop_timeout: float = 40.0, env: dict[str, str] | None = None) -> None:
         self.roles = roles
         self.base_cmd = base_cmd
+        self.env = env or {}
         self.log_dir = log_dir
         self.stop_timeout = stop_timeout
         self.procs: list[subprocess.Popen] = []
@@ -77,7 +99,8 @@ class EngineProcesses:
                     out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop())
                     self._logs.append(out)
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
-                                        stderr=subprocess.STDOUT if out else None)
+                                        stderr=subprocess.STDOUT if out else None,
+                                        env={**os.environ, **self.env} if self.env else None)
                 log.info("started %s (pid %d)", name, proc.pid)
                 self.procs.append(proc)
 
@@ -104,29 +127,43 @@ class EngineProcesses:
 def engine_command(model_dir: str, name: str, opts: ClusterOptions) -> list[str]:
     return [sys.executable, "-m", "xllm.engine", "--model", model_dir, "--served-model-name", name,
             "--host", "127.0.0.1", "--port", "0", "--no-progress", "--exit-with-parent",
-            "--drain-timeout", str(opts.drain_timeout), "--log-level", opts.log_level, *opts.engine_args]
+            "--drain-timeout", str(opts.drain_timeout), "--log-level", opts.log_level,
+            *security_args(opts.security), *opts.engine_args]
 
 
 def build_cluster(opts: ClusterOptions):
     """The gateway app for cluster mode (engines start with the app and stop with it)."""
+    if opts.security.serves_tls and not opts.security.dials_tls and any(opts.instances.values()):
+        raise ValueError("--tls-cert makes the engines this gateway starts serve TLS: give --tls-ca too (the CA "
+                         "that signed it; the certificate itself if it is self-signed) so the gateway can dial them")
+    opts.security.check_files()
     model_dir = resolve_model(opts.model, progress=opts.progress, isolated=True)  # a GGUF converts in a child
     tokenizer = Tokenizer(model_dir)
     name = served_name(opts.model, opts.served_model_name)
     max_len = opts.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
-    registry = EtcdRegistry(EtcdClient(opts.etcd), opts.etcd_prefix) if opts.etcd else EmbeddedRegistry()
-    state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=EngineMetrics(), default_model=name,
-                         max_model_len=max_len, routing=opts.routing)
+    security = opts.security
+    if not security.token and not opts.etcd and any(opts.instances.values()):
+        security = security.with_token(secrets.token_urlsafe(32))  # this run's engines and registry only
+    clients = functools.partial(GrpcEngineClient, security=security, stream_idle_timeout=opts.engine_idle_timeout,
+                                request_deadline=opts.request_timeout)
+    metrics = EngineMetrics()
+    registry = (EtcdRegistry(EtcdClient(opts.etcd, ssl_context=security.etcd_ssl_context()), opts.etcd_prefix,
+                             client_factory=clients, watch_timeout=opts.etcd_watch_timeout,
+                             metrics=RegistryMetrics(metrics.registry))
+                if opts.etcd else EmbeddedRegistry(client_factory=clients))
+    state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=metrics, default_model=name,
+                         max_model_len=max_len, routing=opts.routing, limits=opts.limits, access=opts.access)
     if any(opts.instances.values()):
         procs = EngineProcesses(opts.instances, engine_command(str(model_dir), name, opts),
                                 Path(opts.log_dir) if opts.log_dir else None,
-                                stop_timeout=opts.drain_timeout + 10)
+                                stop_timeout=opts.drain_timeout + 10, env=security.environment())
         grpc_server = {}
 
         async def start_engines() -> None:
             if opts.etcd:
                 args = ["--etcd", opts.etcd, "--etcd-prefix", opts.etcd_prefix]
             else:
-                server, port = await serve_registry(registry, "127.0.0.1", 0)
+                server, port = await serve_registry(registry, "127.0.0.1", 0, security)
                 grpc_server["server"] = server
                 args = ["--registry", f"127.0.0.1:{port}"]
             procs.start(args)

@@ -8,7 +8,10 @@ instance and submits the request's choices there; a request an instance cannot t
 the prefill instance with the reservation (:mod:`xllm.gateway.disagg`). :class:`RoutedStream` is
 one request's chunks as the client sees them: if its instance breaks the stream off (it died, or
 handed the request back while shutting down), the request is resumed on another instance from the
-tokens already streamed (recompute), so the client sees one uninterrupted stream.
+tokens already streamed (recompute), so the client sees one uninterrupted stream: the new instance
+replays those tokens through its detokenizer and stop checks and knows how much of their text the
+client has, so the text, finish reason and (for sampled requests, whose draws are keyed by (seed,
+output index)) the tokens are exactly those of one uninterrupted run.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import secrets
+from collections.abc import AsyncIterator
 
+from xllm.core.errors import EngineOverloadedError
 from xllm.engine.client import EngineClient
-from xllm.engine.wire import InstanceUnavailableError
+from xllm.engine.wire import InstanceUnavailableError, RequestFailedError
 from xllm.gateway.disagg import PDStream, phase_request
 from xllm.gateway.metrics import PDMetrics
 from xllm.gateway.openai.errors import APIError, model_not_found, to_api_error
@@ -41,16 +46,19 @@ class Dispatcher:
     """
 
     def __init__(self, registry: Registry, default_model: str, router: Router | None = None,
-                 detokenize: Callable[..., str] | None = None, max_attempts: int = 3, max_resumes: int = 2,
+                 max_attempts: int = 3, max_resumes: int = 2, max_crash_strikes: int = 2,
                  pd_metrics: PDMetrics | None = None, handoff_grace: float = 5.0) -> None:
-        """``handoff_grace``: how long a decode instance may take to show it has the KV after its
-        prefill instance failed past the first token, before the request is resumed elsewhere."""
+        """``max_attempts``: instances tried to take a request; ``max_resumes``: continuations of a
+        broken stream; ``max_crash_strikes``: instance failures a request may be a suspect in before it
+        is failed rather than replayed (see :class:`RoutedStream`); ``handoff_grace``: how long a decode
+        instance may take to show it has the KV after its prefill instance failed past the first
+        token, before the request is resumed elsewhere."""
         self.registry = registry
         self.default_model = default_model
         self.router = router or Router(registry)
-        self.detokenize = detokenize
         self.max_attempts = max_attempts
         self.max_resumes = max_resumes
+        self.max_crash_strikes = max_crash_strikes
         self.pd_metrics = pd_metrics or PDMetrics()
         self.handoff_grace = handoff_grace
         self._background: set[asyncio.Future] = set()  # keeps detached tasks alive until they ran
@@ -68,6 +76,10 @@ class Dispatcher:
         """Submit every request to one instance (choices of a request stay together).
         On failure the already submitted ones are aborted and an APIError raised."""
         prompt = list(reqs[0].prompt_token_ids) if reqs else []
+        for r in reqs:  # a sampled request always has a seed: a resumed stream then draws what one run would
+            if not r.sampling.HasField("seed") and not (r.sampling.HasField("temperature") and
+                                                        r.sampling.temperature == 0):
+                r.sampling.seed = secrets.randbits(63)
         ticket, streams = await self._place(model, prompt, reqs, session)
         return ticket.state.client, [RoutedStream(self, model, ticket, r, st) for r, st in zip(reqs, streams)]
 
@@ -93,6 +105,11 @@ class Dispatcher:
             except InstanceUnavailableError as exc:
                 self._abort_later(client, reqs[: len(streams)])
                 self.router.failed(ticket.state)
+                exclude.add(ticket.state.instance_id)
+                last = exc
+                continue
+            except EngineOverloadedError as exc:  # its queue is full: another instance may have room
+                self._abort_later(client, reqs[: len(streams)])
                 exclude.add(ticket.state.instance_id)
                 last = exc
                 continue
@@ -191,29 +208,12 @@ class Dispatcher:
         for r in reqs:
             self.background(client.abort(r.request_id))
 
-    def _recover_text(self, req: engine_pb2.GenerateRequest, generated: list[int], sent: str,
-                      final: bool = False) -> tuple[str, int]:
-        """What of ``generated`` the broken instance had not delivered: the complete text it held back
-        (for a possible stop string), to send now, and the trailing tokens of an incomplete character,
-        whose text the next instance releases once its first tokens complete it. ``final`` (no
-        tokens follow): everything, an incomplete character as U+FFFD, as an engine would end it."""
-        if self.detokenize is None or not generated:
-            return "", 0
-        skip = req.sampling.skip_special_tokens if req.sampling.HasField("skip_special_tokens") else True
-        tail = list(req.prompt_token_ids[-6:])
-        before = self.detokenize(tail, skip_special_tokens=skip)
-        for cut in range(min(len(generated), 4) + 1):  # a character spans at most 4 byte tokens
-            after = self.detokenize(tail + generated[:len(generated) - cut], skip_special_tokens=skip)
-            full = after[len(before):] if after.startswith(before) else None
-            if full is not None and full.startswith(sent) and (final or not full.endswith("\ufffd")):
-                return full[len(sent):], cut
-        return "", 0
-
-    async def resume(self, model: str, req: engine_pb2.GenerateRequest, generated: list[int],
-                     failed: set[str], undelivered: int = 0,
-                     attempt: int = 1) -> tuple[Ticket, engine_pb2.GenerateRequest, object]:
-        """Continue ``req`` elsewhere: its prompt plus the ``generated`` tokens (the last
-        ``undelivered`` of them without their text sent), the rest of its budget.
+    async def resume(self, model: str, req: engine_pb2.GenerateRequest, generated: list[int], sent_chars: int,
+                     failed: set[str], attempt: int = 1) -> tuple[Ticket, engine_pb2.GenerateRequest, object]:
+        """Continue ``req`` elsewhere after the client received ``generated`` tokens and the first
+        ``sent_chars`` characters of their text: its prompt plus those tokens, marked as earlier
+        output (``resumed_output_tokens``, ``resumed_sent_chars``: the instance replays them, so
+        max_tokens, penalties, stop strings and held-back text continue exactly).
 
         The continuation runs under its own id, ``<id>#<attempt>``: an instance may still hold what
         is left of the earlier attempt (a decode instance whose prefill partner died keeps the
@@ -223,9 +223,8 @@ class Dispatcher:
         cont.CopyFrom(req)
         cont.request_id = f"{req.request_id}#{attempt}"
         cont.prompt_token_ids.extend(generated)
-        cont.undelivered_output_tokens = undelivered
-        cont.sampling.max_tokens = req.sampling.max_tokens - len(generated)
-        cont.sampling.min_tokens = max(req.sampling.min_tokens - len(generated), 0)
+        cont.resumed_output_tokens = len(generated)
+        cont.resumed_sent_chars = sent_chars
         ticket, streams = await self._place(model, list(cont.prompt_token_ids), [cont], None, failed)
         return ticket, cont, streams[0]
 
@@ -234,9 +233,12 @@ class RoutedStream:
     """The chunks of one request as the client sees them, across instance failures.
 
     Iterating it yields the instance's chunks; if the instance breaks the stream off
-    (``InstanceUnavailableError``) the request is resumed on another instance and the
-    chunks continue, with the usage of the final chunk counting the whole request. Leaving
-    early closes the underlying stream (the engine aborts the request).
+    (``InstanceUnavailableError``) the request is resumed on another instance and the chunks
+    continue exactly as one run would have produced them (the final chunk's usage counts the
+    whole request). A request that was a suspect in ``max_crash_strikes`` crashes (it was running
+    when an engine crashed, in the failing step or on an instance that vanished) is failed with
+    an internal error instead of being replayed on yet another instance. Leaving early closes
+    the underlying stream (the engine aborts the request).
     """
 
     def __init__(self, dispatcher: Dispatcher, model: str, ticket: Ticket, req: engine_pb2.GenerateRequest,
@@ -248,6 +250,7 @@ class RoutedStream:
         self._stream = stream
         self.request_id = req.request_id
         self.resumes = 0
+        self.crash_strikes = 0
 
     @property
     def instance_id(self) -> str:
@@ -256,8 +259,7 @@ class RoutedStream:
     async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
         d, req = self._d, self._req
         generated: list[int] = []   # every token streamed so far, across instances
-        sent = ""                   # the text streamed so far
-        carry = ""                  # recovered text to put in front of the next chunk
+        sent_chars = 0              # characters of text streamed so far
         failed: set[str] = set()
         while True:
             ticket, got_first, accounted = self._ticket, False, False
@@ -267,19 +269,12 @@ class RoutedStream:
                     if not got_first:
                         got_first = True
                         d.router.first_token(ticket)
+                        d.router.succeeded(ticket.state)
                     chunk.request_id = req.request_id  # a continuation's chunks too (it runs as <id>#<n>)
-                    if carry:
-                        chunk.text, carry = carry + chunk.text, ""
                     generated.extend(chunk.token_ids)
-                    sent += chunk.text
-                    final = chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
-                    if final and self.resumes:
-                        chunk.usage.prompt_tokens = len(req.prompt_token_ids)
-                        chunk.usage.completion_tokens = len(generated)
-                        chunk.usage.cached_prompt_tokens = min(chunk.usage.cached_prompt_tokens,
-                                                               len(req.prompt_token_ids))
+                    sent_chars += len(chunk.text)
                     yield chunk
-                    if final:
+                    if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                         return
                 return
             except InstanceUnavailableError as exc:
@@ -288,21 +283,21 @@ class RoutedStream:
                 else:
                     d.router.failed(ticket.state)
                     failed.add(ticket.state.instance_id)
+                self.crash_strikes += exc.suspect
+                if self.crash_strikes >= d.max_crash_strikes:
+                    log.error("request %s failed: it was running when %d instances failed (%s); not replayed",
+                              req.request_id, self.crash_strikes, ", ".join(sorted(failed)))
+                    if d.router.metrics is not None:
+                        d.router.metrics.poisoned(self._model)
+                    raise RequestFailedError(f"the request was running on {self.crash_strikes} instances that "
+                                             "failed; it is not retried") from exc
                 if self.resumes >= d.max_resumes:
                     raise
                 log.warning("request %s: %s; resuming after %d token(s) on another instance", req.request_id,
                             exc, len(generated))
-                if req.sampling.max_tokens - len(generated) <= 0:  # only the final chunk was lost
-                    text, _ = d._recover_text(req, generated, sent, final=True)
-                    yield engine_pb2.GenerateResponse(
-                        request_id=req.request_id, text=text, finish_reason=engine_pb2.FINISH_REASON_LENGTH,
-                        usage=engine_pb2.Usage(prompt_tokens=len(req.prompt_token_ids),
-                                               completion_tokens=len(generated)))
-                    return
-                carry, undelivered = d._recover_text(req, generated, sent)
                 d.router.finished(ticket, got_first)
                 accounted = True
-                self._ticket, _, self._stream = await d.resume(self._model, req, generated, failed, undelivered,
+                self._ticket, _, self._stream = await d.resume(self._model, req, generated, sent_chars, failed,
                                                                attempt=self.resumes + 1)
                 self.resumes += 1
                 if d.router.metrics is not None:

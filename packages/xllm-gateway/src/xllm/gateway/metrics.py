@@ -9,7 +9,8 @@ state). Per instance (label ``instance``):
   :meth:`EngineMetrics.set_counters` / :meth:`EngineMetrics.set_load` turn into the same series.
 
 Aggregated over a model's instances: ``xllm:cluster_*`` gauges (:meth:`EngineMetrics.set_cluster`).
-Routing (gateway side): ``xllm:router_*`` series of :class:`RouterMetrics`.
+Routing (gateway side): ``xllm:router_*`` series of :class:`RouterMetrics`; the etcd registry's
+watch: ``xllm:registry_watch_*`` of :class:`RegistryMetrics`.
 """
 
 from __future__ import annotations
@@ -193,6 +194,9 @@ class RouterMetrics:
                                 registry=r)
         self.resumed_count = Counter("xllm:router_resumed_requests", "Requests resumed on another instance.", labels,
                                registry=r)
+        self.poisoned_count = Counter("xllm:router_failed_after_crashes",
+                                      "Requests failed instead of replayed: they were running when "
+                                      "several instances failed.", ["model_name"], registry=r)
 
     def routed(self, model: str, instance: str, reason: str, prompt_tokens: int, matched_tokens: int,
                num_requests: int) -> None:
@@ -209,6 +213,29 @@ class RouterMetrics:
 
     def resumed(self, model: str, instance: str) -> None:
         self.resumed_count.labels(model, instance).inc()
+
+    def poisoned(self, model: str) -> None:
+        self.poisoned_count.labels(model).inc()
+
+
+class RegistryMetrics:
+    """The gateway's etcd watch (:class:`~xllm.gateway.registry.EtcdRegistry`): how often it was
+    restarted, by reason (``timeout``: silent for the watch timeout; ``error``: broken;
+    ``compacted``), and whether one is established now."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.restarts = Counter("xllm:registry_watch_restarts", "Registry watches that ended and were restarted "
+                                "from a fresh read, by reason (timeout, error, compacted).", ["reason"],
+                                registry=registry)
+        self.up = Gauge("xllm:registry_watch_up", "1 while the registry watch is established, 0 while the "
+                        "gateway is re-reading or waiting for etcd (it routes on its last view meanwhile).",
+                        registry=registry)
+
+    def watch_restarted(self, reason: str) -> None:
+        self.restarts.labels(reason).inc()
+
+    def set_watch_up(self, up: bool) -> None:
+        self.up.set(1 if up else 0)
 
 
 class PDMetrics:

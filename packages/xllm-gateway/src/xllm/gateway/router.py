@@ -23,7 +23,6 @@ from xllm.sched import ROUTING_POLICIES, InstanceSnapshot, PDPlacement, RouteDec
 
 log = logging.getLogger(__name__)
 
-QUARANTINE_SECONDS = 2.0  # an instance that failed a request is avoided this long (or until it leaves)
 
 
 @dataclass
@@ -190,7 +189,14 @@ class Router:
             self.registry.close_client(s)
 
     def failed(self, state: InstanceState) -> None:
-        """A request could not be served by ``state`` (unreachable, draining): avoid it for a while."""
-        state.unavailable_until = self.registry.clock() + QUARANTINE_SECONDS
+        """A request could not be served by ``state`` (unreachable, hung, crashed, draining): its
+        circuit breaker opens (no requests until the backoff is over and a health probe passes)."""
+        state.breaker.failure(self.registry.clock())
         if self.metrics is not None:
             self.metrics.failure(state.model, state.instance_id)
+
+    @staticmethod
+    def succeeded(state: InstanceState) -> None:
+        """``state`` served a request (its first token came): its consecutive failures are forgiven."""
+        if state.breaker.failures:
+            state.breaker.success()

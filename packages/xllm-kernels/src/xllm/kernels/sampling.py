@@ -63,16 +63,43 @@ def apply_top_k_top_p_min_p(
     return torch.empty_like(logits).scatter_(-1, order, masked_sorted)
 
 
-def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The seed of draw ``index`` (the output position) of a request seeded ``seed``: a 64-bit
+    mix of both (SplitMix64), the same in every process. Draws depend only on (seed, index), never
+    on how many draws came before on this instance, so a stream continued elsewhere draws exactly
+    the tokens one run would have."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (index & _MASK64))
+
+
+def draw_generator(seed: int, index: int) -> torch.Generator:
+    """A CPU generator for draw ``index`` of a request seeded ``seed`` (see :func:`draw_seed`)."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(draw_seed(seed, index))
+    return gen
+
+
+def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """Draw one token per row from ``probs`` ``[B, V]`` with row ``b``'s generator.
 
     Uses the exponential race (argmax of ``p / E`` with ``E ~ Exp(1)``), which is
     an exact categorical sample; each row consumes only its own generator, so a
-    seeded row's draw does not depend on the rest of the batch.
+    seeded row's draw does not depend on the rest of the batch. A row without a
+    generator (``None``: its result is not used) draws nothing.
     """
-    noise = torch.empty_like(probs)
+    noise = torch.ones_like(probs)
     for b, gen in enumerate(generators):
-        noise[b].exponential_(generator=gen)
+        if gen is not None:
+            noise[b].exponential_(generator=gen)
     return (probs / noise).argmax(dim=-1)
 
 

@@ -73,6 +73,7 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 5000) -> Collected:
 
 
 def generate(engine: LLMEngine, requests) -> Collected:
-    for r in requests:
-        engine.add_request(r)
-    return run_to_completion(engine)
+    ready = [c for r in requests for c in engine.add_request(r)]
+    got = run_to_completion(engine)
+    got.add(ready)
+    return got

@@ -1,4 +1,5 @@
-"""Helpers for model tests: random HF checkpoints, and a greedy engine run that records every chunk
+"""Helpers for model tests: random HF checkpoints (``save_tiny_llama``: the integration tests' and the
+reliability benchmark's tiny model), and a greedy engine run that records every chunk
 (the no-cache reference forward is :mod:`xllm.testing.reference`)."""
 
 from __future__ import annotations
@@ -32,6 +33,33 @@ def save_random_hf_model(path: pathlib.Path, config, seed: int = 0, std: float =
                 b.copy_(0.3 * torch.randn(b.shape, generator=g))
     model.save_pretrained(path, max_shard_size=max_shard_size)
     return model
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def save_tiny_llama(path: pathlib.Path, tokenizer_dir: pathlib.Path) -> pathlib.Path:
+    """A 2-layer random-weight Llama (hidden 64, GQA 4:2, SmolLM2's vocabulary) saved in ``path``
+    with the tokenizer files of ``tokenizer_dir`` (SmolLM2's): fast to load in every engine process.
+
+    Initialised wider than HF's default (0.5, not 0.02) so that its greedy text varies from token
+    to token with clear top-2 margins: with the default it repeats one token forever, and a lost or
+    repeated token in a moved stream would not show in the text. Deterministic (seed 0)."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = pathlib.Path(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, rms_norm_eps=1e-5,
+                      initializer_range=0.5)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (pathlib.Path(tokenizer_dir) / name).is_file():
+            shutil.copy(pathlib.Path(tokenizer_dir) / name, path / name)
+    return path
 
 
 class IdTokenizer:

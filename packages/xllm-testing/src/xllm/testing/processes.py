@@ -1,4 +1,5 @@
-"""Processes the integration tests start on loopback and stop by PID: servers, engines, etcd."""
+"""Processes the integration tests start on loopback and stop by PID: servers, engines, etcd
+(:class:`EtcdServer` to kill, freeze and restart one)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -130,6 +132,86 @@ def ensure_etcd() -> str:
     if not found:
         raise RuntimeError("etcd-server installed but no etcd binary on PATH")
     return found
+
+
+@dataclass
+class EtcdServer:
+    """A single-node etcd on fixed loopback ports (its own process group) that a test can kill,
+    freeze, thaw and start again, on the same data dir or a fresh one, at the same endpoint.
+
+    ``extra``: more etcd flags (e.g. ``--experimental-watch-progress-notify-interval``)."""
+
+    work: Path
+    client_port: int = field(default_factory=free_port)
+    peer_port: int = field(default_factory=free_port)
+    extra: tuple[str, ...] = ()
+    proc: subprocess.Popen | None = None
+    data_dirs: int = 0  # data dirs used so far: data-0, data-1, ...
+    starts: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.work / f"data-{max(self.data_dirs - 1, 0)}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.work / "etcd.log"
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return "<no log>"
+
+    def start(self, fresh: bool = False, timeout: float = 30.0) -> None:
+        """Start etcd (``fresh``: on a new, empty data dir; the first start always is) and wait until
+        it answers ``/health``."""
+        assert self.proc is None or self.proc.poll() is not None, "etcd is running"
+        if fresh or not self.data_dirs:
+            self.data_dirs += 1
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [ensure_etcd(), "--name", "xllm-test", "--data-dir", str(self.data_dir),
+               "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
+               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+               "--initial-cluster", f"xllm-test={peer}", *self.extra]
+        with open(self.log_path, "ab") as log:  # appended: one log across restarts
+            log.write(f"---- start {self.starts} on {self.data_dir}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        self.starts += 1
+        try:
+            wait_healthy(self.proc, f"http://{self.endpoint}/health", timeout, "etcd", self.log_tail, interval=0.1,
+                         probe_timeout=2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _signal(self, sig: int) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL, reaped: its clients see their connections reset."""
+        self._signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def freeze(self) -> None:
+        """SIGSTOP: connections stay open (the kernel even accepts new ones) and nothing answers."""
+        self._signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.thaw()  # a frozen process would not act on SIGTERM
+            stop_process_group(self.proc, 20.0)
 
 
 def mapped_libraries(pid: int) -> set[str]:

@@ -8,6 +8,7 @@ from xllm.engine.client import GrpcEngineClient
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.registration.agent import InstanceAgent
 from xllm.engine.registration.embedded import LeaseTable
+from xllm.engine.security import NO_SECURITY, ClusterSecurity
 from xllm.engine.server import EngineServer
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.enums import role_from_name
@@ -21,13 +22,15 @@ HANDED_OFF = engine_pb2.FINISH_REASON_HANDED_OFF
 
 class ServedEngine:
     """One :class:`LLMEngine` behind an :class:`EngineServer` on 127.0.0.1 (a free port), with a
-    client to it; registered (heartbeats every 50 ms) when started with a lease table."""
+    client to it; registered (heartbeats every 50 ms) when started with a lease table. ``security``:
+    the cluster token and TLS the server requires and its client presents."""
 
     def __init__(self, engine: LLMEngine, *, role: str = "mixed", model: str = "tiny",
-                 handoff: HandoffOptions | None = None) -> None:
+                 handoff: HandoffOptions | None = None, security: ClusterSecurity = NO_SECURITY) -> None:
         self.engine = engine
         self.aeng = AsyncEngine(engine)
-        self.server = EngineServer(self.aeng, handoff=handoff)
+        self.security = security
+        self.server = EngineServer(self.aeng, handoff=handoff, security=security)
         self.info = instance_pb2.InstanceInfo(
             instance_id=engine.instance_id, role=role_from_name(role),
             model=instance_pb2.ModelInfo(served_name=model, max_model_len=engine.max_model_len,
@@ -43,7 +46,7 @@ class ServedEngine:
         self.aeng.start()
         port = await self.server.start("127.0.0.1", 0)
         self.info.address = f"127.0.0.1:{port}"
-        self.client = GrpcEngineClient(self.info)
+        self.client = GrpcEngineClient(self.info, security=self.security)
         if leases is not None:
             self.agent = InstanceAgent(self.server, self.info, LocalPublisher(leases), interval=0.05)
             await self.agent.start()

@@ -31,6 +31,7 @@ from xllm.engine.handoff.base import (
     write_checked,
     write_pages_checked,
 )
+from xllm.engine.security import NO_SECURITY, ClusterSecurity, open_channel
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
 
 MAX_MESSAGE = 256 << 20  # a block of a large model is several MiB
@@ -38,15 +39,18 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_rec
 
 
 class TransferChannels:
-    """gRPC channels to decode instances, by address (opened in the caller's event loop)."""
+    """gRPC channels to decode instances, by address (opened in the caller's event loop, with the
+    cluster token and TLS of ``security``: the ``"security"`` entry of a sender's options, which
+    :class:`~xllm.engine.server.EngineServer` sets)."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: ClusterSecurity | None = None) -> None:
+        self.security = security or NO_SECURITY
         self._stubs: dict[str, tuple[grpc.aio.Channel, engine_pb2_grpc.EngineServiceStub]] = {}
 
     def stub(self, address: str) -> engine_pb2_grpc.EngineServiceStub:
         entry = self._stubs.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = open_channel(address, self.security, CHANNEL_OPTIONS)
             entry = self._stubs[address] = (channel, engine_pb2_grpc.EngineServiceStub(channel))
         return entry[1]
 
@@ -69,7 +73,7 @@ class GrpcSender(KVSender):
 
     def __init__(self, options: dict) -> None:
         super().__init__(options)
-        self.channels = TransferChannels()
+        self.channels = TransferChannels(options.get("security"))
 
     async def send(self, target: engine_pb2.KVTarget, store: PageStore, out: Outgoing) -> TransferResult:
         sent = 0

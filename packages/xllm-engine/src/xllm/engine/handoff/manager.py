@@ -278,7 +278,7 @@ class HandoffManager:
             out.all_layers_done()
         out.commit_ready(engine_pb2.KVCommit(
             transfer_id=h.target.transfer_id, num_tokens=h.num_tokens, first_block=out.first_block,
-            num_blocks=len(out.pages), first_token=h.first_token, generator_state=h.generator_state,
+            num_blocks=len(out.pages), first_token=h.first_token,
             layout=self.layout))
 
     async def _send(self, request_id: str, target: engine_pb2.KVTarget, out: Outgoing) -> None:

@@ -71,7 +71,7 @@ class MooncakeSender(KVSender):
     def __init__(self, options: dict) -> None:
         super().__init__(options)
         self._store: MooncakeStore | None = None
-        self.channels = TransferChannels()
+        self.channels = TransferChannels(options.get("security"))
 
     async def send(self, target: engine_pb2.KVTarget, store: PageStore, out: Outgoing) -> TransferResult:
         if self._store is None:

@@ -6,8 +6,10 @@ the server — load, the KV cache delta since the last *acknowledged* version, c
 publishes it, which also renews the lease. A heartbeat whose publication fails is not
 acknowledged, so the next delta covers its events too (deltas overlap safely: see
 ``xllm.kvstore.v1.KVCacheEvents``). When the registry answers that the lease is gone (expired
-during a pause, or the registry restarted), the agent registers again and sends a snapshot of
-its cache.
+during a pause, or the registry restarted without its data), the agent registers again and sends
+a snapshot of its cache. While the registry cannot be reached (down, frozen: the publisher's calls
+time out) the engine keeps serving and the agent keeps trying every interval, logging the outage
+once it starts and once it ends.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Protocol
 
 from xllm.proto.registry.v1 import instance_pb2
@@ -65,6 +68,7 @@ class InstanceAgent:
         self._acked: int | None = None  # KV version the registry has; None: send a snapshot
         self._seq = 0
         self._failures = 0
+        self._failing_since = 0.0  # monotonic time of the first failure of the current outage
         self._task: asyncio.Task | None = None
         self.registrations = 0
 
@@ -101,10 +105,15 @@ class InstanceAgent:
                     log.warning("instance %s lost its registration; registering again", self.info.instance_id)
                     self.registered = False
                     await self._register()
+                if self._failures:
+                    log.info("instance %s: registry reachable again after %d failed attempts (%.1f s)",
+                             self.info.instance_id, self._failures, time.monotonic() - self._failing_since)
                 self._failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if not self._failures:
+                    self._failing_since = time.monotonic()
                 self._failures += 1
                 if self._failures in (1, 10) or self._failures % 100 == 0:
                     log.warning("instance %s: registry unreachable (%s: %s); retrying", self.info.instance_id,

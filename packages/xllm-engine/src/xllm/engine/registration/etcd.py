@@ -10,10 +10,18 @@ rewrites its heartbeat every interval (0.5 s); when it stops (kill -9, a partiti
 the lease and deletes both keys, and every gateway's watch sees the deletion. A clean shutdown
 revokes the lease first, so gateways stop routing to it at once. The gateway side (the watch) is
 ``xllm.gateway.registry.EtcdRegistry``, reading the same :class:`EtcdLayout`.
+
+etcd down, frozen or restarted: every call times out or fails (the agent retries at the next
+interval, the engine keeps serving). etcd restarted on its data dir keeps the lease (etcd renews
+every lease when a leader is elected), so the next keepalive succeeds and nothing changes; etcd
+restarted without its data, or a lease that expired meanwhile (etcd frozen for longer than the
+TTL expires every lease as it resumes), answers the keepalive with TTL 0 and the agent registers
+again under a new lease, starting with a snapshot of its KV cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from xllm.engine.registration.embedded import DEFAULT_TTL
@@ -58,11 +66,15 @@ class EtcdPublisher:
         try:
             await self.etcd.put(self.layout.instances + info.instance_id, info.SerializeToString(), lease)
         except BaseException:
-            await self.etcd.revoke(lease)
+            with contextlib.suppress(Exception):  # etcd may be gone: the lease then expires by itself
+                await self.etcd.revoke(lease)
             raise
         self.lease, self._instance_id = lease, info.instance_id
 
     async def heartbeat(self, hb: instance_pb2.Heartbeat) -> bool:
+        """Renew the lease and rewrite the heartbeat key; False when etcd no longer knows the lease
+        (expired, or etcd lost its data); an :class:`~xllm.engine.registration.etcd_client.EtcdError`
+        or an httpx error when etcd cannot be reached."""
         if self.lease is None:
             return False
         try:

@@ -12,8 +12,14 @@ Why this and not a client library (the reasoning is also in docs/architecture.md
   version coupling; watches are a streamed HTTP response of JSON lines.
 - Values are our own protobuf messages, base64 in the JSON like every etcd key and value.
 
-Endpoints are ``host:port`` (or ``http://host:port``), several separated by commas; a request
-that cannot reach one endpoint is retried on the next.
+Endpoints are ``host:port`` (or ``http://host:port``), several separated by commas. Every call has
+timeouts (``connect_timeout`` to connect, ``timeout`` for the rest): a call that cannot connect, times
+out or meets an unavailable member (HTTP 503, gRPC ``UNAVAILABLE``) is retried on the next endpoint,
+and :class:`EtcdUnavailable` is raised when none answered. A watch asks etcd for progress
+notifications (empty responses on an idle stream; how often is etcd's
+``--experimental-watch-progress-notify-interval``, 10 min by default) and raises
+:class:`EtcdWatchTimeout` when nothing at all arrived for its idle timeout: a frozen etcd or a
+silently dead connection cannot leave a watcher waiting forever.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import base64
 import contextlib
 import json
 import logging
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +37,10 @@ import httpx
 log = logging.getLogger(__name__)
 
 NOT_FOUND = 5  # gRPC code etcd uses for an unknown lease
+UNAVAILABLE = 14  # gRPC code of a member that cannot serve (no leader, stopping): try another
+DEFAULT_TIMEOUT = 3.0  # seconds a call may take once connected (the registry's calls are small)
+DEFAULT_CONNECT_TIMEOUT = 1.0
+DEFAULT_WATCH_TIMEOUT = 10.0  # seconds a watch may stay silent before it counts as dead
 
 
 class EtcdError(RuntimeError):
@@ -40,6 +51,18 @@ class EtcdError(RuntimeError):
 
 class EtcdLeaseNotFound(EtcdError):
     """The lease expired or was revoked."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No endpoint answered (refused, timed out, or unavailable)."""
+
+
+class EtcdWatchTimeout(EtcdError):
+    """A watch stream stayed silent (no event, no progress notification) for its idle timeout."""
+
+    def __init__(self, idle_timeout: float) -> None:
+        super().__init__(f"etcd watch silent for {idle_timeout:g} s")
+        self.idle_timeout = idle_timeout
 
 
 class EtcdCompacted(EtcdError):
@@ -64,6 +87,20 @@ class WatchEvent:
     key: str
     value: bytes
     mod_revision: int
+
+
+@dataclass(frozen=True)
+class WatchResponse:
+    """One response of a watch stream: its creation, a batch of changes, or a progress notification
+    (no events: nothing changed up to ``revision``; every later event has a higher revision)."""
+
+    revision: int  # the store revision in the response header
+    events: tuple[WatchEvent, ...] = ()
+    created: bool = False
+
+    @property
+    def progress(self) -> bool:
+        return not self.events and not self.created
 
 
 def _b64(data: str | bytes) -> str:
@@ -97,36 +134,65 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
 
 
 class EtcdClient:
-    """The etcd calls the registry needs, async, over the JSON gateway."""
+    """The etcd calls the registry needs, async, over the JSON gateway.
 
-    def __init__(self, endpoints: str | Sequence[str], timeout: float = 5.0) -> None:
+    ``timeout`` bounds every call once connected (reading the answer included), ``connect_timeout``
+    each connection attempt; a failed attempt moves on to the next endpoint (see the module doc).
+    ``watch_timeout`` is the default idle timeout of :meth:`watch_prefix`.
+    """
+
+    def __init__(self, endpoints: str | Sequence[str], timeout: float = DEFAULT_TIMEOUT, *,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 watch_timeout: float = DEFAULT_WATCH_TIMEOUT, ssl_context: ssl.SSLContext | None = None) -> None:
+        for name, value in (("timeout", timeout), ("connect_timeout", connect_timeout),
+                            ("watch_timeout", watch_timeout)):
+            if value <= 0:
+                raise ValueError(f"etcd {name} must be > 0, got {value}")
         self.endpoints = parse_endpoints(endpoints)
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.watch_timeout = watch_timeout
         self._current = 0
-        self._http = httpx.AsyncClient(timeout=timeout, trust_env=False)
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=connect_timeout), trust_env=False,
+                                       verify=ssl_context or True)  # ssl_context: https:// endpoints' CA, client cert
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint the last successful call used (tried first by the next one)."""
+        return self.endpoints[self._current]
 
     async def close(self) -> None:
         await self._http.aclose()
 
+    def _order(self) -> list[int]:
+        """Endpoint indexes to try: the last one that answered, then the others in turn."""
+        return [(self._current + k) % len(self.endpoints) for k in range(len(self.endpoints))]
+
     async def _post(self, path: str, body: dict) -> dict:
-        last: Exception | None = None
-        for k in range(len(self.endpoints)):
-            idx = (self._current + k) % len(self.endpoints)
+        failures: list[str] = []
+        for idx in self._order():
+            endpoint = self.endpoints[idx]
             try:
-                resp = await self._http.post(self.endpoints[idx] + path, json=body)
+                resp = await self._http.post(endpoint + path, json=body)
+                data = resp.json() if resp.content else {}
             except httpx.TransportError as exc:
-                last = exc
+                failures.append(f"{endpoint}: {type(exc).__name__} {exc}".rstrip())
+                continue
+            except ValueError:  # not JSON: not an etcd (a proxy's error page?)
+                failures.append(f"{endpoint}: HTTP {resp.status_code}, not JSON")
+                continue
+            code = data.get("code") if isinstance(data, dict) else None
+            if resp.status_code == 503 or code == UNAVAILABLE:
+                failures.append(f"{endpoint}: unavailable: {data.get('message') or resp.text}")
                 continue
             self._current = idx
-            data = resp.json() if resp.content else {}
             if resp.status_code != 200:
-                code = data.get("code")
                 message = data.get("message") or data.get("error") or resp.text
                 if code == NOT_FOUND and "lease" in str(message):
                     raise EtcdLeaseNotFound(message, code)
                 raise EtcdError(f"etcd {path}: HTTP {resp.status_code}: {message}", code)
             return data
-        raise EtcdError(f"no etcd endpoint reachable ({', '.join(self.endpoints)}): {last}")
+        raise EtcdUnavailable(f"no etcd endpoint answered {path} ({'; '.join(failures)})")
 
     # ---- keys -----------------------------------------------------------------------------
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
@@ -169,36 +235,71 @@ class EtcdClient:
             await self._post("/v3/lease/revoke", {"ID": str(lease)})
 
     # ---- watch ----------------------------------------------------------------------------
-    async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[list[WatchEvent]]:
-        """Batches of changes under ``prefix`` from ``start_revision`` on, in revision order.
+    async def watch_prefix(self, prefix: str, start_revision: int,
+                           idle_timeout: float | None = None) -> AsyncIterator[WatchResponse]:
+        """Every response of a watch of ``prefix`` from ``start_revision`` on, in revision order:
+        first its creation, then batches of changes and progress notifications.
 
-        Raises :class:`EtcdCompacted` when that revision is gone, :class:`EtcdError` (or an
-        httpx error) when the stream breaks; the caller re-reads the range and watches again.
+        Raises :class:`EtcdCompacted` when that revision is gone, :class:`EtcdWatchTimeout` when
+        nothing arrived for ``idle_timeout`` s (default: the client's ``watch_timeout``), and
+        :class:`EtcdError` (or an httpx error) when the stream breaks or ends; the caller re-reads
+        the range and watches again. Opening the stream fails over across the endpoints.
         """
+        idle = self.watch_timeout if idle_timeout is None else idle_timeout
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_range_end(prefix)),
-                                   "start_revision": str(start_revision)}}
-        url = self.endpoints[self._current] + "/v3/watch"
-        timeout = httpx.Timeout(self.timeout, read=None)
-        async with self._http.stream("POST", url, json=body, timeout=timeout) as resp:
+                                   "start_revision": str(start_revision), "progress_notify": True}}
+        resp = await self._open_stream("/v3/watch", body, httpx.Timeout(self.timeout, connect=self.connect_timeout,
+                                                                        read=idle))
+        try:
             if resp.status_code != 200:
                 raise EtcdError(f"etcd watch: HTTP {resp.status_code}")
-            async for line in resp.aiter_lines():
-                if not line.strip():
-                    continue
-                msg = json.loads(line)
-                if "error" in msg:
-                    raise EtcdError(f"etcd watch: {msg['error']}")
-                result = msg.get("result", {})
-                if result.get("compact_revision") and result.get("canceled"):
-                    raise EtcdCompacted(int(result["compact_revision"]))
-                if result.get("canceled"):
-                    raise EtcdError(f"etcd watch canceled: {result.get('cancel_reason', '')}")
-                events = [WatchEvent(ev.get("type", "PUT"), _unb64(ev["kv"]["key"]).decode(),
-                                     _unb64(ev["kv"].get("value")), int(ev["kv"].get("mod_revision", 0)))
-                          for ev in result.get("events") or []]
-                if events:
-                    yield events
+            lines = resp.aiter_lines()
+            while True:
+                try:
+                    line = await anext(lines)
+                except StopAsyncIteration:
+                    break
+                except httpx.ReadTimeout as exc:
+                    raise EtcdWatchTimeout(idle) from exc
+                if line.strip():
+                    yield _watch_response(json.loads(line))
+        finally:
+            await resp.aclose()
         raise EtcdError("etcd watch stream ended")
+
+    async def _open_stream(self, path: str, body: dict, timeout: httpx.Timeout) -> httpx.Response:
+        """POST ``body`` and return the response once its headers arrived (the caller reads and
+        closes it), trying the endpoints in turn like :meth:`_post`."""
+        failures: list[str] = []
+        timed_out = False
+        for idx in self._order():
+            endpoint = self.endpoints[idx]
+            request = self._http.build_request("POST", endpoint + path, json=body, timeout=timeout)
+            try:
+                resp = await self._http.send(request, stream=True)
+            except httpx.TransportError as exc:
+                timed_out = isinstance(exc, httpx.ReadTimeout)
+                failures.append(f"{endpoint}: {type(exc).__name__} {exc}".rstrip())
+                continue
+            self._current = idx
+            return resp
+        if timed_out and timeout.read is not None:
+            raise EtcdWatchTimeout(timeout.read)
+        raise EtcdUnavailable(f"no etcd endpoint answered {path} ({'; '.join(failures)})")
+
+
+def _watch_response(msg: dict) -> WatchResponse:
+    if "error" in msg:
+        raise EtcdError(f"etcd watch: {msg['error']}")
+    result = msg.get("result", {})
+    if result.get("compact_revision") and result.get("canceled"):
+        raise EtcdCompacted(int(result["compact_revision"]))
+    if result.get("canceled"):
+        raise EtcdError(f"etcd watch canceled: {result.get('cancel_reason', '')}")
+    events = tuple(WatchEvent(ev.get("type", "PUT"), _unb64(ev["kv"]["key"]).decode(), _unb64(ev["kv"].get("value")),
+                              int(ev["kv"].get("mod_revision", 0)))
+                   for ev in result.get("events") or [])
+    return WatchResponse(int(result.get("header", {}).get("revision", 0)), events, bool(result.get("created")))
 
 
 def _kv(raw: dict) -> KeyValue:

@@ -25,10 +25,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from xllm.engine.client import EngineClient, GrpcEngineClient
 from xllm.engine.wire import InstanceUnavailableError
+from xllm.gateway.breaker import CircuitBreaker
 from xllm.kvstore import GAP, GlobalKVIndex
 from xllm.proto.enums import role_name
 from xllm.proto.kvstore.v1 import kv_events_pb2
@@ -57,7 +58,8 @@ class InstanceState:
     inflight: int = 0                 # requests dispatched here and not finished
     pending_prefill: int = 0          # their uncached prompt tokens, until each one's first token
     pending_prompt: int = 0           # their whole prompt tokens, until each one's first token
-    unavailable_until: float = 0.0    # set after a failure: avoid it until then
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)  # failures: no requests until a probe passes
+    unhealthy: str = ""               # why its last heartbeat said the engine cannot serve ("" = fine)
     removed: bool = False
 
     @property
@@ -107,12 +109,30 @@ class Registry:
         return sorted({s.model for s in self._states.values()})
 
     def routable(self, model: str) -> list[InstanceState]:
-        """Instances of ``model`` that may get new requests: not draining; those that failed
-        recently only when nothing else is left."""
-        live = [s for s in self.states(model) if not s.draining]
+        """Instances of ``model`` that may get new requests: not draining, not reported unhealthy,
+        their circuit breaker closed. An open breaker whose backoff is over gets its half-open probe
+        here, in the background."""
         now = self.clock()
-        healthy = [s for s in live if s.unavailable_until <= now]
-        return healthy or live
+        out = []
+        for s in self.states(model):
+            if s.draining or s.unhealthy:
+                continue
+            if s.breaker.closed:
+                out.append(s)
+            elif s.breaker.probe_due(now) and _loop_running():
+                s.breaker.start_probe()
+                self._spawn(self._probe(s))
+        return out
+
+    async def _probe(self, state: InstanceState) -> None:
+        """The half-open probe of ``state``'s breaker: a ``Health`` call."""
+        try:
+            healthy = (await state.client.health()).healthy
+        except Exception:
+            healthy = False
+        state.breaker.probe_result(healthy, self.clock())
+        log.info("instance %s: probe %s; breaker %s", state.instance_id, "passed" if healthy else "failed",
+                 state.breaker.state.value)
 
     def add_listener(self, fn: Callable[[str, InstanceState], None]) -> None:
         """``fn(event, state)`` on ``"added"`` and ``"removed"``."""
@@ -191,6 +211,9 @@ class Registry:
         state.last_heartbeat = self.clock()
         state.heartbeats += 1
         state.draining = hb.draining
+        if hb.unhealthy_reason != state.unhealthy:
+            log.warning("instance %s: %s", state.instance_id, hb.unhealthy_reason or "healthy again")
+        state.unhealthy = hb.unhealthy_reason
         if hb.HasField("load"):
             state.load = hb.load
         if hb.HasField("counters"):

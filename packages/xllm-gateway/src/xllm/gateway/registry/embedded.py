@@ -5,30 +5,33 @@ next to the gateway (``xllm serve --instances N``) register over gRPC with the
 ``xllm.registry.v1.RegistryService`` the gateway serves on a loopback port over this registry's
 lease table (:func:`xllm.engine.registration.embedded.serve_registry`, where the engines' side
 lives too): a lease per registration, renewed by every heartbeat, swept when it expires (the
-same semantics as the etcd backend's leases, without etcd).
+same semantics as the etcd backend's leases, without etcd). Lease ids are random, TTLs bounded,
+and a live instance id cannot be taken over by another address (the rules are in
+:mod:`xllm.engine.registration.embedded`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import math
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from xllm.engine.client import EngineClient
+from xllm.engine.registration.embedded import MAX_TTL, MIN_TTL, LeaseConflictError
 from xllm.gateway.registry.base import Registry
 from xllm.proto.registry.v1 import instance_pb2
 
 log = logging.getLogger(__name__)
 
-MIN_TTL = 0.2
-
 
 @dataclass
 class _Lease:
     instance_id: str
+    address: str
     ttl: float
     deadline: float
 
@@ -43,33 +46,48 @@ class EmbeddedRegistry(Registry):
                  clock: Callable[[], float] = time.monotonic, sweep_interval: float = 0.1) -> None:
         super().__init__(client_factory, clock)
         self._leases: dict[int, _Lease] = {}
-        self._lease_ids = itertools.count(1)
         self._sweep_interval = sweep_interval
         self._sweeper: asyncio.Task | None = None
 
     # ---- leases (the publisher side, called in-process or by RegistryService) -----------------
     def grant(self, info: instance_pb2.InstanceInfo, ttl: float) -> tuple[int, float]:
-        """Register ``info`` under a new lease of ``ttl`` seconds; returns ``(lease_id, ttl)``.
+        """Register ``info`` under a new lease of ``ttl`` seconds, clamped to ``[MIN_TTL, MAX_TTL]``;
+        returns ``(lease_id, ttl granted)``. The lease id is random (63 bits): it is what lets its
+        holder heartbeat and deregister.
 
-        An earlier lease of the same instance id is revoked (the instance restarted)."""
-        ttl = max(float(ttl), MIN_TTL)
+        An expired lease of the same instance id, or a live one registered with the same address
+        (its holder registering again), is replaced; a live one of another address raises
+        :class:`LeaseConflictError`. A negative or non-finite ``ttl`` raises ``ValueError``."""
+        ttl = float(ttl)
+        if not math.isfinite(ttl) or ttl < 0:
+            raise ValueError(f"ttl_seconds must be a finite number of seconds, got {ttl}")
+        ttl = min(max(ttl, MIN_TTL), MAX_TTL)
+        now = self.clock()
         for lease_id, lease in list(self._leases.items()):
-            if lease.instance_id == info.instance_id:
-                del self._leases[lease_id]
-        lease_id = next(self._lease_ids)
-        self._leases[lease_id] = _Lease(info.instance_id, ttl, self.clock() + ttl)
+            if lease.instance_id != info.instance_id:
+                continue
+            if lease.deadline >= now and lease.address != info.address:
+                raise LeaseConflictError(
+                    f"instance id {info.instance_id} is registered by {lease.address} under a live lease; "
+                    f"it is free again once that instance deregisters or misses its heartbeats for {lease.ttl:.0f} s")
+            del self._leases[lease_id]
+        lease_id = 0
+        while lease_id == 0 or lease_id in self._leases:
+            lease_id = secrets.randbits(63)
+        self._leases[lease_id] = _Lease(info.instance_id, info.address, ttl, now + ttl)
         self._upsert(info)
         return lease_id, ttl
 
     def keepalive(self, lease_id: int, heartbeat: instance_pb2.Heartbeat | None = None) -> bool:
-        """Renew a lease and apply its heartbeat; False if the lease is unknown or expired."""
+        """Renew a lease and apply its heartbeat; False if the lease is unknown or expired, or the
+        heartbeat names another instance than the lease holds (then nothing is renewed)."""
         lease = self._leases.get(lease_id)
         if lease is None or lease.deadline < self.clock():
             return False
+        if heartbeat is not None and heartbeat.instance_id and heartbeat.instance_id != lease.instance_id:
+            return False
         lease.deadline = self.clock() + lease.ttl
         if heartbeat is not None:
-            if heartbeat.instance_id and heartbeat.instance_id != lease.instance_id:
-                return False
             heartbeat.instance_id = lease.instance_id
             self._heartbeat(heartbeat)
         return True

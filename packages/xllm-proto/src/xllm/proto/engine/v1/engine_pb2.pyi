@@ -95,7 +95,7 @@ class KVTarget(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., matched_tokens: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "model", "arrival_time", "disagg_phase", "kv_target", "undelivered_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "model", "arrival_time", "disagg_phase", "kv_target", "resumed_output_tokens", "resumed_sent_chars")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -104,7 +104,8 @@ class GenerateRequest(_message.Message):
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
     DISAGG_PHASE_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
-    UNDELIVERED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_SENT_CHARS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -113,8 +114,9 @@ class GenerateRequest(_message.Message):
     arrival_time: float
     disagg_phase: DisaggPhase
     kv_target: KVTarget
-    undelivered_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., arrival_time: _Optional[float] = ..., disagg_phase: _Optional[_Union[DisaggPhase, str]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., undelivered_output_tokens: _Optional[int] = ...) -> None: ...
+    resumed_output_tokens: int
+    resumed_sent_chars: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., arrival_time: _Optional[float] = ..., disagg_phase: _Optional[_Union[DisaggPhase, str]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., resumed_sent_chars: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -191,13 +193,12 @@ class DisaggStats(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transferred_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., recomputed: _Optional[bool] = ..., failure: _Optional[str] = ..., overlapped_seconds: _Optional[float] = ...) -> None: ...
 
 class KVCommit(_message.Message):
-    __slots__ = ("transfer_id", "num_tokens", "first_block", "num_blocks", "first_token", "generator_state", "layout", "block_crc32", "store_keys")
+    __slots__ = ("transfer_id", "num_tokens", "first_block", "num_blocks", "first_token", "layout", "block_crc32", "store_keys")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CRC32_FIELD_NUMBER: _ClassVar[int]
     STORE_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -206,11 +207,10 @@ class KVCommit(_message.Message):
     first_block: int
     num_blocks: int
     first_token: int
-    generator_state: bytes
     layout: str
     block_crc32: _containers.RepeatedScalarFieldContainer[int]
     store_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_token: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., layout: _Optional[str] = ..., block_crc32: _Optional[_Iterable[int]] = ..., store_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_token: _Optional[int] = ..., layout: _Optional[str] = ..., block_crc32: _Optional[_Iterable[int]] = ..., store_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVPages(_message.Message):
     __slots__ = ("transfer_id", "range", "first_block", "data", "crc32")

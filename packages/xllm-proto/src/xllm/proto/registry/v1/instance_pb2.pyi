@@ -99,17 +99,19 @@ class EngineCounters(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., kv_handoffs_sent: _Optional[int] = ..., kv_handoffs_installed: _Optional[int] = ..., kv_handoff_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_handoff_timeouts: _Optional[int] = ..., kv_reservations_expired: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("instance_id", "seq", "load", "kv_events", "counters", "draining")
+    __slots__ = ("instance_id", "seq", "load", "kv_events", "counters", "draining", "unhealthy_reason")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_REASON_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     seq: int
     load: LoadReport
     kv_events: _kv_events_pb2.KVCacheEvents
     counters: EngineCounters
     draining: bool
-    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., kv_events: _Optional[_Union[_kv_events_pb2.KVCacheEvents, _Mapping]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    unhealthy_reason: str
+    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., kv_events: _Optional[_Union[_kv_events_pb2.KVCacheEvents, _Mapping]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., draining: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ...) -> None: ...
