@@ -286,4 +286,5 @@ def bench(session: nox.Session) -> None:
     """
     install_packages(session, PACKAGES, tests=False)
     session.install("httpx>=0.27", "tqdm", "numpy", "matplotlib")
+    session.install("-e", f"./packages/{TEST_SUPPORT}[processes]")  # `reliability`: its processes, tiny model, cases
     session.run("python", "-m", "benchmarks", *(session.posargs or ["all"]))

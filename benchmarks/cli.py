@@ -8,6 +8,7 @@
     python -m benchmarks report benchmarks/results/20261122-101500   # rebuild summary.md + plots
     python -m benchmarks routing                      # round robin vs least load vs KV-aware routing, 2 instances
     python -m benchmarks pd                           # 1 prefill + 1 decode vs 2 mixed instances, per KV transport
+    python -m benchmarks reliability                  # faults: kill -9, SIGTERM, etcd, gateway, floods, bad clients
 """
 
 from __future__ import annotations
@@ -223,4 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.pd import main as pd_main
 
         return pd_main(argv[1:])
+    if argv and argv[0] == "reliability":
+        from benchmarks.reliability import main as reliability_main
+
+        return reliability_main(argv[1:])
     return cmd_run(argv)

@@ -1,0 +1,338 @@
+"""Reliability benchmark: what clients see when things go wrong, one row per fault.
+
+    python -m benchmarks reliability                           # every scenario on the tiny model (~1-2 min)
+    python -m benchmarks reliability --scenarios kill9,sigterm
+    python -m benchmarks reliability --model SmolLM2-135M-Instruct --scenarios hostile,kill9
+    python -m benchmarks reliability --report benchmarks/results/reliability-20261122-200000
+
+Scenarios (``--scenarios``, in this order; see ``benchmarks/faults.py`` for how each runs):
+
+- ``streams``: 256 concurrent streams on ``xllm serve --instances 2``, all complete;
+- ``hostile``: the 78 malformed or abusive requests of ``xllm.testing.hostile``, each a 4xx with an
+  OpenAI error body naming the field, ``/health`` 200 after each;
+- ``disconnect``: 20 clients that leave mid-stream; the engines' KV back to idle (``/metrics``);
+- ``kill9``: ``kill -9`` of the engine running most of 32 streams (half greedy, half seeded
+  sampled); every stream's text against an uninterrupted run of the same requests;
+- ``flood``: 4x the gateway's ``--max-inflight-requests`` at once, past a small engine queue
+  (``--max-waiting``), in waves: every answer a 200 or a 503 with Retry-After, the gateway's RSS;
+- ``etcd``: etcd killed and restarted under steady traffic through two gateways;
+- ``gateway``: one of two gateways on one etcd killed mid-stream and restarted;
+- ``sigterm``: SIGTERM to the engine running most of 32 streams: drained, the rest handed back and
+  resumed elsewhere by recompute; same text check.
+
+By default every engine runs a 2-layer random-weight Llama with SmolLM2's tokenizer (built here,
+``xllm.testing.models.save_tiny_llama``; the scenarios are about the machinery, not the model) in
+float32, so that a stream resumed by recompute is comparable token for token. Columns: cases,
+answered (as the scenario requires), 4xx, 5xx, characters lost or duplicated against the
+reference run (difflib: missing + extra), KV blocks still in use once the engines report idle,
+time to recover. Results: ``results.json``, ``summary.md`` and ``reliability.png`` in ``--out``
+(default ``benchmarks/results/reliability-<timestamp>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import difflib
+import json
+import math
+import pathlib
+import sys
+from dataclasses import asdict, dataclass, field
+
+from benchmarks.report import pct
+
+HERE = pathlib.Path(__file__).resolve().parent
+SCENARIOS = ("streams", "hostile", "disconnect", "kill9", "flood", "etcd", "gateway", "sigterm")
+NEAR_TIE = 1e-3  # a greedy stream may part from its reference where the top-2 logprobs are this close
+
+
+@dataclass
+class Stream:
+    """What one client saw of one request (streamed or not)."""
+
+    status: int | None = None
+    instance: str | None = None         # x-xllm-instance: where the request started
+    retry_after: str | None = None
+    error_body: dict | None = None      # the JSON body of a non-200 answer
+    text: str = ""
+    tokens: list[str] = field(default_factory=list)
+    top: list[dict[str, float]] = field(default_factory=list)  # top logprobs per token (logprobs=2)
+    finish: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # error events inside the stream, transport errors
+    usage: dict | None = None
+    done_at: float | None = None        # time.monotonic() when the answer ended
+
+    def complete(self, max_tokens: int) -> bool:
+        """A 200 that ended normally with ``max_tokens`` tokens and no error (``ignore_eos`` requests)."""
+        return (self.status == 200 and not self.errors and self.finish == ["length"] and bool(self.text)
+                and (self.usage is None or self.usage.get("completion_tokens") == max_tokens))
+
+
+@dataclass
+class Row:
+    """One scenario's line of the table (``None``: not measured by this scenario)."""
+
+    scenario: str
+    title: str
+    cases: int = 0
+    answered: int = 0
+    c4xx: int = 0
+    c5xx: int = 0
+    c5xx_all_503: bool = False  # every 5xx was a 503 with Retry-After (the flood's expected refusals)
+    lost_chars: int | None = None
+    leaked_blocks: int | None = None
+    recover_s: float | None = None
+    recover_what: str = ""
+    problems: list[str] = field(default_factory=list)   # what failed a requirement (empty: passed)
+    notes: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def char_diff(got: str, ref: str) -> tuple[int, int]:
+    """(characters of ``ref`` missing from ``got``, characters of ``got`` not in ``ref``) along
+    the longest matching blocks (difflib, no junk heuristic)."""
+    missing = extra = 0
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, ref, got, autojunk=False).get_opcodes():
+        if tag in ("delete", "replace"):
+            missing += i2 - i1
+        if tag in ("insert", "replace"):
+            extra += j2 - j1
+    return missing, extra
+
+
+def near_tie(got: Stream, ref: Stream, tie: float = NEAR_TIE) -> bool:
+    """``got`` parts from ``ref`` at a token where the reference's top-2 logprobs are within
+    ``tie`` (a float near-tie that recompute may break the other way: not a loss)."""
+    j = next((k for k, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b), None)
+    if j is None or j >= len(ref.top) or len(ref.top[j]) < 2:
+        return False
+    best = sorted(ref.top[j].values(), reverse=True)
+    return best[0] - best[1] < tie
+
+
+@dataclass
+class Comparison:
+    lost: int = 0        # characters missing + extra, over the streams compared
+    differing: int = 0   # streams whose text is not the reference's (near-ties excluded)
+    ties: int = 0        # greedy streams that parted at a near-tie (not counted as lost)
+
+
+def compare(got: list[Stream], ref: list[Stream], greedy: list[bool]) -> Comparison:
+    """Each stream's text against the reference run's; a greedy stream that parted at a near-tie
+    is counted apart, not as lost characters."""
+    out = Comparison()
+    for g, r, is_greedy in zip(got, ref, greedy, strict=True):
+        if g.text == r.text:
+            continue
+        if is_greedy and near_tie(g, r):
+            out.ties += 1
+            continue
+        missing, extra = char_diff(g.text, r.text)
+        out.lost += missing + extra
+        out.differing += 1
+    return out
+
+
+def status_counts(answers: list[Stream]) -> tuple[int, int]:
+    """(4xx, 5xx) among the answers' HTTP statuses."""
+    return (sum(1 for a in answers if a.status is not None and 400 <= a.status < 500),
+            sum(1 for a in answers if a.status is not None and a.status >= 500))
+
+
+def openai_error_problem(status: int, content_type: str, payload, want_status: int, want_param: str | None,
+                         want_type: str) -> str | None:
+    """What is wrong with an answer that should be an OpenAI error ``{"error": {"message", "type",
+    "param", "code"}}`` with ``want_status``, ``want_type`` and ``want_param`` (None: nothing)."""
+    if status != want_status:
+        return f"HTTP {status}, expected {want_status}"
+    if not content_type.startswith("application/json"):
+        return f"content-type {content_type!r}"
+    if not isinstance(payload, dict) or set(payload) != {"error"} or not isinstance(payload["error"], dict):
+        return f"not an OpenAI error body: {str(payload)[:120]}"
+    err = payload["error"]
+    if set(err) != {"message", "type", "param", "code"} or not isinstance(err["message"], str) or not err["message"]:
+        return f"error fields {sorted(err)}"
+    if (err["type"], err["param"]) != (want_type, want_param):
+        return f"type/param {err['type']}/{err['param']}, expected {want_type}/{want_param}"
+    return None
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+COLUMNS = ("scenario", "cases", "answered", "4xx", "5xx", "lost or duplicated characters", "KV blocks leaked",
+           "time to recover", "result")
+
+
+def _opt(x: int | None) -> str:
+    return "–" if x is None else str(x)
+
+
+def _seconds(row: dict) -> str:
+    s = row.get("recover_s")
+    if s is None or (isinstance(s, float) and math.isnan(s)):
+        return "–"
+    return f"{s:.1f} s ({row['recover_what']})" if row.get("recover_what") else f"{s:.1f} s"
+
+
+def _5xx(row: dict) -> str:
+    return f"{row['c5xx']} (all 503 + Retry-After)" if row["c5xx"] and row.get("c5xx_all_503") else str(row["c5xx"])
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The Markdown table of ``rows`` (``Row`` as dicts, as results.json holds them)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    for r in rows:
+        lines.append(f"| {r['title']} | {r['cases']} | {r['answered']} | {r['c4xx']} | {_5xx(r)} | "
+                     f"{_opt(r['lost_chars'])} | {_opt(r['leaked_blocks'])} | {_seconds(r)} | "
+                     f"{'ok' if not r['problems'] else 'FAIL'} |")
+    return lines
+
+
+def markdown(rows: list[dict], meta: dict, errors: dict[str, str]) -> str:
+    m = meta.get("machine", {})
+    lines = [
+        f"# Reliability ({meta['model']}, {meta['dtype']})",
+        "",
+        f"Run {meta['timestamp']} at {meta.get('commit') or '?'} on {m.get('cpu_model', '?')} "
+        f"({m.get('affinity_cpus', '?')} CPUs); CPU busy before/after: {pct(meta.get('cpu_busy_before'))} / "
+        f"{pct(meta.get('cpu_busy_after'))}. Engines: one thread each, KV cache {meta['kv_cache_memory']} GiB each.",
+        "",
+        *table(rows),
+    ]
+    for r in rows:
+        if r["notes"] or r["problems"]:
+            lines += ["", f"**{r['title']}**"]
+            lines += [f"- {n}" for n in r["notes"]]
+            lines += [f"- **FAILED**: {p}" for p in r["problems"]]
+    for name, err in errors.items():
+        lines.append(f"\n**{name} did not run to the end**: {err}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    """Time to recover per scenario; when each stream of the fault scenarios ended after the fault
+    (those on the failed instance, moved, apart from the others)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    timed = [r for r in rows if r.get("recover_s") is not None]
+    axes[0].barh([r["scenario"] for r in timed], [r["recover_s"] for r in timed], color="tab:orange")
+    for i, r in enumerate(timed):
+        axes[0].text(r["recover_s"], i, f" {r['recover_s']:.1f} s", va="center", fontsize=8)
+    axes[0].set_xlabel("seconds (what each measures: summary.md)")
+    axes[0].set_title("time to recover")
+    axes[0].invert_yaxis()
+    axes[0].grid(True, axis="x", alpha=0.3)
+    for r in rows:
+        ends, moved = r["details"].get("ends_after_fault_s"), r["details"].get("moved")
+        if not ends:
+            continue
+        for label, keep in (("moved", True), ("not moved", False)):
+            xs = sorted(e for e, m in zip(ends, moved) if m == keep)
+            if xs:
+                axes[1].step([0.0, *xs], [0.0] + [(i + 1) / len(xs) for i in range(len(xs))], where="post",
+                             label=f"{r['scenario']}: {label} ({len(xs)})", linestyle="-" if keep else "--")
+    axes[1].set_xlabel("seconds after the fault")
+    axes[1].set_ylabel("fraction of streams done")
+    axes[1].set_title("stream ends after kill -9 / SIGTERM")
+    axes[1].grid(True, alpha=0.3)
+    if axes[1].lines:
+        axes[1].legend(fontsize=8)
+    fig.suptitle("xLLM reliability scenarios")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out: pathlib.Path, plots: bool = True) -> str:
+    """summary.md (and reliability.png) from ``out/results.json``; returns the summary."""
+    results = json.loads((out / "results.json").read_text())
+    summary = markdown(results["rows"], results["meta"], results["errors"])
+    (out / "summary.md").write_text(summary)
+    if results["rows"] and plots:
+        plot(results["rows"], out / "reliability.png")
+    return summary
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def scenario_list(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in SCENARIOS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown scenario(s) {bad}; choose from {', '.join(SCENARIOS)}")
+    return [s for s in SCENARIOS if s in names]  # always in the table's order (destructive ones last)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks reliability", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenarios", type=scenario_list, default=list(SCENARIOS),
+                   help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all)")
+    p.add_argument("--model", default=None,
+                   help="what every engine serves, as `xllm serve --model` takes it (e.g. SmolLM2-135M-Instruct, the "
+                        "bundled model; default: the tiny random Llama with SmolLM2's tokenizer, built in a "
+                        "temporary dir)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="engine precision (float32: a resumed stream's recomputed logits match the uninterrupted "
+                        "run's; bfloat16 shows more near-ties)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="KV cache per engine (default: 0.1 for the tiny model, 1.0 for --model)")
+    p.add_argument("--streams", type=int, default=256, help="concurrent streams of the streams scenario (256)")
+    p.add_argument("--seed", type=int, default=0, help="seeds of the sampled streams start at 1000 + this")
+    p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--report", type=pathlib.Path, default=None, metavar="DIR",
+                   help="only rebuild summary.md and reliability.png from DIR/results.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.report is not None:
+        print(write_report(args.report, plots=not args.no_plots))
+        return 0
+    import tempfile
+
+    from benchmarks import faults
+    from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or HERE / "results" / f"reliability-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.kv_cache_memory is None:
+        args.kv_cache_memory = 1.0 if args.model else 0.1
+    with tempfile.TemporaryDirectory(prefix="xllm-reliability-") as tmp:
+        model_dir = pathlib.Path(args.model) if args.model else faults.build_tiny_model(pathlib.Path(tmp) / "tiny")
+        meta = {**{k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+                "timestamp": stamp, "argv": sys.argv, "commit": git_commit(str(HERE.parent)),
+                "model": model_dir.name if args.model else "tiny random Llama (2 layers, SmolLM2 tokenizer)",
+                "machine": machine_info(), "cpu_busy_before": cpu_busy_fraction()}
+        print(f"[reliability] scenarios {', '.join(args.scenarios)}; model {meta['model']}; results in {out}",
+              flush=True)
+        rows: list[dict] = []
+        errors: dict[str, str] = {}
+
+        def record(row: Row) -> None:
+            rows.append(asdict(row))
+            print(f"[reliability] {row.title}: {'ok' if row.ok else 'FAIL ' + '; '.join(row.problems)}", flush=True)
+            (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "errors": errors}, indent=1))
+
+        faults.run(args.scenarios, faults.Settings(model_dir, out, args.dtype, args.kv_cache_memory, args.streams,
+                                                   args.seed), record, errors)
+    meta["cpu_busy_after"] = cpu_busy_fraction()
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "errors": errors}, indent=1))
+    print(write_report(out, plots=not args.no_plots))
+    return 1 if errors or any(r["problems"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
