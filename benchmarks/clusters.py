@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import pathlib
 import re
@@ -22,8 +21,10 @@ from dataclasses import dataclass, field
 
 from benchmarks.metrics import scrape, total
 from benchmarks.peers.venv import ServerProcess, free_port
-from benchmarks.reliability import Stream
 from xllm.testing import hostile
+from xllm.testing.processes import wait_for
+from xllm.testing.sse import CompletionStream as Stream
+from xllm.testing.sse import stream_completion
 
 MODEL = hostile.MODEL
 API_KEY = "sk-reliability-bench-0123456789"
@@ -54,16 +55,9 @@ class Settings:
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
-    """Poll ``predicate`` until it returns something truthy (returned); TimeoutError after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            value = predicate()
-            if value:
-                return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    """:func:`xllm.testing.processes.wait_for`, with a server that is not answering yet (connection
+    refused, a body without the expected keys) counting as "not yet"."""
+    return wait_for(predicate, timeout, what, interval, ignore=(OSError, ValueError, KeyError))
 
 
 # ---- a gateway, seen from outside -----------------------------------------------------------------
@@ -196,56 +190,9 @@ def client(base_url: str, timeout: float = 300):
 async def stream(c, payload: dict, first: asyncio.Event | None = None, out: Stream | None = None,
                  read_chunks: int | None = None, leave: asyncio.Event | None = None) -> Stream:
     """POST ``payload`` to ``/v1/completions`` and read the answer into ``out`` (an HTTP error of the
-    connection is recorded, not raised). ``first`` is set at the first chunk (or the end);
-    ``read_chunks``: after that many chunks, wait for ``leave`` (if given) and drop the connection
-    (a client that disconnects mid-stream)."""
-    import httpx
-
-    out = out if out is not None else Stream()
-    try:
-        async with c.stream("POST", "/v1/completions", json=payload) as resp:
-            out.status, out.instance = resp.status_code, resp.headers.get("x-xllm-instance")
-            out.retry_after = resp.headers.get("retry-after")
-            if resp.status_code != 200:
-                raw = await resp.aread()
-                try:
-                    out.error_body = json.loads(raw)
-                except ValueError:
-                    out.errors.append(f"HTTP {resp.status_code}, not JSON: {raw[:200]!r}")
-                return out
-            chunks = 0
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    out.errors.append(json.dumps(event["error"])[:300])
-                    continue
-                if event.get("usage"):
-                    out.usage = event["usage"]
-                for choice in event.get("choices", []):
-                    out.text += choice.get("text") or ""
-                    if choice.get("logprobs"):
-                        out.tokens += choice["logprobs"]["tokens"]
-                        out.top += choice["logprobs"]["top_logprobs"] or []
-                    if choice.get("finish_reason"):
-                        out.finish.append(choice["finish_reason"])
-                    if first is not None:
-                        first.set()
-                chunks += 1
-                if read_chunks is not None and chunks >= read_chunks:
-                    if leave is not None:
-                        if first is not None:
-                            first.set()
-                        await leave.wait()
-                    return out  # leaving the context drops the connection mid-stream
-    except httpx.HTTPError as exc:
-        out.errors.append(f"{type(exc).__name__}: {exc}")
-    finally:
-        out.done_at = time.monotonic()
-        if first is not None:
-            first.set()
-    return out
+    connection is recorded, not raised; see :func:`xllm.testing.sse.stream_completion`)."""
+    return await stream_completion(c, payload, first, out, record_http_errors=True, read_chunks=read_chunks,
+                                   leave=leave)
 
 
 async def run_streams(base_url: str, bodies: list[dict], action: Callable[[list[Stream]], None] | None = None,

@@ -41,32 +41,11 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from benchmarks.report import pct
+from xllm.testing.sse import CompletionStream as Stream
 
 HERE = pathlib.Path(__file__).resolve().parent
 SCENARIOS = ("streams", "hostile", "disconnect", "kill9", "flood", "etcd", "gateway", "sigterm")
 NEAR_TIE = 1e-3  # a greedy stream may part from its reference where the top-2 logprobs are this close
-
-
-@dataclass
-class Stream:
-    """What one client saw of one request (streamed or not)."""
-
-    status: int | None = None
-    instance: str | None = None         # x-xllm-instance: where the request started
-    retry_after: str | None = None
-    error_body: dict | None = None      # the JSON body of a non-200 answer
-    text: str = ""
-    tokens: list[str] = field(default_factory=list)
-    top: list[dict[str, float]] = field(default_factory=list)  # top logprobs per token (logprobs=2)
-    finish: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)  # error events inside the stream, transport errors
-    usage: dict | None = None
-    done_at: float | None = None        # time.monotonic() when the answer ended
-
-    def complete(self, max_tokens: int) -> bool:
-        """A 200 that ended normally with ``max_tokens`` tokens and no error (``ignore_eos`` requests)."""
-        return (self.status == 200 and not self.errors and self.finish == ["length"] and bool(self.text)
-                and (self.usage is None or self.usage.get("completion_tokens") == max_tokens))
 
 
 @dataclass

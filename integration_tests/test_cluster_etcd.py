@@ -15,7 +15,7 @@ from xllm.engine.registration.etcd_client import EtcdClient
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.testing.metrics import metric_value, parse_metrics
 from xllm.testing.processes import mapped_libraries, wait_for
-from xllm.testing.sse import stream_completion
+from xllm.testing.sse import CompletionStream, stream_completion
 
 MODEL = "tiny"
 LEASE_TTL = 3.0
@@ -32,7 +32,7 @@ def _healthy(gw) -> set[str]:
 
 
 async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, first: asyncio.Event | None = None,
-                  session: str | None = None) -> dict:
+                  session: str | None = None) -> CompletionStream:
     """One streaming greedy completion; returns the instance that took it, the text, its tokens with
     their top-2 logprobs, usage, finish reasons and errors."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -60,13 +60,13 @@ def _prompts(n: int = 4) -> list[str]:
     return [f"Story number {i} ({uuid.uuid4().hex}): once upon a time" for i in range(n)]
 
 
-async def _uninterrupted(gw, prompts: list[str], max_tokens: int) -> list[dict]:
+async def _uninterrupted(gw, prompts: list[str], max_tokens: int) -> list[CompletionStream]:
     """The reference: the same requests run to the end with every instance up."""
     async with httpx.AsyncClient(base_url=gw.url, timeout=180, trust_env=False) as client:
         return list(await asyncio.gather(*(_stream(client, p, max_tokens) for p in prompts)))
 
 
-async def _traffic_with(gw, action, prompts: list[str], max_tokens: int) -> tuple[list[dict], object]:
+async def _traffic_with(gw, action, prompts: list[str], max_tokens: int) -> tuple[list[CompletionStream], object]:
     """Start one stream per prompt, wait until each has its first chunk, run ``action()``, then wait
     for every stream to finish."""
     async with httpx.AsyncClient(base_url=gw.url, timeout=180, trust_env=False) as client:
@@ -77,23 +77,23 @@ async def _traffic_with(gw, action, prompts: list[str], max_tokens: int) -> tupl
         return list(await asyncio.gather(*tasks)), acted
 
 
-def _assert_same_as_uninterrupted(results: list[dict], reference: list[dict]) -> None:
+def _assert_same_as_uninterrupted(results: list[CompletionStream], reference: list[CompletionStream]) -> None:
     """Each stream has the uninterrupted run's text, tokens and finish reason: nothing lost or
     repeated where it moved. Greedy runs on two instances can only part at a float near-tie (the
     resumed instance recomputes the prompt in one prefill); past such a tie the rest may differ."""
     for got, ref in zip(results, reference, strict=True):
-        assert ref["status"] == 200 and not ref["errors"] and len(ref["tokens"]) == ref["usage"]["completion_tokens"]
-        assert got["status"] == 200 and not got["errors"], got
-        assert got["finish"] == ref["finish"], (got["finish"], ref["finish"])
-        assert len(got["tokens"]) == len(ref["tokens"]) == got["usage"]["completion_tokens"]
-        for j, (a, b) in enumerate(zip(got["tokens"], ref["tokens"])):
+        assert ref.status == 200 and not ref.errors and len(ref.tokens) == ref.usage["completion_tokens"]
+        assert got.status == 200 and not got.errors, got
+        assert got.finish == ref.finish, (got.finish, ref.finish)
+        assert len(got.tokens) == len(ref.tokens) == got.usage["completion_tokens"]
+        for j, (a, b) in enumerate(zip(got.tokens, ref.tokens)):
             if a != b:
-                best = sorted(ref["top"][j].values(), reverse=True)
-                assert a in ref["top"][j] and best[0] - best[1] < 1e-3, \
+                best = sorted(ref.top[j].values(), reverse=True)
+                assert a in ref.top[j] and best[0] - best[1] < 1e-3, \
                     f"token {j}: {a!r} where the uninterrupted run had {b!r} (not a near-tie: {ref['top'][j]})"
                 break
         else:
-            assert got["text"] == ref["text"]
+            assert got.text == ref.text
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_instances_leave_cleanly_or_crash_and_join_again(cluster, engines):
     victim = cluster["engines"]["e1"]
     results, _ = asyncio.run(_traffic_with(gw, victim.terminate, prompts, max_tokens))
     _assert_same_as_uninterrupted(results, reference)
-    assert any(r["instance"] == "e1" for r in results)  # it had requests in flight
+    assert any(r.instance == "e1" for r in results)  # it had requests in flight
     assert victim.wait(60) == 0
     assert "handed back" in victim.log_tail(80) or "deregistered" in victim.log_tail(80)
     wait_for(lambda: set(_instances(gw)) == {"e0"}, 2 * LEASE_TTL, "the stopped instance to leave")
@@ -211,7 +211,7 @@ def test_instances_leave_cleanly_or_crash_and_join_again(cluster, engines):
         async def burst():
             async with httpx.AsyncClient(base_url=gw.url, timeout=60, trust_env=False) as client:
                 return await asyncio.gather(*(_stream(client, f"join {uuid.uuid4().hex}", 20) for _ in range(4)))
-        return any(r["instance"] == "e1" for r in asyncio.run(burst()))
+        return any(r.instance == "e1" for r in asyncio.run(burst()))
 
     wait_for(reaches_e1, 60, "traffic on the rejoined instance", interval=0)
 
@@ -228,7 +228,7 @@ def test_instances_leave_cleanly_or_crash_and_join_again(cluster, engines):
     reference = asyncio.run(_uninterrupted(gw, prompts, max_tokens))
     results, _ = asyncio.run(_traffic_with(gw, kill, prompts, max_tokens))
     _assert_same_as_uninterrupted(results, reference)
-    assert any(r["instance"] == "e1" for r in results)
+    assert any(r.instance == "e1" for r in results)
     wait_for(lambda: set(_instances(gw)) == {"e0"}, LEASE_TTL + 7, "the killed instance's lease to expire")
     print(f"killed instance left the registry {time.monotonic() - killed_at[0]:.1f} s after kill -9 "
           f"(lease TTL {LEASE_TTL:.0f} s)")

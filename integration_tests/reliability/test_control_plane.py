@@ -29,7 +29,7 @@ import pytest
 from xllm.engine.registration.etcd_client import EtcdClient, EtcdWatchTimeout
 from xllm.testing.metrics import metric_value, parse_metrics
 from xllm.testing.processes import EtcdServer, ensure_etcd, wait_for
-from xllm.testing.sse import stream_completion
+from xllm.testing.sse import CompletionStream, stream_completion
 
 MODEL = "tiny"
 PREFIX = "/xllm-cp"
@@ -141,7 +141,8 @@ def _registered(endpoint: str) -> dict[str, int]:
 
 # ---- streams ------------------------------------------------------------------------------------
 
-async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, first: asyncio.Event | None = None) -> dict:
+async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int,
+                  first: asyncio.Event | None = None) -> CompletionStream:
     """One streaming greedy completion: its instance, text, tokens, finish reasons and errors (an
     HTTP error of the connection itself is recorded, not raised)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -346,11 +347,11 @@ def test_a_gateway_killed_mid_stream_and_restarted_loses_only_its_own_streams(pl
     max_tokens = 300
     prompts = [f"Story {i} ({uuid.uuid4().hex}): once upon a time" for i in range(3)]
 
-    async def uninterrupted() -> list[dict]:
+    async def uninterrupted() -> list[CompletionStream]:
         async with httpx.AsyncClient(base_url=ga.url, timeout=180, trust_env=False) as client:
             return list(await asyncio.gather(*(_stream(client, p, max_tokens) for p in prompts)))
 
-    async def with_b_killed() -> tuple[list[dict], list[dict]]:
+    async def with_b_killed() -> tuple[list[CompletionStream], list[CompletionStream]]:
         async with (httpx.AsyncClient(base_url=ga.url, timeout=180, trust_env=False) as ca,
                     httpx.AsyncClient(base_url=gb.url, timeout=180, trust_env=False) as cb):
             firsts = [asyncio.Event() for _ in range(2 * len(prompts))]
@@ -365,10 +366,10 @@ def test_a_gateway_killed_mid_stream_and_restarted_loses_only_its_own_streams(pl
     got_a, got_b = asyncio.run(with_b_killed())
     gb.proc.wait(30)
     for got, ref in zip(got_a, reference, strict=True):  # the other gateway's streams: as if nothing happened
-        assert ref["status"] == 200 and not ref["errors"] and len(ref["tokens"]) == max_tokens
-        assert got["status"] == 200 and not got["errors"], got["errors"]
-        assert (got["text"], got["tokens"], got["finish"]) == (ref["text"], ref["tokens"], ref["finish"])
-    assert all(r["errors"] and not r["finish"] for r in got_b)  # the killed gateway's own streams broke
+        assert ref.status == 200 and not ref.errors and len(ref.tokens) == max_tokens
+        assert got.status == 200 and not got.errors, got.errors
+        assert (got.text, got.tokens, got.finish) == (ref.text, ref.tokens, ref.finish)
+    assert all(r.errors and not r.finish for r in got_b)  # the killed gateway's own streams broke
     # the engines let go of the dead gateway's requests (their load, as heartbeats report it, drops to 0)
     wait_for(lambda: metric_value(_metrics(ga), "xllm:cluster_num_requests_running") == 0, 30,
              "the engines to abort the dead gateway's requests")

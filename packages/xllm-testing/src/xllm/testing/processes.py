@@ -104,11 +104,16 @@ def stop_process_group(proc: subprocess.Popen, timeout: float) -> None:
     assert not group_alive(pgid), f"processes of group {pgid} survived"
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
-    """Poll ``predicate`` until it returns something truthy (returned) or fail after ``timeout`` s."""
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1,
+             ignore: tuple[type[BaseException], ...] = ()):
+    """Poll ``predicate`` until it returns something truthy (returned) or fail after ``timeout`` s.
+    ``ignore``: exceptions of ``predicate`` that count as "not yet" (a process still starting)."""
     deadline = time.monotonic() + timeout
     while True:
-        value = predicate()
+        try:
+            value = predicate()
+        except ignore:
+            value = None
         if value:
             return value
         if time.monotonic() > deadline:
