@@ -163,11 +163,8 @@ class AsyncEngine:
             log.exception("engine loop crashed (requests in the failing step: %s)", sorted(suspects))
             self.dead_reason = f"engine loop crashed: {type(exc).__name__}"
             self.crashed = True
-            streams, self._streams = self._streams, {}
-            for rid, stream in streams.items():
-                err = EngineCrashedError(self.dead_reason, suspect=rid in suspects)
-                with contextlib.suppress(RuntimeError):
-                    stream._loop.call_soon_threadsafe(stream._put, err)
+            reason = self.dead_reason
+            self._fail_streams(lambda rid: EngineCrashedError(reason, suspect=rid in suspects))
         finally:
             with self._closing:
                 if self.dead_reason is None:
@@ -175,7 +172,7 @@ class AsyncEngine:
             never_ran = EngineCrashedError(self.dead_reason, suspect=False) if self.crashed else \
                 EngineDeadError(self.dead_reason)
             self._fail_queued(never_ran)
-            self._deliver_error_all(never_ran)
+            self._fail_streams(lambda _rid: never_ran)
 
     def _fail_queued(self, err: BaseException) -> None:
         """Requests queued while the loop stopped: they get the error (they would wait forever)."""
@@ -185,8 +182,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                with contextlib.suppress(RuntimeError):
-                    stream._loop.call_soon_threadsafe(stream._put, err)
+                _post(stream, err)
             elif kind == "call":
                 with contextlib.suppress(RuntimeError):
                     stream.get_loop().call_soon_threadsafe(_settle, stream, None, err)
@@ -204,7 +200,7 @@ class AsyncEngine:
                     self._streams[payload.request_id] = stream
                     out.extend(ready)
                 except Exception as exc:  # validation raced with another request: report to the caller
-                    stream._loop.call_soon_threadsafe(stream._put, exc)
+                    _post(stream, exc)
             elif kind == "call":
                 _call_on_engine(self.engine, payload, stream, out)
             else:
@@ -227,11 +223,17 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # a closed event loop: its clients are gone
                 loop.call_soon_threadsafe(_dispatch, items)
 
-    def _deliver_error_all(self, err: BaseException) -> None:
+    def _fail_streams(self, error_for: Callable[[str], BaseException]) -> None:
+        """End every open stream with ``error_for(request_id)``."""
         streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            with contextlib.suppress(RuntimeError):
-                stream._loop.call_soon_threadsafe(stream._put, err)
+        for rid, stream in streams.items():
+            _post(stream, error_for(rid))
+
+
+def _post(stream: RequestStream, err: BaseException) -> None:
+    """Hand ``err`` to ``stream`` on its event loop (a closed loop: its client is gone)."""
+    with contextlib.suppress(RuntimeError):
+        stream._loop.call_soon_threadsafe(stream._put, err)
 
 
 def _call_on_engine(engine: LLMEngine, fn, future: asyncio.Future, out: list) -> None:
