@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from xllm.core.sampling_params import MAX_TOP_LOGPROBS
+from xllm.core.sampling_params import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 
 StopField = str | list[str] | None
 
@@ -32,9 +32,6 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 MaxTokens = Annotated[int, Field(ge=1, le=UINT32_MAX)]
 Identifier = Annotated[str, Field(max_length=256)]  # model, user, session and cache keys
 
-# 0 < temperature < MIN_TEMPERATURE is raised to it (as vLLM does): dividing logits by a smaller one
-# overflows float32 (a temperature below float32's smallest normal gives NaN probabilities).
-MIN_TEMPERATURE = 1e-2
 
 # service_tier -> engine priority (lower is served first); anything but 0 needs permission
 SERVICE_TIER_PRIORITY = {"auto": 0, "default": 0, "flex": 1, "scale": -1, "priority": -1}
@@ -87,7 +84,7 @@ class _SamplingFields(_Strict):
     # vLLM-style extensions
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(ge=0.01, le=100)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=MAX_REPETITION_PENALTY)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from xllm.gateway.openai.protocol import MIN_TEMPERATURE, _SamplingFields
+from xllm.core.sampling_params import MIN_TEMPERATURE
+from xllm.gateway.openai.protocol import _SamplingFields
 from xllm.proto.engine.v1 import engine_pb2
 
 
@@ -10,7 +11,8 @@ def sampling_proto(req: _SamplingFields, max_tokens: int, logprobs: bool, top_lo
                    seed_offset: int = 0) -> engine_pb2.SamplingParams:
     """Build the engine message; ``seed_offset`` separates the ``n`` choices of
     one seeded request (choice ``i`` uses ``seed + i``). A temperature in (0, ``MIN_TEMPERATURE``)
-    is raised to ``MIN_TEMPERATURE`` (vLLM does the same): a smaller one overflows the scaled logits."""
+    is raised to ``MIN_TEMPERATURE`` (vLLM does the same; so does the engine, the constant's home, for
+    gRPC callers): a smaller one overflows the scaled logits."""
     sp = engine_pb2.SamplingParams(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
