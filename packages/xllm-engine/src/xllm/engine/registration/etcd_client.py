@@ -43,6 +43,12 @@ DEFAULT_CONNECT_TIMEOUT = 1.0
 DEFAULT_WATCH_TIMEOUT = 10.0  # seconds a watch may stay silent before it counts as dead
 
 
+# An endpoint that could not be talked to. httpx maps most of these to TransportError, but a TLS
+# alert that arrives with the first read (a client certificate refused under TLS 1.3) surfaces as the
+# raw ssl.SSLError.
+TRANSPORT_ERRORS = (httpx.TransportError, ssl.SSLError)
+
+
 class EtcdError(RuntimeError):
     def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
@@ -175,7 +181,7 @@ class EtcdClient:
             try:
                 resp = await self._http.post(endpoint + path, json=body)
                 data = resp.json() if resp.content else {}
-            except httpx.TransportError as exc:
+            except TRANSPORT_ERRORS as exc:
                 failures.append(f"{endpoint}: {type(exc).__name__} {exc}".rstrip())
                 continue
             except ValueError:  # not JSON: not an etcd (a proxy's error page?)
@@ -277,7 +283,7 @@ class EtcdClient:
             request = self._http.build_request("POST", endpoint + path, json=body, timeout=timeout)
             try:
                 resp = await self._http.send(request, stream=True)
-            except httpx.TransportError as exc:
+            except TRANSPORT_ERRORS as exc:
                 timed_out = isinstance(exc, httpx.ReadTimeout)
                 failures.append(f"{endpoint}: {type(exc).__name__} {exc}".rstrip())
                 continue
