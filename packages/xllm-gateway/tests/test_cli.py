@@ -20,8 +20,9 @@ HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-time
 CLUSTER_SECURITY_FLAGS = ["--cluster-token", "--cluster-token-file", "--tls-cert", "--tls-key", "--tls-ca",
                           "--tls-server-name", "--etcd-ca", "--etcd-cert", "--etcd-key"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", *ENGINE_CONFIG_FLAGS, "--no-progress",
-               "--log-level", "--instances", "--etcd", "--etcd-prefix", "--routing", "--prefill-instances",
-               "--decode-instances", "--etcd-watch-timeout", "--engine-idle-timeout", "--request-timeout",
+               "--log-level", "--instances", "--etcd", "--etcd-prefix", "--routing", "--drain-moves",
+               "--kv-bandwidth-prior", "--prefill-instances", "--decode-instances", "--etcd-watch-timeout",
+               "--engine-idle-timeout", "--request-timeout",
                *HANDOFF_FLAGS, *CLUSTER_SECURITY_FLAGS]
 ENGINE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--instance-id", "--advertise-address",
                 "--etcd", "--etcd-prefix", "--registry", "--lease-ttl", "--heartbeat-interval", "--drain-timeout",
@@ -153,6 +154,8 @@ def test_flags_reach_the_engine_config():
     ["serve", "--bogus"],
     ["serve", "--instances", "0"],
     ["serve", "--routing", "random"],
+    ["serve", "--drain-moves", "sometimes"],
+    ["serve", "--kv-bandwidth-prior", "0"],
     ["engine", "--lease-ttl", "0"],
     [],
 ])

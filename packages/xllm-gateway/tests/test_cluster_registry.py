@@ -184,7 +184,7 @@ def test_router_matches_prefixes_and_accounts_for_dispatched_work():
     assert (t.state.inflight, t.state.pending_prefill, t.state.pending_prompt) == (2, 16, 80)
     # the engine reports whole prompts queued: ours (80) are replaced by their uncached part (16)
     reg.get("b").load.pending_prefill_tokens = 80 + 100
-    assert router._snapshot(reg.get("b"), 0).pending_prefill_tokens == 16 + 100
+    assert router.snapshot(reg.get("b"), 0).pending_prefill_tokens == 16 + 100
     router.first_token(t)
     router.finished(t)
     router.finished(t, got_first_token=False)

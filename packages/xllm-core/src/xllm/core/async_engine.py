@@ -127,8 +127,8 @@ class AsyncEngine:
         self._wake.set()
 
     def execute(self, fn: Callable[[LLMEngine], list[engine_pb2.GenerateResponse] | None]) -> asyncio.Future:
-        """Run ``fn(engine)`` on the engine thread between steps; chunks it returns are delivered to
-        their streams. The returned future (of the caller's loop) resolves to ``fn``'s result."""
+        """Run ``fn(engine)`` on the engine thread between steps; chunks it returns (a list) are
+        delivered to their streams. The returned future (of the caller's loop) resolves to ``fn``'s result."""
         future = asyncio.get_running_loop().create_future()
         self._commands.put(("call", fn, future))
         self._wake.set()
@@ -244,7 +244,7 @@ def _call_on_engine(engine: LLMEngine, fn, future: asyncio.Future, out: list) ->
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(_settle, future, None, exc)
         return
-    if result:
+    if isinstance(result, list):  # chunks to deliver
         out.extend(result)
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(_settle, future, result, None)

@@ -18,6 +18,15 @@ The KV's receiver calls ``LLMEngine.install_kv`` with the :class:`~xllm.proto.en
 the transfer failed (the engine then computes the missing part itself). Either way the request
 continues as if one engine had served it from the start.
 
+Migration (a running request moved off a draining instance, xLLM §3.5) uses the same two sides.
+Source: :meth:`LLMEngine.move_snapshot <xllm.core.engine.LLMEngine.move_snapshot>` names the KV a
+running request holds now (its full blocks can be copied while it keeps decoding);
+``pause_for_move`` stops scheduling it once no step in flight computes it, keeps its KV (status
+``HANDING_OFF``) and reports :class:`MoveReady`; ``release_kv`` then ends its stream with
+``FINISH_REASON_HANDED_OFF``. Destination: a decode-phase request reserved KV for the request's
+tokens so far; ``install_kv`` with a ``MIGRATION_STAGE_FINAL`` commit takes the KV of its first
+``num_tokens`` tokens, appends what the source produced after the reservation and continues.
+
 A request aborted while its KV is being handed off keeps its pages (a transfer may be reading or
 writing them): the listener hears ``on_abandoned`` and calls ``LLMEngine.release_kv`` once no
 transfer touches them; ``release_kv`` also drops a decode reservation that expired.
@@ -57,6 +66,30 @@ class Handoff:
 
 
 @dataclass(frozen=True)
+class MoveSnapshot:
+    """Migration source: the KV a running request holds now. Blocks wholly within
+    ``num_computed_tokens`` are final while it runs (a forward in flight is not counted); a change
+    of ``num_preemptions`` later means its pages were released meanwhile."""
+
+    request_id: str
+    num_computed_tokens: int
+    pages: tuple[int, ...]
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class MoveReady:
+    """Migration source: the request stopped here (no step computes it); its KV is held."""
+
+    request_id: str
+    num_computed_tokens: int
+    pages: tuple[int, ...]
+    token_ids: tuple[int, ...]  # prompt (an earlier run's output included) and output, as known here
+    sent_chars: int             # characters of output text its stream carried (all runs)
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
 class PromptFinishing:
     """Prefill side: the next forward computes the last chunk of this prompt, so every block's KV
     becomes final, layer by layer, while it runs."""
@@ -82,6 +115,10 @@ class DisaggListener(Protocol):
         ...
 
     def on_handoff(self, handoff: Handoff) -> None: ...
+
+    def on_move_ready(self, ready: MoveReady) -> None:
+        """A request paused for migration (``pause_for_move``) stopped; its KV is held."""
+        ...
 
     def on_abandoned(self, request_id: str) -> None:
         """No hand-off will happen: aborted mid-hand-off (its KV then waits for ``release_kv``), or

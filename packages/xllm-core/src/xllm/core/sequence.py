@@ -59,6 +59,7 @@ class Sequence:
     last_token_time: float | None = None
     first_scheduled_time: float | None = None
     phase: Phase = Phase.MIXED
+    moving: bool = False     # a migration stops it once no step in flight computes it
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,12 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    async def migrate(self, request_id: str, target: engine_pb2.KVTarget,
+                      num_tokens: int) -> engine_pb2.MigrateResponse:
+        """Move the running request ``request_id`` to the reservation ``target`` made for its first
+        ``num_tokens`` tokens on another instance (raises ``InstanceUnavailableError``)."""
+        ...
+
     async def health(self) -> engine_pb2.HealthResponse: ...
 
     async def load(self) -> instance_pb2.LoadReport: ...
@@ -154,6 +160,14 @@ class GrpcEngineClient:
     async def abort(self, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
             await self._get_stub().Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=self.rpc_timeout)
+
+    async def migrate(self, request_id: str, target: engine_pb2.KVTarget,
+                      num_tokens: int) -> engine_pb2.MigrateResponse:
+        req = engine_pb2.MigrateRequest(request_id=request_id, kv_target=target, num_tokens=num_tokens)
+        try:
+            return await self._get_stub().Migrate(req, timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._unavailable(exc) from None
 
     async def health(self) -> engine_pb2.HealthResponse:
         try:

@@ -23,6 +23,11 @@ class InProcessEngineClient:
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    async def migrate(self, request_id: str, target: engine_pb2.KVTarget,
+                      num_tokens: int) -> engine_pb2.MigrateResponse:
+        """An in-process engine serves no KV hand-offs (it never drains with requests to move)."""
+        return engine_pb2.MigrateResponse(accepted=False, error="an in-process engine does not migrate requests")
+
     async def health(self) -> engine_pb2.HealthResponse:
         ok = self.engine.is_running
         return engine_pb2.HealthResponse(healthy=ok, status="ok" if ok else (self.engine.dead_reason or "stopped"))

@@ -16,7 +16,13 @@ One engine instance per process in a cluster. The server
   request's first message is its KV reservation (``kv_reservation``), a prefill-phase request's
   stream ends with ``FINISH_REASON_HANDED_OFF`` once its KV went to the decode instance, and
   ``TransferKV`` receives KV over gRPC (and Mooncake commits). The chunk after a hand-off on either
-  side carries its ``disagg_stats``.
+  side carries its ``disagg_stats``;
+- moves running requests off a draining instance: to a caller that marked its request ``movable``
+  (a gateway) the stream carries one ``move_offer`` (the KV's size against this instance's prefill
+  speed) once the request decodes; the caller either resumes it elsewhere by recompute (closing
+  this call) or reserves KV on another instance and asks ``Migrate``
+  (:mod:`xllm.engine.handoff.migration`), after which the stream ends with
+  ``FINISH_REASON_HANDED_OFF``; a move that fails hands the request back.
 
 KV events are drained from the engine on its own thread: the server is a
 :class:`~xllm.core.stats.StatsObserver` of the engine (it adds itself to ``observers``), and
@@ -51,6 +57,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Call:
     request_id: str
+    movable: bool = False   # the caller answers move offers
+    offered: bool = False
+    num_tokens: int = 0     # prompt and output tokens streamed so far
     handed_back: bool = False
 
 
@@ -92,7 +101,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         self.port: int | None = None
         handoff = handoff or HandoffOptions()
         handoff = replace(handoff, transport_options={**handoff.transport_options, "security": security})
-        self.handoff = HandoffManager(engine, handoff, self.count)
+        self.handoff = HandoffManager(engine, handoff, self.count, self._hand_back)
         llm.observers.append(_Observer(self))
 
     # ---- engine thread ------------------------------------------------------------------------
@@ -129,7 +138,8 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         return bound
 
     async def drain(self, timeout: float) -> int:
-        """Refuse new requests, wait up to ``timeout`` s for the running ones, hand back the rest.
+        """Refuse new requests, wait up to ``timeout`` s for the running ones (those of callers that
+        move requests get move offers), hand back the rest.
 
         Returns how many requests were handed back.
         """
@@ -147,6 +157,26 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             while self._calls and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
         return len(left)
+
+    def _hand_back(self, request_id: str) -> None:
+        """End a request's call as handed back (its caller resumes it elsewhere)."""
+        call = self._calls.get(request_id)
+        if call is not None:
+            call.handed_back = True
+            self.engine.abort(request_id)
+
+    def _move_offer(self, call: _Call, request: engine_pb2.GenerateRequest,
+                    chunk: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse | None:
+        """The offer to move a request off this draining instance, once it decodes (None: not now)."""
+        call.num_tokens += len(chunk.token_ids)
+        if not (self.draining and call.movable and not call.offered and chunk.token_ids and self.handoff.enabled
+                and request.disagg_phase != engine_pb2.DISAGG_PHASE_PREFILL):
+            return None
+        call.offered = True
+        blocks = -(-call.num_tokens // self.block_size)
+        return engine_pb2.GenerateResponse(request_id=call.request_id, move_offer=engine_pb2.MoveOffer(
+            num_tokens=call.num_tokens, kv_bytes=blocks * self.handoff.store.block_bytes,
+            prefill_tokens_per_s=self.prefill_tokens_per_s))
 
     async def stop(self, grace: float | None = 1.0) -> None:
         await self.handoff.stop()
@@ -221,7 +251,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             self.handoff.forget(rid)
             await _abort(context, status_for(exc))
         await context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
-        call = _Call(rid)
+        call = _Call(rid, movable=request.movable, num_tokens=len(request.prompt_token_ids))
         self._calls[rid] = call
         failure: Status | None = None
         chunks = aiter(stream)
@@ -246,6 +276,9 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
                 if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                     break
                 pending = asyncio.ensure_future(anext(chunks))
+                offer = self._move_offer(call, request, chunk)
+                if offer is not None:
+                    yield offer
         except EngineError as exc:  # rejected on the engine thread (e.g. a duplicate id), or the engine died
             failure = status_for(exc)
         except Exception:  # a bug met by this request: fail it alone (the gateway does not replay it)
@@ -278,6 +311,12 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
 
     async def TransferKV(self, request_iterator, context) -> engine_pb2.KVTransferAck:
         return await grpc_transport.receive(self.handoff, request_iterator, self.handoff.fetch)
+
+    async def Migrate(self, request: engine_pb2.MigrateRequest, context) -> engine_pb2.MigrateResponse:
+        if request.request_id not in self._calls:
+            return engine_pb2.MigrateResponse(accepted=False, error="the request is not running here")
+        error = self.handoff.migrate(request.request_id, request.kv_target, request.num_tokens)
+        return engine_pb2.MigrateResponse(accepted=not error, error=error)
 
     async def GetKVEvents(self, request: engine_pb2.GetKVEventsRequest, context) -> kv_events_pb2.KVCacheEvents:
         if request.snapshot or request.epoch == 0:

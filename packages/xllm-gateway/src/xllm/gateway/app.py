@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from xllm.gateway.access import AccessPolicy, Caller
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.guard import REQUEST_ID_HEADER, ApiGuard, caller_of, request_id_of
-from xllm.gateway.metrics import EngineMetrics, PDMetrics, RouterMetrics
+from xllm.gateway.metrics import EngineMetrics, MoveMetrics, PDMetrics, RouterMetrics
+from xllm.gateway.moves import MoveOptions, Mover
 from xllm.gateway.openai.errors import RETRY_AFTER_SECONDS, APIError, internal_error, new_request_id
 from xllm.gateway.openai.limits import ApiLimits
 from xllm.gateway.openai.preprocess import Preprocessor
@@ -59,6 +60,7 @@ class GatewayState:
     started: float = field(default_factory=time.time)
     limits: ApiLimits = field(default_factory=ApiLimits)
     access: AccessPolicy = field(default_factory=AccessPolicy)
+    moves: MoveOptions = field(default_factory=MoveOptions)  # requests on draining instances
 
 
 async def _call(fn: Callable[[], object]) -> None:
@@ -80,7 +82,8 @@ def create_app(state: GatewayState) -> FastAPI:
     state.registry.add_listener(on_instance)
     for st in state.registry.states():  # registered before the app (the embedded engine)
         on_instance("added", st)
-    dispatcher = Dispatcher(state.registry, state.default_model, router, pd_metrics=PDMetrics(state.metrics.registry))
+    dispatcher = Dispatcher(state.registry, state.default_model, router, pd_metrics=PDMetrics(state.metrics.registry),
+                            mover=Mover(router, state.moves, MoveMetrics(state.metrics.registry)))
     preprocessor = Preprocessor(state.limits)
 
     @asynccontextmanager

@@ -12,7 +12,7 @@ import sys
 
 from xllm.engine import flags
 from xllm.gateway.api_flags import access_policy, add_api_flags, api_limits
-from xllm.sched import ROUTING_POLICIES
+from xllm.sched import MOVE_MODES, ROUTING_POLICIES
 
 DESCRIPTION = """xLLM: an OpenAI-compatible LLM inference service.
 
@@ -67,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--routing", default="kv_aware", choices=ROUTING_POLICIES.choices(),
                        help="how the gateway picks an instance: kv_aware (prefix-cache reuse traded against "
                             "predicted latency, session affinity, load fallback), least_load or round_robin")
+    serve.add_argument("--drain-moves", default="auto", choices=MOVE_MODES,
+                       help="cluster mode: what happens to the running requests of an instance that drains "
+                            "(SIGTERM, scale-down): auto moves each to another instance with its KV (migration, "
+                            "copied while it keeps decoding) or by recompute there, whichever is predicted quicker "
+                            "(KV bytes / measured transfer bandwidth vs queued + own tokens / measured prefill "
+                            "speed); migrate and recompute force one way; off lets them finish where they are "
+                            "(handed back for a recompute at --drain-timeout)")
+    serve.add_argument("--kv-bandwidth-prior", type=flags.positive_float, default=200.0, metavar="MB/S",
+                       help="cluster mode: the KV transfer bandwidth --drain-moves auto assumes until the gateway "
+                            "has measured a transfer (PD hand-off or migration)")
     flags.add_handoff_flags(serve)
     flags.add_security_flags(serve)  # cluster mode: the internal gRPC services (engines, registry)
     flags.add_common_flags(serve)
@@ -94,6 +104,7 @@ def serve(args: argparse.Namespace) -> int:
         api = {"limits": api_limits(args), "access": access_policy(args)}
         if args.instances or args.etcd or args.prefill_instances:
             from xllm.gateway.cluster import ClusterOptions, build_cluster
+            from xllm.gateway.moves import MoveOptions
 
             roles = {"mixed": args.instances or 0, "prefill": args.prefill_instances or 0,
                      "decode": args.decode_instances or 0}
@@ -104,7 +115,8 @@ def serve(args: argparse.Namespace) -> int:
                 routing=args.routing,
                 max_model_len=args.max_model_len,
                 engine_args=flags.engine_args(args, max(sum(roles.values()), 1)), log_level=args.log_level,
-                progress=not args.no_progress, security=flags.cluster_security(args), **api))
+                progress=not args.no_progress, security=flags.cluster_security(args),
+                moves=MoveOptions(args.drain_moves, args.kv_bandwidth_prior * 1e6), **api))
         else:
             from xllm.gateway.embedded import ServeOptions, build_embedded
 

@@ -43,6 +43,7 @@ from xllm.engine.security import NO_SECURITY, ClusterSecurity
 from xllm.gateway.access import AccessPolicy
 from xllm.gateway.app import GatewayState, create_app
 from xllm.gateway.metrics import EngineMetrics, RegistryMetrics
+from xllm.gateway.moves import MoveOptions
 from xllm.gateway.openai.limits import ApiLimits
 from xllm.gateway.registry import EmbeddedRegistry, EtcdRegistry
 from xllm.models.config import ModelConfig
@@ -72,6 +73,7 @@ class ClusterOptions:
     limits: ApiLimits = field(default_factory=ApiLimits)  # of the OpenAI API
     access: AccessPolicy = field(default_factory=AccessPolicy)  # API keys, priority permission
     security: ClusterSecurity = NO_SECURITY  # cluster token and TLS of the internal gRPC services
+    moves: MoveOptions = field(default_factory=MoveOptions)  # requests on draining instances: migrate or recompute
 
 
 class EngineProcesses:
@@ -152,7 +154,8 @@ def build_cluster(opts: ClusterOptions):
                              metrics=RegistryMetrics(metrics.registry))
                 if opts.etcd else EmbeddedRegistry(client_factory=clients))
     state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=metrics, default_model=name,
-                         max_model_len=max_len, routing=opts.routing, limits=opts.limits, access=opts.access)
+                         max_model_len=max_len, routing=opts.routing, limits=opts.limits, access=opts.access,
+                         moves=opts.moves)
     if any(opts.instances.values()):
         procs = EngineProcesses(opts.instances, engine_command(str(model_dir), name, opts),
                                 Path(opts.log_dir) if opts.log_dir else None,

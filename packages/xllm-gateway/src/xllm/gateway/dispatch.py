@@ -11,7 +11,9 @@ handed the request back while shutting down), the request is resumed on another 
 tokens already streamed (recompute), so the client sees one uninterrupted stream: the new instance
 replays those tokens through its detokenizer and stop checks and knows how much of their text the
 client has, so the text, finish reason and (for sampled requests, whose draws are keyed by (seed,
-output index)) the tokens are exactly those of one uninterrupted run.
+output index)) the tokens are exactly those of one uninterrupted run. A request on an instance that
+drains is moved the same way or with its KV, as the :class:`~xllm.gateway.moves.Mover` decides
+(:mod:`xllm.gateway.moves`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 from xllm.core.errors import EngineOverloadedError
@@ -27,12 +30,15 @@ from xllm.engine.client import EngineClient
 from xllm.engine.wire import InstanceUnavailableError, RequestFailedError
 from xllm.gateway.disagg import PDStream, phase_request
 from xllm.gateway.metrics import PDMetrics
+from xllm.gateway.moves import Migration, Mover, continuation
 from xllm.gateway.openai.errors import APIError, model_not_found, to_api_error
 from xllm.gateway.registry import NoInstanceError, Registry
 from xllm.gateway.router import Router, Ticket
 from xllm.proto.engine.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
+
+HANDED_OFF = engine_pb2.FINISH_REASON_HANDED_OFF
 
 
 class Dispatcher:
@@ -47,12 +53,13 @@ class Dispatcher:
 
     def __init__(self, registry: Registry, default_model: str, router: Router | None = None,
                  max_attempts: int = 3, max_resumes: int = 2, max_crash_strikes: int = 2,
-                 pd_metrics: PDMetrics | None = None, handoff_grace: float = 5.0) -> None:
+                 pd_metrics: PDMetrics | None = None, handoff_grace: float = 5.0, mover: Mover | None = None) -> None:
         """``max_attempts``: instances tried to take a request; ``max_resumes``: continuations of a
         broken stream; ``max_crash_strikes``: instance failures a request may be a suspect in before it
         is failed rather than replayed (see :class:`RoutedStream`); ``handoff_grace``: how long a decode
         instance may take to show it has the KV after its prefill instance failed past the first
-        token, before the request is resumed elsewhere."""
+        token, before the request is resumed elsewhere; ``mover``: answers the move offers of
+        draining instances (default: by predicted cost)."""
         self.registry = registry
         self.default_model = default_model
         self.router = router or Router(registry)
@@ -61,6 +68,7 @@ class Dispatcher:
         self.max_crash_strikes = max_crash_strikes
         self.pd_metrics = pd_metrics or PDMetrics()
         self.handoff_grace = handoff_grace
+        self.mover = mover or Mover(self.router)
         self._background: set[asyncio.Future] = set()  # keeps detached tasks alive until they ran
 
     def resolve_model(self, requested: str | None) -> str:
@@ -80,6 +88,7 @@ class Dispatcher:
             if not r.sampling.HasField("seed") and not (r.sampling.HasField("temperature") and
                                                         r.sampling.temperature == 0):
                 r.sampling.seed = secrets.randbits(63)
+            r.movable = self.mover.enabled
         ticket, streams = await self._place(model, prompt, reqs, session)
         return ticket.state.client, [RoutedStream(self, model, ticket, r, st) for r, st in zip(reqs, streams)]
 
@@ -219,26 +228,23 @@ class Dispatcher:
         is left of the earlier attempt (a decode instance whose prefill partner died keeps the
         abandoned reservation until the hand-off ends, and the abort of the broken call can arrive
         late), and the two must never be taken for one another."""
-        cont = engine_pb2.GenerateRequest()
-        cont.CopyFrom(req)
-        cont.request_id = f"{req.request_id}#{attempt}"
-        cont.prompt_token_ids.extend(generated)
-        cont.resumed_output_tokens = len(generated)
-        cont.resumed_sent_chars = sent_chars
+        cont = continuation(req, generated, sent_chars, attempt)
         ticket, streams = await self._place(model, list(cont.prompt_token_ids), [cont], None, failed)
         return ticket, cont, streams[0]
 
 
 class RoutedStream:
-    """The chunks of one request as the client sees them, across instance failures.
+    """The chunks of one request as the client sees them, across instance failures and moves.
 
     Iterating it yields the instance's chunks; if the instance breaks the stream off
     (``InstanceUnavailableError``) the request is resumed on another instance and the chunks
     continue exactly as one run would have produced them (the final chunk's usage counts the
     whole request). A request that was a suspect in ``max_crash_strikes`` crashes (it was running
     when an engine crashed, in the failing step or on an instance that vanished) is failed with
-    an internal error instead of being replayed on yet another instance. Leaving early closes
-    the underlying stream (the engine aborts the request).
+    an internal error instead of being replayed on yet another instance. A draining instance's
+    move offer moves the request with its KV or by recompute (:mod:`xllm.gateway.moves`), the
+    same way unseen by the client. Leaving early closes the underlying stream (the engine aborts
+    the request).
     """
 
     def __init__(self, dispatcher: Dispatcher, model: str, ticket: Ticket, req: engine_pb2.GenerateRequest,
@@ -248,8 +254,10 @@ class RoutedStream:
         self._ticket = ticket
         self._req = req
         self._stream = stream
+        self._instance_request_id = req.request_id  # the id it runs under on its instance
         self.request_id = req.request_id
         self.resumes = 0
+        self.moves = 0
         self.crash_strikes = 0
 
     @property
@@ -261,22 +269,50 @@ class RoutedStream:
         generated: list[int] = []   # every token streamed so far, across instances
         sent_chars = 0              # characters of text streamed so far
         failed: set[str] = set()
+        moved: tuple[str, float] | None = None  # how the request last moved, and its last chunk's time before
+        last_chunk = 0.0
         while True:
             ticket, got_first, accounted = self._ticket, False, False
             inner = aiter(self._stream)
+            migration: Migration | None = None
+            then = ""  # how the stream goes on once this one ended: "migrated" or "recompute"
             try:
                 async for chunk in inner:
+                    if chunk.HasField("move_offer"):
+                        plan = self._offer(ticket, generated, sent_chars, chunk.move_offer)
+                        if isinstance(plan, Migration):
+                            migration = plan
+                        elif plan == "recompute":
+                            then = "recompute"
+                            break
+                        continue
+                    if migration is not None and chunk.finish_reason == HANDED_OFF:
+                        then = "migrated"
+                        break
+                    if migration is not None and migration.failure:
+                        log.warning("request %s: migrating off %s failed (%s); recomputing elsewhere",
+                                    req.request_id, ticket.state.instance_id, migration.failure)
+                        d.mover.metrics.moved(self._model, "migration_failed")
+                        then = "recompute"
+                        break
                     if not got_first:
                         got_first = True
                         d.router.first_token(ticket)
                         d.router.succeeded(ticket.state)
+                    if chunk.HasField("disagg_stats") and chunk.disagg_stats.transfer_bytes:
+                        d.mover.observe_transfer(chunk.disagg_stats)
+                    last_chunk = time.monotonic()
+                    if moved is not None:
+                        d.mover.metrics.paused(self._model, moved[0], last_chunk - moved[1])
+                        moved = None
                     chunk.request_id = req.request_id  # a continuation's chunks too (it runs as <id>#<n>)
                     generated.extend(chunk.token_ids)
                     sent_chars += len(chunk.text)
                     yield chunk
                     if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                         return
-                return
+                if not then:
+                    return
             except InstanceUnavailableError as exc:
                 if exc.instance_id and exc.instance_id != ticket.state.instance_id:
                     failed.add(exc.instance_id)  # another part of a PD pair (accounted there)
@@ -297,13 +333,36 @@ class RoutedStream:
                             exc, len(generated))
                 d.router.finished(ticket, got_first)
                 accounted = True
-                self._ticket, _, self._stream = await d.resume(self._model, req, generated, sent_chars, failed,
-                                                               attempt=self.resumes + 1)
+                await self._continue(generated, sent_chars, failed)
                 self.resumes += 1
                 if d.router.metrics is not None:
                     d.router.metrics.resumed(self._model, ticket.state.instance_id)
+                moved = ("resumed", last_chunk)
+                continue
             finally:
+                if migration is not None and then != "migrated":
+                    await migration.cancel()
                 with contextlib.suppress(Exception):
                     await inner.aclose()
                 if not accounted:
                     d.router.finished(ticket, got_first)
+            self.moves += 1
+            if then == "migrated":
+                self._ticket, self._stream = migration.ticket, await migration.destination()
+                self._instance_request_id = migration.cont.request_id
+            else:
+                await self._continue(generated, sent_chars, failed | {ticket.state.instance_id})
+                then = "recomputed"
+            d.mover.metrics.moved(self._model, then)
+            moved = (then, last_chunk)
+
+    def _offer(self, source: Ticket, generated: list[int], sent_chars: int,
+               offer: engine_pb2.MoveOffer) -> Migration | str:
+        cont = continuation(self._req, generated, sent_chars, self.resumes + self.moves + 1)
+        return self._d.mover.offer(self._model, source, self._instance_request_id, cont, offer)
+
+    async def _continue(self, generated: list[int], sent_chars: int, exclude: set[str]) -> None:
+        """Resume the request elsewhere by recompute (after a failure or for a move)."""
+        self._ticket, cont, self._stream = await self._d.resume(self._model, self._req, generated, sent_chars,
+                                                                exclude, attempt=self.resumes + self.moves + 1)
+        self._instance_request_id = cont.request_id

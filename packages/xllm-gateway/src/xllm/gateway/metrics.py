@@ -29,6 +29,8 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _HANDOFF_OUTCOMES = (("sent", "kv_handoffs_sent"), ("installed", "kv_handoffs_installed"),
                      ("failed", "kv_handoff_failures"), ("timeout", "kv_handoff_timeouts"),
                      ("expired", "kv_reservations_expired"))
+_MIGRATION_OUTCOMES = (("sent", "kv_migrations_sent"), ("installed", "kv_migrations_installed"),
+                       ("failed", "kv_migration_failures"))
 
 
 class EngineMetrics:
@@ -69,6 +71,10 @@ class EngineMetrics:
                                    "(prefill side), installed or failed (decode side), timeout (the decode side never "
                                    "confirmed), expired (a reservation nobody filled).", [*labels, "outcome"],
                                    registry=r)
+        self.kv_migrations = Counter("xllm:kv_migrations", "Running requests moved off draining instances with their "
+                                     "KV, counted by the instances: sent (source), installed (destination), failed "
+                                     "(source: resumed by recompute instead; destination: recomputed there).",
+                                     [*labels, "outcome"], registry=r)
         self._last_counters: dict[tuple[str, str], instance_pb2.EngineCounters] = {}
         cl = ["model_name"]
         self.cluster_instances = Gauge("xllm:cluster_instances", "Live engine instances.", cl, registry=r)
@@ -106,7 +112,8 @@ class EngineMetrics:
         series = [(self.prompt_tokens, (), "prompt_tokens"), (self.generation_tokens, (), "generation_tokens"),
                   (self.prefix_queries, (), "prefix_cache_queries"), (self.prefix_hits, (), "prefix_cache_hits"),
                   (self.preemptions, (), "preemptions"),
-                  *((self.kv_handoffs, (outcome,), field) for outcome, field in _HANDOFF_OUTCOMES)]
+                  *((self.kv_handoffs, (outcome,), field) for outcome, field in _HANDOFF_OUTCOMES),
+                  *((self.kv_migrations, (outcome,), field) for outcome, field in _MIGRATION_OUTCOMES)]
         for counter, extra, field in series:
             delta = getattr(counters, field) - getattr(last, field)
             if delta > 0:  # a series appears with its first count
@@ -216,6 +223,27 @@ class RouterMetrics:
 
     def poisoned(self, model: str) -> None:
         self.poisoned_count.labels(model).inc()
+
+
+class MoveMetrics:
+    """Running requests this gateway moved off draining instances: how (``migrated`` with their KV,
+    ``recomputed`` elsewhere, ``migration_failed`` and recomputed instead, ``stayed`` for want of
+    another instance) and the pause their streams showed (last chunk from the source to the first
+    from the destination)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry or CollectorRegistry()
+        self.moves = Counter("xllm:request_moves", "Running requests moved off draining instances, by how.",
+                             ["model_name", "how"], registry=r)
+        self.pause = Histogram("xllm:request_move_pause_seconds", "Gap in a moved request's stream: its last chunk "
+                               "from the source instance to its first from the destination.", ["model_name", "how"],
+                               buckets=_LATENCY_BUCKETS, registry=r)
+
+    def moved(self, model: str, how: str) -> None:
+        self.moves.labels(model, how).inc()
+
+    def paused(self, model: str, how: str, seconds: float) -> None:
+        self.pause.labels(model, how).observe(seconds)
 
 
 class RegistryMetrics:

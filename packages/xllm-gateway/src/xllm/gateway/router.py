@@ -71,10 +71,26 @@ class Router:
         candidates = [s for s in self.registry.routable(model) if s.instance_id not in exclude]
         if not candidates:
             raise NoInstanceError(f"no live instance serves {model!r}")
+        return self._route_among(candidates, prompt, session)
+
+    def route_move(self, model: str, tokens: Sequence[int], exclude: Collection[str] = ()) -> Ticket:
+        """An instance to continue a running request on (its tokens so far): one that decodes (a
+        mixed or decode instance), not in ``exclude`` (raises :class:`NoInstanceError`)."""
+        candidates = [s for s in self.registry.routable(model) if s.instance_id not in exclude and s.role != "prefill"]
+        if not candidates:
+            raise NoInstanceError(f"no other live instance decodes {model!r}")
+        return self._route_among(candidates, tokens, None)
+
+    def fastest_prefill(self, model: str) -> float:
+        """The highest prefill speed (tokens/s) a live instance of ``model`` measured (0: none has)."""
+        return max((s.load.prefill_tokens_per_s for s in self.registry.routable(model) if s.load is not None),
+                   default=0.0)
+
+    def _route_among(self, candidates: list[InstanceState], prompt: Sequence[int], session: str | None) -> Ticket:
         if len(candidates) == 1:
             return Ticket(candidates[0], RouteDecision(candidates[0].instance_id, "only"), len(prompt), 0)
         hashes_by_bs, matched = self._match(candidates, prompt)
-        snaps = [self._snapshot(s, matched.get(s.instance_id, 0)) for s in candidates]
+        snaps = [self.snapshot(s, matched.get(s.instance_id, 0)) for s in candidates]
         decision = self.policy.route(RouteRequest(len(prompt), session), snaps)
         return self._ticket(candidates, decision, prompt, hashes_by_bs, matched)
 
@@ -92,8 +108,8 @@ class Router:
             raise NoInstanceError(f"no live prefill and decode instances serve {model!r}")
         hashes_by_bs, matched = self._match(prefills + decodes, prompt)
         request = RouteRequest(len(prompt), session, max_new_tokens)
-        decision = self.placement.route(request, [self._snapshot(s, matched.get(s.instance_id, 0)) for s in prefills],
-                                        [self._snapshot(s, matched.get(s.instance_id, 0)) for s in decodes])
+        decision = self.placement.route(request, [self.snapshot(s, matched.get(s.instance_id, 0)) for s in prefills],
+                                        [self.snapshot(s, matched.get(s.instance_id, 0)) for s in decodes])
         return (self._ticket(prefills, decision.prefill, prompt, hashes_by_bs, matched),
                 self._ticket(decodes, decision.decode, prompt, hashes_by_bs, matched))
 
@@ -104,7 +120,7 @@ class Router:
         if not prefills:
             raise NoInstanceError(f"no live prefill instance serves {model!r}")
         hashes_by_bs, matched = self._match(prefills, prompt)
-        snaps = [self._snapshot(s, matched.get(s.instance_id, 0)) for s in prefills]
+        snaps = [self.snapshot(s, matched.get(s.instance_id, 0)) for s in prefills]
         decision = self.placement.prefill_policy.route(RouteRequest(len(prompt), session), snaps)
         return self._ticket(prefills, decision, prompt, hashes_by_bs, matched)
 
@@ -127,7 +143,8 @@ class Router:
         return Ticket(state, decision, len(prompt), min(matched.get(state.instance_id, 0), len(prompt)),
                       hashes_by_bs.get(state.block_size, []))
 
-    def _snapshot(self, s: InstanceState, matched_tokens: int) -> InstanceSnapshot:
+    def snapshot(self, s: InstanceState, matched_tokens: int) -> InstanceSnapshot:
+        """What the policies see of ``s``: its last load report and this gateway's requests on it."""
         load = s.load
         # The engine reports the whole prompts of its queued requests (it cannot know their cache hits
         # before admission); this gateway knows its own requests' uncached part exactly. Queued work =

@@ -7,6 +7,8 @@
   least load, KV-cache-aware with session affinity and load-aware fallback).
 - :mod:`xllm.sched.pd`: placement for prefill/decode disaggregation (a decode instance, then a
   prefill instance).
+- :mod:`xllm.sched.moves`: moving a running request off an instance: KV migration or recompute,
+  chosen by predicted cost.
 - :mod:`xllm.sched.registry`: policies by name (:data:`BATCH_POLICIES`, :data:`ROUTING_POLICIES`).
 """
 
@@ -18,6 +20,7 @@ from xllm.sched.batch_policy import (
     SchedulerQueues,
     StepPlan,
 )
+from xllm.sched.moves import MOVE_MODES, MoveCost, RateEstimate, move_cost
 from xllm.sched.pd import PDDecision, PDPlacement
 from xllm.sched.registry import BATCH_POLICIES, ROUTING_POLICIES
 from xllm.sched.routing import (
@@ -32,14 +35,17 @@ from xllm.sched.routing import (
 
 __all__ = [
     "BATCH_POLICIES",
+    "MOVE_MODES",
     "ROUTING_POLICIES",
     "BatchPolicy",
     "DecodeFirstPolicy",
     "InstanceSnapshot",
     "KVCacheAwarePolicy",
     "LeastLoadPolicy",
+    "MoveCost",
     "PDDecision",
     "PDPlacement",
+    "RateEstimate",
     "RoundRobinPolicy",
     "RouteDecision",
     "RouteRequest",
@@ -48,4 +54,5 @@ __all__ = [
     "ScheduledChunk",
     "SchedulerQueues",
     "StepPlan",
+    "move_cost",
 ]

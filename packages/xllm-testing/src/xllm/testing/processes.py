@@ -273,3 +273,11 @@ def start_mooncake_master(log_dir: Path) -> tuple[subprocess.Popen, str, str]:
             raise RuntimeError("mooncake_master did not start")
         time.sleep(0.05)
     return proc, f"127.0.0.1:{rpc}", url
+
+
+def engine_pid(gateway_pid: int, instance_id: str) -> int:
+    """The pid of the engine process ``instance_id`` started by the gateway ``gateway_pid``."""
+    for pid, argv in child_processes(gateway_pid).items():
+        if instance_id in argv:
+            return pid
+    raise LookupError(f"no engine process {instance_id} under the gateway {gateway_pid}")

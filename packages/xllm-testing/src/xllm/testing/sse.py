@@ -103,3 +103,51 @@ async def stream_completion(client, body: dict, first=None, out: CompletionStrea
         if first is not None:
             first.set()
     return out
+
+
+async def stream_many(url: str, bodies: list[dict], action=None, timeout: float = 300.0) -> list[CompletionStream]:
+    """Stream every ``/v1/completions`` body at once from ``url``; once each has its first chunk,
+    call ``action(streams)`` (with what each stream holds so far: e.g. its instance), then read them
+    all to the end."""
+    import asyncio
+
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, trust_env=False) as client:
+        firsts = [asyncio.Event() for _ in bodies]
+        outs = [CompletionStream() for _ in bodies]
+        tasks = [asyncio.ensure_future(stream_completion(client, b, firsts[i], outs[i])) for i, b in enumerate(bodies)]
+        if action is not None:
+            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 240)
+            action(outs)
+        return list(await asyncio.gather(*tasks))
+
+
+def near_tie(got: CompletionStream, ref: CompletionStream, max_gap: float = 1e-3) -> bool:
+    """Whether ``got`` parts from ``ref`` (the uninterrupted run, read with ``logprobs`` >= 2) at a
+    token where the reference's top two logprobs are within ``max_gap``: the only way a greedy
+    stream continued elsewhere (recomputed logits) may legitimately differ."""
+    j = next((k for k, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b), None)
+    if j is None or j >= len(ref.top):
+        return False
+    best = sorted(ref.top[j].values(), reverse=True)
+    return len(best) > 1 and best[0] - best[1] < max_gap
+
+
+def assert_same_streams(got: list[CompletionStream], reference: list[CompletionStream], greedy: list[bool]) -> int:
+    """Every stream the client read equals the uninterrupted run of the same request: text, tokens,
+    finish reason and usage; a greedy one may part only at a near-tie (:func:`near_tie`), a
+    sampled (seeded) one never. Returns how many greedy streams parted at a near-tie."""
+    ties = 0
+    for i, (g, ref) in enumerate(zip(got, reference, strict=True)):
+        assert g.status == 200 and not g.errors, (i, g)
+        assert g.finish == ref.finish, (i, g.finish, ref.finish)
+        if g.usage is not None or ref.usage is not None:
+            assert {k: v for k, v in (g.usage or {}).items() if k != "prompt_tokens_details"} == \
+                {k: v for k, v in (ref.usage or {}).items() if k != "prompt_tokens_details"}, i
+        if g.tokens != ref.tokens and greedy[i] and near_tie(g, ref):
+            ties += 1
+            continue
+        assert g.tokens == ref.tokens, f"stream {i} ({'greedy' if greedy[i] else 'seeded'}): tokens differ"
+        assert g.text == ref.text, f"stream {i}: text differs"
+    return ties

@@ -222,13 +222,16 @@ class FdReceiver(KVReceiver):
 
 
 class FdSender(KVSender):
-    """Prefill side: one connection per decode instance, used by one hand-off at a time."""
+    """Prefill side: connections to each decode instance, one per hand-off under way (each carries
+    the memfd once when opened and is kept for later hand-offs), so that concurrent hand-offs (a
+    burst of prefills, the migrations of a draining instance) are copied and installed together
+    instead of one after another."""
 
     name = "fd"
 
     def __init__(self, options: dict) -> None:
         super().__init__(options)
-        self._conns: dict[str, tuple[socket.socket, threading.Lock]] = {}
+        self._idle: dict[str, list[socket.socket]] = {}
         self._lock = threading.Lock()
 
     async def send(self, target: engine_pb2.KVTarget, store: PageStore, out: Outgoing) -> TransferResult:
@@ -237,41 +240,41 @@ class FdSender(KVSender):
         commit = await out.commit()  # one message once the prefill is over: the copy takes milliseconds
         return await asyncio.to_thread(self._send, target.address, store, list(out.pages), commit)
 
-    def _connection(self, address: str, memfd: int) -> tuple[socket.socket, threading.Lock]:
+    def _connect(self, address: str, memfd: int) -> socket.socket:
         with self._lock:
-            conn = self._conns.get(address)
-            if conn is None:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(float(self.options.get("timeout", 30.0)))
-                try:
-                    sock.connect(_sockaddr(address))
-                    socket.send_fds(sock, [_HELLO], [memfd])
-                except OSError as exc:
-                    sock.close()
-                    raise TransferError(f"cannot reach {address}: {exc}") from exc
-                conn = self._conns[address] = (sock, threading.Lock())
-            return conn
+            idle = self._idle.get(address)
+            if idle:
+                return idle.pop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(float(self.options.get("timeout", 30.0)))
+        try:
+            sock.connect(_sockaddr(address))
+            socket.send_fds(sock, [_HELLO], [memfd])
+        except OSError as exc:
+            sock.close()
+            raise TransferError(f"cannot reach {address}: {exc}") from exc
+        return sock
 
     def _send(self, address: str, store: PageStore, pages: list[int], commit: engine_pb2.KVCommit) -> TransferResult:
-        sock, lock = self._connection(address, store.memfd)
+        sock = self._connect(address, store.memfd)
         message = engine_pb2.KVFdHandoff(commit=commit, source_pages=pages, memfd_offsets=store.memfd_offsets,
                                          page_bytes=store.page_bytes)
         try:
-            with lock:
-                _send_message(sock, message.SerializeToString())
-                ack = engine_pb2.KVTransferAck.FromString(_recv_message(sock))
+            _send_message(sock, message.SerializeToString())
+            ack = engine_pb2.KVTransferAck.FromString(_recv_message(sock))
         except OSError as exc:  # includes timeouts and a closed peer: drop the connection
-            with self._lock:
-                self._conns.pop(address, None)
             sock.close()
             raise TransferError(f"hand-off to {address} failed: {exc}") from exc
+        with self._lock:
+            self._idle.setdefault(address, []).append(sock)
         return TransferResult(ack.installed, len(pages) * store.block_bytes if ack.installed else 0, ack.error)
 
     async def close(self) -> None:
         with self._lock:
-            for sock, _ in self._conns.values():
-                sock.close()
-            self._conns.clear()
+            for socks in self._idle.values():
+                for sock in socks:
+                    sock.close()
+            self._idle.clear()
 
 
 TRANSPORT = Transport("fd", FdSender, FdReceiver)

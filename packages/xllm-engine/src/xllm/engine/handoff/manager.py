@@ -15,6 +15,10 @@ Prefill side: the blocks the decode side lacks are sent — by a transport that 
 others once the first token is out — then the commit; the KV is released when the decode side
 answered, or ``handoff_timeout`` after the commit if it never does. A request aborted while its
 KV is being sent keeps it until the send ended (a transfer may be reading its pages).
+
+Migration (:mod:`xllm.engine.handoff.migration`): the source side sends a running request's KV in
+stages; the destination side is a reservation like a decode side's that takes several transfers:
+``MIGRATION_STAGE_COPY`` commits only write pages, the ``MIGRATION_STAGE_FINAL`` one installs.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from xllm.core import AsyncEngine
-from xllm.core.disagg import Handoff, LayerObserver, PromptFinishing, Reservation
+from xllm.core.disagg import Handoff, LayerObserver, MoveReady, PromptFinishing, Reservation
 from xllm.engine.handoff import KV_TRANSPORTS
 from xllm.engine.handoff.base import (
     Destination,
@@ -38,6 +42,7 @@ from xllm.engine.handoff.base import (
     TransferError,
     block_range,
 )
+from xllm.engine.handoff.migration import Migrations
 from xllm.proto.engine.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
@@ -50,15 +55,22 @@ class _Reserved:
     expiry: asyncio.TimerHandle | None = None
     receiving: bool = False
     abandoned: bool = False
+    # a migration's copy stages before its final commit: bytes written, the first one's start, a failure
+    staged_bytes: int = 0
+    staged_from: float | None = None
+    stage_error: str = ""
 
 
 class HandoffManager:
     """Both sides of the hand-offs of the engine served by one :class:`~xllm.engine.server.EngineServer`."""
 
-    def __init__(self, engine: AsyncEngine, options: HandoffOptions, count: Callable[[str, int], None]) -> None:
+    def __init__(self, engine: AsyncEngine, options: HandoffOptions, count: Callable[[str, int], None],
+                 on_move_failed: Callable[[str], None] = lambda _rid: None) -> None:
+        """``count(counter, n)`` advances an ``EngineCounters`` field; ``on_move_failed(request_id)``:
+        a migration of that request could not complete (hand it back)."""
         self.engine = engine
         self.options = options
-        self._count = count
+        self.count = count
         llm = engine.engine
         self.store = llm.kv.page_store()
         self.block_size = llm.layout.block_size
@@ -73,6 +85,7 @@ class HandoffManager:
         self._receiver: KVReceiver | None = None
         self._store_client = None  # Mooncake: this instance's client of the store the blocks come through
         self._tasks: set[asyncio.Task] = set()
+        self.migrations = Migrations(self, on_move_failed)
 
     @property
     def enabled(self) -> bool:
@@ -100,6 +113,7 @@ class HandoffManager:
         return self._store_client.take_many(keys)
 
     async def stop(self) -> None:
+        await self.migrations.stop()
         if self._receiver is not None:
             await self._receiver.stop()
         if self._store_client is not None:
@@ -128,6 +142,9 @@ class HandoffManager:
     def on_abandoned(self, request_id: str) -> None:
         self._loop.call_soon_threadsafe(self._abandon, request_id)
 
+    def on_move_ready(self, ready: MoveReady) -> None:
+        self._loop.call_soon_threadsafe(self.migrations.ready, ready)
+
     # ---- what the engine server asks ------------------------------------------------------------------
     def expect_reservation(self, request_id: str) -> asyncio.Future:
         """A future for the KVTarget a decode-phase request will announce (call before submitting it)."""
@@ -136,8 +153,14 @@ class HandoffManager:
             state = self._reserved[request_id] = _Reserved(None, self._loop.create_future())  # type: ignore[arg-type]
         return state.target
 
+    def migrate(self, request_id: str, target: engine_pb2.KVTarget, num_tokens: int) -> str:
+        """Move a running request to ``target`` (see :mod:`xllm.engine.handoff.migration`); returns
+        why it cannot ("" once started)."""
+        return self.migrations.start(request_id, target, num_tokens)
+
     def forget(self, request_id: str) -> None:
         """The request's call is over: drop what was kept for it."""
+        self.migrations.cancel(request_id)
         state = self._reserved.get(request_id)
         if state is not None and state.reservation is None:
             del self._reserved[request_id]
@@ -172,6 +195,9 @@ class HandoffManager:
     async def end_receive(self, commit: engine_pb2.KVCommit, received_bytes: int, error: str = "",
                           started: float | None = None, overlapped: float = 0.0) -> bool:
         rid = commit.transfer_id
+        staging = self._reserved.get(rid)
+        if commit.migration == engine_pb2.MIGRATION_STAGE_COPY and staging is not None and not staging.abandoned:
+            return self._staged(staging, received_bytes, error, started)
         state = self._reserved.pop(rid, None)
         if state is None:
             return False
@@ -180,23 +206,43 @@ class HandoffManager:
         if state.abandoned:
             await self.engine.execute(lambda e: e.release_kv(rid))
             return False
+        received_bytes += state.staged_bytes
+        started = state.staged_from if state.staged_from is not None else started
+        error = error or state.stage_error
         ok = not error and commit.layout == self.layout
         if not ok:
             error = error or f"layout {commit.layout!r} does not match this instance's {self.layout!r}"
             log.warning("KV hand-off %s failed (%s): recomputing the prompt here", rid, error)
-            self._count("kv_handoff_failures", 1)
+            self.count("kv_handoff_failures", 1)
         else:
-            self._count("kv_handoffs_installed", 1)
-            self._count("kv_transfer_bytes", received_bytes)
+            self.count("kv_migrations_installed" if commit.migration else "kv_handoffs_installed", 1)
+            self.count("kv_transfer_bytes", received_bytes)
         r = state.reservation
         self._stats[rid] = engine_pb2.DisaggStats(
             transfer_seconds=time.monotonic() - started if started is not None else 0.0,
             transfer_bytes=received_bytes if ok else 0,
-            transferred_tokens=(r.num_tokens - r.matched_tokens) if ok else 0,
+            transferred_tokens=max((commit.num_tokens if commit.migration else r.num_tokens) - r.matched_tokens, 0)
+            if ok else 0,
             transport=self.options.transport, recomputed=not ok, failure=error,
             overlapped_seconds=overlapped if ok else 0.0)
         await self.engine.execute(lambda e: e.install_kv(commit, received=ok))
         return ok
+
+    def _staged(self, state: _Reserved, received_bytes: int, error: str, started: float | None) -> bool:
+        """A migration's copy stage is written (or failed: the final commit then recomputes); the
+        reservation waits for the next transfer, its expiry restarted."""
+        state.receiving = False
+        if error:
+            state.stage_error = state.stage_error or error
+            return False
+        state.staged_bytes += received_bytes
+        if state.staged_from is None:
+            state.staged_from = started
+        if state.expiry is not None:
+            state.expiry.cancel()
+        rid = state.reservation.request_id
+        state.expiry = self._loop.call_later(self.options.reservation_timeout, self._expire, rid)
+        return True
 
     def cancel_receive(self, transfer_id: str) -> None:
         state = self._reserved.get(transfer_id)
@@ -211,7 +257,7 @@ class HandoffManager:
         if state is None or state.receiving:
             return
         del self._reserved[request_id]
-        self._count("kv_reservations_expired", 1)
+        self.count("kv_reservations_expired", 1)
         log.warning("KV reservation %s expired: no prefill instance sent its KV", request_id)
         self._spawn(self.engine.execute(lambda e: e.release_kv(request_id)))
 
@@ -234,7 +280,8 @@ class HandoffManager:
         self._spawn(self.engine.execute(lambda e: e.release_kv(request_id)))  # either side: nothing reads it
 
     # ---- prefill side -------------------------------------------------------------------------------
-    def _sender(self, transport: str) -> KVSender:
+    def sender(self, transport: str) -> KVSender:
+        """This instance's sender of ``transport`` (one per transport, kept open)."""
         sender = self._senders.get(transport)
         if sender is None:
             sender = self._senders[transport] = KV_TRANSPORTS.get(transport).sender(self.options.transport_options)
@@ -287,14 +334,14 @@ class HandoffManager:
             if target.layout != self.layout:
                 raise TransferError(f"the decode instance expects KV layout {target.layout!r}, "
                                     f"this one has {self.layout!r}")
-            sending = asyncio.ensure_future(self._sender(target.transport).send(target, self.store, out))
+            sending = asyncio.ensure_future(self.sender(target.transport).send(target, self.store, out))
             await asyncio.wait({sending, out.committed_future}, return_when=asyncio.FIRST_COMPLETED)
             result = await asyncio.wait_for(sending, self.options.handoff_timeout)  # from the commit on
-            self._count("kv_handoffs_sent", 1)
+            self.count("kv_handoffs_sent", 1)
             if not result.installed:
                 log.info("KV hand-off %s: the decode side did not install it (%s)", request_id, result.error)
         except TimeoutError:
-            self._count("kv_handoff_timeouts", 1)
+            self.count("kv_handoff_timeouts", 1)
             log.warning("KV hand-off %s: no answer from %s within %.0f s; releasing the KV", request_id,
                         target.address, self.options.handoff_timeout)
         except asyncio.CancelledError:
@@ -303,7 +350,7 @@ class HandoffManager:
             self._sending.pop(request_id, None)
             raise  # the request ended without a hand-off, or the server stops
         except Exception as exc:  # unreachable, refused: the decode side's reservation expires
-            self._count("kv_handoff_failures", 1)
+            self.count("kv_handoff_failures", 1)
             log.warning("KV hand-off %s to %s failed: %s", request_id, target.address, exc)
         if not out.committed:  # failed while the prefill ran: the KV is released when its hand-off comes
             return

@@ -23,6 +23,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
     FINISH_REASON_HANDED_OFF: _ClassVar[FinishReason]
+
+class MigrationStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MIGRATION_STAGE_NONE: _ClassVar[MigrationStage]
+    MIGRATION_STAGE_COPY: _ClassVar[MigrationStage]
+    MIGRATION_STAGE_FINAL: _ClassVar[MigrationStage]
 DISAGG_PHASE_NONE: DisaggPhase
 DISAGG_PHASE_PREFILL: DisaggPhase
 DISAGG_PHASE_DECODE: DisaggPhase
@@ -32,6 +38,9 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_HANDED_OFF: FinishReason
+MIGRATION_STAGE_NONE: MigrationStage
+MIGRATION_STAGE_COPY: MigrationStage
+MIGRATION_STAGE_FINAL: MigrationStage
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "logit_bias", "include_stop_str_in_output", "skip_special_tokens")
@@ -95,7 +104,7 @@ class KVTarget(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., matched_tokens: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "model", "arrival_time", "disagg_phase", "kv_target", "resumed_output_tokens", "resumed_sent_chars")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "model", "arrival_time", "disagg_phase", "kv_target", "resumed_output_tokens", "resumed_sent_chars", "movable")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +115,7 @@ class GenerateRequest(_message.Message):
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_SENT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MOVABLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -116,7 +126,8 @@ class GenerateRequest(_message.Message):
     kv_target: KVTarget
     resumed_output_tokens: int
     resumed_sent_chars: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., arrival_time: _Optional[float] = ..., disagg_phase: _Optional[_Union[DisaggPhase, str]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., resumed_sent_chars: _Optional[int] = ...) -> None: ...
+    movable: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., arrival_time: _Optional[float] = ..., disagg_phase: _Optional[_Union[DisaggPhase, str]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., resumed_sent_chars: _Optional[int] = ..., movable: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -147,7 +158,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "error", "kv_reservation", "disagg_stats")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "usage", "error", "kv_reservation", "disagg_stats", "move_offer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +169,7 @@ class GenerateResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     KV_RESERVATION_FIELD_NUMBER: _ClassVar[int]
     DISAGG_STATS_FIELD_NUMBER: _ClassVar[int]
+    MOVE_OFFER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -168,7 +180,18 @@ class GenerateResponse(_message.Message):
     error: str
     kv_reservation: KVTarget
     disagg_stats: DisaggStats
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., kv_reservation: _Optional[_Union[KVTarget, _Mapping]] = ..., disagg_stats: _Optional[_Union[DisaggStats, _Mapping]] = ...) -> None: ...
+    move_offer: MoveOffer
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., kv_reservation: _Optional[_Union[KVTarget, _Mapping]] = ..., disagg_stats: _Optional[_Union[DisaggStats, _Mapping]] = ..., move_offer: _Optional[_Union[MoveOffer, _Mapping]] = ...) -> None: ...
+
+class MoveOffer(_message.Message):
+    __slots__ = ("num_tokens", "kv_bytes", "prefill_tokens_per_s")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    kv_bytes: int
+    prefill_tokens_per_s: float
+    def __init__(self, num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class DisaggStats(_message.Message):
     __slots__ = ("queue_seconds", "prefill_seconds", "transfer_seconds", "transfer_bytes", "transferred_tokens", "transport", "recomputed", "failure", "overlapped_seconds")
@@ -193,7 +216,7 @@ class DisaggStats(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transferred_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., recomputed: _Optional[bool] = ..., failure: _Optional[str] = ..., overlapped_seconds: _Optional[float] = ...) -> None: ...
 
 class KVCommit(_message.Message):
-    __slots__ = ("transfer_id", "num_tokens", "first_block", "num_blocks", "first_token", "layout", "block_crc32", "store_keys")
+    __slots__ = ("transfer_id", "num_tokens", "first_block", "num_blocks", "first_token", "layout", "block_crc32", "store_keys", "migration", "appended_tokens", "sent_chars")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +225,9 @@ class KVCommit(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CRC32_FIELD_NUMBER: _ClassVar[int]
     STORE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FIELD_NUMBER: _ClassVar[int]
+    APPENDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SENT_CHARS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     num_tokens: int
     first_block: int
@@ -210,7 +236,10 @@ class KVCommit(_message.Message):
     layout: str
     block_crc32: _containers.RepeatedScalarFieldContainer[int]
     store_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_token: _Optional[int] = ..., layout: _Optional[str] = ..., block_crc32: _Optional[_Iterable[int]] = ..., store_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    migration: MigrationStage
+    appended_tokens: _containers.RepeatedScalarFieldContainer[int]
+    sent_chars: int
+    def __init__(self, transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_token: _Optional[int] = ..., layout: _Optional[str] = ..., block_crc32: _Optional[_Iterable[int]] = ..., store_keys: _Optional[_Iterable[str]] = ..., migration: _Optional[_Union[MigrationStage, str]] = ..., appended_tokens: _Optional[_Iterable[int]] = ..., sent_chars: _Optional[int] = ...) -> None: ...
 
 class KVPages(_message.Message):
     __slots__ = ("transfer_id", "range", "first_block", "data", "crc32")
@@ -253,6 +282,24 @@ class KVTransferAck(_message.Message):
     installed: bool
     error: str
     def __init__(self, installed: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("request_id", "kv_target", "num_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    kv_target: KVTarget
+    num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("accepted", "error")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    error: str
+    def __init__(self, accepted: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

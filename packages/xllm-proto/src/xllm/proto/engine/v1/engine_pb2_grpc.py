@@ -66,6 +66,11 @@ class EngineServiceStub:
                 request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.KVTransferMessage.SerializeToString,
                 response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.KVTransferAck.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/xllm.engine.v1.EngineService/Migrate',
+                request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.MigrateResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -112,6 +117,13 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """Move a running request to another instance's reservation (see MigrateRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +156,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.TransferKV,
                     request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.KVTransferMessage.FromString,
                     response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.KVTransferAck.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.MigrateRequest.FromString,
+                    response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.MigrateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +325,33 @@ class EngineService:
             '/xllm.engine.v1.EngineService/TransferKV',
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.KVTransferMessage.SerializeToString,
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.KVTransferAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xllm.engine.v1.EngineService/Migrate',
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.MigrateRequest.SerializeToString,
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.MigrateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,7 +69,7 @@ class LoadReport(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., recent_ttft: _Optional[float] = ..., recent_tpot: _Optional[float] = ..., timestamp: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class EngineCounters(_message.Message):
-    __slots__ = ("prompt_tokens", "generation_tokens", "finished_requests", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "steps", "kv_handoffs_sent", "kv_handoffs_installed", "kv_handoff_failures", "kv_transfer_bytes", "kv_handoff_timeouts", "kv_reservations_expired")
+    __slots__ = ("prompt_tokens", "generation_tokens", "finished_requests", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "steps", "kv_handoffs_sent", "kv_handoffs_installed", "kv_handoff_failures", "kv_transfer_bytes", "kv_handoff_timeouts", "kv_reservations_expired", "kv_migrations_sent", "kv_migrations_installed", "kv_migration_failures")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,9 @@ class EngineCounters(_message.Message):
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_HANDOFF_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
     KV_RESERVATIONS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    KV_MIGRATIONS_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_MIGRATIONS_INSTALLED_FIELD_NUMBER: _ClassVar[int]
+    KV_MIGRATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generation_tokens: int
     finished_requests: int
@@ -96,7 +99,10 @@ class EngineCounters(_message.Message):
     kv_transfer_bytes: int
     kv_handoff_timeouts: int
     kv_reservations_expired: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., kv_handoffs_sent: _Optional[int] = ..., kv_handoffs_installed: _Optional[int] = ..., kv_handoff_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_handoff_timeouts: _Optional[int] = ..., kv_reservations_expired: _Optional[int] = ...) -> None: ...
+    kv_migrations_sent: int
+    kv_migrations_installed: int
+    kv_migration_failures: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., kv_handoffs_sent: _Optional[int] = ..., kv_handoffs_installed: _Optional[int] = ..., kv_handoff_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_handoff_timeouts: _Optional[int] = ..., kv_reservations_expired: _Optional[int] = ..., kv_migrations_sent: _Optional[int] = ..., kv_migrations_installed: _Optional[int] = ..., kv_migration_failures: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("instance_id", "seq", "load", "kv_events", "counters", "draining", "unhealthy_reason")

@@ -1,0 +1,181 @@
+"""Moving running requests off a draining instance: the gateway's answer to move offers (xLLM §3.5).
+
+A draining engine offers each request of a ``movable`` call once it decodes (``MoveOffer``: its
+tokens and KV bytes). :meth:`Mover.offer` picks a destination (a decoding instance other than the
+source, by the router), predicts both ways to move (:func:`xllm.sched.move_cost`: the KV the
+destination lacks over the measured hand-off bandwidth, against its tokens and the destination's
+queued prefill over the destination's measured prefill speed) and either
+
+- **migrates**: a :class:`Migration` reserves KV on the destination with a decode-phase
+  continuation of the request (its tokens so far as earlier output, under the id ``<id>#<n>``) and
+  asks the source to ``Migrate`` there. The source keeps streaming while its KV is copied and ends
+  with ``FINISH_REASON_HANDED_OFF``; the destination's stream continues the request;
+- or **recomputes**: the caller resumes the request elsewhere as after a failure (without counting
+  one against the instance).
+
+A migration that cannot start (no reservation, ``Migrate`` refused) or that the source gives up
+(its stream is handed back) falls back to recompute. ``--drain-moves`` forces either way, or turns
+moves off (requests then finish on the draining instance or are handed back at the drain timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from xllm.engine.wire import InstanceUnavailableError
+from xllm.gateway.disagg import phase_request
+from xllm.gateway.metrics import MoveMetrics
+from xllm.gateway.registry import NoInstanceError
+from xllm.proto.engine.v1 import engine_pb2
+from xllm.sched import MOVE_MODES, MoveCost, RateEstimate, move_cost
+
+if TYPE_CHECKING:
+    from xllm.gateway.router import Router, Ticket
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class MoveOptions:
+    """``mode``: ``auto`` (by predicted cost), ``migrate``, ``recompute`` or ``off`` (no moves);
+    ``bandwidth_prior``: bytes/s assumed for KV transfers until one was measured."""
+
+    mode: str = "auto"
+    bandwidth_prior: float = 200e6
+
+    def __post_init__(self) -> None:
+        if self.mode not in MOVE_MODES:
+            raise ValueError(f"drain moves must be one of {', '.join(MOVE_MODES)}, not {self.mode!r}")
+        if self.bandwidth_prior <= 0:
+            raise ValueError("the KV bandwidth prior must be positive")
+
+
+def continuation(req: engine_pb2.GenerateRequest, generated: list[int], sent_chars: int,
+                 attempt: int) -> engine_pb2.GenerateRequest:
+    """``req`` continued elsewhere after the client received ``generated`` tokens and the first
+    ``sent_chars`` characters of their text, under the id ``<id>#<attempt>`` (see
+    :meth:`xllm.gateway.dispatch.Dispatcher.resume`)."""
+    cont = engine_pb2.GenerateRequest()
+    cont.CopyFrom(req)
+    cont.request_id = f"{req.request_id}#{attempt}"
+    cont.prompt_token_ids.extend(generated)
+    cont.resumed_output_tokens = len(generated)
+    cont.resumed_sent_chars = sent_chars
+    return cont
+
+
+class Migration:
+    """One request moving with its KV: the reservation on the destination and the source's
+    ``Migrate``, in the background while the source's stream goes on."""
+
+    def __init__(self, router: Router, source: Ticket, source_request_id: str, ticket: Ticket,
+                 cont: engine_pb2.GenerateRequest, cost: MoveCost) -> None:
+        self.router = router
+        self.source = source
+        self.source_request_id = source_request_id
+        self.ticket = ticket
+        self.cont = cont
+        self.cost = cost
+        self._stream: AsyncIterator[engine_pb2.GenerateResponse] | None = None
+        self._dispatched = False
+        self.task = asyncio.ensure_future(self._run())
+
+    @property
+    def failure(self) -> str:
+        """Why the move could not start ("" while it may): the request then stays with the source."""
+        t = self.task
+        if not t.done():
+            return ""
+        if t.cancelled():
+            return "cancelled"
+        exc = t.exception()
+        return "" if exc is None else str(exc) or type(exc).__name__
+
+    async def _run(self) -> None:
+        rid, dest = self.cont.request_id, self.ticket.state
+        stream = aiter(await dest.client.submit(phase_request(self.cont, engine_pb2.DISAGG_PHASE_DECODE)))
+        try:
+            first = await anext(stream)
+            if not first.HasField("kv_reservation"):
+                raise InstanceUnavailableError(f"{dest.instance_id} reserved no KV for {rid} "
+                                               f"({first.error or 'no reservation'})", dest.instance_id)
+            self.router.dispatched(self.ticket, 1)
+            self.router.first_token(self.ticket, observe=False)  # nothing to prefill there but a few tokens
+            self._dispatched = True
+            answer = await self.source.state.client.migrate(self.source_request_id, first.kv_reservation,
+                                                            len(self.cont.prompt_token_ids))
+            if not answer.accepted:
+                raise InstanceUnavailableError(f"{self.source.state.instance_id} would not migrate "
+                                               f"{self.source_request_id}: {answer.error}")
+        except BaseException:
+            await self._close(stream)
+            raise
+        self._stream = stream
+
+    async def destination(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """The destination's stream, once the source handed the request off."""
+        await self.task
+        return self._stream
+
+    async def cancel(self) -> None:
+        """Give the move up (the source's stream ended another way): the reservation is dropped."""
+        self.task.cancel()
+        with contextlib.suppress(BaseException):
+            await self.task
+        if self._stream is not None:
+            await self._close(self._stream)
+
+    async def _close(self, stream) -> None:
+        with contextlib.suppress(Exception):
+            await stream.aclose()  # closing an open call aborts its request (and its reservation)
+        if self._dispatched:
+            self._dispatched = False
+            self.router.finished(self.ticket, True)
+
+
+class Mover:
+    """Answers move offers (see the module docstring); one per gateway."""
+
+    def __init__(self, router: Router, options: MoveOptions | None = None, metrics: MoveMetrics | None = None) -> None:
+        self.router = router
+        self.options = options or MoveOptions()
+        self.metrics = metrics or MoveMetrics()
+        self.bandwidth = RateEstimate(self.options.bandwidth_prior)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether requests are sent ``movable`` (a draining instance offers to move them)."""
+        return self.options.mode != "off"
+
+    def observe_transfer(self, stats: engine_pb2.DisaggStats) -> None:
+        """A KV transfer the destination measured (PD hand-off or migration)."""
+        if not stats.recomputed:
+            self.bandwidth.observe(stats.transfer_bytes, stats.transfer_seconds)
+
+    def offer(self, model: str, source: Ticket, source_request_id: str, cont: engine_pb2.GenerateRequest,
+              offer: engine_pb2.MoveOffer) -> Migration | str:
+        """Decide how to move the request ``source`` offers: a started :class:`Migration`,
+        ``"recompute"`` or ``"stay"`` (no other instance decodes the model)."""
+        tokens = list(cont.prompt_token_ids)
+        try:
+            ticket = self.router.route_move(model, tokens, exclude={source.state.instance_id})
+        except NoInstanceError:
+            self.metrics.moved(model, "stayed")
+            return "stay"
+        snap = self.router.snapshot(ticket.state, ticket.matched_tokens)
+        # the destination's prefill speed; one that never prefilled (a PD decode instance) is
+        # estimated by the source's or, failing that, the fastest instance of the model's
+        speed = snap.prefill_tokens_per_s or offer.prefill_tokens_per_s or self.router.fastest_prefill(model)
+        cost = move_cost(offer.kv_bytes, len(tokens), ticket.matched_tokens, self.bandwidth.rate,
+                         snap.pending_prefill_tokens, speed)
+        migrate = {"migrate": True, "recompute": False}.get(self.options.mode, cost.migrate)
+        log.info("moving %s off %s: %d tokens, %d KV bytes; %s: %s", cont.request_id.rsplit("#", 1)[0],
+                 source.state.instance_id, len(tokens), offer.kv_bytes, cost.describe(),
+                 f"migrating to {ticket.state.instance_id}" if migrate else "recomputing elsewhere")
+        if not migrate:
+            return "recompute"
+        return Migration(self.router, source, source_request_id, ticket, cont, cost)
