@@ -13,13 +13,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from xllm.engine.handoff.base import HandoffOptions
+from xllm.engine.wire import InstanceUnavailableError
 from xllm.gateway.disagg import PDStream
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.metrics import MoveMetrics, PDMetrics
-from xllm.gateway.moves import MoveOptions, Mover
+from xllm.gateway.moves import Migration, MoveOptions, Mover
 from xllm.gateway.registry import EmbeddedRegistry
 from xllm.gateway.router import Router
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.proto.registry.v1 import instance_pb2
 from xllm.testing.engine import Collected, generate, make_engine, make_request
 from xllm.testing.processes import until
 from xllm.testing.served import ServedEngine
@@ -151,3 +153,51 @@ def test_a_refused_migration_falls_back_to_recompute(monkeypatch):
     got, moves = run(main())
     assert_same(got, reference("r", **GREEDY), "r")
     assert moves == {"migrated": 0, "recomputed": 1, "migration_failed": 1}
+
+
+class _Unreachable:
+    """An instance's client that only has an identity and a load (a reservation there fails)."""
+
+    def __init__(self, iid: str) -> None:
+        self.info = instance_pb2.InstanceInfo(instance_id=iid, model=instance_pb2.ModelInfo(served_name=MODEL))
+
+    async def submit(self, req):
+        raise InstanceUnavailableError(f"{self.info.instance_id} is only a test double", self.info.instance_id)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_moves_decided_together_see_each_other():
+    """The cost of each move counts the moves decided before it: recomputes already queued on the
+    destination, KV already being copied. Four requests of 1000 tokens (2 MB of KV each) leave at
+    once for an instance prefilling 4000 tokens/s, over a 40 MB/s link: 0.25 s of prefill each
+    against 0.05 s of copy each."""
+    registry = EmbeddedRegistry()
+    for iid in ("src", "dst"):
+        registry.register(_Unreachable(iid))
+    registry.get("dst").load = instance_pb2.LoadReport(instance_id="dst", prefill_tokens_per_s=4000.0)
+    router = Router(registry, "least_load")
+    source = router.route_move(MODEL, [1], exclude={"dst"})
+
+    async def decide(mode: str, n: int) -> list:
+        mover = Mover(router, MoveOptions(mode, bandwidth_prior=40e6))
+        offer = engine_pb2.MoveOffer(num_tokens=1000, kv_bytes=2_000_000)
+        cont = make_request("r#1", list(range(1000)))
+        plans = [mover.offer(MODEL, source, "r", cont, offer) for _ in range(n)]
+        for p in plans:
+            if isinstance(p, Migration):
+                await p.cancel()
+        return plans
+
+    recomputes = asyncio.run(decide("recompute", 4))
+    queued = [p.cost.recompute_seconds for p in recomputes]
+    assert queued == sorted(queued) and queued[-1] > 3.9 * queued[0]  # 0.25 s, then behind 1, 2, 3 of them
+    assert registry.get("dst").pending_prefill == 4000
+    for p in recomputes:
+        p.release()
+    assert registry.get("dst").pending_prefill == 0
+    auto = asyncio.run(decide("auto", 6))
+    # copies share the link: 50 ms, 100 ms, ... until a recompute (250 ms) is quicker than the next copy
+    assert [type(p).__name__ for p in auto] == ["Migration"] * 5 + ["Recompute"]
+    assert [round(p.cost.transfer_seconds, 3) for p in auto] == [0.05, 0.1, 0.15, 0.2, 0.25, 0.3]

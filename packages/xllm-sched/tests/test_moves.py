@@ -23,6 +23,13 @@ def test_the_destination_queue_counts_against_recompute():
     assert not idle.migrate and busy.migrate  # 1.02 s vs 0.5 s; vs 2.5 s behind the queue
 
 
+def test_moves_under_way_share_the_bandwidth():
+    alone = move_cost(1000, 10, 0, bytes_per_s=1000, queued_prefill_tokens=0, prefill_tokens_per_s=5)
+    behind = move_cost(1000, 10, 0, bytes_per_s=1000, queued_prefill_tokens=0, prefill_tokens_per_s=5,
+                       queued_bytes=2000)
+    assert alone.migrate and not behind.migrate  # 1 s vs 2 s; 3 s vs 2 s
+
+
 def test_a_cached_prefix_is_neither_sent_nor_recomputed():
     c = move_cost(1000, 100, 75, bytes_per_s=1000, queued_prefill_tokens=0, prefill_tokens_per_s=100)
     assert math.isclose(c.transfer_seconds, 0.25) and math.isclose(c.recompute_seconds, 0.25)

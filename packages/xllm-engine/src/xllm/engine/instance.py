@@ -4,9 +4,11 @@ Load the model with :mod:`xllm.models` and build the :class:`~xllm.core.LLMEngin
 (:mod:`xllm.engine.loader`), serve it with :class:`~xllm.engine.server.EngineServer`, and keep it
 registered with an :class:`~xllm.engine.registration.agent.InstanceAgent` (etcd or a gateway's
 embedded registry). On SIGTERM/SIGINT (or when the parent process goes away, with
-``--exit-with-parent``) it shuts down gracefully: deregister first (gateways stop sending new
-requests at once), refuse late arrivals, let running requests finish for up to the drain time,
-hand the rest back to their gateways (which resume them elsewhere), then stop.
+``--exit-with-parent``) it shuts down gracefully: a heartbeat says it drains (gateways stop
+sending new requests at once), late arrivals are refused, running requests are offered to their
+gateways to move elsewhere (with their KV or by recompute) and the rest may finish for up to the
+drain time; what is left is handed back (resumed elsewhere); a last heartbeat carries the final
+counters, then it deregisters and stops.
 """
 
 from __future__ import annotations
@@ -115,9 +117,15 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
             watchdog.cancel()
         if engine_watch is not None:
             engine_watch.cancel()
-        if agent is not None:
-            await agent.stop(deregister=True)
+        server.begin_drain()
+        if agent is not None:  # registered while draining: gateways stop routing here and move what runs
+            with contextlib.suppress(Exception):
+                await agent.beat()
         handed_back = await server.drain(opts.drain_timeout)
+        if agent is not None:  # the last counters (moves sent or failed here) reach the gateways
+            with contextlib.suppress(Exception):
+                await agent.beat()
+            await agent.stop(deregister=True)
         await server.stop(1.0)
         aeng.shutdown()
         engine.close()

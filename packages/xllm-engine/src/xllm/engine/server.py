@@ -143,7 +143,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
 
         Returns how many requests were handed back.
         """
-        self.draining = True
+        self.begin_drain()
         deadline = time.monotonic() + timeout
         while self._calls and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -157,6 +157,10 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             while self._calls and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
         return len(left)
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on; heartbeats say the instance drains (see :meth:`drain`)."""
+        self.draining = True
 
     def _hand_back(self, request_id: str) -> None:
         """End a request's call as handed back (its caller resumes it elsewhere)."""

@@ -30,7 +30,7 @@ from xllm.engine.client import EngineClient
 from xllm.engine.wire import InstanceUnavailableError, RequestFailedError
 from xllm.gateway.disagg import PDStream, phase_request
 from xllm.gateway.metrics import PDMetrics
-from xllm.gateway.moves import Migration, Mover, continuation
+from xllm.gateway.moves import Migration, Mover, Recompute, continuation
 from xllm.gateway.openai.errors import APIError, model_not_found, to_api_error
 from xllm.gateway.registry import NoInstanceError, Registry
 from xllm.gateway.router import Router, Ticket
@@ -275,6 +275,7 @@ class RoutedStream:
             ticket, got_first, accounted = self._ticket, False, False
             inner = aiter(self._stream)
             migration: Migration | None = None
+            recompute: Recompute | None = None
             then = ""  # how the stream goes on once this one ended: "migrated" or "recompute"
             try:
                 async for chunk in inner:
@@ -282,8 +283,8 @@ class RoutedStream:
                         plan = self._offer(ticket, generated, sent_chars, chunk.move_offer)
                         if isinstance(plan, Migration):
                             migration = plan
-                        elif plan == "recompute":
-                            then = "recompute"
+                        elif isinstance(plan, Recompute):
+                            recompute, then = plan, "recompute"
                             break
                         continue
                     if migration is not None and chunk.finish_reason == HANDED_OFF:
@@ -351,13 +352,17 @@ class RoutedStream:
                 self._ticket, self._stream = migration.ticket, await migration.destination()
                 self._instance_request_id = migration.cont.request_id
             else:
-                await self._continue(generated, sent_chars, failed | {ticket.state.instance_id})
+                try:
+                    await self._continue(generated, sent_chars, failed | {ticket.state.instance_id})
+                finally:
+                    if recompute is not None:
+                        recompute.release()
                 then = "recomputed"
             d.mover.metrics.moved(self._model, then)
             moved = (then, last_chunk)
 
     def _offer(self, source: Ticket, generated: list[int], sent_chars: int,
-               offer: engine_pb2.MoveOffer) -> Migration | str:
+               offer: engine_pb2.MoveOffer) -> Migration | Recompute | None:
         cont = continuation(self._req, generated, sent_chars, self.resumes + self.moves + 1)
         return self._d.mover.offer(self._model, source, self._instance_request_id, cont, offer)
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from xllm.engine.wire import InstanceUnavailableError
 from xllm.gateway.disagg import phase_request
 from xllm.gateway.metrics import MoveMetrics
-from xllm.gateway.registry import NoInstanceError
+from xllm.gateway.registry import InstanceState, NoInstanceError
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.sched import MOVE_MODES, MoveCost, RateEstimate, move_cost
 
@@ -68,13 +68,33 @@ def continuation(req: engine_pb2.GenerateRequest, generated: list[int], sent_cha
     return cont
 
 
+@dataclass
+class Recompute:
+    """A request moved by recompute: until its continuation is placed, its prefill counts as
+    queued on the destination it was priced for (so the moves decided next see it)."""
+
+    state: InstanceState
+    tokens: int
+    cost: MoveCost
+
+    def __post_init__(self) -> None:
+        self.state.pending_prefill += self.tokens
+
+    def release(self) -> None:
+        """The continuation is placed (its own accounting took over) or given up."""
+        self.state.pending_prefill = max(self.state.pending_prefill - self.tokens, 0)
+        self.tokens = 0
+
+
 class Migration:
     """One request moving with its KV: the reservation on the destination and the source's
-    ``Migrate``, in the background while the source's stream goes on."""
+    ``Migrate``, in the background while the source's stream goes on. Its bytes count as under
+    way (``on_done`` when the copy is over or given up)."""
 
     def __init__(self, router: Router, source: Ticket, source_request_id: str, ticket: Ticket,
-                 cont: engine_pb2.GenerateRequest, cost: MoveCost) -> None:
+                 cont: engine_pb2.GenerateRequest, cost: MoveCost, on_done=None) -> None:
         self.router = router
+        self._on_done = on_done
         self.source = source
         self.source_request_id = source_request_id
         self.ticket = ticket
@@ -118,16 +138,23 @@ class Migration:
 
     async def destination(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
         """The destination's stream, once the source handed the request off."""
+        self._done()
         await self.task
         return self._stream
 
     async def cancel(self) -> None:
         """Give the move up (the source's stream ended another way): the reservation is dropped."""
+        self._done()
         self.task.cancel()
         with contextlib.suppress(BaseException):
             await self.task
         if self._stream is not None:
             await self._close(self._stream)
+
+    def _done(self) -> None:
+        if self._on_done is not None:
+            self._on_done, on_done = None, self._on_done
+            on_done()
 
     async def _close(self, stream) -> None:
         with contextlib.suppress(Exception):
@@ -145,6 +172,7 @@ class Mover:
         self.options = options or MoveOptions()
         self.metrics = metrics or MoveMetrics()
         self.bandwidth = RateEstimate(self.options.bandwidth_prior)
+        self.bytes_under_way = 0  # KV of the migrations being copied (they share the bandwidth)
 
     @property
     def enabled(self) -> bool:
@@ -157,25 +185,32 @@ class Mover:
             self.bandwidth.observe(stats.transfer_bytes, stats.transfer_seconds)
 
     def offer(self, model: str, source: Ticket, source_request_id: str, cont: engine_pb2.GenerateRequest,
-              offer: engine_pb2.MoveOffer) -> Migration | str:
-        """Decide how to move the request ``source`` offers: a started :class:`Migration`,
-        ``"recompute"`` or ``"stay"`` (no other instance decodes the model)."""
+              offer: engine_pb2.MoveOffer) -> Migration | Recompute | None:
+        """Decide how to move the request ``source`` offers: a started :class:`Migration`, a
+        :class:`Recompute` (the caller resumes it and then releases it) or None (no other
+        instance decodes the model: it stays)."""
         tokens = list(cont.prompt_token_ids)
         try:
             ticket = self.router.route_move(model, tokens, exclude={source.state.instance_id})
         except NoInstanceError:
             self.metrics.moved(model, "stayed")
-            return "stay"
+            return None
         snap = self.router.snapshot(ticket.state, ticket.matched_tokens)
         # the destination's prefill speed; one that never prefilled (a PD decode instance) is
         # estimated by the source's or, failing that, the fastest instance of the model's
         speed = snap.prefill_tokens_per_s or offer.prefill_tokens_per_s or self.router.fastest_prefill(model)
         cost = move_cost(offer.kv_bytes, len(tokens), ticket.matched_tokens, self.bandwidth.rate,
-                         snap.pending_prefill_tokens, speed)
+                         snap.pending_prefill_tokens, speed, self.bytes_under_way)
         migrate = {"migrate": True, "recompute": False}.get(self.options.mode, cost.migrate)
         log.info("moving %s off %s: %d tokens, %d KV bytes; %s: %s", cont.request_id.rsplit("#", 1)[0],
                  source.state.instance_id, len(tokens), offer.kv_bytes, cost.describe(),
                  f"migrating to {ticket.state.instance_id}" if migrate else "recomputing elsewhere")
         if not migrate:
-            return "recompute"
-        return Migration(self.router, source, source_request_id, ticket, cont, cost)
+            return Recompute(ticket.state, max(len(tokens) - ticket.matched_tokens, 0), cost)
+        sent = offer.kv_bytes * max(len(tokens) - ticket.matched_tokens, 0) // max(len(tokens), 1)
+        self.bytes_under_way += sent
+        return Migration(self.router, source, source_request_id, ticket, cont, cost,
+                         on_done=lambda: self._copied(sent))
+
+    def _copied(self, sent: int) -> None:
+        self.bytes_under_way = max(self.bytes_under_way - sent, 0)

@@ -35,15 +35,16 @@ class MoveCost:
 
 
 def move_cost(kv_bytes: int, num_tokens: int, matched_tokens: int, bytes_per_s: float,
-              queued_prefill_tokens: int, prefill_tokens_per_s: float) -> MoveCost:
+              queued_prefill_tokens: int, prefill_tokens_per_s: float, queued_bytes: int = 0) -> MoveCost:
     """The cost of moving a request holding ``num_tokens`` tokens of KV (``kv_bytes``) to an
     instance whose prefix cache holds its first ``matched_tokens`` (not sent, not recomputed),
-    given the measured transfer bandwidth and the destination's measured prefill speed and queued
-    prefill work. An unmeasured speed (<= 0) predicts ``inf`` for that way."""
+    given the measured transfer bandwidth and the destination's measured prefill speed, its queued
+    prefill work and the KV of other moves already under way (``queued_bytes``: they share the
+    bandwidth). An unmeasured speed (<= 0) predicts ``inf`` for that way."""
     num_tokens = max(num_tokens, 1)
     missing = max(num_tokens - matched_tokens, 0)
     to_send = kv_bytes * missing / num_tokens
-    transfer = to_send / bytes_per_s if bytes_per_s > 0 else math.inf
+    transfer = (queued_bytes + to_send) / bytes_per_s if bytes_per_s > 0 else math.inf
     recompute = (queued_prefill_tokens + missing) / prefill_tokens_per_s if prefill_tokens_per_s > 0 else math.inf
     return MoveCost(transfer, recompute)
 

@@ -36,6 +36,8 @@ class CompletionStream:
     errors: list = field(default_factory=list)  # error events inside the stream, recorded transport errors
     usage: dict | None = None
     done_at: float | None = None        # time.monotonic() when the answer ended
+    arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each chunk that carried tokens
+    counts: list[int] = field(default_factory=list)      # tokens received up to each of those chunks
 
     def complete(self, max_tokens: int) -> bool:
         """A 200 that ended normally with ``max_tokens`` tokens and no error (``ignore_eos`` requests)."""
@@ -72,21 +74,28 @@ async def stream_completion(client, body: dict, first=None, out: CompletionStrea
             async for line in resp.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
+                at = time.monotonic()
                 event = json.loads(line[6:])
                 if "error" in event:
                     out.errors.append(event["error"])
                     continue
                 if event.get("usage"):
                     out.usage = event["usage"]
+                carried = False
                 for choice in event.get("choices", []):
                     out.text += choice.get("text") or ""
+                    carried = carried or bool(choice.get("text"))
                     if choice.get("logprobs"):
                         out.tokens += choice["logprobs"]["tokens"]
                         out.top += choice["logprobs"]["top_logprobs"] or []
+                        carried = carried or bool(choice["logprobs"]["tokens"])
                     if choice.get("finish_reason"):
                         out.finish.append(choice["finish_reason"])
                     if first is not None:
                         first.set()
+                if carried:
+                    out.arrivals.append(at)
+                    out.counts.append(len(out.tokens))
                 chunks += 1
                 if read_chunks is not None and chunks >= read_chunks:
                     if leave is not None:
@@ -105,20 +114,24 @@ async def stream_completion(client, body: dict, first=None, out: CompletionStrea
     return out
 
 
-async def stream_many(url: str, bodies: list[dict], action=None, timeout: float = 300.0) -> list[CompletionStream]:
-    """Stream every ``/v1/completions`` body at once from ``url``; once each has its first chunk,
-    call ``action(streams)`` (with what each stream holds so far: e.g. its instance), then read them
-    all to the end."""
+async def stream_many(url: str, bodies: list[dict], action=None, timeout: float = 300.0,
+                      headers: dict[str, str] | None = None, record_http_errors: bool = False,
+                      first_timeout: float = 240.0) -> list[CompletionStream]:
+    """Stream every ``/v1/completions`` body at once from ``url`` (with ``headers``, e.g. an API
+    key); once each has its first chunk (within ``first_timeout``), call ``action(streams)`` (with
+    what each stream holds so far: e.g. its instance), then read them all to the end."""
     import asyncio
 
     import httpx
 
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, trust_env=False) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, trust_env=False, headers=headers,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
         firsts = [asyncio.Event() for _ in bodies]
         outs = [CompletionStream() for _ in bodies]
-        tasks = [asyncio.ensure_future(stream_completion(client, b, firsts[i], outs[i])) for i, b in enumerate(bodies)]
+        tasks = [asyncio.ensure_future(stream_completion(client, b, firsts[i], outs[i], record_http_errors))
+                 for i, b in enumerate(bodies)]
         if action is not None:
-            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 240)
+            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), first_timeout)
             action(outs)
         return list(await asyncio.gather(*tasks))
 
