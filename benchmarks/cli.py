@@ -9,6 +9,7 @@
     python -m benchmarks routing                      # round robin vs least load vs KV-aware routing, 2 instances
     python -m benchmarks pd                           # 1 prefill + 1 decode vs 2 mixed instances, per KV transport
     python -m benchmarks reliability                  # faults: kill -9, SIGTERM, etcd, gateway, floods, bad clients
+    python -m benchmarks moves                        # a draining engine's requests: KV migration vs recompute
 """
 
 from __future__ import annotations
@@ -228,4 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.reliability import main as reliability_main
 
         return reliability_main(argv[1:])
+    if argv and argv[0] == "moves":
+        from benchmarks.moves import main as moves_main
+
+        return moves_main(argv[1:])
     return cmd_run(argv)

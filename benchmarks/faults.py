@@ -54,6 +54,8 @@ from benchmarks.clusters import (
     wait_until,
     watch_up,
 )
+from benchmarks.metrics import scrape
+from benchmarks.movecells import move_figures, moved_pauses_ms, pause_note, run_timed
 from benchmarks.reliability import Row, compare, openai_error_problem, status_counts
 from xllm.testing import hostile
 
@@ -500,14 +502,14 @@ def gateway_restart(ec: EtcdCluster, s: Settings) -> Row:
 
 
 def sigterm(ec: EtcdCluster, s: Settings) -> Row:
-    row = Row("sigterm", f"SIGTERM drain, {FAULT_STREAMS} streams in flight (resume by recompute)")
+    row = Row("sigterm", f"SIGTERM drain, {FAULT_STREAMS} streams in flight (moved off by the gateway)")
     ga = ec.gateways[0].base_url
     bodies, greedy = _mixed_bodies(_prompts("Drain", FAULT_STREAMS), DRAIN_TOKENS, s.seed)
     t0 = time.monotonic()
-    ref = asyncio.run(run_streams(ga, bodies))
+    ref = asyncio.run(run_timed(ga, bodies))
     row.details["reference_s"] = max(r.done_at for r in ref) - t0
     _check_reference(row, ref, DRAIN_TOKENS)
-    resumed0 = counter(ga, "xllm:router_resumed_requests_total")
+    before = scrape(ga)
     fault: dict = {}
 
     def term(so_far: list) -> None:
@@ -515,23 +517,32 @@ def sigterm(ec: EtcdCluster, s: Settings) -> Row:
         os.kill(ec.engines[victim].pid, signal.SIGTERM)
         fault.update(victim=victim, at=time.monotonic(), gone=GoneWatch(ga, victim, time.monotonic()))
 
-    got = asyncio.run(run_streams(ga, bodies, term))
+    got = asyncio.run(run_timed(ga, bodies, term))
     _fault_row(row, got, ref, greedy, DRAIN_TOKENS, fault)
-    proc = ec.engines[fault["victim"]]
-    code = proc.wait(WAIT)
-    resumed = counter(ga, "xllm:router_resumed_requests_total") - resumed0
+    code = ec.engines[fault["victim"]].wait(WAIT)
     survivors = {"e0", "e1"} - {fault["victim"]}
     _, row.leaked_blocks = wait_idle(ga, survivors, ec.blocks, {i: 0.0 for i in survivors})
+    fig = move_figures(before, scrape(ga))  # after the idle heartbeats: the destination's counters are in
+    pauses = moved_pauses_ms(got, fault["victim"], fault["at"])
     row.notes.insert(0, f"{fault['moved']} of {FAULT_STREAMS} streams ({DRAIN_TOKENS} tokens each) were on "
-                        f"{fault['victim']} ({fault['moved_seeded']} seeded sampled); it drained for "
-                        f"{DRAIN_TIMEOUT:g} s (--drain-timeout), handed the rest back and exited with {code}; "
-                        f"{resumed:.0f} resumed on the other instance by recompute (KV migration is not implemented)")
-    row.details.update(resumed=resumed, exit_code=code)
+                        f"{fault['victim']} ({fault['moved_seeded']} seeded sampled); the gateway moved "
+                        f"{', '.join(f'{n:.0f} {how}' for how, n in fig.moves.items()) or 'none'} (--drain-moves "
+                        f"auto), KV migrations {', '.join(f'{n:.0f} {o}' for o, n in fig.migrations.items()) or 'none'}"
+                        f"; {fig.resumed:.0f} handed back at the {DRAIN_TIMEOUT:g} s drain timeout and resumed by "
+                        f"recompute; it exited with {code}")
+    if pauses:
+        row.notes.insert(1, f"pause of the moved streams as the client saw it (largest gap between chunks after the "
+                            f"SIGTERM): mean {sum(pauses) / len(pauses):.0f} ms, max {max(pauses):.0f} ms over "
+                            f"{len(pauses)}; the gateway's histogram: {pause_note(fig.pause)}")
+    row.details.update(moves=fig.moves, migrations=fig.migrations, resumed=fig.resumed, pause_ms=pauses,
+                       gateway_pause=fig.pause, exit_code=code)
     if code != 0:
         row.problems.append(f"the drained engine exited with {code}")
-    if not resumed:
-        row.problems.append("no stream was handed back (all finished within the drain): the hand-back was not "
-                            "exercised")
+    if not fig.moved:
+        row.problems.append(f"no stream moved (request moves {fig.moves}, {fig.resumed:.0f} handed back)")
+    if fig.moves.get("migration_failed") or fig.migrations.get("failed"):
+        row.problems.append(f"migrations failed: {fig.moves.get('migration_failed', 0):.0f} counted by the gateway, "
+                            f"{fig.migrations.get('failed', 0):.0f} by the engines")
     if row.leaked_blocks:
         row.problems.append(f"{row.leaked_blocks} KV blocks in use on the surviving instance after the streams")
     return row

@@ -17,8 +17,11 @@ Scenarios (``--scenarios``, in this order; see ``benchmarks/faults.py`` for how 
   (``--max-waiting``), in waves: every answer a 200 or a 503 with Retry-After, the gateway's RSS;
 - ``etcd``: etcd killed and restarted under steady traffic through two gateways;
 - ``gateway``: one of two gateways on one etcd killed mid-stream and restarted;
-- ``sigterm``: SIGTERM to the engine running most of 32 streams: drained, the rest handed back and
-  resumed elsewhere by recompute; same text check.
+- ``sigterm``: SIGTERM to the engine running most of 32 streams: the gateway moves its running
+  requests to the other engine (``--drain-moves auto``: with their KV or by recompute, by predicted
+  cost); what is left at the drain timeout is handed back and recomputed. Reported: how many moved
+  and how (``xllm:request_moves_total``), KV migrations installed/failed, the pause the client saw;
+  same text check.
 
 By default every engine runs a 2-layer random-weight Llama with SmolLM2's tokenizer (built here,
 ``xllm.testing.models.save_tiny_llama``; the scenarios are about the machinery, not the model) in
