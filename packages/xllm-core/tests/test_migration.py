@@ -102,7 +102,8 @@ def migrate(src, dst, req: engine_pb2.GenerateRequest, client: Collected, *, dec
 def run_moved(model, params: dict, prompt: list[int], *, moved_after: int, decode_during_copy: int,
               overlapped: bool = False, backend: str = "xtensor", received: bool = True,
               warm_destination: bool = False) -> tuple[Collected, dict]:
-    engine = functools.partial(make_engine, model, kv_backend=backend, async_scheduling=overlapped)
+    engine = functools.partial(make_engine, model, kv_backend=backend, async_scheduling=overlapped,
+                               kv_cache_memory_gib=0.01)  # a few hundred blocks: the paged backend allocates them
     src, dst = engine(), engine()
     src.disagg, dst.disagg = Listener(), Listener()
     req = make_request("r", prompt, **params)
@@ -138,7 +139,7 @@ CASES = [(s, o, d) for s in SAMPLINGS for o in (False, True) for d in (0, 3)]
 def test_a_migrated_request_equals_one_uninterrupted_run(tiny_model, sampling, overlapped, decode_during_copy):
     prompt = tiny_tokenizer().encode_pieces(list(PROMPT_TEXT))
     params = SAMPLINGS[sampling]
-    want = generate(make_engine(tiny_model, async_scheduling=overlapped),
+    want = generate(make_engine(tiny_model, async_scheduling=overlapped, kv_cache_memory_gib=0.01),
                     [make_request("r", prompt, **params)])
     assert len(want.tokens["r"]) > 10, "the oracle run must be long enough to move mid-stream"
     got, info = run_moved(tiny_model, params, prompt, moved_after=6, decode_during_copy=decode_during_copy,
@@ -153,7 +154,7 @@ def test_a_migrated_request_equals_one_uninterrupted_run(tiny_model, sampling, o
 def test_every_cut_point_of_a_seeded_stream(tiny_model, moved_after):
     prompt = tiny_tokenizer().encode_pieces(list(PROMPT_TEXT))
     params = SAMPLINGS["seeded"]
-    want = generate(make_engine(tiny_model), [make_request("r", prompt, **params)])
+    want = generate(make_engine(tiny_model, kv_cache_memory_gib=0.01), [make_request("r", prompt, **params)])
     got, _ = run_moved(tiny_model, params, prompt, moved_after=moved_after, decode_during_copy=1)
     assert_same(got, want)
 
@@ -161,7 +162,7 @@ def test_every_cut_point_of_a_seeded_stream(tiny_model, moved_after):
 def test_the_destination_prefix_cache_is_not_sent_again(tiny_model):
     prompt = tiny_tokenizer().encode_pieces(list(PROMPT_TEXT))
     params = SAMPLINGS["greedy"]
-    want = generate(make_engine(tiny_model), [make_request("r", prompt, **params)])
+    want = generate(make_engine(tiny_model, kv_cache_memory_gib=0.01), [make_request("r", prompt, **params)])
     _, cold_info = run_moved(tiny_model, params, prompt, moved_after=5, decode_during_copy=0)
     warm, warm_info = run_moved(tiny_model, params, prompt, moved_after=5, decode_during_copy=0,
                                 warm_destination=True)
@@ -173,7 +174,7 @@ def test_the_destination_prefix_cache_is_not_sent_again(tiny_model):
 def test_a_failed_transfer_is_recomputed_at_the_destination(tiny_model):
     prompt = tiny_tokenizer().encode_pieces(list(PROMPT_TEXT))
     params = SAMPLINGS["seeded"]
-    want = generate(make_engine(tiny_model), [make_request("r", prompt, **params)])
+    want = generate(make_engine(tiny_model, kv_cache_memory_gib=0.01), [make_request("r", prompt, **params)])
     got, _ = run_moved(tiny_model, params, prompt, moved_after=6, decode_during_copy=2, received=False)
     assert_same(got, want)
 
@@ -181,7 +182,8 @@ def test_a_failed_transfer_is_recomputed_at_the_destination(tiny_model):
 def test_the_paged_backend_migrates_too(tiny_model):
     prompt = tiny_tokenizer().encode_pieces(list(PROMPT_TEXT))
     params = SAMPLINGS["seeded"]
-    want = generate(make_engine(tiny_model, kv_backend="paged"), [make_request("r", prompt, **params)])
+    want = generate(make_engine(tiny_model, kv_backend="paged", kv_cache_memory_gib=0.01),
+                    [make_request("r", prompt, **params)])
     got, _ = run_moved(tiny_model, params, prompt, moved_after=4, decode_during_copy=2, backend="paged")
     assert_same(got, want)
 

@@ -8,7 +8,9 @@ from xllm.proto.registry.v1 import instance_pb2
 def test_engine_service_methods():
     service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == {"Generate", "Abort", "Health", "GetLoad", "GetKVEvents", "TransferKV"}
+    assert set(methods) == {"Generate", "Abort", "Health", "GetLoad", "GetKVEvents", "TransferKV", "Migrate"}
+    assert not methods["Migrate"].client_streaming and not methods["Migrate"].server_streaming
+    assert methods["Migrate"].output_type.full_name == "xllm.engine.v1.MigrateResponse"
     assert methods["TransferKV"].client_streaming and not methods["TransferKV"].server_streaming
     assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
     assert methods["GetLoad"].output_type.full_name == "xllm.registry.v1.LoadReport"

@@ -259,6 +259,7 @@ class RoutedStream:
         self.resumes = 0
         self.moves = 0
         self.crash_strikes = 0
+        self._attempts = 0  # continuations named so far (<id>#<n>: each n once, moves that never happened too)
 
     @property
     def instance_id(self) -> str:
@@ -363,11 +364,15 @@ class RoutedStream:
 
     def _offer(self, source: Ticket, generated: list[int], sent_chars: int,
                offer: engine_pb2.MoveOffer) -> Migration | Recompute | None:
-        cont = continuation(self._req, generated, sent_chars, self.resumes + self.moves + 1)
+        cont = continuation(self._req, generated, sent_chars, self._next_attempt())
         return self._d.mover.offer(self._model, source, self._instance_request_id, cont, offer)
+
+    def _next_attempt(self) -> int:
+        self._attempts += 1
+        return self._attempts
 
     async def _continue(self, generated: list[int], sent_chars: int, exclude: set[str]) -> None:
         """Resume the request elsewhere by recompute (after a failure or for a move)."""
         self._ticket, cont, self._stream = await self._d.resume(self._model, self._req, generated, sent_chars,
-                                                                exclude, attempt=self.resumes + self.moves + 1)
+                                                                exclude, attempt=self._next_attempt())
         self._instance_request_id = cont.request_id

@@ -26,11 +26,14 @@ def one_torch_thread():
 def make_engine(model=None, *, kv_backend: str = "xtensor", async_scheduling: bool = False, tokenizer=None,
                 **config) -> LLMEngine:
     """An engine over ``model`` (default: a fresh :class:`TinyLM`) with test-sized defaults: fp32,
-    8 sequences, one torch thread (tests share 2 cores with other processes; an oversubscribed
+    8 sequences, 256 MiB of KV memory, one torch thread (tests share 2 cores with other processes; an oversubscribed
     OpenMP thread makes every op wait, 10x slowdowns seen). ``config`` overrides any setting."""
     config.setdefault("dtype", torch.float32)
     config.setdefault("max_num_seqs", 8)
     config.setdefault("num_threads", 1)
+    # 256 MiB of KV is room for every test's sequences; the engine's 2 GiB default took 0.4 s to map
+    # (xtensor) and 3.5 s to allocate (paged) per engine, and suites build hundreds of engines
+    config.setdefault("kv_cache_memory_gib", 0.25)
     config = {"kv_cache_backend": kv_backend, "async_scheduling": async_scheduling, **config}
     return LLMEngine(model if model is not None else TinyLM(), tokenizer or tiny_tokenizer(), EngineConfig(**config))
 
