@@ -34,7 +34,8 @@ def _systems(text: str) -> list[str]:
     return names
 
 
-def _ints(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1."""
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--prompt-len", type=int, default=32)
     w.add_argument("--output-len", type=int, default=128)
     w.add_argument("--batch1-requests", type=int, default=8, help="sequential requests in batch1 (8)")
-    w.add_argument("--concurrency", type=_ints, default=[16, 64], help="levels, comma-separated (16,64)")
+    w.add_argument("--concurrency", type=int_list, default=[16, 64], help="levels, comma-separated (16,64)")
     w.add_argument("--rounds", type=int, default=1, help="requests per level = level x rounds (1)")
     s = p.add_argument_group("SLO, sweep and online")
     s.add_argument("--slo-tpot-ms", type=_opt_float, default=100.0, help="TPOT objective in ms (100; 'none')")

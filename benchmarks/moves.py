@@ -46,6 +46,7 @@ import pathlib
 import sys
 from dataclasses import asdict
 
+from benchmarks.cli import int_list
 from benchmarks.movecells import MODES, Cell, RunSettings, run_cell, seam_errors
 from benchmarks.report import pct
 from benchmarks.stats import percentile
@@ -223,16 +224,6 @@ def write_report(out: pathlib.Path, plots: bool = True) -> str:
 
 # ---- command line -------------------------------------------------------------------------------
 
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
-
-
 def _modes(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in MODES]
@@ -244,7 +235,7 @@ def _modes(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks moves", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contexts", type=_ints, default=list(CONTEXTS),
+    p.add_argument("--contexts", type=int_list, default=list(CONTEXTS),
                    help="comma-separated prompt lengths in tokens (default: 128,512,1536)")
     p.add_argument("--modes", type=_modes, default=list(MODES),
                    help=f"comma-separated subset of {','.join(MODES)} (default: all)")
