@@ -24,13 +24,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from xllm.engine.wire import InstanceUnavailableError
 from xllm.gateway.disagg import phase_request
 from xllm.gateway.metrics import MoveMetrics
-from xllm.gateway.registry import InstanceState, NoInstanceError
+from xllm.gateway.registry import NoInstanceError
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.sched import MOVE_MODES, MoveCost, RateEstimate, move_cost
 
@@ -71,19 +71,20 @@ def continuation(req: engine_pb2.GenerateRequest, generated: list[int], sent_cha
 @dataclass
 class Recompute:
     """A request moved by recompute: until its continuation is placed, its prefill counts as
-    queued on the destination it was priced for (so the moves decided next see it)."""
+    queued on the destination it was priced for (``Router.hold_prefill``: the moves decided next
+    see it)."""
 
-    state: InstanceState
-    tokens: int
+    router: Router
+    ticket: Ticket
     cost: MoveCost
 
     def __post_init__(self) -> None:
-        self.state.pending_prefill += self.tokens
+        self.router.hold_prefill(self.ticket.state, self.cost.tokens_to_compute)
 
     def release(self) -> None:
-        """The continuation is placed (its own accounting took over) or given up."""
-        self.state.pending_prefill = max(self.state.pending_prefill - self.tokens, 0)
-        self.tokens = 0
+        """The continuation is placed (its own accounting took over) or given up (once)."""
+        self.router.hold_prefill(self.ticket.state, -self.cost.tokens_to_compute)
+        self.cost = replace(self.cost, tokens_to_compute=0)
 
 
 class Migration:
@@ -206,11 +207,10 @@ class Mover:
                  source.state.instance_id, len(tokens), offer.kv_bytes, cost.describe(),
                  f"migrating to {ticket.state.instance_id}" if migrate else "recomputing elsewhere")
         if not migrate:
-            return Recompute(ticket.state, max(len(tokens) - ticket.matched_tokens, 0), cost)
-        sent = offer.kv_bytes * max(len(tokens) - ticket.matched_tokens, 0) // max(len(tokens), 1)
-        self.bytes_under_way += sent
+            return Recompute(self.router, ticket, cost)
+        self.bytes_under_way += cost.bytes_to_send
         return Migration(self.router, source, source_request_id, ticket, cont, cost,
-                         on_done=lambda: self._copied(sent))
+                         on_done=lambda: self._copied(cost.bytes_to_send))
 
     def _copied(self, sent: int) -> None:
         self.bytes_under_way = max(self.bytes_under_way - sent, 0)

@@ -193,6 +193,12 @@ class Router:
         if observe and self.metrics is not None:
             self.metrics.first_token(ticket.state.model, ticket.state.instance_id, time.monotonic() - ticket.started)
 
+    @staticmethod
+    def hold_prefill(state: InstanceState, tokens: int) -> None:
+        """Count ``tokens`` of prefill as queued on ``state`` before a request is placed there (a
+        move decided but not yet dispatched); a negative count gives them back."""
+        state.pending_prefill = max(state.pending_prefill + tokens, 0)
+
     def finished(self, ticket: Ticket, got_first_token: bool = True) -> None:
         """One of the ticket's requests ended (finished, failed or was abandoned)."""
         if ticket.requests <= 0:

@@ -20,10 +20,13 @@ MOVE_MODES = ("auto", "migrate", "recompute", "off")
 
 @dataclass(frozen=True)
 class MoveCost:
-    """Predicted seconds of each way to move one request (``inf``: cannot be predicted)."""
+    """Predicted seconds of each way to move one request (``inf``: cannot be predicted), and what
+    each would move: the KV bytes to send, the tokens to compute."""
 
     transfer_seconds: float
     recompute_seconds: float
+    bytes_to_send: int = 0
+    tokens_to_compute: int = 0
 
     @property
     def migrate(self) -> bool:
@@ -46,7 +49,7 @@ def move_cost(kv_bytes: int, num_tokens: int, matched_tokens: int, bytes_per_s: 
     to_send = kv_bytes * missing / num_tokens
     transfer = (queued_bytes + to_send) / bytes_per_s if bytes_per_s > 0 else math.inf
     recompute = (queued_prefill_tokens + missing) / prefill_tokens_per_s if prefill_tokens_per_s > 0 else math.inf
-    return MoveCost(transfer, recompute)
+    return MoveCost(transfer, recompute, int(to_send), missing)
 
 
 @dataclass

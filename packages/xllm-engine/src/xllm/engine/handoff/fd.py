@@ -233,6 +233,7 @@ class FdSender(KVSender):
         super().__init__(options)
         self._idle: dict[str, list[socket.socket]] = {}
         self._lock = threading.Lock()
+        self._closed = False  # connections in use when the sender closed are closed after their hand-off
 
     async def send(self, target: engine_pb2.KVTarget, store: PageStore, out: Outgoing) -> TransferResult:
         if store.memfd is None:
@@ -266,11 +267,15 @@ class FdSender(KVSender):
             sock.close()
             raise TransferError(f"hand-off to {address} failed: {exc}") from exc
         with self._lock:
-            self._idle.setdefault(address, []).append(sock)
+            if self._closed:
+                sock.close()
+            else:
+                self._idle.setdefault(address, []).append(sock)
         return TransferResult(ack.installed, len(pages) * store.block_bytes if ack.installed else 0, ack.error)
 
     async def close(self) -> None:
         with self._lock:
+            self._closed = True
             for socks in self._idle.values():
                 for sock in socks:
                     sock.close()
