@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from benchmarks.metrics import scrape, total
 from benchmarks.peers.venv import ServerProcess, free_port
 from xllm.testing import hostile
-from xllm.testing.processes import wait_for
+from xllm.testing.processes import healthy_instances, wait_for
 from xllm.testing.sse import CompletionStream as Stream
-from xllm.testing.sse import stream_completion
+from xllm.testing.sse import busiest_instance, stream_completion, stream_many
 
 MODEL = hostile.MODEL
 API_KEY = "sk-reliability-bench-0123456789"
@@ -62,15 +62,7 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
 
 # ---- a gateway, seen from outside -----------------------------------------------------------------
 
-def healthy(base_url: str) -> set[str]:
-    """The instances the gateway's ``/health`` lists as healthy (empty when it does not answer)."""
-    import httpx
-
-    try:
-        body = httpx.get(base_url + "/health", timeout=5, trust_env=False).json()
-    except (httpx.HTTPError, ValueError):
-        return set()
-    return {k for k, v in body.get("instances", {}).items() if v.get("healthy")}
+healthy = healthy_instances
 
 
 def watch_up(base_url: str) -> bool:
@@ -143,25 +135,31 @@ def rss_mib(pid: int) -> tuple[float, float]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
-class GoneWatch:
-    """Polls a gateway's ``/health`` on a thread from ``start`` on: ``seconds`` until ``instance``
-    is no longer listed as healthy (None while it still is)."""
+class Watch:
+    """Polls ``predicate`` on a thread every ``interval`` s from ``start`` (``time.monotonic()``) on:
+    ``seconds`` until it first held (None while it does not; gives up after ``timeout``)."""
 
-    def __init__(self, base_url: str, instance: str, start: float, timeout: float = 60.0) -> None:
+    def __init__(self, predicate: Callable[[], bool], start: float, timeout: float = 60.0,
+                 interval: float = 0.05) -> None:
         self.seconds: float | None = None
-        self._thread = threading.Thread(target=self._poll, args=(base_url, instance, start, timeout), daemon=True)
+        self._thread = threading.Thread(target=self._poll, args=(predicate, start, timeout, interval), daemon=True)
         self._thread.start()
 
-    def _poll(self, base_url: str, instance: str, start: float, timeout: float) -> None:
+    def _poll(self, predicate: Callable[[], bool], start: float, timeout: float, interval: float) -> None:
         while time.monotonic() - start < timeout:
-            if instance not in healthy(base_url):
+            if predicate():
                 self.seconds = time.monotonic() - start
                 return
-            time.sleep(0.05)
+            time.sleep(interval)
 
     def join(self) -> float | None:
         self._thread.join()
         return self.seconds
+
+
+def gone_watch(base_url: str, instance: str, start: float) -> Watch:
+    """Seconds from ``start`` until the gateway at ``base_url`` no longer lists ``instance`` as healthy."""
+    return Watch(lambda: instance not in healthy(base_url), start)
 
 
 # ---- the client ---------------------------------------------------------------------------------
@@ -197,21 +195,13 @@ async def stream(c, payload: dict, first: asyncio.Event | None = None, out: Stre
 
 async def run_streams(base_url: str, bodies: list[dict], action: Callable[[list[Stream]], None] | None = None,
                       timeout: float = 300) -> list[Stream]:
-    """Stream every body at once; once each has its first chunk, ``action(streams so far)``."""
-    async with client(base_url, timeout) as c:
-        firsts = [asyncio.Event() for _ in bodies]
-        outs = [Stream() for _ in bodies]
-        tasks = [asyncio.ensure_future(stream(c, b, firsts[i], outs[i])) for i, b in enumerate(bodies)]
-        if action is not None:
-            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), WAIT)
-            action(outs)
-        return list(await asyncio.gather(*tasks))
+    """Stream every body at once (with the API key; a failed connection is recorded, not raised);
+    once each has its first chunk, ``action(streams so far)``."""
+    return await stream_many(base_url, bodies, action, timeout, headers=HEADERS, record_http_errors=True,
+                             first_timeout=WAIT)
 
 
-def most_streams(streams: list[Stream]) -> str:
-    """The instance that started most of ``streams``."""
-    where = [s.instance for s in streams if s.instance]
-    return max(sorted(set(where)), key=where.count)
+most_streams = busiest_instance
 
 
 # ---- clusters -----------------------------------------------------------------------------------

@@ -37,12 +37,12 @@ from benchmarks.clusters import (
     MODEL,
     WAIT,
     EtcdCluster,
-    GoneWatch,
     LocalCluster,
     Settings,
     body,
     client,
     counter,
+    gone_watch,
     healthy,
     kv_baseline,
     loads,
@@ -241,7 +241,7 @@ def kill9(cl: LocalCluster, s: Settings) -> Row:
         victim = most_streams(so_far)
         pid = cl.engine_pid(victim)
         os.kill(pid, signal.SIGKILL)
-        fault.update(victim=victim, at=time.monotonic(), gone=GoneWatch(cl.url, victim, time.monotonic()))
+        fault.update(victim=victim, at=time.monotonic(), gone=gone_watch(cl.url, victim, time.monotonic()))
 
     got = asyncio.run(run_streams(cl.url, bodies, kill))
     _fault_row(row, got, ref, greedy, KILL_TOKENS, fault)
@@ -515,7 +515,7 @@ def sigterm(ec: EtcdCluster, s: Settings) -> Row:
     def term(so_far: list) -> None:
         victim = most_streams(so_far)
         os.kill(ec.engines[victim].pid, signal.SIGTERM)
-        fault.update(victim=victim, at=time.monotonic(), gone=GoneWatch(ga, victim, time.monotonic()))
+        fault.update(victim=victim, at=time.monotonic(), gone=gone_watch(ga, victim, time.monotonic()))
 
     got = asyncio.run(run_timed(ga, bodies, term))
     _fault_row(row, got, ref, greedy, DRAIN_TOKENS, fault)

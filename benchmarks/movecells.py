@@ -19,7 +19,6 @@ import pathlib
 import re
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from benchmarks.clusters import (
     WAIT,
     LocalCluster,
     Settings,
+    Watch,
     body,
     healthy,
     kv_blocks,
@@ -56,8 +56,7 @@ TimedStream = CompletionStream
 
 async def run_timed(base_url: str, bodies: list[dict], action: Callable[[list[TimedStream]], None] | None = None,
                     timeout: float = 600) -> list[TimedStream]:
-    """Stream every body at once (with the benchmarks' API key; a failed connection is recorded in
-    ``errors``); once each has its first chunk, ``action(streams so far)``."""
+    """:func:`benchmarks.clusters.run_streams` with longer waits (SmolLM2 prompts of 1536 tokens)."""
     return await stream_many(base_url, bodies, action, timeout, headers=HEADERS, record_http_errors=True,
                              first_timeout=WAIT * 2)
 
@@ -207,27 +206,6 @@ def exited(pid: int) -> bool:
     except OSError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
-class ExitWatch:
-    """Polls on a thread from ``start`` on: ``seconds`` until process ``pid`` exited (None while it
-    runs; gives up after ``timeout``)."""
-
-    def __init__(self, pid: int, start: float, timeout: float = WAIT) -> None:
-        self.seconds: float | None = None
-        self._thread = threading.Thread(target=self._poll, args=(pid, start, timeout), daemon=True)
-        self._thread.start()
-
-    def _poll(self, pid: int, start: float, timeout: float) -> None:
-        while time.monotonic() - start < timeout:
-            if exited(pid):
-                self.seconds = time.monotonic() - start
-                return
-            time.sleep(0.02)
-
-    def join(self) -> float | None:
-        self._thread.join()
-        return self.seconds
 
 
 # ---- clusters -----------------------------------------------------------------------------------
@@ -474,7 +452,7 @@ def run_cell(context: int, mode: str, prompts: list[list[int]], rs: RunSettings)
             pid = cluster.engine_pid(victim)
             os.kill(pid, signal.SIGTERM)
             at = time.monotonic()
-            fault.update(victim=victim, at=at, exit=ExitWatch(pid, at))
+            fault.update(victim=victim, at=at, exit=Watch(lambda: exited(pid), at, WAIT, 0.02))
 
         got = asyncio.run(run_timed(cluster.url, payloads, term))
         cell.victim, at = fault["victim"], fault["at"]

@@ -22,8 +22,9 @@ import uuid
 import httpx
 import pytest
 
-from xllm.testing.processes import engine_pid, wait_for
-from xllm.testing.sse import assert_same_streams, stream_many
+from xllm.testing.metrics import metric_value, parse_metrics
+from xllm.testing.processes import engine_pid, healthy_instances, wait_for
+from xllm.testing.sse import assert_same_streams, busiest_instance, stream_many
 
 MODEL = "tiny"
 STREAMS = 12
@@ -35,23 +36,15 @@ def cluster(request, tiny_model_dir, launch_server):
     """Two engines behind one gateway, moving drained requests as ``--drain-moves`` says."""
     gw = launch_server("--model", str(tiny_model_dir), "--served-model-name", MODEL, "--instances", "2",
                        "--dtype", "float32", "--drain-moves", request.param)
-    wait_for(lambda: _healthy(gw) == {"engine-0", "engine-1"}, 120, "both engines registered")
+    wait_for(lambda: healthy_instances(gw.url) == {"engine-0", "engine-1"}, 120, "both engines registered")
     yield request.param, gw
     gw.stop()
 
 
-def _healthy(gw) -> set[str]:
-    body = httpx.get(f"{gw.url}/health", timeout=10, trust_env=False).json()
-    return {k for k, v in body.get("instances", {}).items() if v["healthy"]}
-
-
 def _metric(gw, name: str, **labels) -> float:
+    """The sum of ``name``'s samples with ``labels`` on the gateway's ``/metrics`` (0 if none yet)."""
     text = httpx.get(f"{gw.url}/metrics", timeout=10, trust_env=False).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_value(parse_metrics(text), name, missing_ok=True, **labels)
 
 
 def _bodies() -> tuple[list[dict], list[bool]]:
@@ -78,8 +71,7 @@ def test_sigterm_moves_running_streams_and_loses_or_repeats_nothing(cluster):
     termed: list[tuple[str, float]] = []
 
     def term(streams) -> None:  # the instance running most of the streams drains
-        by_instance = [s.instance for s in streams]
-        victim = max(set(by_instance), key=by_instance.count)
+        victim = busiest_instance(streams)
         os.kill(engine_pid(gw.proc.pid, victim), signal.SIGTERM)
         termed.append((victim, time.monotonic()))
 

@@ -17,11 +17,10 @@ import signal
 import time
 import uuid
 
-import httpx
 import pytest
 
-from xllm.testing.processes import engine_pid, wait_for
-from xllm.testing.sse import CompletionStream, assert_same_streams, stream_many
+from xllm.testing.processes import engine_pid, healthy_instances, wait_for
+from xllm.testing.sse import CompletionStream, assert_same_streams, busiest_instance, stream_many
 
 MODEL = "tiny"
 STREAMS = 32
@@ -32,14 +31,9 @@ MAX_TOKENS = 48
 def cluster(tiny_model_dir, launch_server):
     gw = launch_server("--model", str(tiny_model_dir), "--served-model-name", MODEL, "--instances", "2",
                        "--dtype", "float32")
-    wait_for(lambda: _healthy(gw) == {"engine-0", "engine-1"}, 120, "both engines registered")
+    wait_for(lambda: healthy_instances(gw.url) == {"engine-0", "engine-1"}, 120, "both engines registered")
     yield gw
     gw.stop()
-
-
-def _healthy(gw) -> set[str]:
-    body = httpx.get(f"{gw.url}/health", timeout=10, trust_env=False).json()
-    return {k for k, v in body.get("instances", {}).items() if v["healthy"]}
 
 
 def _body(i: int, prompt: str) -> dict:
@@ -62,8 +56,7 @@ def test_kill_9_with_32_greedy_and_seeded_streams_loses_and_repeats_nothing(clus
     killed: list[tuple[str, float]] = []
 
     def kill(streams: list[CompletionStream]):  # the instance running most of the streams
-        by_instance = [s.instance for s in streams]
-        victim = max(set(by_instance), key=by_instance.count)
+        victim = busiest_instance(streams)
         os.kill(engine_pid(gw.proc.pid, victim), signal.SIGKILL)
         killed.append((victim, time.monotonic()))
 

@@ -275,6 +275,15 @@ def start_mooncake_master(log_dir: Path) -> tuple[subprocess.Popen, str, str]:
     return proc, f"127.0.0.1:{rpc}", url
 
 
+def healthy_instances(base_url: str, timeout: float = 5.0) -> set[str]:
+    """The instances a gateway's ``/health`` lists as healthy (empty while it does not answer)."""
+    try:
+        body = httpx.get(base_url + "/health", timeout=timeout, trust_env=False).json()
+    except (httpx.HTTPError, ValueError):
+        return set()
+    return {k for k, v in body.get("instances", {}).items() if v.get("healthy")}
+
+
 def engine_pid(gateway_pid: int, instance_id: str) -> int:
     """The pid of the engine process ``instance_id`` started by the gateway ``gateway_pid``."""
     for pid, argv in child_processes(gateway_pid).items():

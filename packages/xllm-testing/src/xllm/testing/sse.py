@@ -136,6 +136,12 @@ async def stream_many(url: str, bodies: list[dict], action=None, timeout: float 
         return list(await asyncio.gather(*tasks))
 
 
+def busiest_instance(streams: list[CompletionStream]) -> str:
+    """The instance that started most of ``streams`` (the one a fault hits hardest)."""
+    where = [s.instance for s in streams if s.instance]
+    return max(sorted(set(where)), key=where.count)
+
+
 def near_tie(got: CompletionStream, ref: CompletionStream, max_gap: float = 1e-3) -> bool:
     """Whether ``got`` parts from ``ref`` (the uninterrupted run, read with ``logprobs`` >= 2) at a
     token where the reference's top two logprobs are within ``max_gap``: the only way a greedy
