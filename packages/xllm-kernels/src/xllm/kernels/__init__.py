@@ -11,6 +11,8 @@ but never the contract.
   over per-sequence contiguous KV regions addressed by slot and length.
 - :mod:`xllm.kernels.sampling`: penalties, logit bias, top-k/top-p/min-p, seeded sampling.
 - :mod:`xllm.kernels.linear`: linear layers with a native skinny-GEMM path for decode.
+- :mod:`xllm.kernels.gemm`: the native blocked GEMM over packed weights (any row count), and
+  :mod:`xllm.kernels.gemm_choice`: the measured per-shape choice between it and oneDNN.
 - :mod:`xllm.kernels.native`: the C kernels (``kernels/cpu``) built on first use, with fallbacks.
 - :mod:`xllm.kernels.moe`: expert routing (softmax/sigmoid, group-limited, bias-corrected)
   and the routed SwiGLU experts.
@@ -26,6 +28,7 @@ from xllm.kernels.attention import (
     paged_write_kv,
     prefill_attention,
 )
+from xllm.kernels.gemm import PackedWeight, packed_linear
 from xllm.kernels.linear import linear
 from xllm.kernels.mla import absorb_query, apply_rotary_interleaved, expand_values
 from xllm.kernels.moe import RoutingConfig, moe_experts, select_experts
@@ -33,6 +36,7 @@ from xllm.kernels.norm import rms_norm
 from xllm.kernels.rotary import RopeBatch, RotaryTable, apply_rotary
 
 __all__ = [
+    "PackedWeight",
     "RopeBatch",
     "RotaryTable",
     "RoutingConfig",
@@ -43,6 +47,7 @@ __all__ = [
     "expand_values",
     "linear",
     "moe_experts",
+    "packed_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
     "paged_write_kv",

@@ -13,6 +13,9 @@ head_dim]`` and a block table per sequence; token ``p`` lives at
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -59,29 +62,146 @@ def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_le
     return _sdpa(q.unsqueeze(2), k, v, valid[:, None, None, :], False, scale).squeeze(2)
 
 
+IntList = Sequence[int] | torch.Tensor
+
+
+def _as_list(values: IntList) -> list[int]:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
+
+
+def _as_index(values: IntList) -> torch.Tensor:
+    """An int64 CPU tensor of ``values`` (no copy when it already is one and contiguous)."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype == torch.int64 and values.is_cpu and values.is_contiguous():
+            return values
+        return values.to(device="cpu", dtype=torch.int64).contiguous()
+    return torch.tensor(values, dtype=torch.int64)
+
+
+_NATIVE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _heads_packed(t: torch.Tensor) -> bool:
+    """Rows of ``t`` (``[..., heads, dim]``) hold their heads back to back (unit inner stride)."""
+    stride, shape = t.stride(), t.shape
+    return stride[-1] == 1 and (shape[-2] == 1 or stride[-2] == shape[-1])
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slots: list[int],
-    query_starts: list[int],
-    context_lens: list[int],
+    slots: IntList,
+    query_starts: IntList,
+    context_lens: IntList,
     scale: float,
 ) -> torch.Tensor:
     """Causal attention for a packed batch of prompt chunks (varlen), contiguous KV.
 
     ``q`` is ``[T, H, D]`` with sequence ``i``'s ``n_i`` query rows at
     ``[query_starts[i], query_starts[i] + n_i)`` (``query_starts`` has one more
-    entry than sequences: the end offset). The chunk's keys are already written
-    to the cache; sequence ``i`` attends to ``[slot_i, :context_lens[i]]``, the
-    last ``n_i`` of which are the chunk itself. Returns ``[T, H, Dv]``.
+    entry than sequences: the end offset; ``n_i == 1`` rows are fine). The chunk's keys are
+    already written to the cache; sequence ``i`` attends to ``[slot_i, :context_lens[i]]``, the
+    last ``n_i`` of which are the chunk itself. Returns ``[T, H, Dv]``. The index arguments are
+    int lists or int64 tensors (tensors avoid a conversion per call when reused across layers).
+
+    On CPU with bf16/fp32 tensors whose heads are packed within a row (``q`` rows may be strided,
+    e.g. views of a fused qkv projection) one native call attends every chunk
+    (``kernels/cpu/attend_varlen.h``); otherwise each chunk goes through torch SDPA.
     """
+    out = _native_prefill_attention(q, k_cache, v_cache, slots, query_starts, context_lens, scale)
+    if out is not None:
+        return out
+    return _sdpa_prefill_attention(q, k_cache, v_cache, slots, query_starts, context_lens, scale)
+
+
+def _sdpa_prefill_attention(q, k_cache, v_cache, slots, query_starts, context_lens, scale) -> torch.Tensor:
+    """The torch path of :func:`prefill_attention`: one SDPA call per chunk."""
+    slots, query_starts, context_lens = _as_list(slots), _as_list(query_starts), _as_list(context_lens)
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     for i, slot in enumerate(slots):
         a, b = query_starts[i], query_starts[i + 1]
         ctx = context_lens[i]
         out[a:b] = _attend_chunk(q[a:b], k_cache[slot, :ctx], v_cache[slot, :ctx], scale)
     return out
+
+
+def _native_prefill_attention(q, k_cache, v_cache, slots, query_starts, context_lens,
+                              scale) -> torch.Tensor | None:
+    """The native varlen kernel reading each sequence's KV in place, when it applies."""
+    from xllm.kernels import native
+
+    dtype = q.dtype
+    if dtype not in _NATIVE_DTYPES or k_cache.dtype != dtype or v_cache.dtype != dtype:
+        return None
+    if not (q.is_cpu and k_cache.is_cpu) or q.dim() != 3 or torch.compiler.is_compiling():
+        return None
+    if not (_heads_packed(q) and _heads_packed(k_cache) and _heads_packed(v_cache)):
+        return None
+    lib = native.library()
+    if lib is None:
+        return None
+    rows, heads, dim = q.shape
+    kv_heads, dv = k_cache.shape[2], v_cache.shape[-1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads not divisible by {kv_heads} KV heads")
+    slots_t, starts_t, ctx_t = _as_index(slots), _as_index(query_starts), _as_index(context_lens)
+    out = torch.empty(rows, heads, dv, dtype=dtype)
+    sfx = native.suffix(dtype)
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn = lib.fn(f"xllm_varlen_attention_{sfx}", [vp, i64, vp, vp, i64, i64, i64, i64, vp, vp, vp, i64, i64, i64, i64,
+                                                 i64, ctypes.c_float, vp, i64])
+    fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+       v_cache.stride(0), v_cache.stride(1), slots_t.data_ptr(), starts_t.data_ptr(), ctx_t.data_ptr(),
+       len(slots_t), heads, kv_heads, dim, dv, float(scale), out.data_ptr(), out.stride(0))
+    return out
+
+
+def write_kv_rows(k_cache: torch.Tensor, v_cache: torch.Tensor | None, slots: torch.Tensor, positions: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor | None) -> None:
+    """Store token rows ``k`` ``[T, KVH, D]`` (and ``v`` ``[T, KVH, Dv]``) at
+    ``k_cache[slots[t], positions[t]]`` (``v_cache`` likewise); ``v_cache`` or ``v`` None stores
+    keys only (a latent cache). ``slots``/``positions`` are int64 ``[T]``. Same result as
+    ``k_cache[slots, positions] = k``; on CPU with bf16/fp32 and heads packed within rows (``k``/``v``
+    rows may be strided) a native row copy replaces the index_put."""
+    if not _native_write_kv_rows(k_cache, v_cache, slots, positions, k, v):
+        k_cache[slots, positions] = k
+        if v_cache is not None and v is not None:
+            v_cache[slots, positions] = v
+
+
+def _native_write_kv_rows(k_cache, v_cache, slots, positions, k, v) -> bool:
+    """The native row copy when it applies (checks kept cheap: this runs once per layer)."""
+    from xllm.kernels import native
+
+    dtype = k_cache.dtype
+    if dtype not in _NATIVE_DTYPES or k.dtype != dtype or not (k_cache.is_cpu and k.is_cpu):
+        return False
+    values = v_cache is not None and v is not None
+    rows, kv_heads, dim = k.shape
+    if k_cache.shape[2:] != k.shape[1:] or not (_heads_packed(k_cache) and _heads_packed(k)):
+        return False
+    if values and (v.dtype != dtype or v_cache.dtype != dtype or not v.is_cpu or v_cache.shape[2:] != v.shape[1:]
+                   or not (_heads_packed(v_cache) and _heads_packed(v))):
+        return False
+    if len(slots) != rows or len(positions) != rows or torch.compiler.is_compiling():
+        return False
+    lib = native.library()
+    if lib is None:
+        return False
+    slots, positions = _as_index(slots), _as_index(positions)
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn = lib.fn(f"xllm_write_kv_rows_{native.suffix(dtype)}", [vp, vp, i64, i64, i64, i64, vp, vp, i64, vp, vp, i64,
+                                                              i64, i64, i64, i64])
+    ks = k_cache.stride()
+    if values:
+        vs = v_cache.stride()
+        fn(k_cache.data_ptr(), v_cache.data_ptr(), ks[0], ks[1], vs[0], vs[1], slots.data_ptr(), positions.data_ptr(),
+           rows, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kv_heads, dim, v.shape[2])
+    else:
+        fn(k_cache.data_ptr(), None, ks[0], ks[1], 0, 0, slots.data_ptr(), positions.data_ptr(), rows, k.data_ptr(),
+           None, k.stride(0), 0, kv_heads, dim, 0)
+    return True
 
 
 def decode_attention(

@@ -1,4 +1,5 @@
-"""Linear layers with a native skinny-GEMM path for decode-sized inputs."""
+"""Linear layers: a native skinny GEMM for decode-sized inputs, and for larger ones whichever of the
+native packed GEMM and oneDNN measured faster for the shape (:mod:`xllm.kernels.gemm_choice`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from xllm.kernels import native
+from xllm.kernels.gemm import PackedWeight, packed_linear
+from xllm.kernels.gemm_choice import GemmChoice
 
 MAX_NATIVE_ROWS = 8
 
@@ -34,14 +37,23 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | No
         return None
 
 
+def _native_packed_ok(x: torch.Tensor, pw: PackedWeight | None, bias: torch.Tensor | None) -> bool:
+    return (pw is not None and x.dim() == 2 and x.device.type == "cpu" and x.dtype == pw.dtype
+            and x.shape[1] == pw.k and (bias is None or (bias.dtype == pw.dtype and bias.device.type == "cpu")))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, packed: torch.Tensor | None = None,
+           native_packed: PackedWeight | None = None, choice: GemmChoice | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` (``[M, K] x [N, K]``).
 
     Up to 8 rows in bf16/fp32 on a CPU with AVX-512 BF16 run the native GEMV,
     which streams each weight row once for all rows (the memory-bound decode
-    case); more rows use ``packed`` (see :func:`pack_weight`: oneDNN's blocked
-    layout, no per-call weight reorder) when given, else ``F.linear``.
+    case). More rows take the native packed GEMM (``native_packed``, see
+    :func:`xllm.kernels.gemm.pack`) when it is given and either ``choice`` says it
+    measured faster than oneDNN at this row count or there is no oneDNN copy;
+    else ``packed`` (see :func:`pack_weight`: oneDNN's blocked layout, no
+    per-call weight reorder) when given, else ``F.linear``.
     ``out_dtype=torch.float32`` returns fp32 directly from a bf16 product.
     Under ``torch.compile`` it is a plain ``F.linear`` (Inductor packs weights itself).
     """
@@ -49,6 +61,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = F.linear(x, weight, bias)
         return y if out_dtype is None else y.to(out_dtype)
     if not native_linear_ok(x, weight) or (bias is not None and not bias.is_contiguous()):
+        if _native_packed_ok(x, native_packed, bias) and (
+                packed is None or choice is None or choice.use_native(x.shape[0])):
+            return packed_linear(x, native_packed, bias, out_dtype)
         if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
             y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         else:

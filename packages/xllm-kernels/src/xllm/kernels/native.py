@@ -39,7 +39,7 @@ _lock = threading.Lock()
 
 
 class LlamaCfg(ctypes.Structure):
-    """Mirror of ``XllmLlamaCfg`` in kernels/cpu/llama_decode.c."""
+    """Mirror of ``XllmLlamaCfg`` in kernels/cpu/llama_step.c."""
 
     _fields_ = [(name, ctypes.c_int64) for name in (
         "hidden", "n_heads", "n_kv_heads", "head_dim", "inter", "n_layers",
@@ -49,11 +49,11 @@ class LlamaCfg(ctypes.Structure):
 
 
 class LlamaLayer(ctypes.Structure):
-    """Mirror of ``XllmLlamaLayer``: data pointers of one layer's weights and KV cache."""
+    """Mirror of ``XllmLlamaLayer``: data pointers of one layer's weights, KV cache and packed weights."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "ln2", "gate_up_w", "down_w", "k_cache",
-        "v_cache")]
+        "v_cache", "qkv_wp", "o_wp", "gate_up_wp", "down_wp")]
 
 
 class NativeLibrary:
@@ -77,16 +77,29 @@ class NativeLibrary:
         for name in ("xllm_llama_decode_bf16", "xllm_llama_decode_f32"):
             getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, vp,
                                            vp, vp, vp, vp]
+        for name in ("xllm_llama_forward_bf16", "xllm_llama_forward_f32"):
+            getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, i64,
+                                           vp, vp, vp, vp, vp, vp, vp, vp]
         for sfx in ("bf16", "f32"):
             getattr(lib, f"xllm_add_rmsnorm_{sfx}").argtypes = [vp, vp, vp, vp, i64, i64, f32, vp]
             getattr(lib, f"xllm_silu_mul_{sfx}").argtypes = [vp, i64, i64, vp]
             getattr(lib, f"xllm_rope_{sfx}").argtypes = [vp, i64, i64, i64, i64, vp, vp, vp, i64]
         lib.xllm_argmax_f32.argtypes = [vp, i64, i64, vp]
         lib.xllm_argmax_f32.restype = None
-        for name in ("gemm", "decode_attention", "llama_decode", "add_rmsnorm", "silu_mul", "rope"):
+        for name in ("gemm", "decode_attention", "llama_decode", "llama_forward", "add_rmsnorm", "silu_mul", "rope"):
             for sfx in ("bf16", "f32"):
                 getattr(lib, f"xllm_{name}_{sfx}").restype = None
         self.lib = lib
+        self._declared: dict[str, object] = {}
+
+    def fn(self, name: str, argtypes: list, restype=None):
+        """The C function ``name`` with its signature declared (once; kernel modules declare their own)."""
+        f = self._declared.get(name)
+        if f is None:
+            f = getattr(self.lib, name)
+            f.argtypes, f.restype = argtypes, restype
+            self._declared[name] = f
+        return f
 
 
 def _sources_dir() -> pathlib.Path | None:

@@ -29,6 +29,7 @@ from xllm.kernels import (
     paged_write_kv,
     prefill_attention,
 )
+from xllm.kernels.attention import write_kv_rows
 
 if TYPE_CHECKING:
     from xllm.core.model_runner import BatchInputs
@@ -136,8 +137,32 @@ class _StepAttention:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+@dataclass
+class _PrefillIndex:
+    """A step's prefill addresses as int64 tensors, built once and reused by every layer."""
+
+    row_slots: torch.Tensor      # slot of each prefill row
+    row_positions: torch.Tensor  # position of each prefill row
+    slots: torch.Tensor          # slot of each prefill chunk's sequence
+    query_starts: torch.Tensor   # chunk row offsets within the prefill rows (one more than chunks)
+    context_lens: torch.Tensor   # context length of each chunk's sequence after the step
+
+
 class SlotAttention(_StepAttention):
     """Attention over slot-addressed KV: reads each sequence's region in place."""
+
+    def __init__(self, kv: LayerKV, batch: BatchInputs) -> None:
+        super().__init__(kv, batch)
+        self._prefill: _PrefillIndex | None = None
+
+    def _prefill_index(self) -> _PrefillIndex:
+        if self._prefill is None:
+            b, nd = self.batch, self.batch.num_decode
+            index = torch.tensor
+            self._prefill = _PrefillIndex(
+                b.address.token_slots[nd:], b.positions[nd:], index(b.address.prefill_slots, dtype=torch.int64),
+                index(b.prefill_query_starts, dtype=torch.int64), index(b.prefill_context_lens, dtype=torch.int64))
+        return self._prefill
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                   scale: float, v_dim: int | None = None) -> torch.Tensor:
@@ -147,10 +172,11 @@ class SlotAttention(_StepAttention):
         latent = v_cache is None
         if latent:
             v_cache = values_in_keys(k_cache, v_dim)
-        if len(k) > nd:  # prefill rows: stored here; decode rows are stored by the decode kernel
-            k_cache[addr.token_slots[nd:], b.positions[nd:]] = k[nd:]
-            if not latent and v is not None:
-                v_cache[addr.token_slots[nd:], b.positions[nd:]] = v[nd:]
+        pf = self._prefill_index() if len(k) > nd else None
+        if pf is not None:  # prefill rows: stored here; decode rows are stored by the decode kernel
+            values = not latent and v is not None
+            write_kv_rows(k_cache, v_cache if values else None, pf.row_slots, pf.row_positions, k[nd:],
+                          v[nd:] if values else None)
         parts = []
         if nd:
             k_new = k[:nd].contiguous()
@@ -158,8 +184,9 @@ class SlotAttention(_StepAttention):
             parts.append(decode_attention(q[:nd], k_cache, v_cache, addr.decode_slots, b.decode_context_lens, scale,
                                           k_new, v_new))
         if addr.prefill_slots:
-            parts.append(prefill_attention(q[nd:], k_cache, v_cache, addr.prefill_slots,
-                                           b.prefill_query_starts, b.prefill_context_lens, scale))
+            pf = self._prefill_index()
+            parts.append(prefill_attention(q[nd:], k_cache, v_cache, pf.slots, pf.query_starts, pf.context_lens,
+                                           scale))
         return self._join(parts)
 
 

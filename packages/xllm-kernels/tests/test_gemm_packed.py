@@ -1,0 +1,125 @@
+"""The native packed GEMM (kernels/cpu/gemm_packed.{h,c}) against a float32 torch oracle, and the
+per-shape choice between it and oneDNN."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import pytest
+import torch
+
+from xllm.kernels import gemm, gemm_choice, linear, native
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable")
+
+MS = (1, 7, 9, 16, 33, 100, 257)
+VP, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def _oracle(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.float() @ w.float().T
+    return y if b is None else y + b.float()
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor, bf16_out: bool) -> None:
+    if bf16_out:  # one rounding of the fp32 sum to bf16: half an ulp (2^-9 relative) plus fp32 noise
+        torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-3)
+    else:
+        torch.testing.assert_close(y.float(), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(100, 64), (49, 32), (1, 96), (144, 130)])
+def test_packed_matches_oracle(dtype, n, k):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    pw = gemm.pack(w)
+    assert pw is not None and pw.data.numel() == gemm.numel(n, k) >= n * k
+    for m in MS:
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        for bias in (None, b):
+            _check(gemm.packed_linear(x, pw, bias), _oracle(x, w, bias), dtype == torch.bfloat16)
+    if dtype == torch.bfloat16:  # fp32 output of a bf16 product: no output rounding
+        x = torch.randn(33, k, generator=gen).to(dtype)
+        y = gemm.packed_linear(x, pw, b, out_dtype=torch.float32)
+        assert y.dtype == torch.float32
+        _check(y, _oracle(x, w, b), False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_strides_and_team_entry(dtype):
+    """Row strides of x and y through the strided entry (the TEAM function inside its own parallel
+    region); columns of y outside [0, N) stay untouched."""
+    gen = torch.Generator().manual_seed(7)
+    m, n, k, ldx, ldy = 37, 70, 64, 96, 80
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    xs = torch.randn(m, ldx, generator=gen).to(dtype)
+    pw = gemm.pack(w)
+    lib = native.library()
+    if dtype == torch.bfloat16:
+        y = torch.full((m, ldy), 7.0, dtype=torch.float32)
+        lib.fn("xllm_gemm_packed_strided_bf16", [VP, I64, I64, I64, VP, I64, VP, VP, I64, I32])(
+            xs.data_ptr(), ldx, m, k, pw.data_ptr(), n, b.data_ptr(), y.data_ptr(), ldy, 0)
+    else:
+        y = torch.full((m, ldy), 7.0, dtype=torch.float32)
+        lib.fn("xllm_gemm_packed_strided_f32", [VP, I64, I64, I64, VP, I64, VP, VP, I64])(
+            xs.data_ptr(), ldx, m, k, pw.data_ptr(), n, b.data_ptr(), y.data_ptr(), ldy)
+    _check(y[:, :n], _oracle(xs[:, :k], w, b), False)
+    assert torch.equal(y[:, n:], torch.full((m, ldy - n), 7.0))
+    # the Python wrapper takes a row-strided x view too
+    _check(gemm.packed_linear(xs[:, :k], pw, b), _oracle(xs[:, :k], w, b), dtype == torch.bfloat16)
+
+
+def test_plain_entry_and_contract():
+    w = torch.randn(50, 64).bfloat16()
+    x = torch.randn(20, 64).bfloat16()
+    pw = gemm.pack(w)
+    y = torch.empty(20, 50, dtype=torch.bfloat16)
+    native.library().fn("xllm_gemm_packed_bf16", [VP, I64, I64, VP, I64, VP, VP, I32])(
+        x.data_ptr(), 20, 64, pw.data_ptr(), 50, None, y.data_ptr(), 1)
+    _check(y, _oracle(x, w, None), True)
+    assert gemm.pack(torch.randn(8, 63).bfloat16()) is None  # bf16 needs an even K
+    assert gemm.pack(torch.randn(8, 63)) is not None
+    with pytest.raises(ValueError):
+        gemm.packed_linear(torch.randn(4, 64), pw)  # dtype mismatch
+
+
+def test_linear_routes_by_choice():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 64, generator=gen).bfloat16()
+    b = torch.randn(96, generator=gen).bfloat16()
+    x = torch.randn(40, 64, generator=gen).bfloat16()
+    pw = gemm.pack(w)
+    ref = _oracle(x, w, b)
+    native_first = gemm_choice.GemmChoice((16, 64), (False, True))  # 40 rows -> bucket 64 -> native
+    y = linear(x, w, b, native_packed=pw, choice=native_first)
+    assert torch.equal(y, gemm.packed_linear(x, pw, b))
+    onednn = gemm_choice.forced(False)
+    _check(linear(x, w, b, packed=None, native_packed=pw, choice=onednn), ref, True)  # no oneDNN copy: native
+    _check(linear(x, w, b), ref, True)
+
+
+def test_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
+    native.library()  # built (or loaded) before the cache root moves
+    monkeypatch.setenv("XLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(gemm_choice.FORCE_ENV, raising=False)
+    monkeypatch.setattr(gemm_choice, "BUCKETS", (16, 32))
+    monkeypatch.setattr(gemm_choice, "_BUCKET_BUDGET_S", 0.0)
+    w = torch.randn(64, 64).bfloat16()
+    first = gemm_choice.measure(w, buckets=(16, 32), bucket_budget_s=0.0)
+    assert first is not None and first.buckets == (16, 32) and len(first.ratios) == 2
+    choice = gemm_choice.choose(w)
+    files = list((tmp_path / "kernels").glob("gemm-choice-*.json"))
+    assert choice is not None and len(files) == 1
+    table = json.loads(files[0].read_text())
+    assert set(table) == {"bf16:64x64"}
+    # a second call reads the file instead of measuring again: an edited entry comes back as is
+    table["bf16:64x64"]["native_faster"] = [True, False]
+    files[0].write_text(json.dumps(table))
+    again = gemm_choice.choose(w)
+    assert again.native_faster == (True, False) and again.use_native(9) and not again.use_native(4096)
+    monkeypatch.setenv(gemm_choice.FORCE_ENV, "onednn")
+    assert not gemm_choice.choose(w).any_native
