@@ -1,7 +1,8 @@
-/* Fused decode step of Llama-family decoders (Llama, Mistral, Qwen2 qkv bias, Qwen3 q/k norm) for
- * a few sequences over per-sequence contiguous KV (the xTensor layout).
+/* Fused steps of Llama-family decoders (Llama, Mistral, Qwen2 qkv bias, Qwen3 q/k norm) over
+ * per-sequence contiguous KV (the xTensor layout): the decode step (llama_decode.h) and the general
+ * step of decode rows and prefill chunks (llama_forward.h).
  *
- * One call runs every layer for B <= 8 decoding sequences inside a single OpenMP parallel region
+ * The decode step: one call runs every layer for B <= 8 decoding sequences inside a single OpenMP parallel region
  * (phases separated by the implicit barriers of `omp for`, five per layer): residual add +
  * RMSNorm (computed by every thread for itself), fused QKV GEMV (+bias), then per (sequence, KV
  * head) q/k RMSNorm, RoPE, KV write at (slot, position) and attention over [slot, :pos+1], O
@@ -30,7 +31,13 @@ typedef struct {
 typedef struct {
     const void *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *o_b, *ln2, *gate_up_w, *down_w;
     void *k_cache, *v_cache;
+    /* the blocked GEMM's packed copies of the four weights (gemm_packed.h), or NULL: the general step
+     * then streams the [N, K] weights in chunks of MAX_B rows */
+    const void *qkv_wp, *o_wp, *gate_up_wp, *down_wp;
 } XllmLlamaLayer;
+
+#include "attend_varlen.h"
+#include "gemm_packed.h"
 
 /* acc[b] = x[b, :K] . w[:K] for b < B; w streamed once (sequentially) for all rows */
 ALWAYS_INLINE void gemv_row_bf16(const uint16_t *x, const int64_t B, int64_t K, const uint16_t *w, float *acc) {
@@ -80,6 +87,7 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
     }
 }
 
+
 #define T uint16_t
 #define SFX bf16
 #define TOF(v) bf16_to_f32(v)
@@ -90,7 +98,12 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #define VRND(v) round_bf16_ps(v)
 #define VSTORE(p, v) store_bf16_ps(p, v)
 #define ATTEND attend_group_bf16
+#define VLOAD(p) load_bf16x16(p)
+#define GEMM_PACKED_TEAM(x, M, K, Wp, N, bias, y) gemm_packed_team_bf16(x, K, M, K, Wp, N, bias, y, N, 1)
+#define ATTN_TEAM varlen_attention_team_bf16
+#define ATTN_SCRATCH varlen_scratch_floats
 #include "llama_decode.h"
+#include "llama_forward.h"
 #undef T
 #undef SFX
 #undef TOF
@@ -101,6 +114,10 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #undef VRND
 #undef VSTORE
 #undef ATTEND
+#undef VLOAD
+#undef GEMM_PACKED_TEAM
+#undef ATTN_TEAM
+#undef ATTN_SCRATCH
 
 #define T float
 #define SFX f32
@@ -112,4 +129,9 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #define VRND(v) (v)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #define ATTEND attend_group_f32
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define GEMM_PACKED_TEAM(x, M, K, Wp, N, bias, y) gemm_packed_team_f32(x, K, M, K, Wp, N, bias, y, N)
+#define ATTN_TEAM varlen_attention_team_f32
+#define ATTN_SCRATCH varlen_scratch_floats
 #include "llama_decode.h"
+#include "llama_forward.h"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from xllm.kernels import native
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.models import run_engine
 
@@ -86,6 +87,8 @@ def test_fp32_greedy_equals_hf_token_for_token(fp32_run, hf_rows, prompts):
     assert max(s.num_decode_tokens for s in fp32_run.stats) == len(prompts)
     assert fp32_run.counters.max_batch_size == len(prompts)
     assert fp32_run.counters.num_preemptions == 0
+    if native.unavailable_reason() is None:  # the prefills ran the fused general step
+        assert fp32_run.mode_steps["native_step"] > 0 and fp32_run.mode_steps["eager"] == 0
 
 
 def test_streamed_text_is_the_decoded_output(fp32_run, prompts, smollm2_tokenizer):
@@ -96,9 +99,15 @@ def test_streamed_text_is_the_decoded_output(fp32_run, prompts, smollm2_tokenize
     assert fp32_run.text["p1"].startswith("The capital of France is Paris")
 
 
-def test_chunked_prefill_mixed_with_decodes_equals_hf(smollm2_fp32, smollm2_tokenizer, prompts, hf_rows):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "eager"])
+def test_chunked_prefill_mixed_with_decodes_equals_hf(smollm2_fp32, smollm2_tokenizer, prompts, hf_rows, fused):
     run = run_engine(smollm2_fp32, smollm2_tokenizer, prompts, NEW_TOKENS, max_num_batched_tokens=7,
-                          enable_prefix_cache=False)  # every token computed: no shared chat-template blocks
+                     enable_prefix_cache=False,  # every token computed: no shared chat-template blocks
+                     native_decode=fused)
+    if fused and native.unavailable_reason() is None:
+        assert run.mode_steps["native_step"] > 0 and run.mode_steps["eager"] == 0
+    elif not fused:
+        assert run.mode_steps["native_step"] == run.mode_steps["native"] == 0
     # hf_rows were computed on the unchunked outputs: up to a first divergence the contexts are
     # identical, so any divergence shows up as a token that is not HF's argmax.
     worst = check_against_hf(run, hf_rows, prompts)

@@ -1,7 +1,11 @@
-"""The fused native decode step against the eager module path (and so against HF, which the
-eager path is tested against): Llama, Qwen2 (qkv bias), Qwen3 (q/k norm), fp32 and bf16."""
+"""The fused native steps against the eager module path (and so against HF, which the eager path
+is tested against): Llama, Qwen2 (qkv bias), Qwen3 (q/k norm); the decode step in fp32 and bf16,
+the general step (decode rows + prefill chunks, chunked prompts over a cached prefix, prefix-cache
+hits) in fp32. bf16 general steps are held to HF fp32 on the real model (test_bf16_numerics)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -39,9 +43,20 @@ def model_dir(request, tmp_path_factory):
     return path
 
 
-def generate(model, prompts, native_decode: bool, n: int = 20):
+@contextlib.contextmanager
+def decode_kernel_only(model):
+    """Steps with a prefill chunk take the eager path (the general step off) while inside."""
+    fused = model.fused_forward()
+    before, fused.max_step_tokens = fused.max_step_tokens, 0
+    try:
+        yield
+    finally:
+        fused.max_step_tokens = before
+
+
+def generate(model, prompts, native_decode: bool, n: int = 20, modes: dict | None = None, **config):
     eng = LLMEngine(model, IdTok(), EngineConfig(dtype=model.dtype, native_decode=native_decode, num_threads=1,
-                                                 max_model_len=256))
+                                                 max_model_len=256, **config))
     for i, p in enumerate(prompts):
         eng.add_request(engine_pb2.GenerateRequest(
             request_id=f"r{i}", prompt_token_ids=p,
@@ -52,6 +67,8 @@ def generate(model, prompts, native_decode: bool, n: int = 20):
         for c in eng.step():
             toks.setdefault(c.request_id, []).extend(c.token_ids)
             lps.setdefault(c.request_id, []).extend(x.logprob for x in c.logprobs)
+    if modes is not None:
+        modes.update(eng.runner.mode_steps)
     return toks, lps, eng.runner.native_decode_steps
 
 
@@ -62,7 +79,7 @@ def prompts(k=5):
 
 def test_fp32_fused_decode_equals_eager(model_dir):
     model = load_model(model_dir, torch.float32, progress=False)
-    assert model.fused_decoder() is not None
+    assert model.fused_forward() is not None
     ps = prompts()
     eager, eager_lp, steps0 = generate(model, ps, native_decode=False)
     fused, fused_lp, steps1 = generate(model, ps, native_decode=True)
@@ -78,16 +95,61 @@ def test_bf16_fused_decode_equals_eager(model_dir):
     model = load_model(model_dir, torch.bfloat16, progress=False)
     ps = prompts()
     eager, eager_lp, _ = generate(model, ps, native_decode=False)
-    fused, fused_lp, steps = generate(model, ps, native_decode=True)
+    with decode_kernel_only(model):  # the prefills take the eager path in both runs
+        fused, fused_lp, steps = generate(model, ps, native_decode=True)
     assert steps > 0
     assert fused == eager
     assert fused_lp == eager_lp
 
 
-def test_batches_over_eight_use_the_module_path(model_dir):
+def test_batches_over_eight_take_the_general_step(model_dir):
     model = load_model(model_dir, torch.float32, progress=False)
     ps = prompts(10)
-    eager, _, _ = generate(model, ps, native_decode=False, n=6)
-    fused, _, steps = generate(model, ps, native_decode=True, n=6)
+    eager, eager_lp, _ = generate(model, ps, native_decode=False, n=6)
+    modes: dict = {}
+    fused, fused_lp, steps = generate(model, ps, native_decode=True, n=6, modes=modes)
     assert fused == eager
-    assert steps == 0  # 10 decoding sequences: the native kernel takes at most 8
+    assert max(abs(a - b) for r in eager_lp for a, b in zip(eager_lp[r], fused_lp[r])) < 1e-4
+    assert steps == 0  # 10 decoding sequences: the decode kernel takes at most 8 ...
+    assert modes["native_step"] > 0 and modes["eager"] == 0  # ... the general step all of them
+
+
+def shared_prefix_prompts(k=8):
+    """Prompts of 3-70 tokens, half of them opening with one 40-token prefix (prefix-cache hits)."""
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(0, 1000, (40,), generator=g).tolist()
+    out = []
+    for i, n in enumerate(torch.randint(3, 30, (k,), generator=g).tolist()):
+        tail = torch.randint(0, 1000, (n,), generator=g).tolist()
+        out.append(prefix + tail if i % 2 else tail)
+    return out
+
+
+@pytest.mark.parametrize("budget", [5, 16, 64])
+def test_fp32_general_step_equals_eager(model_dir, budget):
+    """Chunks of every size mixed with decode rows: a budget of 5 splits prompts into many chunks
+    over their cached prefix (and joins decodes with a chunk's tail), 64 prefills several prompts in
+    one step; half the prompts hit a cached 40-token prefix."""
+    model = load_model(model_dir, torch.float32, progress=False)
+    ps = shared_prefix_prompts()
+    eager, eager_lp, _ = generate(model, ps, native_decode=False, n=8, max_num_batched_tokens=budget)
+    modes: dict = {}
+    fused, fused_lp, _ = generate(model, ps, native_decode=True, n=8, max_num_batched_tokens=budget, modes=modes)
+    assert modes["native_step"] > 0 and modes["eager"] == 0
+    assert fused == eager
+    assert max(abs(a - b) for r in eager_lp for a, b in zip(eager_lp[r], fused_lp[r])) < 1e-4
+
+
+def test_general_step_without_packed_weights_streams_them(model_dir):
+    """Where a weight has no packed copy (the packing contract not met), the general step streams
+    the [N, K] weights in chunks of 8 rows: still the eager path's outputs."""
+    model = load_model(model_dir, torch.float32, progress=False)
+    fused = model.fused_forward()
+    fused._packed = [[None] * 4 for _ in model.model.layers]
+    ps = shared_prefix_prompts()
+    eager, eager_lp, _ = generate(model, ps, native_decode=False, n=6, max_num_batched_tokens=64)
+    modes: dict = {}
+    got, got_lp, _ = generate(model, ps, native_decode=True, n=6, max_num_batched_tokens=64, modes=modes)
+    assert modes["native_step"] > 0
+    assert got == eager
+    assert max(abs(a - b) for r in eager_lp for a, b in zip(eager_lp[r], got_lp[r])) < 1e-4

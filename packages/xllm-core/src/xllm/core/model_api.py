@@ -4,9 +4,9 @@ A model (``xllm.models``) is an ``nn.Module`` that satisfies :class:`CausalLM`.
 The engine hands it a packed batch of tokens plus an :class:`AttentionContext`
 that owns the KV memory; the model never sees how KV is laid out or allocated.
 
-A model may also offer a whole pure-decode step as one native call
-(:class:`SupportsFusedDecode`); the engine uses it where the KV backend has
-per-slot views and the batch is small enough.
+A model may also offer whole steps as one native call (:class:`SupportsFusedForward`):
+small pure-decode steps and general steps mixing decode rows with prefill chunks; the
+engine uses it where the KV backend has per-slot views.
 """
 
 from __future__ import annotations
@@ -83,10 +83,34 @@ class SlotKV(Protocol):
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
-class FusedDecoder(Protocol):
-    """A model's whole decode step (every layer) for up to ``max_batch`` sequences in one call."""
+@dataclass(frozen=True)
+class StepTokens:
+    """A packed step as a fused forward reads it under slot addressing (all int64 tensors).
+
+    ``T`` token rows of ``S`` sequences; a decoding sequence is a one-row chunk. Row ``t`` is token
+    ``input_ids[t]`` at ``positions[t]`` of the sequence in slot ``token_slots[t]`` (its K/V row is
+    written there). Sequence ``s`` owns rows ``[seq_starts[s], seq_starts[s + 1])`` and attends over
+    ``[0, context_lens[s])`` of slot ``seq_slots[s]``, whose last rows are its chunk (causal).
+    """
+
+    input_ids: torch.Tensor     # [T]
+    positions: torch.Tensor     # [T]
+    token_slots: torch.Tensor   # [T]
+    seq_starts: torch.Tensor    # [S + 1]
+    context_lens: torch.Tensor  # [S]
+    seq_slots: torch.Tensor     # [S]
+    sample_rows: torch.Tensor   # the rows whose final hidden states the caller wants
+
+
+class FusedForward(Protocol):
+    """A model's whole step (every layer) in one native call.
+
+    Pure decode steps of up to ``max_batch`` sequences take :meth:`__call__`; any step of up to
+    ``max_step_tokens`` tokens (decode rows and prefill chunks mixed) takes :meth:`step`.
+    """
 
     max_batch: int
+    max_step_tokens: int
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  kv: SlotKV) -> torch.Tensor:
@@ -94,12 +118,16 @@ class FusedDecoder(Protocol):
         ``positions[b]`` of the sequence in slot ``slots[b]`` (its K/V row is written there)."""
         ...
 
+    def step(self, tokens: StepTokens, kv: SlotKV) -> torch.Tensor:
+        """Final hidden states ``[len(tokens.sample_rows), hidden]`` of a general step."""
+        ...
+
 
 @runtime_checkable
-class SupportsFusedDecode(Protocol):
-    """Optional part of the model contract: a fused native decode step."""
+class SupportsFusedForward(Protocol):
+    """Optional part of the model contract: fused native steps."""
 
-    def fused_decoder(self) -> FusedDecoder | None:
-        """The model's fused decoder, or None where it does not apply (no native kernels, a layout
+    def fused_forward(self) -> FusedForward | None:
+        """The model's fused forward, or None where it does not apply (no native kernels, a layout
         the kernel does not implement). Asked once, after the weights are loaded."""
         ...

@@ -10,7 +10,7 @@ import torch
 
 from xllm.core.kv.addressing import PageAddress, SlotAddress
 from xllm.core.kv.base import KVCacheBackend
-from xllm.core.model_api import AttentionContext, CausalLM, FusedDecoder, SupportsFusedDecode
+from xllm.core.model_api import AttentionContext, CausalLM, FusedForward, StepTokens, SupportsFusedForward
 from xllm.core.sequence import Sequence
 
 
@@ -42,21 +42,24 @@ class BatchInputs:
 class ModelRunner:
     """Runs ``model`` on scheduled chunks with KV from ``kv``.
 
-    A pure decode step picks its graph mode (xLLM §4.2): the model's fused native decoder
-    (:class:`~xllm.core.model_api.SupportsFusedDecode`) when the backend has slot views and the
-    batch fits it, else a compiled decode graph covering the batch size (``graph``, see
-    :mod:`xllm.core.graph_runner`), else the eager modules. Prefill and mixed steps run eager.
+    Each step picks its graph mode (xLLM §4.2). With the model's fused native forward
+    (:class:`~xllm.core.model_api.SupportsFusedForward`) and a backend with slot views: a pure
+    decode step of up to ``max_batch`` sequences runs the fused decode kernel ("native"), any
+    other step of up to ``max_step_tokens`` tokens the fused general step ("native_step"), both
+    unless a caller listens to each layer (``on_layer``). Otherwise a pure decode step takes a
+    compiled decode graph covering its batch size (``graph``, see :mod:`xllm.core.graph_runner`)
+    and everything else the eager modules.
     """
 
     def __init__(self, model: CausalLM, kv: KVCacheBackend, device: torch.device, native_decode: bool = True) -> None:
         self.model = model
         self.kv = kv
         self.device = device
-        self.fused: FusedDecoder | None = None
-        if native_decode and kv.addressing.slot_views and isinstance(model, SupportsFusedDecode):
-            self.fused = model.fused_decoder()
+        self.fused: FusedForward | None = None
+        if native_decode and kv.addressing.slot_views and isinstance(model, SupportsFusedForward):
+            self.fused = model.fused_forward()
         self.graph = None  # a CompiledDecode for larger decode batches (see graph_runner)
-        self.mode_steps = {"native": 0, "compiled": 0, "eager": 0}
+        self.mode_steps = {"native": 0, "native_step": 0, "compiled": 0, "eager": 0}
 
     @property
     def native_decode(self) -> bool:
@@ -65,6 +68,26 @@ class ModelRunner:
     @property
     def native_decode_steps(self) -> int:
         return self.mode_steps["native"]
+
+    def step_tokens(self, batch: BatchInputs) -> StepTokens:
+        """The packed step as the fused general step reads it (slot addressing only)."""
+        addr = batch.address
+        nd = batch.num_decode
+        starts = list(range(nd + 1)) + [nd + s for s in batch.prefill_query_starts[1:]]
+        dev = self.device
+
+        def tensor(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        lens = batch.decode_context_lens
+        if batch.prefill_context_lens:
+            lens = torch.cat([lens, tensor(batch.prefill_context_lens)])
+        slots = addr.decode_slots
+        if addr.prefill_slots:
+            slots = torch.cat([slots, tensor(addr.prefill_slots)])
+        return StepTokens(input_ids=batch.input_ids, positions=batch.positions, token_slots=addr.token_slots,
+                          seq_starts=tensor(starts), context_lens=lens, seq_slots=slots,
+                          sample_rows=batch.sample_rows)
 
     def prepare(self, chunks: list[tuple[Sequence, int]]) -> BatchInputs:
         """Pack ``(seq, num_tokens)`` chunks; decodes must come first."""
@@ -111,13 +134,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: BatchInputs, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Forward the packed batch; float32 logits ``[len(sample_seqs), vocab]``. ``on_layer`` hears
-        each layer's index once the forward stored its KV (a step with prefill runs eager)."""
-        if batch.num_decode == len(batch.input_ids):  # a pure decode step: pick its graph mode
-            slots = self.kv.addressing.decode_slots(batch)
-            if self.fused is not None and batch.num_decode <= self.fused.max_batch:
+        each layer's index once the forward stored its KV (such a step runs eager)."""
+        pure_decode = batch.num_decode == len(batch.input_ids)
+        if self.fused is not None and on_layer is None:
+            if pure_decode and batch.num_decode <= self.fused.max_batch:
+                slots = self.kv.addressing.decode_slots(batch)
                 hidden = self.fused(batch.input_ids, batch.positions, slots, self.kv)
                 self.mode_steps["native"] += 1
                 return self.model.compute_logits(hidden)
+            if len(batch.input_ids) <= self.fused.max_step_tokens:
+                self.mode_steps["native_step"] += 1
+                if not batch.sample_seqs:
+                    self.fused.step(self.step_tokens(batch), self.kv)
+                    return torch.empty(0, 0, dtype=torch.float32)
+                return self.model.compute_logits(self.fused.step(self.step_tokens(batch), self.kv))
+        if pure_decode:
+            slots = self.kv.addressing.decode_slots(batch)
             if self.graph is not None and self.graph.covers(batch.num_decode):
                 self.mode_steps["compiled"] += 1
                 return self.graph(batch.input_ids, batch.positions, slots)

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from xllm.kernels import RotaryTable, linear, rms_norm
+from xllm.kernels.gemm import PackedWeight, pack
+from xllm.kernels.gemm_choice import GemmChoice, choose
 from xllm.kernels.linear import MAX_NATIVE_ROWS, pack_weight
 from xllm.models.config import ModelConfig, ModelConfigError, rope_parameters
 from xllm.models.weights import CheckpointShards
@@ -23,28 +25,60 @@ class RMSNorm(nn.Module):
 
 
 class _PackOnDemand:
-    """Mixin: a oneDNN-prepacked copy of ``weight`` made the first time a large batch
-    (more rows than the native GEMV takes) goes through the layer, so loading stays
-    a pure copy and decode-only use never pays for (or stores) the packed copy."""
+    """Mixin: packed weight copies for large batches, made the first time more rows than the native
+    GEMV takes go through the layer, so loading stays a pure copy and decode-only use never pays for
+    (or stores) them. At that point :func:`xllm.kernels.gemm_choice.choose` says, per row-count
+    bucket, whether the native packed GEMM or oneDNN measured faster for this weight's shape (timed
+    once per machine and shape, then cached on disk), and only the copies some bucket uses are kept.
+    """
 
-    packed: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # oneDNN's blocked copy
+    _native: PackedWeight | None = None
+    _native_tried = False
+    _choice: GemmChoice | None = None
     _pack_tried = False
 
-    def _packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
+    def native_packed(self) -> PackedWeight | None:
+        """The native packed copy of ``weight`` (built once, whatever the measured choice; None where
+        the native library or the shape contract is unavailable): what fused native forwards use."""
+        if not self._native_tried:
+            self._native_tried = True
+            self._native = pack(self.weight)
+        return self._native
+
+    def _packed_for(self, x: torch.Tensor) -> dict:
+        """Keyword arguments of :func:`linear` for ``x``: the packed copies and the choice."""
         if torch.compiler.is_compiling():
-            return None  # Inductor freezes and packs the weights of a compiled graph itself
+            return {}  # Inductor freezes and packs the weights of a compiled graph itself
         if not self._pack_tried and x.dim() == 2 and x.shape[0] > MAX_NATIVE_ROWS:
             self._pack_tried = True
-            self.packed = pack_weight(self.weight)
-        return self.packed
+            self._choice = choose(self.weight)
+            if self._choice is None or self._choice.any_onednn:
+                self.packed = pack_weight(self.weight)
+            if self._choice is not None and (self._choice.any_native or self.packed is None):
+                self.native_packed()
+        return {"packed": self.packed, "native_packed": self._native, "choice": self._choice}
 
 
 class Linear(_PackOnDemand, nn.Linear):
-    """``nn.Linear`` with the native skinny-GEMM path for decode-sized inputs and a
-    prepacked oneDNN weight for larger ones."""
+    """``nn.Linear`` with the native skinny-GEMM path for decode-sized inputs and prepacked weights
+    (native or oneDNN, as measured) for larger ones."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, packed=self._packed_for(x))
+        return linear(x, self.weight, self.bias, **self._packed_for(x))
+
+
+class TiedLMHead(_PackOnDemand):
+    """The LM head of a model whose head shares the input embedding's weight, packed like
+    :class:`Linear` (not a module: the parameter belongs to the embedding)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return linear(x, self.weight)
+        return linear(x, self.weight, **self._packed_for(x))
 
 
 class MergedLinear(_PackOnDemand, CheckpointShards, nn.Module):
@@ -66,7 +100,7 @@ class MergedLinear(_PackOnDemand, CheckpointShards, nn.Module):
         self.bias = nn.Parameter(torch.empty(start)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, packed=self._packed_for(x))
+        return linear(x, self.weight, self.bias, **self._packed_for(x))
 
     def shard_kinds(self) -> list[str]:
         return ["weight"] if self.bias is None else ["weight", "bias"]

@@ -10,11 +10,10 @@ import torch
 from torch import nn
 
 from xllm.core.model_api import AttentionContext, KVCacheSpec
-from xllm.kernels import RopeBatch, RotaryTable, apply_rotary, linear, silu_and_mul
-from xllm.kernels.linear import MAX_NATIVE_ROWS, pack_weight
+from xllm.kernels import RopeBatch, RotaryTable, apply_rotary, silu_and_mul
 from xllm.models.config import ModelConfig
-from xllm.models.layers import Linear, MergedLinear, RMSNorm, build_rotary
-from xllm.models.llama_native import FusedLlamaDecoder
+from xllm.models.layers import Linear, MergedLinear, RMSNorm, TiedLMHead, build_rotary
+from xllm.models.llama_native import FusedLlamaForward
 from xllm.models.weights import StackedName, load_named_weights
 
 
@@ -120,17 +119,17 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, layers)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryTable | None = None
-        self._fused: FusedLlamaDecoder | None = None
-        self._lm_head_packed = None
+        self._fused: FusedLlamaForward | None = None
+        self._tied_head: TiedLMHead | None = None  # the LM head reading the embedding (tied weights)
 
     def post_load(self) -> None:
         """Build non-parameter state (RoPE table, native decoder) once parameters are materialized."""
         self.rotary = build_rotary(self.cfg, self.cfg.head_dim)
-        self._fused = FusedLlamaDecoder(self) if FusedLlamaDecoder.model_supported(self) else None
+        self._fused = FusedLlamaForward(self) if FusedLlamaForward.model_supported(self) else None
 
-    def fused_decoder(self) -> FusedLlamaDecoder | None:
-        """The native decoder for whole decode steps (:class:`xllm.core.model_api.SupportsFusedDecode`),
-        or None when the native kernels are unavailable or the layout is one they do not implement."""
+    def fused_forward(self) -> FusedLlamaForward | None:
+        """The native whole-step forward (:class:`xllm.core.model_api.SupportsFusedForward`), or None
+        when the native kernels are unavailable or the layout is one they do not implement."""
         return self._fused
 
     @property
@@ -156,12 +155,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        weight = self.model.embed_tokens.weight
-        if torch.compiler.is_compiling():
-            return linear(hidden, weight).float()
-        if self._lm_head_packed is None and hidden.shape[0] > MAX_NATIVE_ROWS:
-            self._lm_head_packed = pack_weight(weight)
-        return linear(hidden, weight, packed=self._lm_head_packed).float()
+        if self._tied_head is None:
+            self._tied_head = TiedLMHead(self.model.embed_tokens.weight)
+        return self._tied_head(hidden).float()
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the parameters; every parameter must be set."""

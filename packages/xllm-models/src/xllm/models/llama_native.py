@@ -1,12 +1,18 @@
-"""The fused native decode step for Llama-family models (kernels/cpu/llama_decode.c).
+"""The fused native steps of Llama-family models (kernels/cpu/llama_step.c).
 
-:class:`FusedLlamaDecoder` packs a loaded model's weight pointers and a KV
-backend's per-layer cache pointers into the C structs once, then runs a whole
-decode step (every layer) in one native call for up to 8 sequences. It applies
-only where the C kernel's layout assumptions hold; :meth:`model_supported` says so and
-the caller falls back to the eager module path otherwise.
+:class:`FusedLlamaForward` packs a loaded model's weight pointers (and the blocked GEMM's packed
+copies of its four projection weights) and a KV backend's per-layer cache pointers into the C
+structs once, then runs a whole step (every layer) in one native call:
 
-It is the :class:`xllm.core.model_api.FusedDecoder` of Llama-family models.
+- a pure decode step of up to 8 sequences (``__call__``, the decode kernel: weights streamed once
+  for all rows);
+- any step of up to ``max_step_tokens`` tokens mixing decode rows and prefill chunks (``step``, the
+  general kernel: blocked GEMMs, varlen attention over every chunk in one call, KV rows stored in
+  place).
+
+It applies only where the C kernel's layout assumptions hold; :meth:`model_supported` says so and
+the caller falls back to the eager module path otherwise. It is the
+:class:`xllm.core.model_api.FusedForward` of Llama-family models.
 """
 
 from __future__ import annotations
@@ -15,22 +21,24 @@ import ctypes
 
 import torch
 
-from xllm.core.model_api import SlotKV
+from xllm.core.model_api import SlotKV, StepTokens
 from xllm.kernels import native, rms_norm
 from xllm.kernels.linear import MAX_NATIVE_ROWS
 
 
-class FusedLlamaDecoder:
-    """Decode steps of a :class:`~xllm.models.llama.LlamaForCausalLM` through one native call."""
+class FusedLlamaForward:
+    """Whole steps of a :class:`~xllm.models.llama.LlamaForCausalLM` through one native call each."""
 
-    max_batch = MAX_NATIVE_ROWS  # the kernel's GEMMs stream each weight once for up to this many rows
+    max_batch = MAX_NATIVE_ROWS  # the decode kernel's GEMMs stream each weight once for up to this many rows
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, max_step_tokens: int = 8192) -> None:
         self.model = model
+        self.max_step_tokens = max_step_tokens
         self._kv_key: tuple | None = None
         self._layers = None
         self._cfg = None
         self._work: torch.Tensor | None = None
+        self._packed: list | None = None  # keeps the packed weights alive while the structs point at them
 
     @staticmethod
     def model_supported(model) -> bool:
@@ -52,6 +60,16 @@ class FusedLlamaDecoder:
             and model.rotary.cos.shape[-1] == attn.head_dim
         )
 
+    def _packed_weights(self) -> list:
+        """Per layer, the blocked GEMM's packed (qkv, o, gate_up, down) weights or Nones."""
+        if self._packed is None:
+            self._packed = []
+            for layer in self.model.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                self._packed.append([lin.native_packed() for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj,
+                                                                     mlp.down_proj)])
+        return self._packed
+
     def _bind(self, kv: SlotKV) -> None:
         """(Re)build the C structs for ``kv``'s tensors (they never move: bound once per backend)."""
         m = self.model
@@ -66,31 +84,45 @@ class FusedLlamaDecoder:
         k0, v0 = kvs[0]
         for k, v in kvs:
             if k.dim() != 4 or k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride() != k0.stride():
-                raise ValueError("fused decode needs [slots, max_len, kv_heads, head_dim] KV tensors")
+                raise ValueError("fused steps need [slots, max_len, kv_heads, head_dim] KV tensors")
+            if k.stride(2) != attn0.head_dim or v.stride(2) != attn0.head_dim:
+                raise ValueError("fused steps need each token's KV heads packed in one row")
         cfg = native.LlamaCfg(
             hidden=m.cfg.hidden_size, n_heads=attn0.num_heads, n_kv_heads=attn0.num_kv_heads,
             head_dim=attn0.head_dim, inter=int(m.cfg.raw["intermediate_size"]), n_layers=len(layers),
             k_slot_stride=k0.stride(0), k_tok_stride=k0.stride(1), v_slot_stride=v0.stride(0),
             v_tok_stride=v0.stride(1), eps=float(layers[0].input_layernorm.eps), scale=float(attn0.scale),
             qk_norm=int(attn0.q_norm is not None), rotary_dim=m.rotary.cos.shape[-1])
+        packed = self._packed_weights()
         arr = (native.LlamaLayer * len(layers))()
+
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+
         for i, layer in enumerate(layers):
             a = layer.self_attn
-
-            def ptr(t):
-                return None if t is None else t.data_ptr()
-
+            qkv_p, o_p, gu_p, down_p = (None if pw is None else pw.data for pw in packed[i])
             arr[i] = native.LlamaLayer(
                 ln1=ptr(layer.input_layernorm.weight), qkv_w=ptr(a.qkv_proj.weight), qkv_b=ptr(a.qkv_proj.bias),
                 q_norm=ptr(a.q_norm.weight) if a.q_norm is not None else None,
                 k_norm=ptr(a.k_norm.weight) if a.k_norm is not None else None,
                 o_w=ptr(a.o_proj.weight), o_b=ptr(a.o_proj.bias), ln2=ptr(layer.post_attention_layernorm.weight),
                 gate_up_w=ptr(layer.mlp.gate_up_proj.weight), down_w=ptr(layer.mlp.down_proj.weight),
-                k_cache=kvs[i][0].data_ptr(), v_cache=kvs[i][1].data_ptr())
+                k_cache=kvs[i][0].data_ptr(), v_cache=kvs[i][1].data_ptr(), qkv_wp=ptr(qkv_p), o_wp=ptr(o_p),
+                gate_up_wp=ptr(gu_p), down_wp=ptr(down_p))
         self._cfg, self._layers, self._kv_key = cfg, arr, key
         # cos/sin tables must stay float32 and contiguous for the kernel
         self._cos = m.rotary.cos.contiguous()
         self._sin = m.rotary.sin.contiguous()
+
+    def _workspace(self, elems: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._work is None or self._work.numel() < elems or self._work.dtype != dtype:
+            self._work = torch.empty(elems, dtype=dtype)
+        return self._work
+
+    def _kernel(self, name: str, dtype: torch.dtype):
+        lib = native.library().lib
+        return getattr(lib, f"xllm_llama_{name}_{'bf16' if dtype == torch.bfloat16 else 'f32'}")
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -110,15 +142,40 @@ class FusedLlamaDecoder:
         hidden = m.model.embed_tokens(input_ids).contiguous()
         residual = torch.empty_like(hidden)
         qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-        need = b * (c.hidden + qkv_dim + c.n_heads * c.head_dim + c.inter)  # r_alt, qkv, attn, act
-        if self._work is None or self._work.numel() < need or self._work.dtype != hidden.dtype:
-            self._work = torch.empty(self.max_batch * (need // b), dtype=hidden.dtype)
+        per_row = c.hidden + qkv_dim + c.n_heads * c.head_dim + c.inter  # r_alt, qkv, attn, act
+        work = self._workspace(self.max_batch * per_row, hidden.dtype)
         slots = slots.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
-        fn = native.library().lib.xllm_llama_decode_bf16 if hidden.dtype == torch.bfloat16 else \
-            native.library().lib.xllm_llama_decode_f32
-        fn(ctypes.byref(c), self._layers, b, slots.data_ptr(), positions.data_ptr(), self._cos.data_ptr(),
-           self._sin.data_ptr(), hidden.data_ptr(), residual.data_ptr(), self._work.data_ptr())
+        self._kernel("decode", hidden.dtype)(
+            ctypes.byref(c), self._layers, b, slots.data_ptr(), positions.data_ptr(), self._cos.data_ptr(),
+            self._sin.data_ptr(), hidden.data_ptr(), residual.data_ptr(), work.data_ptr())
         norm = m.model.norm
         out, _ = rms_norm(hidden, norm.weight, norm.eps, residual)
+        return out
+
+    @torch.inference_mode()
+    def step(self, tokens: StepTokens, kv: SlotKV) -> torch.Tensor:
+        """Final hidden states of ``tokens.sample_rows`` for a step of decode rows and prefill chunks
+        (see :class:`~xllm.core.model_api.StepTokens`); every row's K/V is written by the kernel."""
+        m = self.model
+        self._bind(kv)
+        t = tokens.input_ids.shape[0]
+        if t > self.max_step_tokens:
+            raise ValueError(f"a fused step handles at most {self.max_step_tokens} tokens")
+        c = self._cfg
+        hidden = m.model.embed_tokens(tokens.input_ids).contiguous()
+        residual = torch.empty_like(hidden)
+        qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+        per_row = qkv_dim + c.n_heads * c.head_dim + 3 * c.inter + c.hidden  # qkv, attn, gate_up, act, x
+        work = self._workspace(t * per_row, hidden.dtype)
+        ints = [x.to(torch.int64).contiguous() for x in (tokens.token_slots, tokens.positions, tokens.seq_starts,
+                                                           tokens.context_lens, tokens.seq_slots)]
+        token_slots, positions, starts, lens, seq_slots = ints
+        self._kernel("forward", hidden.dtype)(
+            ctypes.byref(c), self._layers, t, token_slots.data_ptr(), positions.data_ptr(), lens.numel(),
+            starts.data_ptr(), lens.data_ptr(), seq_slots.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(),
+            hidden.data_ptr(), residual.data_ptr(), work.data_ptr())
+        rows = tokens.sample_rows
+        norm = m.model.norm
+        out, _ = rms_norm(hidden[rows].contiguous(), norm.weight, norm.eps, residual[rows].contiguous())
         return out

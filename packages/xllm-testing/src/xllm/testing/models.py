@@ -105,6 +105,7 @@ class EngineRun:
     stats: list[StepStats] = field(default_factory=list)
     counters: object = None
     native_decode_steps: int = 0  # decode steps the fused native step ran
+    mode_steps: dict[str, int] = field(default_factory=dict)  # steps per forward mode (ModelRunner.mode_steps)
 
 
 class _Recorder:
@@ -145,4 +146,5 @@ def run_engine(model, tokenizer, prompts: list[list[int]], max_tokens: int, dtyp
     assert not engine.has_work(), "engine did not finish"
     run.counters = engine.counters
     run.native_decode_steps = engine.runner.native_decode_steps
+    run.mode_steps = dict(engine.runner.mode_steps)
     return run

@@ -1,0 +1,130 @@
+/* Llama-family fused general step (template body; included by llama_step.c once per dtype, after
+ * llama_decode.h whose row helpers it reuses).
+ *
+ * One call runs every layer for a packed step of T tokens from S sequences: decode rows (a chunk
+ * of one token) and prefill chunks alike. Token t has (slot, position) = (token_slots[t],
+ * positions[t]); sequence s owns rows [seq_starts[s], seq_starts[s+1]) and attends over its
+ * context [0, ctx_lens[s]) in slot seq_slots[s], of which its chunk is the last rows (causal within
+ * the chunk). Per layer, each phase a worksharing loop of the one OpenMP team: residual + RMSNorm
+ * per row, the QKV GEMM, q/k norm + RoPE + KV store per row, varlen attention over all sequences,
+ * the O GEMM, residual + RMSNorm, the gate/up GEMM (+ SiLU-and-mul), the down GEMM. GEMMs with more
+ * than MAX_B rows use the blocked kernel over the layer's packed weights (gemm_packed.h) when the
+ * layer has them, else the row-streaming GEMV in chunks of MAX_B rows. Rounding points are the
+ * eager path's, as in the decode step. On return `hidden` holds the last layer's MLP output and
+ * `residual` the residual stream ([T, hidden] each): the caller applies the final norm to the rows
+ * that sample.
+ *
+ * work: T * (qkv_dim + n_heads * head_dim + 3 * inter + hidden) elements of T.
+ */
+
+/* y[M, N] = x[M, K] . W[N, K]^T (+ bias): inside the team, ends with a barrier */
+static void CAT(linear_team_, SFX)(const T *x, int64_t M, int64_t K, const T *W, const T *Wp, int64_t N,
+                                   const T *bias, T *y) {
+    if (Wp != NULL && M > MAX_B) {
+        GEMM_PACKED_TEAM(x, M, K, Wp, N, bias, y);
+        return;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_B)
+        CAT(gemv_team_, SFX)(x + m0 * K, M - m0 < MAX_B ? M - m0 : MAX_B, K, W, N, bias, y + m0 * N);
+}
+
+/* r = (first ? h : h + r) rounded; x = rmsnorm(r) * w, one row per iteration (rows split over the team) */
+static void CAT(residual_norm_rows_, SFX)(const T *h, T *r, const T *w, int64_t M, int64_t n, float eps, int first,
+                                          T *x) {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const T *hm = h + m * n;
+        T *rm = r + m * n, *xm = x + m * n;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = first ? TOF(hm[i]) : RND(TOF(hm[i]) + TOF(rm[i]));
+            rm[i] = STORE(v);
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) xm[i] = STORE(TOF(w[i]) * RND(TOF(rm[i]) * inv));
+    }
+}
+
+/* act[m, i] = silu(gu[m, i]) * gu[m, I + i] (each rounded like the eager op) */
+static void CAT(silu_mul_rows_, SFX)(const T *gu, int64_t M, int64_t I, T *act) {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const T *g = gu + m * 2 * I, *u = g + I;
+        T *a = act + m * I;
+        int64_t i = 0;
+        for (; i + 16 <= I; i += 16) {
+            const __m512 gv = VLOAD(g + i), uv = VLOAD(u + i);
+            const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                               exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            VSTORE(a + i, _mm512_mul_ps(VRND(sig), uv));
+        }
+        for (; i < I; i++) {
+            const float gr = TOF(g[i]), ur = TOF(u[i]);
+            a[i] = STORE(RND(gr / (1.0f + expf(-gr))) * ur);
+        }
+    }
+}
+
+/* q/k RMSNorm (Qwen3) and RoPE of every head of each token, then its K/V row stored at (slot, pos) */
+static void CAT(rope_store_rows_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *L, T *qkv, int64_t M,
+                                       const int64_t *token_slots, const int64_t *positions, const float *cos_table,
+                                       const float *sin_table) {
+    const int64_t nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, rd = c->rotary_dim;
+    const int64_t qkv_dim = (nh + 2 * nkv) * hd;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        T *row = qkv + m * qkv_dim;
+        const int64_t pos = positions[m];
+        const float *cs = cos_table + pos * rd, *sn = sin_table + pos * rd;
+        for (int64_t h = 0; h < nh + nkv; h++) {
+            T *x = row + h * hd;
+            if (c->qk_norm) CAT(rmsnorm_row_, SFX)(x, (const T *)(h < nh ? L->q_norm : L->k_norm), hd, c->eps, x);
+            CAT(rope_head_, SFX)(x, cs, sn, rd);
+        }
+        T *kc = (T *)L->k_cache + token_slots[m] * c->k_slot_stride + pos * c->k_tok_stride;
+        T *vc = (T *)L->v_cache + token_slots[m] * c->v_slot_stride + pos * c->v_tok_stride;
+        memcpy(kc, row + nh * hd, nkv * hd * sizeof(T));
+        memcpy(vc, row + (nh + nkv) * hd, nkv * hd * sizeof(T));
+    }
+}
+
+void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *layers, int64_t M,
+                                   const int64_t *token_slots, const int64_t *positions, int64_t S,
+                                   const int64_t *seq_starts, const int64_t *ctx_lens, const int64_t *seq_slots,
+                                   const float *cos_table, const float *sin_table, T *hidden, T *residual,
+                                   T *work) {
+    const int64_t Hd = c->hidden, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, I = c->inter;
+    const int64_t qkv_dim = (nh + 2 * nkv) * hd;
+    T *qkv = work, *attn = qkv + M * qkv_dim, *gu = attn + M * nh * hd, *act = gu + M * 2 * I, *x = act + M * I;
+    int64_t max_ctx = 1;
+    for (int64_t s = 0; s < S; s++) max_ctx = ctx_lens[s] > max_ctx ? ctx_lens[s] : max_ctx;
+    const size_t scratch_floats = (size_t)ATTN_SCRATCH(max_ctx, nh, nkv, hd);
+#pragma omp parallel
+    {
+        float *scratch = (float *)malloc(sizeof(float) * scratch_floats);
+        for (int64_t l = 0; l < c->n_layers; l++) {
+            const XllmLlamaLayer *L = layers + l;
+            CAT(residual_norm_rows_, SFX)(hidden, residual, (const T *)L->ln1, M, Hd, c->eps, l == 0, x);
+            CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->qkv_w, (const T *)L->qkv_wp, qkv_dim, (const T *)L->qkv_b,
+                                   qkv);
+            CAT(rope_store_rows_, SFX)(c, L, qkv, M, token_slots, positions, cos_table, sin_table);
+            ATTN_TEAM(qkv, qkv_dim, (const T *)L->k_cache, (const T *)L->v_cache, c->k_slot_stride, c->k_tok_stride,
+                      c->v_slot_stride, c->v_tok_stride, seq_slots, seq_starts, ctx_lens, S, nh, nkv, hd, hd,
+                      c->scale, attn, nh * hd, scratch);
+            CAT(linear_team_, SFX)(attn, M, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, Hd, (const T *)L->o_b,
+                                   hidden);
+            CAT(residual_norm_rows_, SFX)(hidden, residual, (const T *)L->ln2, M, Hd, c->eps, 0, x);
+            if (L->gate_up_wp != NULL && M > MAX_B) {
+                CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->gate_up_w, (const T *)L->gate_up_wp, 2 * I, NULL, gu);
+                CAT(silu_mul_rows_, SFX)(gu, M, I, act);
+            } else {
+                for (int64_t m0 = 0; m0 < M; m0 += MAX_B)
+                    CAT(gate_up_silu_team_, SFX)(x + m0 * Hd, M - m0 < MAX_B ? M - m0 : MAX_B, Hd,
+                                                 (const T *)L->gate_up_w, I, act + m0 * I);
+            }
+            CAT(linear_team_, SFX)(act, M, I, (const T *)L->down_w, (const T *)L->down_wp, Hd, NULL, hidden);
+        }
+        free(scratch);
+    }
+}
