@@ -10,6 +10,10 @@
     python -m benchmarks pd                           # 1 prefill + 1 decode vs 2 mixed instances, per KV transport
     python -m benchmarks reliability                  # faults: kill -9, SIGTERM, etcd, gateway, floods, bad clients
     python -m benchmarks moves                        # a draining engine's requests: KV migration vs recompute
+    python -m benchmarks gemm                         # GEMM kernels per shape and row count: ours vs oneDNN
+    python -m benchmarks steps                        # one engine step by shape: eager vs fused native, by part
+    python -m benchmarks budget                       # the token budget against goodput under a TTFT + TPOT SLO
+    python -m benchmarks serve-client                 # xLLM and vLLM driven by vLLM's own benchmark client
 """
 
 from __future__ import annotations
@@ -24,6 +28,17 @@ from benchmarks.scenarios import ALL, ALL_SYSTEMS, SCENARIOS, Settings
 
 HERE = pathlib.Path(__file__).resolve().parent
 PEERS = ("vllm", "llamacpp", "hf")
+# scenarios with their own command line: name -> module with ``main(argv) -> int``
+SUBCOMMANDS = {
+    "routing": "benchmarks.routing",
+    "pd": "benchmarks.pd",
+    "reliability": "benchmarks.reliability",
+    "moves": "benchmarks.moves",
+    "gemm": "benchmarks.gemm",
+    "steps": "benchmarks.steps",
+    "budget": "benchmarks.budget",
+    "serve-client": "benchmarks.serve_client",
+}
 
 
 def _systems(text: str) -> list[str]:
@@ -218,20 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_install(argv[1:])
     if argv and argv[0] == "report":
         return cmd_report(argv[1:])
-    if argv and argv[0] == "routing":
-        from benchmarks.routing import main as routing_main
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
 
-        return routing_main(argv[1:])
-    if argv and argv[0] == "pd":
-        from benchmarks.pd import main as pd_main
-
-        return pd_main(argv[1:])
-    if argv and argv[0] == "reliability":
-        from benchmarks.reliability import main as reliability_main
-
-        return reliability_main(argv[1:])
-    if argv and argv[0] == "moves":
-        from benchmarks.moves import main as moves_main
-
-        return moves_main(argv[1:])
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     return cmd_run(argv)
