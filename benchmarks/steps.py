@@ -17,7 +17,9 @@ interleaving keeps slow spells from landing on one mode):
 
 Each repetition times one ``LLMEngine.step()`` (scheduling, forward, sampling, output processing)
 after the same setup. A ``torch.profiler`` pass over one eager step splits it by part (GEMMs,
-attention, KV stores, other ops, Python outside ops). Results: ``results.json``, ``summary.md``
+attention, KV stores, other ops, Python outside ops; native kernels called through ctypes are not
+torch ops and land in the last), and the fused general step's own phase timers (``phase_seconds``
+of :class:`xllm.models.llama_native.FusedLlamaForward`) split one native step. Results: ``results.json``, ``summary.md``
 and ``steps.png`` in ``--out`` (default ``benchmarks/results/steps-<timestamp>``).
 """
 
@@ -118,6 +120,27 @@ class Bench:
         self.finish(eng)
         return dt
 
+    def native_parts(self, shape: Shape) -> dict[str, float] | None:
+        """One fused general step split by the kernel's own phase timers (ms; None where the step is
+        not a general step: a small pure decode, or no fused forward)."""
+        eng = self.prepare("native", shape)
+        fused = eng.runner.fused
+        if fused is None or (shape.prompts == 0 and shape.decodes <= fused.max_batch):
+            self.finish(eng)
+            return None
+        fused.phase_seconds = self.torch.zeros(len(fused.PHASES), dtype=self.torch.float64)
+        t0 = time.perf_counter()
+        eng.step()
+        total = (time.perf_counter() - t0) * 1e3
+        phases, fused.phase_seconds = fused.phase_seconds.tolist(), None
+        self.finish(eng)
+        parts: dict[str, float] = {}
+        for name, sec in zip(fused.PHASES, phases):
+            parts[name] = parts.get(name, 0.0) + sec * 1e3
+        parts["outside the kernel (LM head, sampling, Python)"] = total - sum(phases) * 1e3
+        parts["step"] = total
+        return parts
+
     def eager_parts(self, shape: Shape) -> dict[str, float]:
         """One eager step under torch.profiler, split by part (ms)."""
         from torch.profiler import profile
@@ -182,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
                "ms": {m: statistics.median(v) for m, v in times.items()}, "samples_ms": times}
         if "eager" in modes and shape.prompts:
             row["eager_parts_ms"] = bench.eager_parts(shape)
+        if "native" in modes:
+            parts = bench.native_parts(shape)
+            if parts is not None:
+                row["native_parts_ms"] = parts
         rows.append(row)
         print(f"[steps] {shape}: " + ", ".join(f"{m} {row['ms'][m]:.1f} ms" for m in modes), flush=True)
     meta["cpu_busy_after"] = cpu_busy_fraction()
@@ -206,13 +233,16 @@ def summary(results: dict) -> str:
     for r in rows:
         ratio = f" | {r['ms']['eager'] / r['ms']['native']:.2f}× |" if len(modes) == 2 else " |"
         lines.append(f"| {r['shape']} | {r['tokens']} | " + " | ".join(f"{r['ms'][m]:.1f}" for m in modes) + ratio)
-    parted = [r for r in rows if "eager_parts_ms" in r]
-    if parted:
-        names = list(parted[0]["eager_parts_ms"])
-        lines += ["", "Eager step by part (ms, one profiled step):", "",
-                  "| step shape | " + " | ".join(names) + " |", "| --- | " + " | ".join("---:" for _ in names) + " |"]
-        for r in parted:
-            lines.append(f"| {r['shape']} | " + " | ".join(f"{r['eager_parts_ms'][n]:.1f}" for n in names) + " |")
+    for key, title in (("eager_parts_ms", "Eager step by part (ms, one step under torch.profiler, which slows "
+                                           "it down)"),
+                       ("native_parts_ms", "Fused general step by part (ms, one step, the kernel's phase timers)")):
+        parted = [r for r in rows if key in r]
+        if parted:
+            names = list(parted[0][key])
+            lines += ["", title + ":", "", "| step shape | " + " | ".join(names) + " |",
+                      "| --- | " + " | ".join("---:" for _ in names) + " |"]
+            for r in parted:
+                lines.append(f"| {r['shape']} | " + " | ".join(f"{r[key][n]:.1f}" for n in names) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -15,7 +15,21 @@
  * that sample.
  *
  * work: T * (qkv_dim + n_heads * head_dim + 3 * inter + hidden) elements of T.
+ * phase_s: NULL, or FORWARD_PHASES doubles to which the call adds the wall time of each phase over
+ * all layers (taken by thread 0 after each phase's closing barrier): the step's profile by part.
  */
+
+#ifndef FORWARD_PHASES
+#define FORWARD_PHASES 8 /* norm, qkv GEMM, rope + KV store, attention, o GEMM, norm, gate/up (+ SiLU), down */
+#define MARK(i)                                                                  \
+    do {                                                                         \
+        if (timed) {                                                             \
+            const double now_ = omp_get_wtime();                                 \
+            phase_s[i] += now_ - last;                                           \
+            last = now_;                                                         \
+        }                                                                        \
+    } while (0)
+#endif
 
 /* y[M, N] = x[M, K] . W[N, K]^T (+ bias): inside the team, ends with a barrier */
 static void CAT(linear_team_, SFX)(const T *x, int64_t M, int64_t K, const T *W, const T *Wp, int64_t N,
@@ -93,7 +107,7 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
                                    const int64_t *token_slots, const int64_t *positions, int64_t S,
                                    const int64_t *seq_starts, const int64_t *ctx_lens, const int64_t *seq_slots,
                                    const float *cos_table, const float *sin_table, T *hidden, T *residual,
-                                   T *work) {
+                                   T *work, double *phase_s) {
     const int64_t Hd = c->hidden, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, I = c->inter;
     const int64_t qkv_dim = (nh + 2 * nkv) * hd;
     T *qkv = work, *attn = qkv + M * qkv_dim, *gu = attn + M * nh * hd, *act = gu + M * 2 * I, *x = act + M * I;
@@ -103,18 +117,26 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
 #pragma omp parallel
     {
         float *scratch = (float *)malloc(sizeof(float) * scratch_floats);
+        const int timed = phase_s != NULL && omp_get_thread_num() == 0;
+        double last = timed ? omp_get_wtime() : 0.0;
         for (int64_t l = 0; l < c->n_layers; l++) {
             const XllmLlamaLayer *L = layers + l;
             CAT(residual_norm_rows_, SFX)(hidden, residual, (const T *)L->ln1, M, Hd, c->eps, l == 0, x);
+            MARK(0);
             CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->qkv_w, (const T *)L->qkv_wp, qkv_dim, (const T *)L->qkv_b,
                                    qkv);
+            MARK(1);
             CAT(rope_store_rows_, SFX)(c, L, qkv, M, token_slots, positions, cos_table, sin_table);
+            MARK(2);
             ATTN_TEAM(qkv, qkv_dim, (const T *)L->k_cache, (const T *)L->v_cache, c->k_slot_stride, c->k_tok_stride,
                       c->v_slot_stride, c->v_tok_stride, seq_slots, seq_starts, ctx_lens, S, nh, nkv, hd, hd,
                       c->scale, attn, nh * hd, scratch);
+            MARK(3);
             CAT(linear_team_, SFX)(attn, M, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, Hd, (const T *)L->o_b,
                                    hidden);
+            MARK(4);
             CAT(residual_norm_rows_, SFX)(hidden, residual, (const T *)L->ln2, M, Hd, c->eps, 0, x);
+            MARK(5);
             if (L->gate_up_wp != NULL && M > MAX_B) {
                 CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->gate_up_w, (const T *)L->gate_up_wp, 2 * I, NULL, gu);
                 CAT(silu_mul_rows_, SFX)(gu, M, I, act);
@@ -123,7 +145,9 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
                     CAT(gate_up_silu_team_, SFX)(x + m0 * Hd, M - m0 < MAX_B ? M - m0 : MAX_B, Hd,
                                                  (const T *)L->gate_up_w, I, act + m0 * I);
             }
+            MARK(6);
             CAT(linear_team_, SFX)(act, M, I, (const T *)L->down_w, (const T *)L->down_wp, Hd, NULL, hidden);
+            MARK(7);
         }
         free(scratch);
     }

@@ -128,7 +128,7 @@ def test_defaults():
                                                                                      "bfloat16", None, None)
     cfg = engine_config(args)
     assert cfg.dtype == torch.bfloat16
-    assert cfg.max_num_seqs == 64 and cfg.max_num_batched_tokens == 2048
+    assert cfg.max_num_seqs == 64 and cfg.max_num_batched_tokens == 512
     assert cfg.max_model_len is None and cfg.kv_cache_memory_gib == 2.0
     assert cfg.max_waiting_requests == 4096 and cfg.num_threads is None and cfg.seed == 0
 

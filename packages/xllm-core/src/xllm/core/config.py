@@ -10,6 +10,7 @@ from xllm.common import UnknownNameError
 from xllm.core.dtypes import DTYPES
 from xllm.core.errors import ConfigError
 from xllm.core.kv.registry import KV_BACKENDS
+from xllm.sched.batch_policy import DEFAULT_TOKEN_BUDGET
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -44,7 +45,7 @@ class EngineConfig:
     dtype: torch.dtype = torch.bfloat16
     device: str = "cpu"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET
     max_model_len: int | None = None
     block_size: int | None = None
     kv_cache_memory_gib: float = 2.0

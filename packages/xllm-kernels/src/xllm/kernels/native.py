@@ -79,7 +79,7 @@ class NativeLibrary:
                                            vp, vp, vp, vp]
         for name in ("xllm_llama_forward_bf16", "xllm_llama_forward_f32"):
             getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, i64,
-                                           vp, vp, vp, vp, vp, vp, vp, vp]
+                                           vp, vp, vp, vp, vp, vp, vp, vp, vp]
         for sfx in ("bf16", "f32"):
             getattr(lib, f"xllm_add_rmsnorm_{sfx}").argtypes = [vp, vp, vp, vp, i64, i64, f32, vp]
             getattr(lib, f"xllm_silu_mul_{sfx}").argtypes = [vp, i64, i64, vp]

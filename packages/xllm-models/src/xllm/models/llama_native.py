@@ -31,9 +31,13 @@ class FusedLlamaForward:
 
     max_batch = MAX_NATIVE_ROWS  # the decode kernel's GEMMs stream each weight once for up to this many rows
 
+    PHASES = ("norm", "qkv GEMM", "rope + KV store", "attention", "o GEMM", "norm", "gate/up GEMM + SiLU",
+              "down GEMM")  # the general step's parts, in kernel order (llama_forward.h)
+
     def __init__(self, model, max_step_tokens: int = 8192) -> None:
         self.model = model
         self.max_step_tokens = max_step_tokens
+        self.phase_seconds: torch.Tensor | None = None  # set to zeros(len(PHASES), float64) to profile steps
         self._kv_key: tuple | None = None
         self._layers = None
         self._cfg = None
@@ -174,7 +178,8 @@ class FusedLlamaForward:
         self._kernel("forward", hidden.dtype)(
             ctypes.byref(c), self._layers, t, token_slots.data_ptr(), positions.data_ptr(), lens.numel(),
             starts.data_ptr(), lens.data_ptr(), seq_slots.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(),
-            hidden.data_ptr(), residual.data_ptr(), work.data_ptr())
+            hidden.data_ptr(), residual.data_ptr(), work.data_ptr(),
+            None if self.phase_seconds is None else self.phase_seconds.data_ptr())
         rows = tokens.sample_rows
         norm = m.model.norm
         out, _ = rms_norm(hidden[rows].contiguous(), norm.weight, norm.eps, residual[rows].contiguous())

@@ -19,6 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# The engine's default token budget per step (--max-num-batched-tokens). Measured, not guessed: of
+# 256..4096 it had the best goodput under a TTFT <= 1 s + TPOT <= 100 ms SLO on vLLM's client mixes
+# (python -m benchmarks budget; docs/performance.md): 256 admits too little prefill per step, 1024 and
+# more let a burst of short prompts queue behind one long step.
+DEFAULT_TOKEN_BUDGET = 512
+
 
 class SchedulableSeq(Protocol):
     """What the policy reads of a sequence."""
