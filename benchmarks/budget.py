@@ -23,6 +23,7 @@ import sys
 import time
 
 from benchmarks.cli import int_list
+from benchmarks.report import add_output_args
 
 HERE = pathlib.Path(__file__).resolve().parent
 BUDGETS = (256, 512, 1024, 2048, 4096)
@@ -44,8 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF model dir (default: the bundled SmolLM2)")
     p.add_argument("--seed", type=int, default=0, help="the client's seed (prompt sampling)")
     p.add_argument("--xllm-args", default="", metavar="'FLAGS'", help="more flags for every xLLM server")
-    p.add_argument("--out", type=pathlib.Path, default=None, help="results dir")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
+    add_output_args(p, "budget", report=False)
     return p
 
 

@@ -36,6 +36,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from benchmarks.report import add_output_args
+
 HERE = pathlib.Path(__file__).resolve().parent
 SMOLLM2_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
                   "lm_head": (49152, 576)}
@@ -215,11 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=0.3, metavar="SECONDS",
                    help="time per (dtype, shape, M) cell: sets the repetitions (5..200; default 0.3)")
     p.add_argument("--int8", action="store_true", help="add the W8A8 VNNI prototype (bf16 only)")
-    p.add_argument("--out", type=pathlib.Path, default=None,
-                   help="results dir (default: benchmarks/results/gemm-<timestamp>)")
-    p.add_argument("--no-plots", action="store_true", help="skip gemm.png")
-    p.add_argument("--report", type=pathlib.Path, default=None, metavar="DIR",
-                   help="only rebuild summary.md and gemm.png from DIR/results.json")
+    add_output_args(p, "gemm")
     return p
 
 

@@ -48,7 +48,7 @@ from dataclasses import asdict
 
 from benchmarks.cli import int_list
 from benchmarks.movecells import MODES, Cell, RunSettings, run_cell, seam_errors
-from benchmarks.report import pct
+from benchmarks.report import add_output_args, pct
 from benchmarks.stats import percentile
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -259,11 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passed to xllm serve: the KV bandwidth auto assumes before measuring one (default: "
                         "the gateway's)")
     p.add_argument("--seed", type=int, default=0, help="prompt choice; sampled streams' seeds start at 1000 + this")
-    p.add_argument("--out", type=pathlib.Path, default=None, help="results dir (default: "
-                   "benchmarks/results/moves-<timestamp>)")
-    p.add_argument("--no-plots", action="store_true", help="skip moves.png")
-    p.add_argument("--report", type=pathlib.Path, default=None, metavar="DIR",
-                   help="only rebuild summary.md and moves.png from DIR/results.json")
+    add_output_args(p, "moves")
     return p
 
 

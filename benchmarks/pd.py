@@ -45,7 +45,7 @@ from benchmarks.client import EndpointProfile, RequestSpec, run_requests
 from benchmarks.metrics import histogram_quantile, scrape, total
 from benchmarks.peers.xllm import model_dir as xllm_model_dir
 from benchmarks.peers.xllm import wait_instances
-from benchmarks.report import pct, ratio
+from benchmarks.report import add_output_args, pct, ratio
 from benchmarks.stats import SLO, RequestRecord, goodput, serving_summary, slo_attainment
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -352,10 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--model", default=None, help="HF model dir (default: the bundled SmolLM2)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=pathlib.Path, default=None)
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--report", type=pathlib.Path, default=None, metavar="DIR",
-                   help="only rebuild summary.md and pd.png from DIR/results.json")
+    add_output_args(p, "pd")
     return p
 
 

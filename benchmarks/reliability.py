@@ -43,7 +43,7 @@ import pathlib
 import sys
 from dataclasses import asdict, dataclass, field
 
-from benchmarks.report import pct
+from benchmarks.report import add_output_args, pct
 from xllm.testing.sse import CompletionStream as Stream
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -270,10 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache per engine (default: 0.1 for the tiny model, 1.0 for --model)")
     p.add_argument("--streams", type=int, default=256, help="concurrent streams of the streams scenario (256)")
     p.add_argument("--seed", type=int, default=0, help="seeds of the sampled streams start at 1000 + this")
-    p.add_argument("--out", type=pathlib.Path, default=None)
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--report", type=pathlib.Path, default=None, metavar="DIR",
-                   help="only rebuild summary.md and reliability.png from DIR/results.json")
+    add_output_args(p, "reliability")
     return p
 
 

@@ -16,6 +16,17 @@ SYSTEM_ORDER = ("xllm", "xllm-offline", "vllm", "llamacpp", "hf")
 RATIO_PAIRS = (("xllm", "vllm"), ("xllm", "llamacpp"), ("xllm", "hf"), ("xllm-offline", "hf"))
 
 
+
+def add_output_args(p, name: str, report: bool = True) -> None:
+    """The output flags every standalone scenario shares: ``--out``, ``--no-plots`` and (``report``)
+    ``--report DIR`` to rebuild the summary and plots from a finished run's ``results.json``."""
+    p.add_argument("--out", type=pathlib.Path, default=None,
+                   help=f"results dir (default: benchmarks/results/{name}-<timestamp>)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    if report:
+        p.add_argument("--report", type=pathlib.Path, default=None, metavar="DIR",
+                       help="only rebuild summary.md and the plots from DIR/results.json")
+
 @dataclass
 class Row:
     label: str

@@ -40,6 +40,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from benchmarks.report import add_output_args
 from benchmarks.serve_client_report import length_check, markdown, parse_result, plot
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -290,11 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the client's --seed (random prompts, ShareGPT shuffle) and the synthetic file's seed (0)")
     p.add_argument("--xllm-args", default="", metavar="'FLAGS'",
                    help="extra `xllm serve` flags, e.g. --xllm-args='--no-prefix-cache' (recorded in results.json)")
-    p.add_argument("--out", type=pathlib.Path, default=None,
-                   help="results dir (default benchmarks/results/serve-client-<timestamp>)")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--report", type=pathlib.Path, default=None, metavar="DIR",
-                   help="only rebuild summary.md and the plots from DIR/results.json")
+    add_output_args(p, "serve-client")
     return p
 
 

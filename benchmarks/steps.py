@@ -34,6 +34,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from benchmarks.report import add_output_args
+
 HERE = pathlib.Path(__file__).resolve().parent
 SHAPES = ("1x128", "16x128", "1x1024", "16+1x128", "15+1x512", "16", "64", "64+1x128")
 MODES = ("eager", "native")
@@ -172,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=160, help="tokens of context of each decoding sequence")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--model", type=pathlib.Path, default=None, help="model dir (default: the bundled SmolLM2)")
-    p.add_argument("--out", type=pathlib.Path, default=None, help="results dir")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
+    add_output_args(p, "steps", report=False)
     args = p.parse_args(argv)
     import torch
 

@@ -42,21 +42,53 @@ static void CAT(linear_team_, SFX)(const T *x, int64_t M, int64_t K, const T *W,
         CAT(gemv_team_, SFX)(x + m0 * K, M - m0 < MAX_B ? M - m0 : MAX_B, K, W, N, bias, y + m0 * N);
 }
 
-/* r = (first ? h : h + r) rounded; x = rmsnorm(r) * w, one row per iteration (rows split over the team) */
+/* r = (first ? h : h + r) rounded; x = rmsnorm(r) * w, one row per iteration (rows split over the team);
+ * 16 lanes at a time, the rounding points of the eager op (the sum of squares in 16 partial sums) */
 static void CAT(residual_norm_rows_, SFX)(const T *h, T *r, const T *w, int64_t M, int64_t n, float eps, int first,
                                           T *x) {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const T *hm = h + m * n;
         T *rm = r + m * n, *xm = x + m * n;
+        __m512 ssv = _mm512_setzero_ps();
         float ss = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            __m512 v = VLOAD(hm + i);
+            if (!first) v = VRND(_mm512_add_ps(v, VLOAD(rm + i)));
+            VSTORE(rm + i, v);
+            ssv = _mm512_fmadd_ps(v, v, ssv);
+        }
+        for (; i < n; i++) {
             const float v = first ? TOF(hm[i]) : RND(TOF(hm[i]) + TOF(rm[i]));
             rm[i] = STORE(v);
             ss += v * v;
         }
+        ss += _mm512_reduce_add_ps(ssv);
         const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-        for (int64_t i = 0; i < n; i++) xm[i] = STORE(TOF(w[i]) * RND(TOF(rm[i]) * inv));
+        const __m512 iv = _mm512_set1_ps(inv);
+        for (i = 0; i + 16 <= n; i += 16)
+            VSTORE(xm + i, _mm512_mul_ps(VLOAD(w + i), VRND(_mm512_mul_ps(VLOAD(rm + i), iv))));
+        for (; i < n; i++) xm[i] = STORE(TOF(w[i]) * RND(TOF(rm[i]) * inv));
+    }
+}
+
+/* rotate-half RoPE of one head in place, 16 lanes at a time (the scalar rope_head_ where the half
+ * rotary width is not a multiple of 16); the same rounding points */
+static void CAT(rope_head_vec_, SFX)(T *x, const float *cos, const float *sin, int64_t rd) {
+    const int64_t half = rd / 2;
+    if (half % 16) {
+        CAT(rope_head_, SFX)(x, cos, sin, rd);
+        return;
+    }
+    for (int64_t j = 0; j < half; j += 16) {
+        const __m512 a = VLOAD(x + j), b = VLOAD(x + half + j);
+        const __m512 c1 = VRND(_mm512_loadu_ps(cos + j)), s1 = VRND(_mm512_loadu_ps(sin + j));
+        const __m512 c2 = VRND(_mm512_loadu_ps(cos + half + j)), s2 = VRND(_mm512_loadu_ps(sin + half + j));
+        const __m512 lo = _mm512_sub_ps(VRND(_mm512_mul_ps(a, c1)), VRND(_mm512_mul_ps(b, s1)));
+        const __m512 hi = _mm512_add_ps(VRND(_mm512_mul_ps(b, c2)), VRND(_mm512_mul_ps(a, s2)));
+        VSTORE(x + j, lo);
+        VSTORE(x + half + j, hi);
     }
 }
 
@@ -94,7 +126,7 @@ static void CAT(rope_store_rows_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLay
         for (int64_t h = 0; h < nh + nkv; h++) {
             T *x = row + h * hd;
             if (c->qk_norm) CAT(rmsnorm_row_, SFX)(x, (const T *)(h < nh ? L->q_norm : L->k_norm), hd, c->eps, x);
-            CAT(rope_head_, SFX)(x, cs, sn, rd);
+            CAT(rope_head_vec_, SFX)(x, cs, sn, rd);
         }
         T *kc = (T *)L->k_cache + token_slots[m] * c->k_slot_stride + pos * c->k_tok_stride;
         T *vc = (T *)L->v_cache + token_slots[m] * c->v_slot_stride + pos * c->v_tok_stride;

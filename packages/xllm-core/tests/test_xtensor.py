@@ -236,3 +236,38 @@ def test_latent_cache_values_are_key_channels():
         is_causal=True, scale=0.1).transpose(0, 1)
     assert torch.allclose(out, ref, atol=1e-5)
     kv.close()
+
+
+def test_mapped_positions_stay_within_the_map_budget():
+    """Every mapped (slot, block) costs a memory mapping per range and Linux caps them (vm.max_map_count):
+    positions a free slot left mapped are unmapped before a new one would exceed the budget, the pool
+    holds no more pages than fit, and the data of sequences in use is untouched."""
+    kv = XTensorKVCache(layout(num_blocks=8, max_num_seqs=3, prefix=False), map_budget=4)
+    assert kv.layout.num_blocks == 4  # capped to the budget
+    k, _ = kv.layer_kv(0)
+    a, b = seq("a", list(range(16))), seq("b", list(range(100, 116)))
+    assert kv.admit(a, 16) == 16 and kv.admit(b, 16) == 16  # two slots, two blocks each: 4 positions
+    assert a.slot != b.slot and len(kv._mapped) == 4
+    kv.free(a)
+    kv.free(b)
+    c = seq("c", list(range(200, 232)))  # four blocks in one slot: two of them new positions
+    assert kv.admit(c, 32) == 32
+    k[c.slot, :32] = 7.0
+    assert len(kv._mapped) == 4 and kv.map_stats.unmaps == 2 * 2 * 2  # 2 positions x 2 layers x K/V
+    assert all(slot == c.slot for slot, _ in kv._mapped)
+    assert k[c.slot, :32].eq(7.0).all()
+    d = seq("d", list(range(300, 316)))
+    assert kv.admit(d, 16) == 0  # the pool (4 pages) is c's: no room, and nothing crashed
+    kv.free(c)
+    assert kv.admit(d, 16) == 16 and len(kv._mapped) <= 4
+    kv.close()
+
+
+def test_map_budget_from_the_process_limit_caps_capacity(monkeypatch):
+    from xllm.core.kv import xtensor
+
+    # 4 ranges (2 layers x K/V): a mapping per range for each of 3 positions and each of 3 slots (runs)
+    monkeypatch.setattr(xtensor, "free_map_slots", lambda: 3 * 4 + 3 * 4)
+    kv = XTensorKVCache(layout(num_blocks=8, max_num_seqs=3))
+    assert kv.map_budget == 3 and kv.layout.num_blocks == 3
+    kv.close()

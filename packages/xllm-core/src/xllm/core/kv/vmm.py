@@ -103,6 +103,21 @@ class VirtualMemory:
             raise VMMError(err, f"munmap failed: {os.strerror(err)}")
 
 
+def free_map_slots(margin_fraction: float = 0.1, min_margin: int = 4096) -> int | None:
+    """How many more memory mappings (VMAs) this process may create, keeping a margin for everything
+    else it maps: ``vm.max_map_count`` less the mappings it has now less the margin (a tenth of the
+    limit, at least ``min_margin``); None where the limit cannot be read. Past the limit, ``mmap``
+    fails with ENOMEM however much memory is free."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read().strip())
+        with open("/proc/self/maps") as f:
+            used = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
+    return max(0, limit - used - max(min_margin, int(limit * margin_fraction)))
+
+
 def _check_aligned(*values: int) -> None:
     for v in values:
         if v % OS_PAGE:

@@ -13,12 +13,20 @@ attention reads it with (slot, length) — no block table.
   sequence in that slot takes them in place with no mmap at all.
 - Pages a decode step will need next are mapped ahead on a helper thread while
   the current step computes (:meth:`prefetch`).
+- Every mapped (slot, block) position costs one memory mapping per range (two
+  per layer), and Linux caps a process's mappings (``vm.max_map_count``, 65,530
+  by default). The backend keeps the positions mapped at once within that cap
+  (:attr:`map_budget`): the page pool never holds more pages than fit, and a
+  position a free slot or a retargeted page left mapped is unmapped (oldest
+  first) before a new one would exceed it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
+import logging
 import math
 import mmap
 import os
@@ -31,14 +39,39 @@ from xllm.core.kv.base import KVCacheLayout
 from xllm.core.kv.page_pool import PageStatus
 from xllm.core.kv.page_store import PageStore
 from xllm.core.kv.prefix import PrefixCachingBackend
-from xllm.core.kv.vmm import OS_PAGE, VirtualMemory, VMMError
+from xllm.core.kv.vmm import OS_PAGE, VirtualMemory, VMMError, free_map_slots
+
+log = logging.getLogger(__name__)
+
+
+def _ranges_of(layout: KVCacheLayout) -> int:
+    return layout.spec.num_layers * (2 if layout.spec.v_head_dim else 1)
 
 
 class XTensorKVCache(PrefixCachingBackend):
-    """The xTensor KV backend (Linux; needs ``memfd_create``)."""
+    """The xTensor KV backend (Linux; needs ``memfd_create``).
 
-    def __init__(self, layout: KVCacheLayout) -> None:
+    ``map_budget`` is how many (slot, block) positions may be mapped at once (each costs a mapping per
+    range, plus one per range and run of neighbouring positions: a slot's blocks are one run); None
+    takes it from the process's mapping limit (:func:`~xllm.core.kv.vmm.free_map_slots`). The page
+    pool is capped to it (with a warning).
+    """
+
+    def __init__(self, layout: KVCacheLayout, map_budget: int | None = None) -> None:
+        if map_budget is None:
+            free = free_map_slots()
+            ranges = _ranges_of(layout)
+            map_budget = layout.num_blocks if free is None else \
+                max(1, (free - layout.max_num_seqs * ranges) // ranges)
+        if layout.num_blocks > map_budget:
+            log.warning("xTensor: the process may create %s more memory mappings (vm.max_map_count), room for %d "
+                        "mapped blocks of %d tokens: KV capacity capped from %d to %d tokens (raise "
+                        "vm.max_map_count with sysctl for more)", free_map_slots(), map_budget,
+                        layout.block_size, layout.capacity_tokens, map_budget * layout.block_size)
+            layout = dataclasses.replace(layout, num_blocks=map_budget)
         super().__init__(layout)
+        self.map_budget = map_budget
+        self._mapped: dict[tuple[int, int], None] = {}  # positions mapped now, oldest first
         self.addressing = SlotAddressing(self, layout.block_size)
         spec, bs = layout.spec, layout.block_size
         elem = torch.empty((), dtype=layout.dtype).element_size()
@@ -107,12 +140,41 @@ class XTensorKVCache(PrefixCachingBackend):
         self._free_slots.append(slot)
 
     # ---- page placement ----------------------------------------------------------
-    def _place(self, slot: int, block: int, page_id: int, sync: bool = True) -> None:
-        """Make ``page_id`` the page mapped at (slot, block) in every range."""
+    def _make_room(self, keep: int) -> bool:
+        """Unmap positions nobody uses (a free slot's, or one whose page was retargeted), oldest first,
+        until a new one fits the map budget; ``keep`` is the slot being placed into. False when every
+        mapped position is in use."""
+        if len(self._mapped) < self.map_budget:
+            return True
+        free = set(self._free_slots)
+        for slot, block in list(self._mapped):
+            if slot == keep or (slot not in free and self._slot_pages[slot][block] is not None):
+                continue
+            self._unmap(slot, block)
+            if len(self._mapped) < self.map_budget:
+                return True
+        return False
+
+    def _unmap(self, slot: int, block: int) -> None:
+        self._wait_mapped(slot, block)
+        page_id = self._slot_pages[slot][block]
+        if page_id is not None:
+            self.pool.pages[page_id].mapped_at.discard((slot, block))
+            self._slot_pages[slot][block] = None
+        for base, page_bytes, _ in self._ranges:
+            self.vm.unmap_to_reserve(base + (slot * self.blocks_per_slot + block) * page_bytes, page_bytes)
+        del self._mapped[(slot, block)]
+
+    def _place(self, slot: int, block: int, page_id: int, sync: bool = True) -> bool:
+        """Make ``page_id`` the page mapped at (slot, block) in every range; False (nothing changed) when
+        the position is new and the map budget has no room left."""
         row = self._slot_pages[slot]
         old = row[block]
         if old == page_id and (slot, block) in self.pool.pages[page_id].mapped_at:
-            return  # already there: in-place reuse, no syscall
+            return True  # already there: in-place reuse, no syscall
+        if (slot, block) not in self._mapped and not self._make_room(slot):
+            return False
+        self._mapped[(slot, block)] = None
         if old is not None:
             self.pool.pages[old].mapped_at.discard((slot, block))
         row[block] = page_id
@@ -121,6 +183,7 @@ class XTensorKVCache(PrefixCachingBackend):
             self._map_now(slot, block, page_id)
         else:
             self._pending[(slot, block)] = self._mapper.submit(self._map_now, slot, block, page_id)
+        return True
 
     def _map_now(self, slot: int, block: int, page_id: int) -> None:
         for base, page_bytes, fd_base in self._ranges:
@@ -156,7 +219,10 @@ class XTensorKVCache(PrefixCachingBackend):
             return False
         seq.slot = slot
         for block, page_id in enumerate(hit_pages):
-            self._place(slot, block, page_id)
+            if not self._place(slot, block, page_id):
+                self._release_slot(slot)  # no room to map the hit now: not admitted this step
+                seq.slot = None
+                return False
         return True
 
     def _detach(self, seq) -> None:
@@ -175,7 +241,9 @@ class XTensorKVCache(PrefixCachingBackend):
             (seq.slot, block) in page.mapped_at
         if not in_place:
             self._retarget(page.page_id)
-            self._place(seq.slot, block, page.page_id, sync=sync)
+            if not self._place(seq.slot, block, page.page_id, sync=sync):
+                self.pool.release(page.page_id)  # no room to map it: KV pressure
+                return None
         else:
             self.reused_in_place += 1
         self.pool.mark_mapped(page.page_id)
