@@ -12,7 +12,6 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.wire import InstanceUnavailableError
 from xllm.gateway.disagg import PDStream
 from xllm.gateway.dispatch import Dispatcher
@@ -24,7 +23,7 @@ from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.testing.engine import Collected, generate, make_engine, make_request
 from xllm.testing.processes import until
-from xllm.testing.served import ServedEngine
+from xllm.testing.served import ServedEngines
 from xllm.testing.tiny import TinyLM, tiny_tokenizer
 
 MODEL = "tiny"
@@ -41,24 +40,19 @@ class Cluster:
 
     def __init__(self, roles: dict[str, str], transport: str, mode: str) -> None:
         self.registry = EmbeddedRegistry()
-        self.nodes: dict[str, ServedEngine] = {}
-        for iid, role in roles.items():
-            engine = make_engine(LM)
-            engine.instance_id = iid
-            self.nodes[iid] = ServedEngine(engine, role=role, model=MODEL, handoff=HandoffOptions(transport=transport))
+        self.served = ServedEngines(roles, lambda: make_engine(LM), transport, MODEL)
+        self.nodes = self.served.nodes
         self.prom = CollectorRegistry()
         router = Router(self.registry, "kv_aware")
         self.dispatcher = Dispatcher(self.registry, MODEL, router, pd_metrics=PDMetrics(self.prom),
                                      mover=Mover(router, MoveOptions(mode), MoveMetrics(self.prom)))
 
     async def __aenter__(self) -> Cluster:
-        for node in self.nodes.values():
-            await node.start(self.registry)
+        await self.served.start(self.registry)
         return self
 
     async def __aexit__(self, *exc) -> None:
-        for node in self.nodes.values():
-            await node.stop()
+        await self.served.stop()
         await self.registry.close()
 
     def moves(self, how: str) -> float:

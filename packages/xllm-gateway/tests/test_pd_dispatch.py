@@ -13,7 +13,6 @@ import contextlib
 import pytest
 from prometheus_client import CollectorRegistry
 
-from xllm.engine.handoff.base import HandoffOptions
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.metrics import PDMetrics
 from xllm.gateway.registry import EmbeddedRegistry
@@ -21,7 +20,7 @@ from xllm.gateway.router import Router
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.engine import Collected, generate, make_engine, make_request
 from xllm.testing.processes import until
-from xllm.testing.served import ServedEngine
+from xllm.testing.served import ServedEngine, ServedEngines
 from xllm.testing.tiny import TinyLM, tiny_tokenizer
 
 MODEL = "tiny"
@@ -38,23 +37,18 @@ class Cluster:
 
     def __init__(self, roles: dict[str, str], transport: str = "fd") -> None:
         self.registry = EmbeddedRegistry()
-        self.nodes: dict[str, ServedEngine] = {}
-        for iid, role in roles.items():
-            engine = make_engine(LM)
-            engine.instance_id = iid
-            self.nodes[iid] = ServedEngine(engine, role=role, model=MODEL, handoff=HandoffOptions(transport=transport))
+        self.served = ServedEngines(roles, lambda: make_engine(LM), transport, MODEL)
+        self.nodes = self.served.nodes
         self.prom = CollectorRegistry()
         self.dispatcher = Dispatcher(self.registry, MODEL, Router(self.registry, "kv_aware"),
                                      pd_metrics=PDMetrics(self.prom), handoff_grace=1.0)
 
     async def __aenter__(self) -> Cluster:
-        for node in self.nodes.values():
-            await node.start(self.registry)
+        await self.served.start(self.registry)
         return self
 
     async def __aexit__(self, *exc) -> None:
-        for node in self.nodes.values():
-            await node.stop()
+        await self.served.stop()
         await self.registry.close()
 
     def metric(self, name: str, **labels: str) -> float:

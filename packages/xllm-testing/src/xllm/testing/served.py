@@ -3,6 +3,8 @@ gateway drives it (for tests of the engine service and of the gateway's dispatch
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from xllm.core import AsyncEngine, LLMEngine
 from xllm.engine.client import GrpcEngineClient
 from xllm.engine.handoff.base import HandoffOptions
@@ -64,6 +66,28 @@ class ServedEngine:
         await self.server.stop(0)
         self.aeng.shutdown()
         self.engine.close()
+
+
+class ServedEngines:
+    """One :class:`ServedEngine` per ``roles`` entry (instance id -> role), each over a fresh engine from
+    ``make_engine`` with KV hand-offs over ``transport``: started together (registered with ``leases``)
+    and stopped together. ``nodes`` maps instance ids to them."""
+
+    def __init__(self, roles: dict[str, str], make_engine: Callable[[], LLMEngine], transport: str,
+                 model: str = "tiny") -> None:
+        self.nodes: dict[str, ServedEngine] = {}
+        for iid, role in roles.items():
+            engine = make_engine()
+            engine.instance_id = iid
+            self.nodes[iid] = ServedEngine(engine, role=role, model=model, handoff=HandoffOptions(transport=transport))
+
+    async def start(self, leases: LeaseTable) -> None:
+        for node in self.nodes.values():
+            await node.start(leases)
+
+    async def stop(self) -> None:
+        for node in self.nodes.values():
+            await node.stop()
 
 
 def pd_request(rid: str, phase: int, prompt: list[int], target: engine_pb2.KVTarget | None = None,
