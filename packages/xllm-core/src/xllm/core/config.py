@@ -34,8 +34,9 @@ class EngineConfig:
     16 tokens whose per-layer K/V block is a whole OS page). ``kv_cache_backend``
     is ``"xtensor"`` (virtual-contiguous, Linux), ``"paged"`` (block tables) or
     ``"contiguous"`` (max-length reservation per slot, no prefix cache).
-    ``native_decode`` runs pure decode steps of up to 8 sequences through a
-    model's fused native kernel when it has one (slot-addressed KV only).
+    ``native_decode`` runs steps through a model's fused native forward when it
+    has one (slot-addressed KV only): pure decode steps of up to 8 sequences
+    through its decode kernel, every other step through its general step.
     ``async_scheduling`` overlaps scheduling, input preparation and output
     processing with the forward (xLLM §4.1), streaming each token one step later.
     ``compile_decode`` compiles (torch.compile, at start-up) one graph for pure

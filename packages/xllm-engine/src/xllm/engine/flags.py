@@ -90,8 +90,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="overlap scheduling, input preparation and output processing with the forward on a "
                         "worker thread (xLLM pipelined scheduling); tokens are emitted one step later")
     p.add_argument("--no-native-decode", action="store_true",
-                   help="run decode steps of <= 8 sequences through the eager module path instead of the fused "
-                        "native kernel (for ablation)")
+                   help="run every step through the eager module path instead of the model's fused native "
+                        "steps (the decode kernel for <= 8 sequences, the general step for all others; for "
+                        "ablation)")
     p.add_argument("--compile-decode", action="store_true",
                    help="build a torch.compile graph for larger decode batches at start-up (~1 min on 2 cores; "
                         "see docs/performance.md for when it pays)")

@@ -58,16 +58,17 @@ class XTensorKVCache(PrefixCachingBackend):
     """
 
     def __init__(self, layout: KVCacheLayout, map_budget: int | None = None) -> None:
+        free = None
         if map_budget is None:
             free = free_map_slots()
             ranges = _ranges_of(layout)
             map_budget = layout.num_blocks if free is None else \
                 max(1, (free - layout.max_num_seqs * ranges) // ranges)
         if layout.num_blocks > map_budget:
-            log.warning("xTensor: the process may create %s more memory mappings (vm.max_map_count), room for %d "
-                        "mapped blocks of %d tokens: KV capacity capped from %d to %d tokens (raise "
-                        "vm.max_map_count with sysctl for more)", free_map_slots(), map_budget,
-                        layout.block_size, layout.capacity_tokens, map_budget * layout.block_size)
+            log.warning("xTensor: room for %d mapped blocks of %d tokens (%s more memory mappings allowed by "
+                        "vm.max_map_count): KV capacity capped from %d to %d tokens (raise vm.max_map_count "
+                        "with sysctl for more)", map_budget, layout.block_size,
+                        "?" if free is None else free, layout.capacity_tokens, map_budget * layout.block_size)
             layout = dataclasses.replace(layout, num_blocks=map_budget)
         super().__init__(layout)
         self.map_budget = map_budget
