@@ -20,7 +20,6 @@ import datetime
 import json
 import pathlib
 import sys
-import time
 
 from benchmarks.cli import int_list
 from benchmarks.report import add_output_args
@@ -57,10 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.serve_client import (
         WORKLOADS,
         Workload,
-        client_command,
         make_sharegpt_files,
         parse_result,
-        run_client,
+        run_workloads,
         warm_up,
     )
 
@@ -91,24 +89,23 @@ def main(argv: list[str] | None = None) -> int:
         with server:
             xllm.wait_instances(server.base_url, 1)
             warm_up(server.base_url, model_dir.name, bank)
-            for w in workloads:
-                raw_file = f"b{budget}-{w.name}.json"
-                cmd = client_command(python, server.base_url, model_dir.name, model_dir, w, args.seed, out / "raw",
-                                     raw_file, datasets.get(w.name), extra=goodput)
-                t0 = time.monotonic()
-                try:
-                    raw = run_client(cmd, out / "logs" / f"client-b{budget}-{w.name}.log", out / "raw" / raw_file)
-                except Exception as exc:  # record it, go on
-                    results["errors"][f"{budget}/{w.name}"] = f"{type(exc).__name__}: {exc}"[:1500]
-                    save()
-                    continue
+
+            def fail(w: Workload, message: str, budget: int = budget) -> None:
+                results["errors"][f"{budget}/{w.name}"] = message
+                save()
+
+            def record(w: Workload, cmd: list[str], raw: dict, raw_file: str, elapsed: float,
+                       budget: int = budget) -> None:
                 m = parse_result(raw)
                 m["request_goodput"] = raw.get("request_goodput")
                 results["runs"].setdefault(w.name, {})[str(budget)] = m
                 print(f"[budget] {budget} / {w.name}: goodput {m['request_goodput']} req/s, "
                       f"{m['output_throughput']:.1f} out tok/s, TTFT p50 {m['ttft_ms']['p50']:.0f} ms, "
-                      f"TPOT p50 {m['tpot_ms']['p50']:.1f} ms ({time.monotonic() - t0:.0f} s)", flush=True)
+                      f"TPOT p50 {m['tpot_ms']['p50']:.1f} ms ({elapsed:.0f} s)", flush=True)
                 save()
+
+            run_workloads(f"b{budget}", python, server.base_url, model_dir, workloads, args.seed, out, datasets,
+                          record, fail, extra=goodput)
     results["meta"]["cpu_busy_after"] = cpu_busy_fraction()
     save()
     text = summary(results)

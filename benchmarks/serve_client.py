@@ -38,6 +38,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from benchmarks.report import add_output_args
@@ -193,29 +194,47 @@ def run_system(system: str, args: argparse.Namespace, model_dir: pathlib.Path, o
             wait_instances(server.base_url, 1)
         print(f"[serve-client] {system} up in {server.startup_seconds:.0f} s at {server.base_url}", flush=True)
         warm_up(server.base_url, model_dir.name, bank)
-        for w in workloads:
-            name = f"{system}/{w.name}"
-            raw_file = f"{system}-{w.name}.json"
-            cmd = client_command(python, server.base_url, model_dir.name, model_dir, w, args.seed, out / "raw",
-                                 raw_file, datasets.get(w.name))
-            t0 = time.monotonic()
-            try:
-                raw = run_client(cmd, out / "logs" / f"client-{system}-{w.name}.log", out / "raw" / raw_file)
-            except Exception as exc:  # record it and go on with the next workload
-                results["errors"][name] = f"{type(exc).__name__}: {exc}"[:1500]
-                print(f"[serve-client] {name} failed: {results['errors'][name]}", flush=True)
-                save()
-                continue
+
+        def fail(w: Workload, message: str) -> None:
+            results["errors"][f"{system}/{w.name}"] = message
+            print(f"[serve-client] {system}/{w.name} failed: {message}", flush=True)
+            save()
+
+        def record(w: Workload, cmd: list[str], raw: dict, raw_file: str, elapsed: float) -> None:
             metrics = parse_result(raw)
             problem = length_check(metrics, expected_output_lens(w, sharegpt.get(w.name)))
-            runs[w.name] = {"command": cmd, "elapsed_s": time.monotonic() - t0, "raw_file": f"raw/{raw_file}",
-                            "metrics": metrics, "length_problem": problem}
-            print(f"[serve-client] {name}: {metrics['output_throughput']:.1f} out tok/s, TTFT p50 "
+            runs[w.name] = {"command": cmd, "elapsed_s": elapsed, "raw_file": raw_file, "metrics": metrics,
+                            "length_problem": problem}
+            print(f"[serve-client] {system}/{w.name}: {metrics['output_throughput']:.1f} out tok/s, TTFT p50 "
                   f"{metrics['ttft_ms']['p50']:.0f} p99 {metrics['ttft_ms']['p99']:.0f} ms, TPOT p50 "
                   f"{metrics['tpot_ms']['p50']:.1f} p99 {metrics['tpot_ms']['p99']:.1f} ms, ITL p99 "
                   f"{metrics['itl_ms']['p99']:.1f} ms, {metrics['completed']}/{w.num_prompts} done in "
-                  f"{time.monotonic() - t0:.0f} s" + (f"; WARNING {problem}" if problem else ""), flush=True)
+                  f"{elapsed:.0f} s" + (f"; WARNING {problem}" if problem else ""), flush=True)
             save()
+
+        run_workloads(system, python, server.base_url, model_dir, workloads, args.seed, out, datasets, record, fail)
+
+
+def run_workloads(label: str, python: str, base_url: str, model_dir: pathlib.Path, workloads: list[Workload],
+                  seed: int, out: pathlib.Path, datasets: dict[str, pathlib.Path],
+                  record: Callable[[Workload, list[str], dict, str, float], None],
+                  fail: Callable[[Workload, str], None], extra: tuple[str, ...] = ()) -> None:
+    """Run vLLM's client (``python``: its venv's interpreter) once per workload against the server at
+    ``base_url``, one after the other. Each result goes to ``record(workload, command, raw result,
+    raw file relative to out, elapsed seconds)``; a client that fails goes to ``fail(workload,
+    message)`` and the next workload runs. Files: ``out/raw/{label}-{workload}.json`` and
+    ``out/logs/client-{label}-{workload}.log``; ``extra``: more client flags."""
+    for w in workloads:
+        raw_file = f"{label}-{w.name}.json"
+        cmd = client_command(python, base_url, model_dir.name, model_dir, w, seed, out / "raw", raw_file,
+                             datasets.get(w.name), extra=extra)
+        t0 = time.monotonic()
+        try:
+            raw = run_client(cmd, out / "logs" / f"client-{label}-{w.name}.log", out / "raw" / raw_file)
+        except Exception as exc:  # record it and go on with the next workload
+            fail(w, f"{type(exc).__name__}: {exc}"[:1500])
+            continue
+        record(w, cmd, raw, f"raw/{raw_file}", time.monotonic() - t0)
 
 
 def make_sharegpt_files(workloads: list[Workload], bank, out: pathlib.Path,

@@ -240,3 +240,27 @@ def test_plots_are_written(tmp_path):
     files = plot(results_fixture(), tmp_path)
     assert [f.name for f in files] == ["serve_client.png", "serve_client_ttft_cdf.png"]
     assert all(f.stat().st_size > 1000 for f in files)
+
+
+def test_run_workloads_records_each_result_and_goes_on_after_a_failure(tmp_path, monkeypatch):
+    from benchmarks import serve_client
+
+    calls: list[tuple[list[str], str, str]] = []
+
+    def fake_run_client(cmd, log, result):
+        calls.append((cmd, log.name, result.name))
+        if result.name == "b512-random-128-64-c16.json":
+            raise RuntimeError("client exited 1")
+        return {"completed": 1, "name": result.name}
+
+    monkeypatch.setattr(serve_client, "run_client", fake_run_client)
+    workloads = [WORKLOADS["random-128-64-c16"], WORKLOADS["random-512-128-c16"]]
+    recorded, failed = [], []
+    serve_client.run_workloads(
+        "b512", "python3", "http://127.0.0.1:1", tmp_path / "model", workloads, 0, tmp_path, {},
+        lambda w, cmd, raw, raw_file, elapsed: recorded.append((w.name, raw["name"], raw_file)),
+        lambda w, message: failed.append((w.name, message)), extra=("--goodput", "ttft:1000"))
+    assert failed == [("random-128-64-c16", "RuntimeError: client exited 1")]
+    assert recorded == [("random-512-128-c16", "b512-random-512-128-c16.json", "raw/b512-random-512-128-c16.json")]
+    assert [c[1] for c in calls] == ["client-b512-random-128-64-c16.log", "client-b512-random-512-128-c16.log"]
+    assert all(c[0][-2:] == ["--goodput", "ttft:1000"] for c in calls)

@@ -263,6 +263,35 @@ def test_mapped_positions_stay_within_the_map_budget():
     kv.close()
 
 
+def test_full_map_budget_is_not_rescanned_until_a_position_is_released():
+    """With every mapped position in use, making room fails (and later attempts answer from the last
+    scan instead of rescanning every position); freeing a sequence makes its positions unmappable."""
+    kv = XTensorKVCache(layout(num_blocks=8, max_num_seqs=3, prefix=False), map_budget=4)
+    a, b = seq("a", list(range(16))), seq("b", list(range(100, 116)))
+    assert kv.admit(a, 16) == 16 and kv.admit(b, 16) == 16
+    spare = next(s for s in range(3) if s not in (a.slot, b.slot))
+    assert not kv._make_room(spare)
+    scanned = []
+    kv._mapped = _Recording(kv._mapped, scanned)
+    assert not kv._make_room(spare) and scanned == []  # answered without a scan
+    kv.free(a)
+    assert kv._make_room(spare) and scanned  # a's positions are unused now: one was unmapped
+    assert all(slot != a.slot for slot, _ in kv._mapped) or len(kv._mapped) < 4
+    kv.close()
+
+
+class _Recording(dict):
+    """A dict that records when it is iterated."""
+
+    def __init__(self, data: dict, log: list) -> None:
+        super().__init__(data)
+        self._log = log
+
+    def __iter__(self):
+        self._log.append(1)
+        return super().__iter__()
+
+
 def test_map_budget_from_the_process_limit_caps_capacity(monkeypatch):
     from xllm.core.kv import xtensor
 

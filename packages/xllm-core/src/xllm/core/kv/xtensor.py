@@ -117,6 +117,10 @@ class XTensorKVCache(PrefixCachingBackend):
         self._slot_pages: list[list[int | None]] = [[None] * self.blocks_per_slot
                                                      for _ in range(layout.max_num_seqs)]
         self._free_slots = list(range(layout.max_num_seqs - 1, -1, -1))
+        # the `keep` of the last _make_room that found nothing to unmap; None once a slot is freed or a
+        # page retargeted (the only events that make a mapped position unused), so a full map budget is
+        # not rescanned on every allocation attempt
+        self._no_room_for: int | None = None
         self._pending: dict[tuple[int, int], Future] = {}
         self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xtensor-map")
 
@@ -139,6 +143,7 @@ class XTensorKVCache(PrefixCachingBackend):
 
     def _release_slot(self, slot: int) -> None:
         self._free_slots.append(slot)
+        self._no_room_for = None
 
     # ---- page placement ----------------------------------------------------------
     def _make_room(self, keep: int) -> bool:
@@ -147,6 +152,8 @@ class XTensorKVCache(PrefixCachingBackend):
         mapped position is in use."""
         if len(self._mapped) < self.map_budget:
             return True
+        if self._no_room_for == keep:
+            return False  # nothing became unused since the last scan found nothing
         free = set(self._free_slots)
         for slot, block in list(self._mapped):
             if slot == keep or (slot not in free and self._slot_pages[slot][block] is not None):
@@ -154,6 +161,7 @@ class XTensorKVCache(PrefixCachingBackend):
             self._unmap(slot, block)
             if len(self._mapped) < self.map_budget:
                 return True
+        self._no_room_for = keep
         return False
 
     def _unmap(self, slot: int, block: int) -> None:
@@ -197,6 +205,7 @@ class XTensorKVCache(PrefixCachingBackend):
         for slot, block in page.mapped_at:
             if self._slot_pages[slot][block] == page_id:
                 self._slot_pages[slot][block] = None
+                self._no_room_for = None
         page.mapped_at.clear()
 
     def _reuse_candidate(self, slot: int, block: int) -> int | None:
