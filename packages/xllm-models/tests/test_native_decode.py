@@ -6,6 +6,7 @@ hits) in fp32. bf16 general steps are held to HF fp32 on the real model (test_bf
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import pytest
 import torch
@@ -153,3 +154,24 @@ def test_general_step_without_packed_weights_streams_them(model_dir):
     assert modes["native_step"] > 0
     assert got == eager
     assert max(abs(a - b) for r in eager_lp for a, b in zip(eager_lp[r], got_lp[r])) < 1e-4
+
+
+def test_engines_sharing_a_model_step_at_the_same_time(model_dir):
+    """Two engines over one model object (a prefill/decode pair in one process) step concurrently from
+    two threads: each keeps its own KV binding and workspace, so both produce what they produce alone."""
+    model = load_model(model_dir, torch.float32, progress=False)
+    work = {"a": prompts(6), "b": shared_prefix_prompts(6)}
+    alone = {name: generate(model, ps, native_decode=True, n=30)[0] for name, ps in work.items()}
+    together: dict[str, dict] = {}
+    start = threading.Barrier(2)
+
+    def run(name: str) -> None:
+        start.wait()
+        together[name] = generate(model, work[name], native_decode=True, n=30)[0]
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone

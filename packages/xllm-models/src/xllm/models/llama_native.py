@@ -2,7 +2,9 @@
 
 :class:`FusedLlamaForward` packs a loaded model's weight pointers (and the blocked GEMM's packed
 copies of its four projection weights) and a KV backend's per-layer cache pointers into the C
-structs once, then runs a whole step (every layer) in one native call:
+structs once per KV backend (engines sharing the model, e.g. a prefill/decode pair in one process,
+each get their own binding and workspace and may step at the same time), then runs a whole step
+(every layer) in one native call:
 
 - a pure decode step of up to 8 sequences (``__call__``, the decode kernel: weights streamed once
   for all rows);
@@ -18,12 +20,30 @@ the caller falls back to the eager module path otherwise. It is the
 from __future__ import annotations
 
 import ctypes
+import threading
+import weakref
+from dataclasses import dataclass
 
 import torch
 
 from xllm.core.model_api import SlotKV, StepTokens
 from xllm.kernels import native, rms_norm
 from xllm.kernels.linear import MAX_NATIVE_ROWS
+
+
+@dataclass
+class _Binding:
+    """The kernel's view of one KV backend: its config and layer structs, and the workspace of its
+    steps (one engine steps its backend one step at a time, so a workspace per backend is race-free)."""
+
+    cfg: object  # native.LlamaCfg
+    layers: object  # ctypes array of native.LlamaLayer
+    work: torch.Tensor | None = None
+
+    def workspace(self, elems: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.work is None or self.work.numel() < elems or self.work.dtype != dtype:
+            self.work = torch.empty(elems, dtype=dtype)
+        return self.work
 
 
 class FusedLlamaForward:
@@ -38,11 +58,14 @@ class FusedLlamaForward:
         self.model = model
         self.max_step_tokens = max_step_tokens
         self.phase_seconds: torch.Tensor | None = None  # set to zeros(len(PHASES), float64) to profile steps
-        self._kv_key: tuple | None = None
-        self._layers = None
-        self._cfg = None
-        self._work: torch.Tensor | None = None
+        # one binding per KV backend: engines sharing this model (PD pairs in one process) step
+        # concurrently, each over its own cache and workspace
+        self._bindings: weakref.WeakKeyDictionary[SlotKV, _Binding] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()  # guards _bindings and _packed (built on first use)
         self._packed: list | None = None  # keeps the packed weights alive while the structs point at them
+        # cos/sin tables must stay float32 and contiguous for the kernel
+        self._cos = model.rotary.cos.contiguous()
+        self._sin = model.rotary.sin.contiguous()
 
     @staticmethod
     def model_supported(model) -> bool:
@@ -74,16 +97,22 @@ class FusedLlamaForward:
                                                                      mlp.down_proj)])
         return self._packed
 
-    def _bind(self, kv: SlotKV) -> None:
-        """(Re)build the C structs for ``kv``'s tensors (they never move: bound once per backend)."""
+    def _bind(self, kv: SlotKV) -> _Binding:
+        """The C structs for ``kv``'s tensors, built on its first step (a backend's tensors never move).
+        Safe to call from the threads of several engines at once."""
+        binding = self._bindings.get(kv)
+        if binding is not None:
+            return binding
+        with self._lock:
+            binding = self._bindings.get(kv)
+            if binding is None:
+                binding = self._bindings[kv] = self._build_binding(kv)
+        return binding
+
+    def _build_binding(self, kv: SlotKV) -> _Binding:
         m = self.model
         layers = m.model.layers
-        if self._kv_key is not None and self._kv_key[0] is kv:
-            return
         kvs = [kv.layer_kv(i) for i in range(len(layers))]
-        key = (kv, tuple((k.data_ptr(), v.data_ptr()) for k, v in kvs))
-        if key == self._kv_key:
-            return
         attn0 = layers[0].self_attn
         k0, v0 = kvs[0]
         for k, v in kvs:
@@ -114,15 +143,7 @@ class FusedLlamaForward:
                 gate_up_w=ptr(layer.mlp.gate_up_proj.weight), down_w=ptr(layer.mlp.down_proj.weight),
                 k_cache=kvs[i][0].data_ptr(), v_cache=kvs[i][1].data_ptr(), qkv_wp=ptr(qkv_p), o_wp=ptr(o_p),
                 gate_up_wp=ptr(gu_p), down_wp=ptr(down_p))
-        self._cfg, self._layers, self._kv_key = cfg, arr, key
-        # cos/sin tables must stay float32 and contiguous for the kernel
-        self._cos = m.rotary.cos.contiguous()
-        self._sin = m.rotary.sin.contiguous()
-
-    def _workspace(self, elems: int, dtype: torch.dtype) -> torch.Tensor:
-        if self._work is None or self._work.numel() < elems or self._work.dtype != dtype:
-            self._work = torch.empty(elems, dtype=dtype)
-        return self._work
+        return _Binding(cfg, arr)
 
     def _kernel(self, name: str, dtype: torch.dtype):
         lib = native.library().lib
@@ -138,20 +159,20 @@ class FusedLlamaForward:
         written by the kernel.
         """
         m = self.model
-        self._bind(kv)
+        bound = self._bind(kv)
         b = input_ids.shape[0]
         if b > self.max_batch:
             raise ValueError(f"fused decode handles at most {self.max_batch} sequences")
-        c = self._cfg
+        c = bound.cfg
         hidden = m.model.embed_tokens(input_ids).contiguous()
         residual = torch.empty_like(hidden)
         qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         per_row = c.hidden + qkv_dim + c.n_heads * c.head_dim + c.inter  # r_alt, qkv, attn, act
-        work = self._workspace(self.max_batch * per_row, hidden.dtype)
+        work = bound.workspace(self.max_batch * per_row, hidden.dtype)
         slots = slots.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         self._kernel("decode", hidden.dtype)(
-            ctypes.byref(c), self._layers, b, slots.data_ptr(), positions.data_ptr(), self._cos.data_ptr(),
+            ctypes.byref(c), bound.layers, b, slots.data_ptr(), positions.data_ptr(), self._cos.data_ptr(),
             self._sin.data_ptr(), hidden.data_ptr(), residual.data_ptr(), work.data_ptr())
         norm = m.model.norm
         out, _ = rms_norm(hidden, norm.weight, norm.eps, residual)
@@ -162,21 +183,21 @@ class FusedLlamaForward:
         """Final hidden states of ``tokens.sample_rows`` for a step of decode rows and prefill chunks
         (see :class:`~xllm.core.model_api.StepTokens`); every row's K/V is written by the kernel."""
         m = self.model
-        self._bind(kv)
+        bound = self._bind(kv)
         t = tokens.input_ids.shape[0]
         if t > self.max_step_tokens:
             raise ValueError(f"a fused step handles at most {self.max_step_tokens} tokens")
-        c = self._cfg
+        c = bound.cfg
         hidden = m.model.embed_tokens(tokens.input_ids).contiguous()
         residual = torch.empty_like(hidden)
         qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
         per_row = qkv_dim + c.n_heads * c.head_dim + 3 * c.inter + c.hidden  # qkv, attn, gate_up, act, x
-        work = self._workspace(t * per_row, hidden.dtype)
+        work = bound.workspace(t * per_row, hidden.dtype)
         ints = [x.to(torch.int64).contiguous() for x in (tokens.token_slots, tokens.positions, tokens.seq_starts,
                                                            tokens.context_lens, tokens.seq_slots)]
         token_slots, positions, starts, lens, seq_slots = ints
         self._kernel("forward", hidden.dtype)(
-            ctypes.byref(c), self._layers, t, token_slots.data_ptr(), positions.data_ptr(), lens.numel(),
+            ctypes.byref(c), bound.layers, t, token_slots.data_ptr(), positions.data_ptr(), lens.numel(),
             starts.data_ptr(), lens.data_ptr(), seq_slots.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(),
             hidden.data_ptr(), residual.data_ptr(), work.data_ptr(),
             None if self.phase_seconds is None else self.phase_seconds.data_ptr())
