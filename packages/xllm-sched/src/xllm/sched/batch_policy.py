@@ -41,6 +41,9 @@ class SchedulableSeq(Protocol):
     @property
     def num_computed_tokens(self) -> int: ...  # tokens whose KV is cached
 
+    @property
+    def offline(self) -> bool: ...        # best-effort work (service_tier flex): xllm.sched.colocation
+
 
 class SchedulerQueues(Protocol):
     """The engine scheduler as a batch policy sees it.
@@ -61,7 +64,8 @@ class SchedulerQueues(Protocol):
         ...
 
     def admit(self, seq: SchedulableSeq, max_new_tokens: int) -> int:
-        """Move ``seq`` (the head of ``waiting``) to ``running``: give it KV memory, reusing a cached
+        """Move ``seq`` (of ``waiting``: :class:`DecodeFirstPolicy` takes its head, the co-location
+        policy the first online one) to ``running``: give it KV memory, reusing a cached
         prefix (which may advance its ``num_computed_tokens``), with room for up to
         ``max_new_tokens`` of the rest. Returns how many tokens to compute this step, or 0 (nothing
         changed) if it cannot be admitted now."""
@@ -85,6 +89,14 @@ class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     admitted: list[SchedulableSeq] = field(default_factory=list)
     preempted: list[SchedulableSeq] = field(default_factory=list)
+    # why each of ``preempted`` was, in the same order: "kv" (memory) or "batch_full" (a sequence slot
+    # for an online request; xllm.sched.colocation)
+    preempt_reasons: list[str] = field(default_factory=list)
+    # offline sequences that ran last step and are held out of this one for online work (their KV
+    # stays: an interruption at a chunk boundary, not a preemption); co-location only
+    interrupted: list[SchedulableSeq] = field(default_factory=list)
+    # the longest time an offline sequence in the queues has gone without a chunk, seconds
+    longest_offline_wait: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -133,6 +145,7 @@ class DecodeFirstPolicy:
                 queues.preempt(victim)
                 preempted.add(id(victim))
                 plan.preempted.append(victim)
+                plan.preempt_reasons.append("kv")
                 if victim is seq:
                     break
             else:

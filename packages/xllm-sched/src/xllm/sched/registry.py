@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from xllm.common import NameRegistry
 from xllm.sched.batch_policy import BatchPolicy
+from xllm.sched.elastic import RolePolicy
 from xllm.sched.routing import RoutingPolicy
 
 BATCH_POLICIES: NameRegistry[type[BatchPolicy]] = NameRegistry("batch policy", {
+    "colocation": "xllm.sched.colocation:ColocationPolicy",
     "decode_first": "xllm.sched.batch_policy:DecodeFirstPolicy",
 })
 
@@ -16,3 +18,8 @@ ROUTING_POLICIES: NameRegistry[type[RoutingPolicy]] = NameRegistry("routing poli
     "least_load": "xllm.sched.routing:LeastLoadPolicy",
     "round_robin": "xllm.sched.routing:RoundRobinPolicy",
 }, normalize=lambda name: name.replace("-", "_"))
+
+PD_POLICIES: NameRegistry[type[RolePolicy]] = NameRegistry("PD role policy", {
+    "static": "xllm.sched.elastic:StaticRoles",
+    "dynamic": "xllm.sched.elastic:SLORoleFlipPolicy",
+})

@@ -1,0 +1,315 @@
+"""Online/offline co-location in one engine (xLLM §3.1): offline requests fill the capacity online
+requests leave, and give it back the moment online requests need it.
+
+A sequence is *offline* when it says so (``seq.offline``: the API's ``service_tier: "flex"`` or a
+priority at or above the gateway's ``--offline-priority``). :class:`ColocationPolicy` decides one step:
+
+1. **Online sequences are scheduled exactly as** :class:`~xllm.sched.batch_policy.DecodeFirstPolicy`
+   **would**: their decodes, then their partial prefills, then online admissions in (priority,
+   arrival) order, under the token budget; with no offline sequence in the queues the decisions are
+   identical. Offline sequences are invisible to them except as preemption victims (below).
+2. **Offline sequences fill what is left**, after every online chunk: their decodes, then their
+   partial prefills (chunked: a prefill is interrupted at any chunk boundary, keeping the KV of
+   what it computed), then offline admissions. With a TPOT SLO (``slo_tpot_s``) and a step-time
+   predictor (``predict``), offline rows and chunks join a step only while the predicted time of the
+   whole step stays within the SLO (largest chunk that fits, by bisection: ``predict`` must not
+   decrease as a chunk grows); without either, or while ``predict`` returns ``None`` (no model yet),
+   they take only what online work leaves of the token budget and the sequence slots. The SLO cap
+   applies while any online sequence is running or waiting; with none, offline work takes the whole
+   step.
+3. **Preemption** (the victim's KV is released; it goes back to the front of ``waiting`` and is
+   recomputed from its prompt and the output it already has, so no token is lost):
+
+   - ``kv``: a sequence needs KV memory: victims are the unscheduled running sequences, offline ones
+     first (non-starved before starved), then online ones by (priority, arrival) as DecodeFirstPolicy
+     picks them; offline work never evicts an online sequence (it yields itself).
+   - ``batch_full``: an online request is waiting and ``max_num_seqs`` sequences run: an unscheduled
+     offline sequence is preempted to free its slot (vLLM's priority scheduling preempts only under
+     KV pressure, so a batch full of offline decodes would block online admissions).
+
+   An offline sequence that ran last step and is held out of this one (its budget or SLO room went to
+   online work) is *interrupted*, not preempted: its KV stays (``StepPlan.interrupted``; the engine
+   counts it under the reason ``slo``).
+4. **Starvation bound.** An offline sequence's *wait* is the time since the policy last scheduled a
+   chunk of it (or first saw it). Once the wait reaches ``starvation_s`` the sequence is *starved*,
+   and each step serves the ``starved_per_step`` longest-starved sequences first, before any online
+   chunk and regardless of the SLO: one decode row, or a prefill chunk of at most
+   ``starved_chunk_tokens`` (less where the online decode rows would otherwise not fit the token
+   budget); a starved waiting sequence is admitted if a slot is free or one can be
+   freed from a non-starved offline sequence. It may evict offline sequences for KV, never online ones.
+   **Bound:** with ``starved_per_step`` = 1, a starved running sequence is scheduled within k steps of
+   becoming starved, k being its rank by wait among the starved sequences (the first step if it is the
+   only one); a starved waiting sequence likewise, provided online sequences alone do not hold every
+   slot or all KV memory. So no offline sequence goes without progress for more than ``starvation_s``
+   plus those steps; the exception (an online load that occupies the whole engine) is the one in
+   which online SLOs come first, and ``StepPlan.longest_offline_wait`` (the engine's
+   ``xllm:offline_longest_wait_seconds``) shows it.
+
+Pure logic, no torch; the engine and the cluster simulator run the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from xllm.sched.batch_policy import SchedulableSeq, ScheduledChunk, SchedulerQueues, StepPlan
+from xllm.sched.latency import StepShape, step_shape
+from xllm.sched.latency import is_decode_row as _is_decode_row
+
+Predict = Callable[[StepShape], float | None]
+
+
+@dataclass
+class _Step:
+    """One ``schedule`` call's working state."""
+
+    queues: SchedulerQueues
+    budget: int
+    starved: set[int]
+    plan: StepPlan = field(default_factory=StepPlan)
+    chunks: list[tuple[SchedulableSeq, int]] = field(default_factory=list)
+    scheduled: set[int] = field(default_factory=set)
+    preempted: set[int] = field(default_factory=set)
+
+    def add(self, seq: SchedulableSeq, n: int) -> None:
+        self.chunks.append((seq, n))
+        self.scheduled.add(id(seq))
+        self.budget -= n
+
+    def preempt(self, victim: SchedulableSeq, reason: str) -> None:
+        self.queues.preempt(victim)
+        self.preempted.add(id(victim))
+        self.plan.preempted.append(victim)
+        self.plan.preempt_reasons.append(reason)
+
+    def is_running(self, seq: SchedulableSeq) -> bool:
+        return any(s is seq for s in self.queues.running)
+
+
+class ColocationPolicy:
+    """Online work as DecodeFirstPolicy schedules it, offline work in what it leaves, within the
+    TPOT SLO by prediction; offline preempted for online KV and slots; starvation bounded (see the
+    module docstring for every rule)."""
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True,
+                 slo_tpot_s: float | None = None, predict: Predict | None = None, starvation_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic, starved_chunk_tokens: int = 16,
+                 starved_per_step: int = 1) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if slo_tpot_s is not None and not slo_tpot_s > 0:
+            raise ValueError(f"slo_tpot_s must be > 0, got {slo_tpot_s}")
+        if not starvation_s > 0 or starved_chunk_tokens < 1 or starved_per_step < 1:
+            raise ValueError("starvation_s must be > 0, starved_chunk_tokens and starved_per_step >= 1")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.slo_tpot_s = slo_tpot_s
+        self.predict = predict
+        self.starvation_s = starvation_s
+        self.clock = clock
+        self.starved_chunk_tokens = starved_chunk_tokens
+        self.starved_per_step = starved_per_step
+        self._progress: dict[int, tuple[SchedulableSeq, float]] = {}  # offline: last chunk (or first seen)
+        self._ran_last: dict[int, SchedulableSeq] = {}                # offline sequences of the last plan
+
+    # ---- the decision ---------------------------------------------------------------------------
+    def schedule(self, queues: SchedulerQueues) -> StepPlan:
+        now = self.clock()
+        running = list(queues.running)
+        waiting = list(queues.waiting)
+        starved = self._track(running + waiting, now)
+        step = _Step(queues, self.max_num_batched_tokens, {id(s) for s in starved})
+        capped = self._capped(running, waiting)
+        self._serve_starved(step, starved, running)
+        self._online_running(step, running)
+        if not step.plan.preempted:  # memory is short: nothing new this step (as DecodeFirstPolicy)
+            self._online_admissions(step)
+        self._offline_running(step, running, capped)
+        if not step.plan.preempted:
+            self._offline_admissions(step, capped)
+        return self._finish(step, now)
+
+    def _track(self, seqs: list[SchedulableSeq], now: float) -> list[SchedulableSeq]:
+        """Refresh the wait clocks of the offline sequences in the queues; the starved ones, longest
+        wait first."""
+        progress: dict[int, tuple[SchedulableSeq, float]] = {}
+        for seq in seqs:
+            if seq.offline:
+                known = self._progress.get(id(seq))
+                progress[id(seq)] = known if known is not None and known[0] is seq else (seq, now)
+        self._progress = progress
+        starved = [(t, s.priority, s.arrival_time, s) for s, t in progress.values() if now - t >= self.starvation_s]
+        starved.sort(key=lambda e: e[:3])
+        return [e[3] for e in starved]
+
+    def _capped(self, running: list[SchedulableSeq], waiting: list[SchedulableSeq]) -> bool:
+        """Whether offline work must keep the predicted step within the TPOT SLO: there is an SLO,
+        a predictor, and online work to protect."""
+        return (self.slo_tpot_s is not None and self.predict is not None
+                and any(not s.offline for s in running + waiting))
+
+    # ---- phases ----------------------------------------------------------------------------------
+    def _serve_starved(self, step: _Step, starved: list[SchedulableSeq], running: list[SchedulableSeq]) -> None:
+        # the share leaves the budget room for the online decode rows (a decode row itself always fits)
+        online_rows = sum(1 for s in running if not s.offline and s.num_tokens - s.num_computed_tokens == 1)
+        served = 0
+        for seq in starved:
+            if served >= self.starved_per_step or step.budget <= 0:
+                return
+            if id(seq) in step.preempted:
+                continue
+            need = seq.num_tokens - seq.num_computed_tokens
+            room = max(1, step.budget - online_rows)
+            limit = self._chunk(need, min(self.starved_chunk_tokens, room) if self.chunked_prefill else room)
+            if step.is_running(seq):
+                if limit and self._allocate(step, seq, limit, evict_online=False):
+                    step.add(seq, limit)
+                    served += 1
+            elif limit and self._make_slot(step, starved_ok=False) and self._admit(step, seq, limit, evict=True):
+                served += 1
+
+    def _online_running(self, step: _Step, running: list[SchedulableSeq]) -> None:
+        online = [s for s in running if not s.offline]
+        decodes = [s for s in online if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in online if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decodes + prefills:
+            if id(seq) in step.preempted:
+                continue
+            need = seq.num_tokens - seq.num_computed_tokens
+            n = min(need, step.budget) if self.chunked_prefill else need
+            if n <= 0 or n > step.budget:
+                continue
+            if self._allocate(step, seq, n, evict_online=True):
+                step.add(seq, n)
+
+    def _online_admissions(self, step: _Step) -> None:
+        for seq in [s for s in step.queues.waiting if not s.offline]:
+            if step.budget <= 0:
+                return
+            if len(step.queues.running) >= self.max_num_seqs and not self._make_slot(step, starved_ok=True):
+                return
+            if not self.chunked_prefill and seq.num_tokens - seq.num_computed_tokens > step.budget:
+                return  # without chunking the whole prompt must fit this step's budget
+            if not self._admit(step, seq, step.budget, evict=True):
+                return
+
+    def _offline_running(self, step: _Step, running: list[SchedulableSeq], capped: bool) -> None:
+        offline = sorted((s for s in running if s.offline and id(s) not in step.scheduled),
+                         key=lambda s: (s.priority, s.arrival_time))
+        decodes = [s for s in offline if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in offline if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decodes + prefills:
+            if step.budget <= 0:
+                return
+            if id(seq) in step.preempted or not step.is_running(seq):
+                continue
+            need = seq.num_tokens - seq.num_computed_tokens
+            n = self._fit(step, seq, self._chunk(need, step.budget), capped)
+            if n and self._allocate(step, seq, n, evict_online=False):
+                step.add(seq, n)
+
+    def _offline_admissions(self, step: _Step, capped: bool) -> None:
+        for seq in [s for s in step.queues.waiting if s.offline and id(s) not in step.preempted]:
+            if step.budget <= 0 or len(step.queues.running) >= self.max_num_seqs:
+                return
+            need = seq.num_tokens - seq.num_computed_tokens
+            limit = self._fit(step, seq, self._chunk(need, step.budget), capped)
+            if not limit or not self._admit(step, seq, limit, evict=False):
+                return
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _chunk(self, need: int, limit: int) -> int:
+        """Tokens of a chunk of ``need`` within ``limit`` (0: none; unchunked: all or none)."""
+        if need <= 0 or limit <= 0:
+            return 0
+        if self.chunked_prefill or need == 1:
+            return min(need, limit)
+        return need if need <= limit else 0
+
+    def _fit(self, step: _Step, seq: SchedulableSeq, n: int, capped: bool) -> int:
+        """The largest chunk of ``seq`` up to ``n`` tokens whose step stays within the TPOT SLO
+        (``n`` when not capped or no prediction exists; unchunked prefills: ``n`` or 0)."""
+        if not n or not capped:
+            return n
+
+        def fits(k: int) -> bool:
+            seconds = self.predict(step_shape([*step.chunks, (seq, k)]))
+            return seconds is None or seconds <= self.slo_tpot_s
+
+        if fits(n):
+            return n
+        if not self.chunked_prefill or n == 1:
+            return 0
+        lo, hi = 0, n  # fits(lo) (or lo == 0), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    @staticmethod
+    def victim_order(seq: SchedulableSeq, starved: set[int]) -> tuple[int, int, float]:
+        """Sort key: the largest key is preempted first: offline before online (non-starved before
+        starved), then DecodeFirstPolicy's order (lowest priority, latest arrival)."""
+        rank = (1 if id(seq) in starved else 2) if seq.offline else 0
+        return (rank, seq.priority, seq.arrival_time)
+
+    def _allocate(self, step: _Step, seq: SchedulableSeq, n: int, evict_online: bool) -> bool:
+        """KV for ``n`` more tokens of running ``seq``, preempting (reason ``kv``) the least important
+        unscheduled sequence until it fits, ``seq`` itself included (then False); offline work never
+        evicts online sequences."""
+        while not step.queues.allocate(seq, n):
+            candidates = [s for s in step.queues.running
+                          if id(s) not in step.scheduled and (evict_online or s.offline)]
+            victim = max(candidates, key=lambda s: self.victim_order(s, step.starved)) if candidates else seq
+            step.preempt(victim, "kv")
+            if victim is seq:
+                return False
+        return True
+
+    def _make_slot(self, step: _Step, starved_ok: bool) -> bool:
+        """A free sequence slot, preempting an unscheduled offline sequence (``batch_full``) if all
+        are taken (starved ones only when ``starved_ok``); False if none can be freed."""
+        if len(step.queues.running) < self.max_num_seqs:
+            return True
+        return self._evict_offline(step, "batch_full", starved_ok)
+
+    def _evict_offline(self, step: _Step, reason: str, starved_ok: bool) -> bool:
+        candidates = [s for s in step.queues.running if s.offline and id(s) not in step.scheduled
+                      and (starved_ok or id(s) not in step.starved)]
+        if not candidates:
+            return False
+        step.preempt(max(candidates, key=lambda s: self.victim_order(s, step.starved)), reason)
+        return True
+
+    def _admit(self, step: _Step, seq: SchedulableSeq, limit: int, evict: bool) -> bool:
+        """Admit waiting ``seq`` with a first chunk of at most ``limit`` tokens; when KV is short and
+        ``evict``, preempt offline sequences (``kv``; starved ones only for online work) until it fits."""
+        while True:
+            n = step.queues.admit(seq, limit)
+            if n >= 1:
+                step.plan.admitted.append(seq)
+                step.add(seq, n)
+                return True
+            if not (evict and self._evict_offline(step, "kv", starved_ok=not seq.offline)):
+                return False
+
+    def _finish(self, step: _Step, now: float) -> StepPlan:
+        plan = step.plan
+        decodes = [(s, n) for s, n in step.chunks if _is_decode_row(s, n)]
+        prefills = [(s, n) for s, n in step.chunks if not _is_decode_row(s, n)]
+        plan.chunks = [ScheduledChunk(s, n) for s, n in decodes + prefills]
+        ran: dict[int, SchedulableSeq] = {}
+        for seq, _ in step.chunks:
+            if seq.offline:
+                ran[id(seq)] = seq
+                self._progress[id(seq)] = (seq, now)
+        running = step.queues.running
+        plan.interrupted = [s for k, s in self._ran_last.items()
+                            if k not in ran and k not in step.preempted and any(r is s for r in running)
+                            and s.num_tokens > s.num_computed_tokens]
+        self._ran_last = ran
+        plan.longest_offline_wait = max((now - t for _, t in self._progress.values()), default=0.0)
+        return plan

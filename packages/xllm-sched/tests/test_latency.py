@@ -1,0 +1,86 @@
+"""The step-time model: an exact fit recovers its generator, predictions compose as documented,
+profiles round-trip, online correction follows a drifted instance."""
+
+import math
+
+import pytest
+
+from xllm.sched.latency import (
+    OnlineCorrection,
+    PerfProfile,
+    StepSample,
+    StepShape,
+    StepTimeModel,
+    fit_step_model,
+    relative_errors,
+)
+
+TRUE = StepTimeModel((0.004, 0.0006, 2e-7, 3e-6, 1e-4))
+
+
+def _shapes() -> list[StepShape]:
+    shapes = []
+    for b in (1, 4, 16, 64):
+        for ctx in (32, 256, 1024):
+            shapes.append(StepShape((ctx,) * b))
+    for n in (16, 128, 512):
+        for cached in (0, 256):
+            shapes.append(StepShape((), ((cached, n),)))
+            shapes.append(StepShape((100,) * 8, ((cached, n),)))
+    return shapes
+
+
+def test_exact_fit_recovers_generator() -> None:
+    samples = [StepSample(s, TRUE.step_seconds(s)) for s in _shapes()]
+    fitted = fit_step_model(samples)
+    for got, want in zip(fitted.coefficients, TRUE.coefficients, strict=True):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-12)
+    assert max(relative_errors(fitted, samples)) < 1e-4
+
+
+def test_negative_coefficients_are_clamped() -> None:
+    # a generator with a negative attention term cannot be represented: the fit keeps all >= 0
+    samples = [StepSample(s, max(0.001, 0.01 + 0.001 * s.tokens - 1e-6 * s.features()[2])) for s in _shapes()]
+    fitted = fit_step_model(samples)
+    assert all(c >= 0 for c in fitted.coefficients)
+
+
+def test_ttft_quadratic_and_tpot_linear() -> None:
+    c0, c1, c2, c3, c4 = TRUE.coefficients
+    n = 300
+    assert TRUE.ttft(n) == pytest.approx(c0 + c1 * n + c2 * n * n / 2 + c4)
+    # chunked under a budget of 128: three steps (128, 128, 44) over a growing cache
+    chunked = TRUE.ttft(n, token_budget=128)
+    manual = sum(TRUE.step_seconds(StepShape((), ((done, k),))) for done, k in ((0, 128), (128, 128), (256, 44)))
+    assert chunked == pytest.approx(manual)
+    assert TRUE.decode_seconds(10, 5000) == pytest.approx(c0 + (c1 + c4) * 10 + c3 * 5000)
+    # queued work ahead adds its own prefill time
+    assert TRUE.ttft(n, queued_prefill_tokens=200) == pytest.approx(TRUE.ttft(200) + TRUE.ttft(n))
+
+
+def test_profile_round_trip_and_validation(tmp_path) -> None:
+    samples = [StepSample(s, TRUE.step_seconds(s)) for s in _shapes()]
+    prof = PerfProfile("smollm2", "bfloat16", 2, "test", 512, samples, created=1.0)
+    path = tmp_path / "p.json"
+    prof.save(path)
+    back = PerfProfile.load(path)
+    assert back.samples == samples and back.token_budget == 512
+    assert back.fit().coefficients == pytest.approx(prof.fit().coefficients)
+    bad = path.read_text().replace('"version": 1', '"version": 99')
+    with pytest.raises(ValueError, match="version"):
+        PerfProfile.from_json(bad)
+    with pytest.raises(ValueError, match="positive"):
+        StepSample.from_dict({"decode_contexts": [1], "seconds": -1})
+    with pytest.raises(ValueError):
+        StepTimeModel((1.0, -1.0, 0, 0, 0))
+
+
+def test_online_correction_follows_drift() -> None:
+    corr = OnlineCorrection(TRUE, alpha=0.2)
+    shape = StepShape((128,) * 16)
+    for _ in range(60):
+        corr.observe(shape, 1.5 * TRUE.step_seconds(shape))
+    assert corr.factor == pytest.approx(1.5, rel=1e-3)
+    assert corr.step_seconds(shape) == pytest.approx(1.5 * TRUE.step_seconds(shape), rel=1e-3)
+    corr.observe(shape, math.nan)  # ignored
+    assert corr.observations == 60

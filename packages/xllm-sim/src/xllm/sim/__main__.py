@@ -1,0 +1,5 @@
+import sys
+
+from xllm.sim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,108 @@
+"""The simulated cluster's settings, with the engine's and gateway's defaults.
+
+KV defaults are SmolLM2-135M in bf16 (the model ``xllm`` serves on this machine): 30 layers × 3 KV
+heads × 64 dims × K and V × 2 bytes = 23,040 bytes per token; xTensor's block for it is 32 tokens
+(the smallest multiple of 16 whose per-layer K block is a whole number of 4 KiB pages); the engine's
+default 2 GiB of KV is 2,912 such blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xllm.sched.batch_policy import DEFAULT_TOKEN_BUDGET
+
+SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
+SMOLLM2_BLOCK_SIZE = 32
+DEFAULT_KV_BLOCKS = (2 << 30) // (SMOLLM2_KV_BYTES_PER_TOKEN * SMOLLM2_BLOCK_SIZE)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated cluster. ``prefill_instances`` and ``decode_instances`` both > 0 is PD mode
+    (then ``instances`` is ignored); otherwise ``instances`` mixed instances.
+
+    - Policies by name: ``routing`` (``xllm.sched.ROUTING_POLICIES``; in PD mode it ranks the
+      prefill pool, as the gateway's ``PDPlacement`` does), ``batch_policy``
+      (``xllm.sched.BATCH_POLICIES``), ``pd_policy`` (``xllm.sched.PD_POLICIES``: role flips; PD
+      mode only).
+    - Engine: ``max_num_seqs``, ``max_num_batched_tokens``, ``chunked_prefill``, ``block_size``,
+      ``kv_blocks`` per instance, ``max_model_len`` (0: unbounded), ``prefix_cache``.
+    - Costs: ``kv_bytes_per_token`` and ``kv_bandwidth`` (bytes/s per receiving instance, transfers
+      to one instance queue behind each other) plus ``transfer_latency_s`` per transfer: PD
+      hand-offs and migrations; ``gateway_overhead_s`` before each dispatch; ``speed`` divides
+      every step time (a faster or slower instance than the profile's).
+    - Gateway view: ``heartbeat_s`` (load reports are this old at most; 0 = the policies see live
+      state); ``pd_interval_s`` between role-flip decisions; ``drain_moves`` how a flipping decode
+      instance's requests leave (``auto``: ``xllm.sched.move_cost`` decides migrate or recompute;
+      ``migrate``; ``recompute``; ``off``: they finish where they are); the dynamic role policy's
+      ``window_s``, ``cooldown_s``, ``cluster_cooldown_s``, ``max_in_progress`` and
+      ``max_flips_per_decision`` as ``pd_window_s``, ``pd_cooldown_s``, ``pd_cluster_cooldown_s``,
+      ``pd_max_in_progress``, ``pd_max_flips`` (the gateway's defaults).
+    - SLOs (seconds, ``None``: none) feed the policies that take them (role flips, co-location)
+      and the SLO attainment of the report; ``offline_priority`` is the engine priority of offline
+      requests (lower is more important; online requests have 0).
+    """
+
+    instances: int = 2
+    prefill_instances: int = 0
+    decode_instances: int = 0
+    routing: str = "kv_aware"
+    batch_policy: str = "decode_first"
+    pd_policy: str = "static"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET
+    chunked_prefill: bool = True
+    block_size: int = SMOLLM2_BLOCK_SIZE
+    kv_blocks: int = DEFAULT_KV_BLOCKS
+    max_model_len: int = 0
+    prefix_cache: bool = True
+    kv_bytes_per_token: int = SMOLLM2_KV_BYTES_PER_TOKEN
+    kv_bandwidth: float = 1e9
+    transfer_latency_s: float = 0.0
+    gateway_overhead_s: float = 0.0
+    speed: float = 1.0
+    heartbeat_s: float = 0.5
+    pd_interval_s: float = 0.5
+    drain_moves: str = "auto"
+    pd_window_s: float = 5.0
+    pd_cooldown_s: float = 30.0
+    pd_cluster_cooldown_s: float = 10.0
+    pd_max_in_progress: int = 1
+    pd_max_flips: int = 1
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    offline_priority: int = 1
+    offline_starvation_s: float = 30.0
+
+    @property
+    def pd(self) -> bool:
+        return self.prefill_instances > 0 and self.decode_instances > 0
+
+    @property
+    def num_instances(self) -> int:
+        return self.prefill_instances + self.decode_instances if self.pd else self.instances
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting."""
+        if (self.prefill_instances > 0) != (self.decode_instances > 0):
+            raise ValueError("PD mode needs both prefill_instances and decode_instances > 0")
+        positive = {"instances": self.instances, "max_num_seqs": self.max_num_seqs,
+                    "max_num_batched_tokens": self.max_num_batched_tokens, "block_size": self.block_size,
+                    "kv_blocks": self.kv_blocks, "kv_bytes_per_token": self.kv_bytes_per_token,
+                    "kv_bandwidth": self.kv_bandwidth, "speed": self.speed, "pd_interval_s": self.pd_interval_s,
+                    "pd_max_in_progress": self.pd_max_in_progress, "pd_max_flips": self.pd_max_flips}
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        for name, value in (("heartbeat_s", self.heartbeat_s), ("gateway_overhead_s", self.gateway_overhead_s),
+                            ("transfer_latency_s", self.transfer_latency_s), ("max_model_len", self.max_model_len),
+                            ("pd_window_s", self.pd_window_s), ("pd_cooldown_s", self.pd_cooldown_s),
+                            ("pd_cluster_cooldown_s", self.pd_cluster_cooldown_s)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.drain_moves not in ("auto", "migrate", "recompute", "off"):
+            raise ValueError(f"drain_moves must be auto, migrate, recompute or off, got {self.drain_moves!r}")
+        for name, slo in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):
+            if slo is not None and not slo > 0:
+                raise ValueError(f"{name} must be > 0, got {slo}")
