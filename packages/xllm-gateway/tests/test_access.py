@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -65,9 +66,10 @@ def test_allow_client_priority():
             AccessPolicy(api_keys=frozenset({bad}))
 
 
-@pytest.mark.parametrize(("fields", "param"), [({"priority": 1}, "priority"), ({"priority": -1}, "priority"),
+@pytest.mark.parametrize(("fields", "param"), [({"priority": -1}, "priority"),
                                                ({"service_tier": "priority"}, "service_tier"),
-                                               ({"service_tier": "flex"}, "service_tier")])
+                                               ({"service_tier": "scale"}, "service_tier"),
+                                               ({"service_tier": "flex", "priority": -2}, "priority")])
 def test_check_priority(fields, param):
     req = ChatCompletionRequest.model_validate({"messages": MSG, **fields})
     with pytest.raises(APIError) as info:
@@ -76,6 +78,33 @@ def test_check_priority(fields, param):
     AccessPolicy.check_priority(Caller(True, True), req)
     default = ChatCompletionRequest.model_validate({"messages": MSG, "priority": 0, "service_tier": "default"})
     AccessPolicy.check_priority(Caller(False, False), default)
+
+
+@pytest.mark.parametrize("fields", [{"service_tier": "flex"}, {"priority": 1}, {"priority": 9},
+                                    {"service_tier": "flex", "priority": 3}])
+def test_asking_for_less_needs_no_permission(fields):
+    """Offline (flex) and lower priorities are downgrades: anyone may ask for them."""
+    req = ChatCompletionRequest.model_validate({"messages": MSG, **fields})
+    AccessPolicy.check_priority(Caller(False, False), req)
+
+
+def test_scheduling_maps_tier_and_priority():
+    def sched(policy: AccessPolicy, **fields):
+        s = policy.scheduling(ChatCompletionRequest.model_validate({"messages": MSG, **fields}))
+        return s.priority, s.offline, s.service_tier
+
+    default = AccessPolicy()
+    assert sched(default) == (0, False, "default")
+    assert sched(default, service_tier="auto") == (0, False, "default")
+    assert sched(default, service_tier="flex") == (1, True, "flex")
+    assert sched(default, priority=1) == (1, True, "flex")  # at or above --offline-priority (1)
+    assert sched(default, priority=-4) == (-4, False, "default")
+    assert sched(default, service_tier="priority") == (-1, False, "priority")
+    assert sched(default, service_tier="flex", priority=-2) == (-2, True, "flex")  # flex is offline regardless
+    high = AccessPolicy(offline_priority=10)
+    assert sched(high, priority=9) == (9, False, "default")  # lower priority, still online
+    assert sched(high, priority=10) == (10, True, "flex")
+    assert sched(high, service_tier="flex") == (1, True, "flex")
 
 
 # ---- through the app ------------------------------------------------------------------------------
@@ -134,8 +163,8 @@ def test_auth_comes_before_the_body_is_read(app_with):
 
 
 @pytest.mark.parametrize(("fields", "param", "engine_priority"), [
-    ({"priority": 7}, "priority", 7), ({"priority": -3}, "priority", -3),
-    ({"service_tier": "priority"}, "service_tier", -1), ({"service_tier": "flex"}, "service_tier", 1),
+    ({"priority": -3}, "priority", -3), ({"service_tier": "priority"}, "service_tier", -1),
+    ({"service_tier": "scale"}, "service_tier", -1),
 ])
 def test_priority_needs_permission(app_with, fake_engine, fields, param, engine_priority):
     body = {"messages": MSG, "max_tokens": 1, **fields}
@@ -160,3 +189,37 @@ def test_default_scheduling_needs_no_permission(app_with, fake_engine):
     for fields in ({}, {"priority": 0}, {"service_tier": "auto"}, {"service_tier": "default"}):
         assert client.post(CHAT, json={"messages": MSG, "max_tokens": 1, **fields}).status_code == 200
     assert [q.priority for q in fake_engine.submitted] == [0, 0, 0, 0]
+
+
+def test_flex_is_offline_for_anyone_and_echoed(app_with, fake_engine):
+    """service_tier flex (and a priority at or above --offline-priority) needs no permission, reaches
+    the engine as offline, and the response echoes the tier it was served at (OpenAI does)."""
+    keyed = app_with(access=KEYS)
+    user = {"Authorization": "Bearer sk-user"}
+    r = keyed.post(CHAT, json={"messages": MSG, "max_tokens": 2, "service_tier": "flex"}, headers=user)
+    assert r.status_code == 200, r.text
+    assert r.json()["service_tier"] == "flex"
+    r = keyed.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "priority": 4}, headers=user)
+    assert r.status_code == 200, r.text
+    assert r.json()["service_tier"] == "flex"
+    r = keyed.post(CHAT, json={"messages": MSG, "max_tokens": 2, "stream": True, "service_tier": "flex"},
+                   headers=user)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events and all(e["service_tier"] == "flex" for e in events)
+    r = keyed.post(CHAT, json={"messages": MSG, "max_tokens": 2}, headers=user)
+    assert r.json()["service_tier"] == "default"
+    assert [(q.priority, q.offline) for q in fake_engine.submitted] == [(1, True), (4, True), (1, True), (0, False)]
+    online = app_with(access=dataclasses.replace(KEYS, offline_priority=5))
+    assert online.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "priority": 4},
+                       headers=user).json()["service_tier"] == "default"
+    assert (fake_engine.submitted[-1].priority, fake_engine.submitted[-1].offline) == (4, False)
+
+
+@pytest.mark.parametrize("tier", ["platinum", "", 1, "FLEX"])
+def test_unknown_service_tier_is_a_400_naming_the_field(app_with, fake_engine, tier):
+    client = app_with()
+    for path, body in ((CHAT, {"messages": MSG}), ("/v1/completions", {"prompt": "x"})):
+        assert_error(client.post(path, json={**body, "service_tier": tier}), 400, "invalid_request_error",
+                     "service_tier")
+    assert fake_engine.submitted == []
+    assert client.post(CHAT, json={"messages": MSG, "max_tokens": 1}).status_code == 200  # still serving

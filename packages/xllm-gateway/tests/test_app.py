@@ -185,11 +185,15 @@ def test_completion_echo_and_logprobs(fake_client, fake_engine):
     gen = expected_text(fake_engine, 2)
     assert choice["text"] == "Hello" + gen
     lp = choice["logprobs"]
-    assert "".join(lp["tokens"]) == gen
-    assert lp["token_logprobs"] == [-0.5, -0.5]
-    assert lp["text_offset"][0] == len("Hello")
-    assert lp["text_offset"][1] == len("Hello") + len(lp["tokens"][0])
-    assert all(len(t) == 1 for t in lp["top_logprobs"])
+    # the prompt's tokens first (OpenAI's echo): the first has no logprob; the engine computes the
+    # rest (this scripted one sends none), then the completion's
+    assert fake_engine.submitted[0].sampling.prompt_logprobs == 1
+    assert lp["tokens"][0] == "Hello" and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert "".join(lp["tokens"][1:]) == gen
+    assert lp["token_logprobs"][1:] == [-0.5, -0.5]
+    assert lp["text_offset"][:2] == [0, len("Hello")]
+    assert lp["text_offset"][2] == len("Hello") + len(lp["tokens"][1])
+    assert all(len(t) == 1 for t in lp["top_logprobs"][1:])
 
 
 def test_completion_token_prompts(fake_client, fake_engine):

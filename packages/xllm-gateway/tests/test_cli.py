@@ -15,6 +15,11 @@ ENGINE_CONFIG_FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", 
                        "--kv-cache-memory", "--max-waiting", "--device", "--threads", "--seed", "--kv-cache-backend",
                        "--block-size", "--no-prefix-cache", "--async-scheduling", "--no-native-decode",
                        "--compile-decode"]
+ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--profile"]  # the step-time profile (xllm.core.step_timing)
+# online SLOs and offline co-location (xllm.sched.colocation)
+ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--slo-ttft-ms", "--slo-tpot-ms", "--offline-starvation-s"]
+ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--speculative", "--num-speculative-tokens", "--speculative-max-batch",
+                       "--draft-model"]
 HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout", "--mooncake-master",
                  "--mooncake-metadata"]
 CLUSTER_SECURITY_FLAGS = ["--cluster-token", "--cluster-token-file", "--tls-cert", "--tls-key", "--tls-ca",
@@ -22,16 +27,23 @@ CLUSTER_SECURITY_FLAGS = ["--cluster-token", "--cluster-token-file", "--tls-cert
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", *ENGINE_CONFIG_FLAGS, "--no-progress",
                "--log-level", "--instances", "--etcd", "--etcd-prefix", "--routing", "--drain-moves",
                "--kv-bandwidth-prior", "--prefill-instances", "--decode-instances", "--etcd-watch-timeout",
-               "--engine-idle-timeout", "--request-timeout",
+               "--engine-idle-timeout", "--request-timeout", "--tool-call-parser",
                *HANDOFF_FLAGS, *CLUSTER_SECURITY_FLAGS]
 ENGINE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--instance-id", "--advertise-address",
                 "--etcd", "--etcd-prefix", "--registry", "--lease-ttl", "--heartbeat-interval", "--drain-timeout",
                 "--exit-with-parent", "--role", *HANDOFF_FLAGS, *ENGINE_CONFIG_FLAGS, "--no-progress", "--log-level",
                 *CLUSTER_SECURITY_FLAGS]
 
+PROFILE_FLAGS = ["--model", "--served-model-name", *ENGINE_CONFIG_FLAGS, "--output", "-o", "--quick", "--reps",
+                 "--warmup", "--decode-contexts", "--batches", "--ladder-tokens", "--mixed-chunks", "--prefill-chunks",
+                 "--prefill-cached", "--no-progress", "--log-level"]  # xllm profile (xllm.engine.profiler)
+
 API_FLAGS = ["--api-key", "--priority-api-key", "--allow-client-priority", "--max-inflight-requests",
              "--max-body-mib", "--max-prompt-chars", "--max-prompts", "--max-n", "--max-logprobs"]
+API_FLAGS = [*API_FLAGS, "--offline-priority"]  # priority from which requests are offline
 SERVE_FLAGS = [*SERVE_FLAGS, *API_FLAGS]  # the OpenAI API's keys and limits (xllm.gateway.api_flags)
+PD_ROLE_FLAGS = ["--pd-policy", "--pd-flip-window", "--pd-flip-cooldown", "--pd-cluster-cooldown", "--pd-min-per-role"]
+SERVE_FLAGS = [*SERVE_FLAGS, *PD_ROLE_FLAGS]  # dynamic PD roles (xllm.gateway.roles)
 
 
 def _sub_parser(name: str = "serve"):
@@ -44,7 +56,8 @@ def _serve_parser():
     return _sub_parser("serve")
 
 
-@pytest.mark.parametrize("command, flags", [("serve", SERVE_FLAGS), ("engine", ENGINE_FLAGS)])
+@pytest.mark.parametrize("command, flags", [("serve", SERVE_FLAGS), ("engine", ENGINE_FLAGS),
+                                            ("profile", PROFILE_FLAGS)])
 def test_every_flag_has_help(command, flags):
     parser = _sub_parser(command)
     documented = {opt: a for a in parser._actions for opt in a.option_strings}
@@ -259,3 +272,22 @@ def test_serve_passes_the_api_options_to_the_app(monkeypatch):
     opts, app = built
     assert app == "app"
     assert opts.limits.max_n == 3 and opts.access.api_keys == {"k"} and opts.access.priority_keys == {"p"}
+
+
+def test_slo_and_offline_flags_reach_the_config_spawned_engines_and_access():
+    from xllm.gateway.api_flags import access_policy
+
+    args = build_parser().parse_args(["serve", "--slo-ttft-ms", "800", "--slo-tpot-ms", "60",
+                                      "--offline-starvation-s", "5", "--offline-priority", "3"])
+    cfg = engine_config(args)
+    assert (cfg.slo_ttft_ms, cfg.slo_tpot_ms, cfg.offline_starvation_s) == (800.0, 60.0, 5.0)
+    spawned = engine_args(args, 2)
+    assert spawned[spawned.index("--slo-tpot-ms") + 1] == "60.0"
+    assert spawned[spawned.index("--offline-starvation-s") + 1] == "5.0"
+    assert access_policy(args, {}).offline_priority == 3
+    defaults = engine_config(build_parser().parse_args(["serve"]))
+    assert (defaults.slo_ttft_ms, defaults.slo_tpot_ms, defaults.offline_starvation_s) == (None, None, 30.0)
+    assert "--slo-tpot-ms" not in engine_args(build_parser().parse_args(["serve"]), 2)
+    for argv in (["serve", "--slo-tpot-ms", "0"], ["serve", "--offline-starvation-s", "-1"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)

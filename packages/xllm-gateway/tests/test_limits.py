@@ -125,7 +125,7 @@ def test_nesting_is_bounded():
     shallow: object = "x"
     for _ in range(20):
         shallow = [shallow]
-    assert parse_chat(tools=[{"type": "function", "function": {"parameters": shallow}}]).tools
+    assert parse_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"default": shallow}}}]).tools
 
 
 def test_unknown_fields_are_named():

@@ -96,3 +96,32 @@ def test_set_load_refreshes_the_gauges():
     assert value(m, "xllm:num_requests_waiting") == 0
     assert value(m, "xllm:kv_cache_usage_perc") == 0
     assert value(m, "xllm:prompt_tokens_total") == 30  # counters untouched
+
+
+def test_offline_series_from_steps_and_from_heartbeats():
+    """Co-location's series (xllm.sched.colocation): offline requests and tokens, preemptions by reason,
+    the longest offline wait; the same from an in-process engine's steps and a remote one's counters."""
+    from xllm.core.stats import OfflineStepStats
+
+    m = EngineMetrics()
+    step = decode_step(finished=True)
+    step.offline = OfflineStepStats(prompt_tokens=12, generation_tokens=2, finished=1,
+                                    preempted={"batch_full": 2, "slo": 1}, longest_wait=3.5)
+    m.observer("m", "i0").on_step(step)
+    assert value(m, "xllm:offline_requests_total") == 1
+    assert value(m, "xllm:offline_prompt_tokens_total") == 12
+    assert value(m, "xllm:offline_generation_tokens_total") == 2
+    assert value(m, "xllm:offline_preemptions_total", reason="batch_full") == 2
+    assert value(m, "xllm:offline_preemptions_total", reason="slo") == 1
+    assert value(m, "xllm:offline_longest_wait_seconds") == 3.5
+    m.set_counters("m", "i1", instance_pb2.EngineCounters(steps=5, offline_requests=4, offline_generation_tokens=9,
+                                                           offline_preemptions_kv=3))
+    m.set_counters("m", "i1", instance_pb2.EngineCounters(steps=6, offline_requests=6, offline_generation_tokens=9,
+                                                           offline_preemptions_kv=4, offline_preemptions_slo=2))
+    remote = {"instance": "i1"}
+    assert value(m, "xllm:offline_requests_total", **remote) == 6
+    assert value(m, "xllm:offline_generation_tokens_total", **remote) == 9
+    assert value(m, "xllm:offline_preemptions_total", reason="kv", **remote) == 4
+    assert value(m, "xllm:offline_preemptions_total", reason="slo", **remote) == 2
+    m.set_load("m", "i1", instance_pb2.LoadReport(offline_longest_wait=7.25))
+    assert value(m, "xllm:offline_longest_wait_seconds", **remote) == 7.25

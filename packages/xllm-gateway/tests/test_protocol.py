@@ -12,6 +12,7 @@ from xllm.gateway.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    Scheduling,
 )
 
 MSG = [{"role": "user", "content": "Hi"}]
@@ -78,10 +79,9 @@ REFUSED = [
     ("function_call", "auto"),
     ("store", True),
     ("modalities", ["text", "audio"]),
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),  # no schema
+    ("tool_choice", "required"),  # without tools
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}),  # not among the tools
 ]
 
 
@@ -115,8 +115,9 @@ def test_metadata_follows_openais_bounds():
 def test_completion_fields_of_openai():
     assert completion(echo=True, best_of=1, suffix="", user="u", seed=3).echo is True
     assert completion(response_format={"type": "text"}).response_format.type == "text"
+    assert completion(response_format={"type": "json_object"}).response_format.type == "json_object"
     with pytest.raises(ValidationError):
-        completion(response_format={"type": "json_object"})
+        completion(response_format={"type": "json_object", "json_schema": {"name": "x", "schema": {}}})
 
 
 @pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p",
@@ -131,15 +132,21 @@ def test_non_finite_numbers_are_refused(field, value):
 
 
 def test_priority_and_service_tier():
+    """requested_priority: what asks to be served ahead of default requests (needs permission);
+    lower priorities and flex are downgrades (None)."""
     assert chat().requested_priority() is None and chat().engine_priority() == 0
     assert chat(service_tier="default").requested_priority() is None
     assert chat(priority=-5).requested_priority() == ("priority", -5)
     assert chat(service_tier="priority").requested_priority() == ("service_tier", -1)
-    assert chat(service_tier="flex").engine_priority() == 1
-    assert chat(service_tier="flex", priority=3).requested_priority() == ("priority", 3)
+    assert chat(service_tier="flex").engine_priority() == 1 and chat(service_tier="flex").requested_priority() is None
+    assert chat(service_tier="flex", priority=3).engine_priority() == 3
+    assert chat(priority=3).requested_priority() is None
     assert completion(priority=2).engine_priority() == 2
-    with pytest.raises(ValidationError):
+    assert chat(service_tier="flex").scheduling() == Scheduling(1, True, "flex")
+    assert completion(priority=2).scheduling(offline_priority=5) == Scheduling(2, False, "default")
+    with pytest.raises(ValidationError) as info:
         chat(service_tier="platinum")
+    assert error_locs(info.value) == {"service_tier"}
 
 
 def test_affinity_key():
@@ -352,5 +359,7 @@ def test_completion_unsupported_fields():
     with pytest.raises(ValidationError, match="suffix"):
         completion(suffix="!")
     with pytest.raises(ValidationError, match="best_of"):
-        completion(best_of=3, n=2)
-    assert completion(best_of=2, n=2).n == 2
+        completion(best_of=1, n=2)
+    with pytest.raises(ValidationError, match="best_of"):
+        completion(best_of=3, n=2, stream=True)
+    assert completion(best_of=3, n=2).best_of == 3

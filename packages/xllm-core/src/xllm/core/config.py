@@ -10,6 +10,7 @@ from xllm.common import UnknownNameError
 from xllm.core.dtypes import DTYPES
 from xllm.core.errors import ConfigError
 from xllm.core.kv.registry import KV_BACKENDS
+from xllm.core.spec.registry import PROPOSERS
 from xllm.sched.batch_policy import DEFAULT_TOKEN_BUDGET
 
 
@@ -41,6 +42,17 @@ class EngineConfig:
     processing with the forward (xLLM §4.1), streaming each token one step later.
     ``compile_decode`` compiles (torch.compile, at start-up) one graph for pure
     decode batches the native path does not take (see ``graph_runner``).
+    ``profile_path``: an ``xllm profile`` JSON whose fitted step model the engine's step-time
+    predictor starts from (``xllm.core.step_timing``; ``None``: it fits its own after a warm-up).
+    ``slo_ttft_ms`` / ``slo_tpot_ms`` are the online latency targets (``None``: none): the batch
+    policy admits offline (``service_tier: flex``) decodes only as far as the predicted step time
+    keeps within ``slo_tpot_ms``; an offline sequence that made no progress for
+    ``offline_starvation_s`` gets a minimal guaranteed share (``xllm.sched.colocation``).
+    ``speculative`` names a proposer of :data:`xllm.core.spec.registry.PROPOSERS` (``None``: no
+    speculative decoding): up to ``num_speculative_tokens`` drafts per decoding sequence, verified
+    in one forward, while a step decodes at most ``speculative_max_batch`` sequences
+    (:mod:`xllm.core.spec.speculator`); ``draft_model_path`` is the ``draft`` proposer's model
+    directory. Not with ``async_scheduling``.
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -58,6 +70,14 @@ class EngineConfig:
     max_waiting_requests: int = 4096
     num_threads: int | None = None
     seed: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    offline_starvation_s: float = 30.0
+    profile_path: str | None = None
+    speculative: str | None = None
+    num_speculative_tokens: int = 3
+    speculative_max_batch: int = 8
+    draft_model_path: str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -75,6 +95,30 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if not self.offline_starvation_s > 0:
+            raise ConfigError(f"offline_starvation_s must be > 0, got {self.offline_starvation_s}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative is None:
+            return
+        if self.speculative not in PROPOSERS:
+            raise ConfigError(f"speculative: unknown speculative proposer {self.speculative!r}; "
+                              f"known: {', '.join(PROPOSERS.choices())}")
+        self.speculative = PROPOSERS.canonical(self.speculative)
+        if self.async_scheduling:
+            raise ConfigError("speculative decoding does not run with async_scheduling yet: a verify step's "
+                              "accepted length is unknown until it lands (drop --async-scheduling)")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
+        if self.speculative_max_batch < 1:
+            raise ConfigError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if self.speculative == "draft" and not self.draft_model_path:
+            raise ConfigError("the draft proposer needs draft_model_path (--draft-model DIR)")
 
     def resolve_max_model_len(self, model_max: int) -> int:
         """The effective context length: the configured one, never above the model's."""

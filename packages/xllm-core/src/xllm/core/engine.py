@@ -16,6 +16,7 @@ of a prefill/decode hand-off (:mod:`xllm.core.disagg`) when a listener moves the
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -24,6 +25,7 @@ from xllm.core.config import EngineConfig
 from xllm.core.detokenizer import EngineTokenizer
 from xllm.core.disagg import DisaggListener, Handoff, MoveReady, MoveSnapshot, PromptFinishing, Reservation
 from xllm.core.errors import EngineOverloadedError, InvalidRequestError
+from xllm.core.grammar import Grammars
 from xllm.core.graph_runner import build_compiled_decode
 from xllm.core.kv import build_kv_cache
 from xllm.core.model_api import CausalLM
@@ -33,14 +35,18 @@ from xllm.core.platform import Platform, configure_threads, detect_platform
 from xllm.core.sampler import Sampler
 from xllm.core.sampling_params import SamplingParams
 from xllm.core.scheduler import Scheduler
-from xllm.core.sequence import PLACEHOLDER, Phase, SeqStatus, Sequence
-from xllm.core.stats import EngineCounters, FinishedRequest, StatsObserver, StepStats
+from xllm.core.sequence import PLACEHOLDER, Phase, PromptLogprobs, SeqStatus, Sequence
+from xllm.core.spec.speculator import Speculator
+from xllm.core.stats import EngineCounters, FinishedRequest, OfflineStepStats, StatsObserver, StepStats
 from xllm.core.step import StepInFlight
+from xllm.core.step_timing import StepTiming, load_step_model
 from xllm.core.validation import RequestLimits
+from xllm.kernels import native
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.enums import finish_reason_name
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.sched import BATCH_POLICIES, StepPlan
+from xllm.sched.latency import step_shape
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +57,21 @@ class LLMEngine:
 
     def __init__(self, model: CausalLM, tokenizer: EngineTokenizer, config: EngineConfig,
                  observers: list[StatsObserver] | None = None, instance_id: str = "engine-0",
-                 forward_executor: Executor | None = None) -> None:
+                 forward_executor: Executor | None = None, grammars: Grammars | None = None,
+                 draft_model: CausalLM | None = None) -> None:
         self.config = config
+        self.grammars = grammars  # constrained decoding (xllm.core.grammar); None: such requests are refused
         self.instance_id = instance_id
         self.platform: Platform = detect_platform(config.device)
         if not self.platform.supports_dtype(config.dtype):
             raise ValueError(f"dtype {config.dtype} is not supported on {self.platform.name}")
-        configure_threads(config.num_threads)
+        threads = configure_threads(config.num_threads)
+        if grammars is not None:
+            # masks beside the forward only on a spare core (an OpenMP team sharing its cores with the
+            # grammar thread waits at every barrier) and with kernels that release the GIL (else the
+            # grammar thread cannot run until the forward is over)
+            lib = native.library()
+            grammars.overlap = threads < len(os.sched_getaffinity(0)) and (lib is None or not lib.holds_gil)
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = config.resolve_max_model_len(int(model.max_context_len))
@@ -72,15 +86,27 @@ class LLMEngine:
         eos = frozenset(tokenizer.eos_token_ids)
         self.sampler = Sampler(eos)
         self.outputs = OutputProcessor(tokenizer, eos, self.max_model_len)
-        policy = BATCH_POLICIES.create("decode_first", max_num_seqs=config.max_num_seqs,
-                                       max_num_batched_tokens=config.max_num_batched_tokens)
+        # the step-time predictor: fed every step (shape in _prepare, time in _account)
+        self.step_timing = StepTiming(load_step_model(config.profile_path) if config.profile_path else None)
+        # online work as decode-first batching; offline (flex) work in what it leaves, within the TPOT SLO
+        policy = BATCH_POLICIES.create(
+            "colocation", max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            slo_tpot_s=config.slo_tpot_ms / 1000 if config.slo_tpot_ms else None,
+            predict=self.step_timing.step_seconds, starvation_s=config.offline_starvation_s)
         self.scheduler = Scheduler(policy, self.kv)
+        # speculative decoding (xllm.core.spec; off unless config.speculative names a proposer)
+        self.spec: Speculator | None = None
+        if config.speculative is not None:
+            from xllm.core.spec.build import build_speculator
+            self.spec = build_speculator(config, self.max_model_len, self.platform.device, int(model.vocab_size),
+                                         draft_model)
         self.requests: dict[str, RequestOutput] = {}
         self.counters = EngineCounters()
         self.observers = list(observers or [])
         self._seed_source = random.Random(config.seed)
         self._reported_prefix = self.kv.prefix_stats
         self._in_flight: StepInFlight | None = None
+        self._step_began = 0.0  # perf_counter at the start of the current step() (StepTiming's measure)
         self.disagg: DisaggListener | None = None  # who moves KV in prefill/decode hand-offs (an engine server)
         self._abandoned: set[str] = set()  # aborted mid-hand-off: KV kept until release_kv
         self.stalled = False  # the last step had nothing it could run
@@ -99,8 +125,12 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------
     def validate(self, req: engine_pb2.GenerateRequest) -> SamplingParams:
         """Check a request against this engine's limits without queuing it (any thread).
-        Raises :class:`InvalidRequestError` naming the offending parameter."""
-        return self.limits.check(req)
+        Raises :class:`InvalidRequestError` naming the offending parameter. An output constraint is
+        compiled here (into the grammar cache), off the engine thread."""
+        params = self.limits.check(req)
+        if req.sampling.HasField("structured") and self.grammars is not None:
+            self.grammars.state(req.sampling.structured)
+        return params
 
     def add_request(self, req: engine_pb2.GenerateRequest) -> list[engine_pb2.GenerateResponse]:
         """Queue a request; raises :class:`InvalidRequestError` or :class:`EngineOverloadedError`.
@@ -121,7 +151,15 @@ class LLMEngine:
                                       "disagg_phase")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         seq = Sequence(req.request_id, list(req.prompt_token_ids), params, req.arrival_time or time.time(),
-                       req.priority, seed=seed, num_resumed=req.resumed_output_tokens, phase=phase)
+                       req.priority, seed=seed, num_resumed=req.resumed_output_tokens, phase=phase,
+                       offline=req.offline)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = PromptLogprobs()
+        if req.sampling.HasField("structured"):
+            if self.grammars is None:
+                raise InvalidRequestError("this engine has no grammar engine (constrained decoding)",
+                                          req.sampling.structured.field or "structured")
+            seq.grammar = self.grammars.state(req.sampling.structured)
         out = self.outputs.new_request(seq, req.resumed_sent_chars)
         if out.finished:
             self.counters.finished_requests += 1
@@ -151,7 +189,7 @@ class LLMEngine:
         self._notify(StepStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting), batch_size=0,
             num_decode_tokens=0, num_prefill_tokens=0, num_preempted=0, kv_usage=self.kv.usage, step_time=0.0,
-            finished=[_finished(seq, "abort", time.time())]))
+            finished=[_finished(seq, "abort", time.time())], offline=OfflineStepStats(finished=int(seq.offline))))
         return chunk
 
     def stepping_request_ids(self) -> set[str]:
@@ -175,6 +213,7 @@ class LLMEngine:
         outputs, swapped in when they land) and then detokenizes and emits step
         k's outputs during step k+1's forward; chunks therefore trail by one step.
         """
+        self._step_began = time.perf_counter()
         self._reserve()
         if self.config.async_scheduling:
             return self._step_overlapped()
@@ -192,7 +231,7 @@ class LLMEngine:
     def _step_overlapped(self) -> list[engine_pb2.GenerateResponse]:
         responses: list[engine_pb2.GenerateResponse] = []
         prev = self._in_flight
-        if prev is not None and self._kv_tight():
+        if prev is not None and (self._kv_tight() or self._slots_tight()):
             # preemption must never free pages an in-flight forward writes: land it first
             self._in_flight = None
             self._swap_in(prev)
@@ -228,14 +267,27 @@ class LLMEngine:
         sequence that samples this step gets a placeholder for its new token."""
         chunks = [(c.seq, c.num_tokens) for c in plan.chunks]
         self._stepping = [seq for seq, _ in chunks]
-        batch = self.runner.prepare(chunks)
+        drafts: dict[Sequence, list[int]] = {}
+        if self.spec is not None:  # decode chunks become the last token + drafts (xllm.core.spec)
+            decodes = {seq for seq, n in chunks if n == 1 and seq.num_computed_tokens > 0
+                       and seq.num_tokens - seq.num_computed_tokens == 1}
+            drafts = self.spec.draft([seq for seq, _ in chunks if seq in decodes], self.kv,
+                                     self.config.max_num_batched_tokens - plan.num_tokens, self.max_model_len)
+            if drafts:  # plain decodes stay first; verify chunks lead the multi-token chunks
+                chunks = ([(seq, n) for seq, n in chunks if seq in decodes and seq not in drafts]
+                          + [(seq, n + len(drafts[seq])) for seq, n in chunks if seq in drafts]
+                          + [(seq, n) for seq, n in chunks if seq not in decodes])
+        shape = step_shape(chunks)  # before num_computed_tokens advances
+        batch = self.runner.prepare(chunks, drafts)
         self.kv.prefetch(batch.sample_seqs)  # map next step's pages while this one computes
         now = time.time()
         for seq, n in chunks:
             seq.num_computed_tokens += n
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        flight = StepInFlight(plan, chunks, batch, self.runner, self.sampler, time.perf_counter())
+        flight = StepInFlight(plan, chunks, batch, self.runner, self.sampler, time.perf_counter(), shape=shape,
+                              began=self._step_began, grammars=self.grammars)
+        flight.spec_starts = {seq: seq.num_computed_tokens - n for seq, n in chunks if seq in drafts}
         for seq in batch.sample_seqs:
             flight.placeholder_at.append(len(seq.output_ids))
             seq.output_ids.append(PLACEHOLDER)
@@ -249,10 +301,15 @@ class LLMEngine:
     def _swap_in(self, flight: StepInFlight) -> None:
         """Wait for the forward, put the sampled tokens in place of the placeholders."""
         flight.wait()
+        for v in flight.verified:  # before the prefix cache sees them: rejected rows roll back
+            self.spec.land(v, flight.spec_starts[v.seq])
         for seq, _ in flight.chunks:
             self.kv.on_computed(seq)
         for i, seq in enumerate(flight.batch.sample_seqs):
             seq.output_ids[flight.placeholder_at[i]] = flight.result.token_ids[i]
+        for seq, first, entries in flight.prompt_logprobs:
+            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs.entries) == first:
+                seq.prompt_logprobs.entries.extend(entries)
         self.scheduler.unpin()
 
     def _emit(self, flight: StepInFlight) -> list[engine_pb2.GenerateResponse]:
@@ -263,6 +320,7 @@ class LLMEngine:
         ttfts: list[float] = []
         itls: list[float] = []
         finished: list[FinishedRequest] = []
+        offline = OfflineStepStats()
         result = flight.result
         for i, seq in enumerate(flight.batch.sample_seqs):
             out = self.requests.get(seq.request_id)
@@ -273,30 +331,72 @@ class LLMEngine:
                 seq.first_token_time = now
                 ttfts.append(now - seq.arrival_time)
                 prompt_tokens += seq.num_prompt_tokens
+                offline.prompt_tokens += seq.num_prompt_tokens if seq.offline else 0
             else:
                 itls.append(now - seq.last_token_time)
             seq.last_token_time = now
+            offline.generation_tokens += seq.offline
             self.outputs.append_token(out, token, result.logprobs[i])
+            responses.append(self.outputs.take_chunk(out))
+            if seq.prompt_logprobs is not None and not seq.prompt_logprobs.sent:
+                _attach_prompt_logprobs(responses[-1], seq)
+            if out.finished:
+                del self.requests[seq.request_id]
+                self.scheduler.finish(seq)
+                finished.append(_finished(seq, finish_reason_name(out.finish_reason), now))
+                offline.finished += seq.offline
+                if seq.phase is Phase.PREFILL:  # the first token ended it: nothing to hand off
+                    self.disagg.on_abandoned(seq.request_id)
+            elif seq.phase is Phase.PREFILL:
+                self._hand_off(out, token, now)
+        spec_tokens = self._emit_verified(flight, now, responses, itls, finished, offline)
+        for seq, _ in flight.chunks:
+            if seq.moving and seq.status is SeqStatus.RUNNING and not self._computing(seq):
+                self._pause(seq)
+        self._account(flight, prompt_tokens, ttfts, itls, finished, time.perf_counter() - flight.started, offline,
+                      spec_tokens)
+        return responses
+
+    def _emit_verified(self, flight: StepInFlight, now: float, responses: list[engine_pb2.GenerateResponse],
+                       itls: list[float], finished: list[FinishedRequest], offline: OfflineStepStats) -> int:
+        """The speculating sequences' verified runs, token by token through the stop checks (a run
+        ends exactly where the request would have); one chunk per request. Returns tokens emitted."""
+        emitted = 0
+        for v in flight.verified:
+            seq = v.seq
+            out = self.requests.get(seq.request_id)
+            if out is None or out.seq is not seq or out.finished:
+                continue
+            gap = (now - (seq.last_token_time or now)) / len(v.tokens)
+            for i, (token, logprob) in enumerate(zip(v.tokens, v.logprobs, strict=True)):
+                itls.append(gap)
+                emitted += 1
+                offline.generation_tokens += seq.offline
+                self.outputs.append_token(out, token, logprob)
+                if out.finished:  # the tokens after the stop were never generated
+                    del seq.output_ids[len(seq.output_ids) - (len(v.tokens) - i - 1):]
+                    break
+            seq.last_token_time = now
             responses.append(self.outputs.take_chunk(out))
             if out.finished:
                 del self.requests[seq.request_id]
                 self.scheduler.finish(seq)
                 finished.append(_finished(seq, finish_reason_name(out.finish_reason), now))
-                if seq.phase is Phase.PREFILL:  # the first token ended it: nothing to hand off
-                    self.disagg.on_abandoned(seq.request_id)
-            elif seq.phase is Phase.PREFILL:
-                self._hand_off(out, token, now)
-        for seq, _ in flight.chunks:
-            if seq.moving and seq.status is SeqStatus.RUNNING and not self._computing(seq):
-                self._pause(seq)
-        self._account(flight, prompt_tokens, ttfts, itls, finished, time.perf_counter() - flight.started)
-        return responses
+                offline.finished += seq.offline
+        return emitted
 
     def _saturated(self, seq: Sequence) -> bool:
         """Whether the token in flight is certainly the sequence's last here (length limits; a
         prefill-phase sequence stops at its first token)."""
         return (seq.num_resumed + len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
                 or seq.phase is Phase.PREFILL)
+
+    def _slots_tight(self) -> bool:
+        """Could this step's scheduling preempt an offline sequence for a waiting one's slot?
+        (co-location's batch_full preemption: every slot taken, offline work among them)"""
+        s = self.scheduler
+        return (bool(s.waiting) and len(s.running) >= self.config.max_num_seqs
+                and any(seq.offline for seq in s.running))
 
     def _kv_tight(self) -> bool:
         """Could this step's scheduling preempt? (fewer free blocks than it might need)"""
@@ -305,11 +405,19 @@ class LLMEngine:
         return self.kv.num_free_blocks < running + -(-self.config.max_num_batched_tokens // bs) + 1
 
     def _account(self, flight: StepInFlight, prompt_tokens: int, ttfts: list[float], itls: list[float],
-                 finished: list[FinishedRequest], step_time: float) -> None:
+                 finished: list[FinishedRequest], step_time: float, offline: OfflineStepStats,
+                 spec_tokens: int = 0) -> None:
         plan, batch, c = flight.plan, flight.batch, self.counters
+        _offline_scheduling(plan, offline)
+        c.observe_offline(offline)
+        c.offline_longest_wait = offline.longest_wait
+        # the step's time as StepTiming defines it (xllm.core.step_timing): synchronous, the whole step
+        # from scheduling to here; overlapped, its forward and sampling on the worker
+        measured = flight.forward_seconds if self.config.async_scheduling else time.perf_counter() - flight.began
+        prediction_error = self.step_timing.observe(flight.shape, measured)
         c.steps += 1
         c.prompt_tokens += prompt_tokens
-        c.generation_tokens += len(batch.sample_seqs)
+        c.generation_tokens += len(batch.sample_seqs) + spec_tokens
         c.finished_requests += len(finished)
         c.max_batch_size = max(c.max_batch_size, len(plan.chunks))
         if batch.num_decode > 1:
@@ -325,7 +433,8 @@ class LLMEngine:
             num_prefill_tokens=plan.num_tokens - batch.num_decode, num_preempted=len(plan.preempted),
             kv_usage=self.kv.usage, step_time=step_time, prompt_tokens=prompt_tokens, ttfts=ttfts,
             inter_token_latencies=itls, finished=finished, prefix_cache_queries=prefix.queries - before.queries,
-            prefix_cache_hits=prefix.hits - before.hits))
+            prefix_cache_hits=prefix.hits - before.hits, step_time_prediction_error=prediction_error,
+            offline=offline, **_spec_stats(flight)))
 
     # ---- prefill/decode hand-offs (xllm.core.disagg) -------------------------------------------
     def _reserve(self) -> None:
@@ -466,6 +575,10 @@ class LLMEngine:
             self._in_flight.wait()
         if self._owns_worker and self._worker is not None:
             self._worker.shutdown(wait=True)
+        if self.grammars is not None:
+            self.grammars.close()
+        if self.spec is not None:
+            self.spec.close()
         self.kv.close()
 
     # ---- reports ----------------------------------------------------------
@@ -473,11 +586,46 @@ class LLMEngine:
         return instance_pb2.LoadReport(
             instance_id=self.instance_id, num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), kv_usage=self.kv.usage, kv_free_tokens=self.kv.free_tokens,
-            recent_ttft=self.counters.recent_ttft, recent_tpot=self.counters.recent_tpot, timestamp=time.time())
+            recent_ttft=self.counters.recent_ttft, recent_tpot=self.counters.recent_tpot, timestamp=time.time(),
+            step_predictor=self.step_timing.report(), offline_longest_wait=self.counters.offline_longest_wait)
 
 
 _PHASES = {engine_pb2.DISAGG_PHASE_NONE: Phase.MIXED, engine_pb2.DISAGG_PHASE_PREFILL: Phase.PREFILL,
            engine_pb2.DISAGG_PHASE_DECODE: Phase.DECODE}
+
+
+def _offline_scheduling(plan: StepPlan, out: OfflineStepStats) -> None:
+    """The co-location decisions of ``plan`` (xllm.sched.colocation) into ``out``: offline sequences
+    preempted by reason (``slo``: interrupted, KV kept) and the longest offline wait."""
+    for seq, reason in zip(plan.preempted, plan.preempt_reasons, strict=False):
+        if seq.offline:
+            out.preempted[reason] = out.preempted.get(reason, 0) + 1
+    if plan.interrupted:
+        out.preempted["slo"] = out.preempted.get("slo", 0) + len(plan.interrupted)
+    out.longest_wait = plan.longest_offline_wait
+
+
+def _spec_stats(flight: StepInFlight) -> dict:
+    """The step's speculation figures as :class:`StepStats` fields (none without verify runs)."""
+    if not flight.verified:
+        return {}
+    per_pos = [0] * max(v.num_drafts for v in flight.verified)
+    for v in flight.verified:
+        for j in range(v.num_accepted):
+            per_pos[j] += 1
+    return dict(spec_num_drafts=len(flight.verified), spec_draft_tokens=sum(v.num_drafts for v in flight.verified),
+                spec_accepted_tokens=sum(v.num_accepted for v in flight.verified), spec_accepted_per_pos=per_pos)
+
+
+def _attach_prompt_logprobs(chunk: engine_pb2.GenerateResponse, seq: Sequence) -> None:
+    """The prompt's logprobs on the request's first output chunk (none for a resumed run: its first
+    run sent them)."""
+    seq.prompt_logprobs.sent = True
+    if seq.num_resumed:
+        return
+    for token, logprob, top in seq.prompt_logprobs.entries:
+        chunk.prompt_logprobs.add(token_id=token, logprob=logprob,
+                                  top=[engine_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top])
 
 
 def _finished(seq: Sequence, reason: str, now: float) -> FinishedRequest:

@@ -4,7 +4,7 @@ backend, and the logits of the sequences that sample this step."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,7 +21,12 @@ class BatchInputs:
     ``sample_rows[i]`` is the packed row whose hidden state yields the next
     token of ``sample_seqs[i]`` (the last row of a sequence that completes its
     known tokens this step). ``address`` is what the KV backend's addressing
-    packed for the step (slots or block tables).
+    packed for the step (slots or block tables). ``prompt_rows`` are the prefill rows whose logits a
+    prompt-logprobs request needs (``prompt_spans``: per sequence, its first position and row count,
+    in row order); the forward returns the logits of :attr:`logit_rows` (sample rows, then those, then
+    ``spec_rows``). A speculating sequence (``spec_spans``: the sequence and its drafts, in row order)
+    runs as a chunk of its last known token plus its drafts, is not in ``sample_seqs``, and all its
+    rows are in ``spec_rows`` (:mod:`xllm.core.spec`).
     """
 
     input_ids: torch.Tensor
@@ -33,6 +38,21 @@ class BatchInputs:
     sample_rows: torch.Tensor
     sample_seqs: list[Sequence]
     address: SlotAddress | PageAddress
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    spec_rows: list[int] = field(default_factory=list)
+    spec_spans: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+
+    @property
+    def logit_rows(self) -> torch.Tensor:
+        extra = self.prompt_rows + self.spec_rows
+        if not extra:
+            return self.sample_rows
+        return torch.cat([self.sample_rows, torch.tensor(extra, dtype=torch.long, device=self.sample_rows.device)])
+
+    @property
+    def needs_logits(self) -> bool:
+        return bool(self.sample_seqs or self.prompt_rows or self.spec_rows)
 
     @property
     def num_prefill_seqs(self) -> int:
@@ -87,10 +107,12 @@ class ModelRunner:
             slots = torch.cat([slots, tensor(addr.prefill_slots)])
         return StepTokens(input_ids=batch.input_ids, positions=batch.positions, token_slots=addr.token_slots,
                           seq_starts=tensor(starts), context_lens=lens, seq_slots=slots,
-                          sample_rows=batch.sample_rows)
+                          sample_rows=batch.logit_rows)
 
-    def prepare(self, chunks: list[tuple[Sequence, int]]) -> BatchInputs:
-        """Pack ``(seq, num_tokens)`` chunks; decodes must come first."""
+    def prepare(self, chunks: list[tuple[Sequence, int]],
+                drafts: dict[Sequence, list[int]] | None = None) -> BatchInputs:
+        """Pack ``(seq, num_tokens)`` chunks; decodes must come first. A sequence in ``drafts``
+        (speculative decoding) has a chunk of its one last known token plus those drafts."""
         ids: list[int] = []
         pos: list[int] = []
         num_decode = 0
@@ -101,10 +123,15 @@ class ModelRunner:
         pf_lens: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[Sequence, int, int]] = []
+        spec_rows: list[int] = []
+        spec_spans: list[tuple[Sequence, list[int]]] = []
         for seq, n in chunks:
             start = seq.num_computed_tokens
             end = start + n
-            if n == 1 and end == seq.num_tokens and start > 0:  # a decode token
+            draft = drafts.get(seq) if drafts else None
+            if n == 1 and end == seq.num_tokens and start > 0 and not draft:  # a decode token
                 if prefill_seqs:
                     raise ValueError("decode chunks must precede prefill chunks")
                 num_decode += 1
@@ -114,6 +141,18 @@ class ModelRunner:
                 prefill_seqs.append(seq)
                 pf_starts.append(len(ids) - num_decode)
                 pf_lens.append(end)
+            pending = seq.prompt_logprobs_pending
+            if pending is not None:  # rows of positions [first, last) predict prompt tokens first+1..last
+                first, last = max(start, pending), min(end, seq.num_prompt_tokens - 1)
+                if first < last:
+                    prompt_rows.extend(range(len(ids) + first - start, len(ids) + last - start))
+                    prompt_spans.append((seq, first, last - first))
+            if draft:
+                spec_rows.extend(range(len(ids), len(ids) + n))
+                spec_spans.append((seq, draft))
+                ids.extend(seq.token_slice(start, end - len(draft)) + draft)
+                pos.extend(range(start, end))
+                continue
             ids.extend(seq.token_slice(start, end))
             pos.extend(range(start, end))
             if end == seq.num_tokens:
@@ -129,11 +168,13 @@ class ModelRunner:
             input_ids=tensor(ids), positions=tensor(pos), num_decode=num_decode,
             decode_context_lens=tensor(dec_lens), prefill_query_starts=pf_starts, prefill_context_lens=pf_lens,
             sample_rows=tensor(sample_rows), sample_seqs=sample_seqs,
-            address=self.kv.addressing.pack(chunks, decode_seqs, prefill_seqs, tensor))
+            address=self.kv.addressing.pack(chunks, decode_seqs, prefill_seqs, tensor),
+            prompt_rows=prompt_rows, prompt_spans=prompt_spans, spec_rows=spec_rows, spec_spans=spec_spans)
 
     @torch.inference_mode()
     def execute(self, batch: BatchInputs, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Forward the packed batch; float32 logits ``[len(sample_seqs), vocab]``. ``on_layer`` hears
+        """Forward the packed batch; float32 logits of :attr:`BatchInputs.logit_rows` (one per sampled
+        sequence, then the prompt-logprob rows), ``[rows, vocab]``. ``on_layer`` hears
         each layer's index once the forward stored its KV (such a step runs eager)."""
         pure_decode = batch.num_decode == len(batch.input_ids)
         if self.fused is not None and on_layer is None:
@@ -144,7 +185,7 @@ class ModelRunner:
                 return self.model.compute_logits(hidden)
             if len(batch.input_ids) <= self.fused.max_step_tokens:
                 self.mode_steps["native_step"] += 1
-                if not batch.sample_seqs:
+                if not batch.needs_logits:
                     self.fused.step(self.step_tokens(batch), self.kv)
                     return torch.empty(0, 0, dtype=torch.float32)
                 return self.model.compute_logits(self.fused.step(self.step_tokens(batch), self.kv))
@@ -158,9 +199,9 @@ class ModelRunner:
         if on_layer is not None:
             ctx = _ReportingContext(ctx, on_layer)
         hidden = self.model.forward(batch.input_ids, batch.positions, ctx)
-        if not batch.sample_seqs:
+        if not batch.needs_logits:
             return hidden.new_empty(0, 0, dtype=torch.float32)
-        return self.model.compute_logits(hidden[batch.sample_rows])
+        return self.model.compute_logits(hidden[batch.logit_rows])
 
 
 class _ReportingContext:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xllm.core.grammar import PendingMasks
 from xllm.core.sequence import Sequence
 from xllm.kernels.sampling import (
     apply_frequency_presence_penalties,
@@ -32,7 +33,8 @@ class SampleResult:
 class Sampler:
     """Applies each sequence's logit processors and draws its next token.
 
-    Order: logit bias, penalties, min-tokens masking, then greedy argmax or
+    Order: logit bias, penalties, min-tokens masking, the grammar's mask (constrained decoding:
+    :mod:`xllm.core.grammar`), then greedy argmax or
     temperature -> top-k -> top-p -> min-p -> seeded categorical draw. The draw of a
     sequence's output position ``i`` uses a generator keyed by ``(seed, i)``
     (:func:`xllm.kernels.sampling.draw_generator`), so it is the same on any instance and
@@ -44,11 +46,25 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks: PendingMasks | None = None,
+                 offsets: list[int] | None = None) -> SampleResult:
+        """``offsets[i]`` (speculative verification: :mod:`xllm.core.spec.verify`): row ``i`` is drawn
+        as output position ``seqs[i].num_output_tokens() + offsets[i]`` (default 0)."""
         params = [s.params for s in seqs]
         want_lp = [p.logprobs or p.top_logprobs > 0 for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-        logits = self._process(logits, seqs)
+        processed = self._process(logits, seqs)
+        if masks is not None:  # constrained rows: only tokens their grammar allows
+            constrained = masks.apply(processed)
+            # min_tokens may ban the EOS a finished grammar needs (nothing else can empty a row): the grammar wins
+            risky = [r for r in masks.rows.tolist() if seqs[r].num_output_tokens() < params[r].min_tokens]
+            if risky:
+                rows = torch.tensor(risky, dtype=torch.long)
+                dead = rows[torch.isinf(constrained[rows]).all(dim=-1)]
+                if len(dead):
+                    constrained[dead] = masks.apply(logits)[dead]
+            processed = constrained
+        logits = processed
         greedy = torch.tensor([p.greedy for p in params])
         chosen = argmax_rows(logits)
         if not bool(greedy.all()):
@@ -59,7 +75,9 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None
             scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
             probs = scaled.softmax(dim=-1)
-            gens = [None if p.greedy else draw_generator(s.seed, s.num_output_tokens()) for s, p in zip(seqs, params)]
+            offs = offsets or [0] * len(seqs)
+            gens = [None if p.greedy else draw_generator(s.seed, s.num_output_tokens() + o)
+                    for s, p, o in zip(seqs, params, offs)]
             sampled = sample_from_probs(probs, gens)
             chosen = torch.where(greedy, chosen, sampled)
         token_ids = chosen.tolist()
@@ -116,3 +134,27 @@ class Sampler:
         pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=logits.dtype)
         logits = apply_repetition_penalty(logits, seen, rep)
         return apply_frequency_presence_penalties(logits, counts, freq, pres)
+
+
+@torch.inference_mode()
+def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]
+                    ) -> list[tuple[Sequence, int, list[tuple[int, float, list[tuple[int, float]]]]]]:
+    """Teacher-forced prompt logprobs from the model's raw distribution: ``logits`` holds, for each
+    ``(seq, first, count)`` of ``spans`` in order, the rows of positions ``first..first+count-1``;
+    row ``p`` scores prompt token ``p + 1``. Returns ``(seq, first, [(token, logprob, top)])``."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    row = 0
+    for seq, first, count in spans:
+        rows = lp[row:row + count]
+        targets = torch.tensor(seq.prompt_ids[first + 1:first + 1 + count], dtype=torch.long)
+        chosen = rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        k = seq.params.prompt_logprobs or 0
+        if k:
+            vals, idx = rows.topk(k, dim=-1)
+            tops = [list(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
+        else:
+            tops = [[] for _ in range(count)]
+        out.append((seq, first, list(zip(targets.tolist(), chosen, tops, strict=True))))
+        row += count
+    return out

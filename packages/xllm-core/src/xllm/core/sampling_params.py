@@ -35,6 +35,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # the prompt's logprobs with this many alternatives (None: not asked)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -65,6 +66,8 @@ class SamplingParams:
                                       "min_tokens")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "prompt_logprobs")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
 
@@ -101,4 +104,5 @@ class SamplingParams:
             logit_bias={int(k): float(v) for k, v in msg.logit_bias.items()},
             include_stop_str_in_output=bool(msg.include_stop_str_in_output),
             skip_special_tokens=bool(opt("skip_special_tokens", True)),
+            prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None,
         )

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from xllm.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from xllm.core.grammar import GrammarState
 
 PLACEHOLDER = -1  # stands for a token still being computed (async scheduling)
 
@@ -25,6 +29,15 @@ class Phase(enum.Enum):
     MIXED = "mixed"      # the whole request
     PREFILL = "prefill"  # the prompt and the first token, then hand the KV off
     DECODE = "decode"    # receive the prompt's KV (reusing the local prefix cache), then decode
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt's logprobs as computed so far: ``entries[i]`` is ``(token, logprob, top)`` for prompt
+    token ``i + 1`` (teacher forced: the row of position ``i``); sent with the first output chunk."""
+
+    entries: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    sent: bool = False
 
 
 @dataclass(eq=False)
@@ -60,6 +73,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     phase: Phase = Phase.MIXED
     moving: bool = False     # a migration stops it once no step in flight computes it
+    offline: bool = False    # best-effort work (service_tier flex): xllm.sched.colocation
+    grammar: GrammarState | None = None  # constrained decoding (xllm.core.grammar): follows the known output
+    prompt_logprobs: PromptLogprobs | None = None  # asked for (SamplingParams.prompt_logprobs): what is computed
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +117,17 @@ class Sequence:
         while end and self.output_ids[end - 1] == PLACEHOLDER:
             end -= 1
         return self.output_ids if end == len(self.output_ids) else self.output_ids[:end]
+
+    @property
+    def prompt_logprobs_pending(self) -> int | None:
+        """The first prompt position whose logprob row is still to compute, or None when none is
+        (not asked for, all computed, or a resumed run: the first run sent them). While some are
+        pending the prefix cache is not used for this sequence: a cached block has no logits."""
+        lp = self.prompt_logprobs
+        if lp is None or self.num_resumed:
+            return None
+        done = len(lp.entries)
+        return done if done < len(self.prompt_ids) - 1 else None
 
     @property
     def last_token(self) -> int:

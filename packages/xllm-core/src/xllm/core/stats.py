@@ -17,6 +17,19 @@ class FinishedRequest:
 
 
 @dataclass
+class OfflineStepStats:
+    """Offline (``service_tier: flex``) work of one step (:mod:`xllm.sched.colocation`)."""
+
+    prompt_tokens: int = 0       # offline prompts whose first token came out this step
+    generation_tokens: int = 0
+    finished: int = 0            # offline requests that ended (any reason)
+    # offline sequences preempted by reason: "kv" (memory), "batch_full" (a slot for an online request),
+    # "slo" (held out of the step for online work, KV kept: an interruption at a chunk boundary)
+    preempted: dict[str, int] = field(default_factory=dict)
+    longest_wait: float = 0.0    # the longest an offline sequence in the queues has gone without a chunk, s
+
+
+@dataclass
 class StepStats:
     """One engine step, handed to observers after the step completes."""
 
@@ -34,6 +47,16 @@ class StepStats:
     finished: list[FinishedRequest] = field(default_factory=list)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # |predicted - measured| / measured of the step-time predictor's prediction for this step
+    # (xllm.core.step_timing; None: no prediction yet)
+    step_time_prediction_error: float | None = None
+    offline: OfflineStepStats = field(default_factory=OfflineStepStats)
+    # speculative decoding (xllm.core.spec): sequences that verified drafts, drafts verified, drafts
+    # accepted, and accepted drafts by position (index j: the (j+1)-th draft of a run)
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class StatsObserver(Protocol):
@@ -55,6 +78,18 @@ class EngineCounters:
     multi_seq_decode_steps: int = 0  # decode steps that ran more than one sequence
     recent_ttft: float = 0.0         # exponential moving averages (seconds)
     recent_tpot: float = 0.0
+    offline_requests: int = 0        # offline (flex) requests finished, their tokens, their preemptions
+    offline_prompt_tokens: int = 0
+    offline_generation_tokens: int = 0
+    offline_preemptions: dict[str, int] = field(default_factory=dict)
+    offline_longest_wait: float = 0.0  # as of the last step (seconds)
+
+    def observe_offline(self, s: OfflineStepStats) -> None:
+        self.offline_requests += s.finished
+        self.offline_prompt_tokens += s.prompt_tokens
+        self.offline_generation_tokens += s.generation_tokens
+        for reason, n in s.preempted.items():
+            self.offline_preemptions[reason] = self.offline_preemptions.get(reason, 0) + n
 
     def observe_latency(self, ttfts: list[float], itls: list[float], alpha: float = 0.1) -> None:
         for v in ttfts:

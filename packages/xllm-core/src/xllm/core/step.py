@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
+from xllm.core.grammar import Grammars, PendingMasks
 from xllm.core.model_runner import BatchInputs, ModelRunner
 from xllm.core.sampler import Sampler, SampleResult
+from xllm.core.sampler import prompt_logprobs as compute_prompt_logprobs
 from xllm.core.sequence import PLACEHOLDER, Sequence
+from xllm.core.spec.verify import Verified, verify
 from xllm.sched import StepPlan
+from xllm.sched.latency import StepShape
 
 
 @dataclass(eq=False)
@@ -30,6 +35,16 @@ class StepInFlight:
     result: SampleResult | None = None
     placeholder_at: list[int] = field(default_factory=list)  # output index of each sampled seq's placeholder
     on_layer: Callable[[int], None] | None = None  # hears each layer stored (prefill hand-offs streaming KV)
+    shape: StepShape = field(default_factory=StepShape)  # what it computes (step_timing.step_shape)
+    began: float = 0.0  # perf_counter when the engine began the step (before scheduling it)
+    forward_seconds: float = 0.0  # the forward and sampling alone, wherever they ran
+    grammars: Grammars | None = None  # constrained decoding: masks computed while the forward runs
+    masks: PendingMasks | None = None
+    # prompt logprobs computed by this step: (sequence, first position, entries), applied when it lands
+    prompt_logprobs: list[tuple[Sequence, int, list]] = field(default_factory=list)
+    # speculative decoding: each speculating sequence's verified run, and where its chunk began
+    verified: list[Verified] = field(default_factory=list)
+    spec_starts: dict[Sequence, int] = field(default_factory=dict)
     _future: Future | None = field(default=None, repr=False)
 
     @property
@@ -60,11 +75,26 @@ class StepInFlight:
         raise IndexError(row)
 
     def _run(self) -> SampleResult | None:
+        t0 = time.perf_counter()
         logits = self.runner.execute(self.batch, self.on_layer)
-        return self.sampler(logits, self.batch.sample_seqs) if self.batch.sample_seqs else None
+        num_sampled = len(self.batch.sample_seqs)
+        num_scored = num_sampled + len(self.batch.prompt_rows)
+        if self.batch.spec_spans:
+            self.verified = verify(self.sampler, logits[num_scored:], self.batch.spec_spans)
+        if self.batch.prompt_rows:
+            self.prompt_logprobs = compute_prompt_logprobs(logits[num_sampled:num_scored], self.batch.prompt_spans)
+        if len(logits) > num_sampled:
+            logits = logits[:num_sampled]
+        result = self.sampler(logits, self.batch.sample_seqs, self.masks) if self.batch.sample_seqs else None
+        self.forward_seconds = time.perf_counter() - t0
+        return result
 
     def start(self, executor: Executor | None) -> None:
-        """Run the forward now (``executor`` None) or on the executor's thread."""
+        """Run the forward now (``executor`` None) or on the executor's thread. Call it once the
+        previous step's tokens have landed: the constrained sequences' masks start from them here,
+        on the grammar thread, and are ready when the forward ends."""
+        if self.grammars is not None and self.batch.sample_seqs:
+            self.masks = self.grammars.begin(self.batch.sample_seqs)
         if executor is None:
             self.result = self._run()
         else:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from xllm.core.dtypes import DTYPES
 from xllm.core.kv.registry import KV_BACKENDS
+from xllm.core.spec.registry import PROPOSERS
 from xllm.engine.handoff import KV_TRANSPORTS
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.registration.etcd import DEFAULT_PREFIX
@@ -101,6 +102,36 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (default: all cores available to the process; with "
                         "--instances N, the cores divided among the N engines)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
+    p.add_argument("--slo-ttft-ms", type=positive_float, default=None, metavar="MS",
+                   help="online time-to-first-token target in ms (dynamic PD flips roles against it; "
+                        "default: none)")
+    p.add_argument("--slo-tpot-ms", type=positive_float, default=None, metavar="MS",
+                   help="online time-per-output-token target in ms: offline (service_tier flex) decodes join "
+                        "a step only as far as its predicted time stays within it (without it they take only "
+                        "what online work leaves of the token budget and --max-num-seqs); dynamic PD flips "
+                        "roles against it (default: none)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="step-time profile written by `xllm profile` (same model, dtype and threads): the "
+                        "engine predicts step times from the model fitted to it, corrected online from its own "
+                        "steps (default: a model fitted on this engine's own steps after a warm-up)")
+    p.add_argument("--offline-starvation-s", type=positive_float, default=30.0, metavar="SECONDS",
+                   help="an offline request that made no progress this long gets a minimal guaranteed share "
+                        "of every step (one decode row or a small prompt chunk) until it progresses")
+    p.add_argument("--speculative", default=None, choices=PROPOSERS.choices(),
+                   help="speculative decoding: a proposer guesses the next tokens of each decoding sequence and "
+                        "one forward verifies them (outputs unchanged: greedy identical, sampling exact). ngram: "
+                        "prompt lookup over prompt + output (pays on editing, extraction, code rewriting); draft: "
+                        "a smaller model with the same tokenizer (--draft-model). Not with --async-scheduling. "
+                        "Default: off")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=3, metavar="K",
+                   help="most draft tokens per sequence and step (1..16; the engine lowers it per request "
+                        "when drafts are rejected, and pauses speculation for requests whose drafts fail)")
+    p.add_argument("--speculative-max-batch", type=positive_int, default=8, metavar="N",
+                   help="no speculation in a step decoding more than N sequences (larger decode steps are no "
+                        "longer bound by reading the weights, so verifying drafts is not free)")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="the draft proposer's model: a Hugging Face directory of a smaller model with the "
+                        "served model's tokenizer")
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -248,7 +279,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_backend=args.kv_cache_backend, block_size=args.block_size,
         enable_prefix_cache=not args.no_prefix_cache, async_scheduling=args.async_scheduling,
         native_decode=not args.no_native_decode, compile_decode=args.compile_decode,
-        num_threads=args.threads, seed=args.seed)
+        num_threads=args.threads, seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+        offline_starvation_s=args.offline_starvation_s, profile_path=args.profile, speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch,
+        draft_model_path=args.draft_model)
 
 
 def engine_args(args: argparse.Namespace, instances: int) -> list[str]:

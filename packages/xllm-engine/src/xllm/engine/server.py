@@ -94,7 +94,9 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         self._rate_alpha = rate_alpha
         self.prefill_tokens_per_s = 0.0
         self.pending_prefill_tokens = 0
-        self._counts = dict.fromkeys(instance_pb2.EngineCounters.DESCRIPTOR.fields_by_name, 0)
+        self._counts = {f.name: 0 for f in instance_pb2.EngineCounters.DESCRIPTOR.fields
+                        if f.name != "spec_decode_num_accepted_tokens_per_pos"}
+        self._spec_per_pos: list[int] = []  # EngineCounters.spec_decode_num_accepted_tokens_per_pos
         self.draining = False
         self._calls: dict[str, _Call] = {}
         self._server: grpc.aio.Server | None = None
@@ -115,6 +117,17 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         c["preemptions"] += s.num_preempted
         c["prefix_cache_queries"] += s.prefix_cache_queries
         c["prefix_cache_hits"] += s.prefix_cache_hits
+        c["offline_requests"] += s.offline.finished
+        c["offline_prompt_tokens"] += s.offline.prompt_tokens
+        c["offline_generation_tokens"] += s.offline.generation_tokens
+        for reason, n in s.offline.preempted.items():
+            c[f"offline_preemptions_{reason}"] += n
+        c["spec_decode_num_drafts"] += s.spec_num_drafts
+        c["spec_decode_num_draft_tokens"] += s.spec_draft_tokens
+        c["spec_decode_num_accepted_tokens"] += s.spec_accepted_tokens
+        self._spec_per_pos.extend([0] * (len(s.spec_accepted_per_pos) - len(self._spec_per_pos)))
+        for j, n in enumerate(s.spec_accepted_per_pos):
+            self._spec_per_pos[j] += n
         if s.batch_size:
             c["steps"] += 1
         if s.num_prefill_tokens and s.step_time > 0:
@@ -210,7 +223,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
 
     def counters(self) -> instance_pb2.EngineCounters:
         """Cumulative counters since the server started."""
-        return instance_pb2.EngineCounters(**self._counts)
+        return instance_pb2.EngineCounters(**self._counts, spec_decode_num_accepted_tokens_per_pos=self._spec_per_pos)
 
     def load_report(self) -> instance_pb2.LoadReport:
         report = self.engine.load_report()

@@ -5,11 +5,15 @@
   answers 401 (type ``authentication_error``) otherwise. ``/health`` and ``/metrics`` stay open
   (probes and scrapers carry no key; bind them to a trusted network). Keys are compared in
   constant time (digests of equal length, :func:`hmac.compare_digest`), every key each time.
-- **Priority** (``priority``, or a ``service_tier`` other than ``auto``/``default``): honoured only
-  for the keys of ``--priority-api-key`` (which are valid API keys too), or for every client
-  when no API key is configured and ``--allow-client-priority`` is given. Anyone else asking for
-  it gets 403 (type ``permission_error``) naming the field, rather than being silently served
-  at the default priority.
+- **Priority** (a negative ``priority``, or ``service_tier`` ``priority``/``scale``: ahead of default
+  requests): honoured only for the keys of ``--priority-api-key`` (which are valid API keys too), or
+  for every client when no API key is configured and ``--allow-client-priority`` is given. Anyone
+  else asking for it gets 403 (type ``permission_error``) naming the field, rather than being
+  silently served at the default priority.
+- **Offline** (``service_tier: "flex"``, or a ``priority`` at or above ``--offline-priority``, 1 by
+  default): a downgrade, so anyone may ask for it, as for any positive ``priority`` (served after
+  default requests). Offline requests are best-effort work in the capacity online requests leave
+  (:mod:`xllm.sched.colocation`); :meth:`AccessPolicy.scheduling` says how a request is scheduled.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import hmac
 from dataclasses import dataclass
 
 from xllm.gateway.openai.errors import forbidden, unauthorized
-from xllm.gateway.openai.protocol import OpenAIRequest
+from xllm.gateway.openai.protocol import DEFAULT_OFFLINE_PRIORITY, OpenAIRequest, Scheduling
 
 API_KEY_ENV = "XLLM_API_KEY"
 SCHEME = "bearer"
@@ -39,11 +43,13 @@ class Caller:
 
 @dataclass(frozen=True)
 class AccessPolicy:
-    """The API keys, the keys allowed to set priorities, and whether keyless clients may."""
+    """The API keys, the keys allowed to raise priorities, whether keyless clients may, and the
+    priority from which a request is offline."""
 
     api_keys: frozenset[str] = frozenset()
     priority_keys: frozenset[str] = frozenset()
     allow_client_priority: bool = False
+    offline_priority: int = DEFAULT_OFFLINE_PRIORITY
 
     def __post_init__(self) -> None:
         for key in self.api_keys | self.priority_keys:
@@ -79,9 +85,14 @@ class AccessPolicy:
             raise unauthorized("Incorrect API key provided.")
         return Caller(is_api_key or is_priority_key, is_priority_key or self.allow_client_priority)
 
+    def scheduling(self, req: OpenAIRequest) -> Scheduling:
+        """How the engine schedules ``req``: its priority, and whether it is offline."""
+        return req.scheduling(self.offline_priority)
+
     @staticmethod
     def check_priority(caller: Caller, req: OpenAIRequest) -> None:
-        """403 naming the field when ``req`` asks for non-default scheduling ``caller`` may not have."""
+        """403 naming the field when ``req`` asks to be served ahead of default requests and
+        ``caller`` may not (lower priorities and offline need no permission)."""
         asked = req.requested_priority()
         if asked is not None and not caller.may_set_priority:
             field, _ = asked

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 from xllm.gateway.access import API_KEY_ENV, AccessPolicy, parse_keys
 from xllm.gateway.openai.limits import MIB, OPENAI_MAX_N, ApiLimits
+from xllm.gateway.openai.protocol import DEFAULT_OFFLINE_PRIORITY
 
 
 def _positive_int(text: str) -> int:
@@ -43,10 +44,14 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
                         f"${API_KEY_ENV}, comma-separated, which keeps keys off the command line); "
                         f"/health and /metrics stay open")
     g.add_argument("--priority-api-key", action="append", default=None, metavar="KEY",
-                   help="an API key whose requests may set `priority` or a `service_tier` other than auto/default "
-                        "(repeatable; also a valid API key); other clients asking for it get 403")
+                   help="an API key whose requests may raise their priority (a negative `priority`, `service_tier` "
+                        "priority/scale; repeatable; also a valid API key); other clients asking for it get 403")
     g.add_argument("--allow-client-priority", action="store_true",
-                   help="without --api-key: let every client set `priority` / `service_tier` (default: 403)")
+                   help="without --api-key: let every client raise its priority (default: 403)")
+    g.add_argument("--offline-priority", type=int, default=DEFAULT_OFFLINE_PRIORITY, metavar="N",
+                   help="requests with a `priority` of at least N are offline, like `service_tier: flex` ones: "
+                        "best-effort work in the capacity online requests leave, within the engines' "
+                        "--slo-tpot-ms, preempted first (anyone may ask to be offline)")
     g.add_argument("--max-inflight-requests", type=_non_negative_int, default=0, metavar="N",
                    help="most generation requests (streams until they end) the gateway holds at once; one more "
                         "gets 503 with Retry-After; 0: unlimited")
@@ -76,4 +81,4 @@ def access_policy(args: argparse.Namespace, environ: Mapping[str, str] | None = 
     environ = os.environ if environ is None else environ
     return AccessPolicy(api_keys=parse_keys(args.api_key, environ.get(API_KEY_ENV)),
                         priority_keys=parse_keys(args.priority_api_key),
-                        allow_client_priority=args.allow_client_priority)
+                        allow_client_priority=args.allow_client_priority, offline_priority=args.offline_priority)

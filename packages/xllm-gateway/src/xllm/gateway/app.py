@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from xllm.gateway.access import AccessPolicy, Caller
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.guard import REQUEST_ID_HEADER, ApiGuard, caller_of, request_id_of
-from xllm.gateway.metrics import EngineMetrics, MoveMetrics, PDMetrics, RouterMetrics
+from xllm.gateway.metrics import EngineMetrics, MoveMetrics, PDMetrics, PDRoleMetrics, RouterMetrics
 from xllm.gateway.moves import MoveOptions, Mover
 from xllm.gateway.openai.errors import RETRY_AFTER_SECONDS, APIError, internal_error, new_request_id
 from xllm.gateway.openai.limits import ApiLimits
@@ -33,7 +33,9 @@ from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionReques
 from xllm.gateway.openai.request_body import validation_error
 from xllm.gateway.openai.serving_chat import ChatServing
 from xllm.gateway.openai.serving_completion import CompletionServing
+from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER
 from xllm.gateway.registry import InstanceState, Registry
+from xllm.gateway.roles import PDRoleOptions, RoleController
 from xllm.gateway.router import Router
 from xllm.models.tokenizer import Tokenizer
 from xllm.proto.registry.v1 import instance_pb2
@@ -61,6 +63,8 @@ class GatewayState:
     limits: ApiLimits = field(default_factory=ApiLimits)
     access: AccessPolicy = field(default_factory=AccessPolicy)
     moves: MoveOptions = field(default_factory=MoveOptions)  # requests on draining instances
+    pd_roles: PDRoleOptions = field(default_factory=PDRoleOptions)  # static or dynamic PD roles
+    tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (--tool-call-parser)
 
 
 async def _call(fn: Callable[[], object]) -> None:
@@ -85,13 +89,17 @@ def create_app(state: GatewayState) -> FastAPI:
     dispatcher = Dispatcher(state.registry, state.default_model, router, pd_metrics=PDMetrics(state.metrics.registry),
                             mover=Mover(router, state.moves, MoveMetrics(state.metrics.registry)))
     preprocessor = Preprocessor(state.limits)
+    roles = RoleController(state.registry, router, state.pd_roles, PDRoleMetrics(state.metrics.registry),
+                           on_role=lambda st: state.metrics.set_role(st.model, st.instance_id, st.role))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await state.registry.start()
         for fn in state.on_startup:
             await _call(fn)
+        await roles.start()
         yield
+        await roles.stop()
         for fn in state.on_shutdown:
             try:
                 await _call(fn)
@@ -102,12 +110,14 @@ def create_app(state: GatewayState) -> FastAPI:
 
     app = FastAPI(title="xLLM", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state
+    app.state.roles = roles
     app.add_middleware(ApiGuard, access=state.access, max_inflight=state.limits.max_inflight_requests)
     _add_error_handlers(app)
     _add_openai_routes(app, preprocessor, state.access,
-                       ChatServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor),
+                       ChatServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor,
+                                   state.tool_parser),
                        CompletionServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor))
-    _add_service_routes(app, state)
+    _add_service_routes(app, state, roles)
     return app
 
 
@@ -147,14 +157,16 @@ def _add_openai_routes(app: FastAPI, preprocessor: Preprocessor, access: AccessP
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        return await chat.create(await parse(raw, ChatCompletionRequest), raw)
+        req = await parse(raw, ChatCompletionRequest)
+        return await chat.create(req, raw, access.scheduling(req))
 
     @app.post("/v1/completions")
     async def create_completions(raw: Request):
-        return await completions.create(await parse(raw, CompletionRequest), raw)
+        req = await parse(raw, CompletionRequest)
+        return await completions.create(req, raw, access.scheduling(req))
 
 
-def _add_service_routes(app: FastAPI, state: GatewayState) -> None:
+def _add_service_routes(app: FastAPI, state: GatewayState, roles: RoleController) -> None:
     """``/v1/models``, ``/health`` and ``/metrics`` over the registry's live instances."""
 
     @app.get("/v1/models")
@@ -165,13 +177,14 @@ def _add_service_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.get("/health")
     async def health():
-        """200 while at least one instance is healthy; the body lists every instance."""
+        """200 while at least one instance is healthy; the body lists every instance (with its role
+        and a role flip under way)."""
         states = state.registry.states()
         reports = await asyncio.gather(*(s.client.health() for s in states))
-        by_id = {s.instance_id: r for s, r in zip(states, reports)}
         ok = any(r.healthy for r in reports)
         body = {"status": "ok" if ok else "unhealthy",
-                "instances": {k: {"healthy": r.healthy, "status": r.status} for k, r in by_id.items()}}
+                "instances": {s.instance_id: {"healthy": r.healthy, "status": r.status, **roles.status(s)}
+                              for s, r in zip(states, reports)}}
         if ok:
             return JSONResponse(body)
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})

@@ -12,7 +12,8 @@ import sys
 
 from xllm.engine import flags
 from xllm.gateway.api_flags import access_policy, add_api_flags, api_limits
-from xllm.sched import MOVE_MODES, ROUTING_POLICIES
+from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+from xllm.sched import MOVE_MODES, PD_POLICIES, ROUTING_POLICIES
 
 DESCRIPTION = """xLLM: an OpenAI-compatible LLM inference service.
 
@@ -67,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--routing", default="kv_aware", choices=ROUTING_POLICIES.choices(),
                        help="how the gateway picks an instance: kv_aware (prefix-cache reuse traded against "
                             "predicted latency, session affinity, load fallback), least_load or round_robin")
+    serve.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=TOOL_PARSERS.choices(),
+                       help="the model family's tool-call format, parsed out of chat outputs into tool_calls and "
+                            "enforced for tool_choice required / a named function: hermes (<tool_call>{...}"
+                            "</tool_call>: Hermes 2 Pro, Qwen 2.5/3, SmolLM3; alias qwen). Templates that do not "
+                            "render tools get the tools described in this format in the system message")
     serve.add_argument("--drain-moves", default="auto", choices=MOVE_MODES,
                        help="cluster mode: what happens to the running requests of an instance that drains "
                             "(SIGTERM, scale-down): auto moves each to another instance with its KV (migration, "
@@ -77,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-bandwidth-prior", type=flags.positive_float, default=200.0, metavar="MB/S",
                        help="cluster mode: the KV transfer bandwidth --drain-moves auto assumes until the gateway "
                             "has measured a transfer (PD hand-off or migration)")
+    add_pd_role_flags(serve)
     flags.add_handoff_flags(serve)
     flags.add_security_flags(serve)  # cluster mode: the internal gRPC services (engines, registry)
     flags.add_common_flags(serve)
@@ -86,7 +93,107 @@ def build_parser() -> argparse.ArgumentParser:
                             description=flags.ENGINE_DESCRIPTION,
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     flags.add_engine_process_arguments(engine)
+    add_profile_parser(sub)
     return parser
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``"128,512"`` -> (128, 512): a comma-separated list of non-negative integers."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected one or more integers >= 0, got {text!r}")
+    return values
+
+
+def add_profile_parser(sub) -> None:
+    """``xllm profile``: the flags of the engine it measures, the grid and the output file."""
+    p = sub.add_parser("profile", help="measure the engine's step times by shape and write a latency profile",
+                       description="Load a model as `xllm serve` does, run its engine over a grid of step shapes "
+                                   "(decode batches at several contexts, prefill chunks over several cached "
+                                   "lengths, decodes mixed with a chunk), time each shape (median after a "
+                                   "warm-up) and write a PerfProfile JSON for `xllm engine --profile FILE`, "
+                                   "the gateway's predictors and xllm-sim. The default grid takes a minute or "
+                                   "two on SmolLM2 bf16 with 2 cores; measure on an otherwise idle machine.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    flags.add_model_flags(p)
+    flags.add_engine_flags(p)
+    g = p.add_argument_group("profile", "what is measured and where it goes")
+    g.add_argument("--output", "-o", default=None, metavar="FILE",
+                   help="where to write the profile (default: MODEL-DTYPE-tTHREADS.json under the cache dir's "
+                        "profiles/, $XLLM_CACHE_DIR or ~/.cache/xllm)")
+    g.add_argument("--quick", action="store_true",
+                   help="a small grid (short contexts, batches 1-4, two repetitions) for tests and smoke runs")
+    g.add_argument("--reps", type=flags.positive_int, default=None,
+                   help="measured repetitions per grid point, median kept (default: 3; --quick: 2)")
+    g.add_argument("--warmup", type=int, default=None,
+                   help="unmeasured repetitions before them (default: 1)")
+    g.add_argument("--decode-contexts", type=int_list, default=None, metavar="N,N,...",
+                   help="prompt lengths of the decode ladders (default: 128,512,1536)")
+    g.add_argument("--batches", type=int_list, default=None, metavar="B,B,...",
+                   help="decode batch sizes of each ladder (default: powers of two up to --max-num-seqs, and "
+                        "--max-num-seqs)")
+    g.add_argument("--ladder-tokens", type=flags.positive_int, default=None, metavar="TOKENS",
+                   help="a ladder stops at the batch whose contexts would pass this many tokens in all "
+                        "(bounds the prefill spent setting ladders up; default: 8192)")
+    g.add_argument("--mixed-chunks", type=int_list, default=None, metavar="N,N,...",
+                   help="prompt chunks added to each ladder's decodes for mixed steps (default: 64,256)")
+    g.add_argument("--prefill-chunks", type=int_list, default=None, metavar="N,N,...",
+                   help="prefill-only chunk sizes (default: 32,128,512; capped by --max-num-batched-tokens)")
+    g.add_argument("--prefill-cached", type=int_list, default=None, metavar="N,N,...",
+                   help="tokens already cached (prefix cache) before each prefill chunk (default: 0,1024,3072)")
+    flags.add_common_flags(p)
+
+
+def non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def add_pd_role_flags(p: argparse.ArgumentParser) -> None:
+    """Dynamic PD roles (``xllm.gateway.roles``): the policy and its hysteresis and cool-downs."""
+    p.add_argument("--pd-policy", default="static", choices=PD_POLICIES.choices(),
+                   help="PD mode: static keeps each instance in the role it registered with (--role, "
+                        "--prefill-instances/--decode-instances); dynamic flips instances between prefill and "
+                        "decode at run time by SLO headroom (needs --slo-ttft-ms and --slo-tpot-ms): TTFT "
+                        "pressure turns a decode instance into a prefill one (its running requests handed over "
+                        "as in a drain), TPOT pressure or idle prefill capacity the other way, with hysteresis "
+                        "and cool-downs, at least --pd-min-per-role of each role; no restart, no reload")
+    p.add_argument("--pd-flip-window", type=non_negative_seconds, default=5.0, metavar="SECONDS",
+                   help="--pd-policy dynamic: how long a pressure (at 0.9x its SLO, off again below 0.6x) or idle "
+                        "prefill capacity must last before it flips an instance")
+    p.add_argument("--pd-flip-cooldown", type=non_negative_seconds, default=30.0, metavar="SECONDS",
+                   help="--pd-policy dynamic: an instance flips at most once per this long")
+    p.add_argument("--pd-cluster-cooldown", type=non_negative_seconds, default=10.0, metavar="SECONDS",
+                   help="--pd-policy dynamic: at most one flip per this long in the whole cluster (and none while "
+                        "one is still under way)")
+    p.add_argument("--pd-min-per-role", type=flags.positive_int, default=1, metavar="N",
+                   help="--pd-policy dynamic: prefill and decode instances each role keeps at least")
+
+
+def pd_role_options(args: argparse.Namespace):
+    """The :class:`~xllm.gateway.roles.PDRoleOptions` of ``xllm serve``'s flags (``ValueError`` when
+    they do not fit together). With ``--profile``, TTFT is also predicted from the queued prefill work."""
+    from xllm.gateway.roles import PDRoleOptions
+    from xllm.sched.latency import PerfProfile
+
+    predictor = None
+    if args.pd_policy == "dynamic" and args.profile:
+        try:
+            predictor = PerfProfile.load(args.profile).fit()
+        except (OSError, KeyError, ValueError) as exc:
+            raise ValueError(f"--profile {args.profile}: {exc}") from exc
+    ms = {k: (v / 1e3 if v is not None else None) for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms))}
+    return PDRoleOptions(args.pd_policy, ms["ttft"], ms["tpot"], window_s=args.pd_flip_window,
+                         cooldown_s=args.pd_flip_cooldown, cluster_cooldown_s=args.pd_cluster_cooldown,
+                         min_per_role=args.pd_min_per_role, predictor=predictor)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -101,7 +208,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     try:
         flags.handoff_options(args)  # checked here, not by each spawned engine
-        api = {"limits": api_limits(args), "access": access_policy(args)}
+        api = {"limits": api_limits(args), "access": access_policy(args), "tool_parser": args.tool_call_parser}
         if args.instances or args.etcd or args.prefill_instances:
             from xllm.gateway.cluster import ClusterOptions, build_cluster
             from xllm.gateway.moves import MoveOptions
@@ -116,7 +223,8 @@ def serve(args: argparse.Namespace) -> int:
                 max_model_len=args.max_model_len,
                 engine_args=flags.engine_args(args, max(sum(roles.values()), 1)), log_level=args.log_level,
                 progress=not args.no_progress, security=flags.cluster_security(args),
-                moves=MoveOptions(args.drain_moves, args.kv_bandwidth_prior * 1e6), **api))
+                moves=MoveOptions(args.drain_moves, args.kv_bandwidth_prior * 1e6), pd_roles=pd_role_options(args),
+                **api))
         else:
             from xllm.gateway.embedded import ServeOptions, build_embedded
 
@@ -138,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         from xllm.engine.instance import run
 
         return run(args)
+    if args.command == "profile":
+        from xllm.engine.profiler import command
+
+        return command(args)
     return 2
 
 

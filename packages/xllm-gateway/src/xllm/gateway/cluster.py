@@ -45,7 +45,9 @@ from xllm.gateway.app import GatewayState, create_app
 from xllm.gateway.metrics import EngineMetrics, RegistryMetrics
 from xllm.gateway.moves import MoveOptions
 from xllm.gateway.openai.limits import ApiLimits
+from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER
 from xllm.gateway.registry import EmbeddedRegistry, EtcdRegistry
+from xllm.gateway.roles import PDRoleOptions
 from xllm.models.config import ModelConfig
 from xllm.models.source import resolve_model, served_name
 from xllm.models.tokenizer import Tokenizer
@@ -64,6 +66,7 @@ class ClusterOptions:
     engine_idle_timeout: float = 300.0  # an engine silent this long on a request is taken for hung
     request_timeout: float | None = None  # deadline of each Generate call
     routing: str = "kv_aware"
+    tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (xllm.gateway.openai.tools)
     max_model_len: int | None = None
     engine_args: list[str] = field(default_factory=list)  # extra engine flags (engine config)
     log_level: str = "info"
@@ -74,6 +77,7 @@ class ClusterOptions:
     access: AccessPolicy = field(default_factory=AccessPolicy)  # API keys, priority permission
     security: ClusterSecurity = NO_SECURITY  # cluster token and TLS of the internal gRPC services
     moves: MoveOptions = field(default_factory=MoveOptions)  # requests on draining instances: migrate or recompute
+    pd_roles: PDRoleOptions = field(default_factory=PDRoleOptions)  # static or dynamic PD roles (role flips)
 
 
 class EngineProcesses:
@@ -155,7 +159,7 @@ def build_cluster(opts: ClusterOptions):
                 if opts.etcd else EmbeddedRegistry(client_factory=clients))
     state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=metrics, default_model=name,
                          max_model_len=max_len, routing=opts.routing, limits=opts.limits, access=opts.access,
-                         moves=opts.moves)
+                         moves=opts.moves, pd_roles=opts.pd_roles, tool_parser=opts.tool_parser)
     if any(opts.instances.values()):
         procs = EngineProcesses(opts.instances, engine_command(str(model_dir), name, opts),
                                 Path(opts.log_dir) if opts.log_dir else None,
@@ -180,6 +184,6 @@ def build_cluster(opts: ClusterOptions):
         state.on_startup.append(start_engines)
         state.on_shutdown.append(stop_engines)
     local = ", ".join(f"{n} {role}" for role, n in opts.instances.items() if n)
-    log.info("gateway for %s: %s registry, routing %s, %s", name, registry.backend, opts.routing,
-             f"local engine processes: {local}" if local else "engines from etcd")
+    log.info("gateway for %s: %s registry, routing %s, PD roles %s, %s", name, registry.backend, opts.routing,
+             opts.pd_roles.policy, f"local engine processes: {local}" if local else "engines from etcd")
     return create_app(state)

@@ -81,6 +81,7 @@ class PDStream:
         self.times = PDTimes()
         self.prefill_attempts = 1
         self._prefill_done = False  # the current prefill instance's part is accounted with the router
+        self.decoding = False       # the decode instance streams (its first chunk came): it runs the request
 
     async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
         p_iter, d_iter = aiter(self._p_stream), self._d_iter
@@ -198,11 +199,16 @@ class PDStream:
 
     def _on_first_token(self, chunk: engine_pb2.GenerateResponse) -> None:
         self.times.first_token = time.monotonic()
+        # the prefill instance's part of the queue is done (its pending prefill drops now, not at the
+        # hand-off's end), and its TTFT is one the role policy reads (dynamic PD)
+        self._d.router.first_token(self.prefill, observe=False)
+        self._d.router.latency.ttft(self.prefill.state.instance_id, self.times.first_token - self.times.started)
         stats = chunk.disagg_stats
         self.times.queue, self.times.prefill = stats.queue_seconds, stats.prefill_seconds
 
     def _on_decode_start(self, chunk: engine_pb2.GenerateResponse) -> None:
         now = time.monotonic()
+        self.decoding = True
         stats = chunk.disagg_stats
         t = self.times
         t.transfer = max(stats.transfer_seconds - stats.overlapped_seconds, 0.0)  # what the prefill did not hide

@@ -12,8 +12,8 @@ tokens already streamed (recompute), so the client sees one uninterrupted stream
 replays those tokens through its detokenizer and stop checks and knows how much of their text the
 client has, so the text, finish reason and (for sampled requests, whose draws are keyed by (seed,
 output index)) the tokens are exactly those of one uninterrupted run. A request on an instance that
-drains is moved the same way or with its KV, as the :class:`~xllm.gateway.moves.Mover` decides
-(:mod:`xllm.gateway.moves`).
+drains, or whose decode instance flips to prefill (:mod:`xllm.gateway.roles`), is moved the same way
+or with its KV, as the :class:`~xllm.gateway.moves.Mover` decides (:mod:`xllm.gateway.moves`).
 """
 
 from __future__ import annotations
@@ -243,8 +243,10 @@ class RoutedStream:
     when an engine crashed, in the failing step or on an instance that vanished) is failed with
     an internal error instead of being replayed on yet another instance. A draining instance's
     move offer moves the request with its KV or by recompute (:mod:`xllm.gateway.moves`), the
-    same way unseen by the client. Leaving early closes the underlying stream (the engine aborts
-    the request).
+    same way unseen by the client; so does the offer the gateway makes itself when the request's
+    decode instance flips to prefill. Each chunk's gap to the previous one of the same instance
+    is a TPOT sample of that instance (``Router.latency``). Leaving early closes the underlying
+    stream (the engine aborts the request).
     """
 
     def __init__(self, dispatcher: Dispatcher, model: str, ticket: Ticket, req: engine_pb2.GenerateRequest,
@@ -278,9 +280,13 @@ class RoutedStream:
             migration: Migration | None = None
             recompute: Recompute | None = None
             then = ""  # how the stream goes on once this one ended: "migrated" or "recompute"
+            handed_over = False  # offered to move for a role flip of its instance (once per placement)
+            token_chunks = 0     # chunks with tokens from this placement (TPOT: the gaps from the second on)
             try:
                 async for chunk in inner:
                     if chunk.HasField("move_offer"):
+                        if migration is not None:  # already moving (handed over for a role flip)
+                            continue
                         plan = self._offer(ticket, generated, sent_chars, chunk.move_offer)
                         if isinstance(plan, Migration):
                             migration = plan
@@ -303,7 +309,12 @@ class RoutedStream:
                         d.router.succeeded(ticket.state)
                     if chunk.HasField("disagg_stats") and chunk.disagg_stats.transfer_bytes:
                         d.mover.observe_transfer(chunk.disagg_stats)
-                    last_chunk = time.monotonic()
+                    now = time.monotonic()
+                    if chunk.token_ids:
+                        token_chunks += 1
+                        if token_chunks > 2:  # not the gap to the first chunk nor, in PD, the hand-off's
+                            d.router.latency.tpot(ticket.state.instance_id, (now - last_chunk) / len(chunk.token_ids))
+                    last_chunk = now
                     if moved is not None:
                         d.mover.metrics.paused(self._model, moved[0], last_chunk - moved[1])
                         moved = None
@@ -313,6 +324,15 @@ class RoutedStream:
                     yield chunk
                     if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                         return
+                    if migration is None and not handed_over and self._handing_over(ticket):
+                        handed_over = True  # its decode instance flips to prefill: moved as a draining one's are
+                        plan = self._offer(ticket, generated, sent_chars, d.mover.handover_offer(
+                            len(self._req.prompt_token_ids) + len(generated), ticket.state))
+                        if isinstance(plan, Migration):
+                            migration = plan
+                        elif isinstance(plan, Recompute):
+                            recompute, then = plan, "recompute"
+                            break
                 if not then:
                     return
             except InstanceUnavailableError as exc:
@@ -361,6 +381,13 @@ class RoutedStream:
                 then = "recomputed"
             d.mover.metrics.moved(self._model, then)
             moved = (then, last_chunk)
+
+    def _handing_over(self, ticket: Ticket) -> bool:
+        """Whether the request must leave its instance for a role flip (decode to prefill): it
+        decodes there (a PD request once its decode side streams) and moves are on."""
+        flip = ticket.state.flip
+        return (flip is not None and flip.to_role == "prefill" and self._d.mover.enabled
+                and (not isinstance(self._stream, PDStream) or self._stream.decoding))
 
     def _offer(self, source: Ticket, generated: list[int], sent_chars: int,
                offer: engine_pb2.MoveOffer) -> Migration | Recompute | None:

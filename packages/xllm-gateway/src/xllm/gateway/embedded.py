@@ -17,6 +17,7 @@ from xllm.gateway.access import AccessPolicy
 from xllm.gateway.app import GatewayState, create_app
 from xllm.gateway.metrics import EngineMetrics
 from xllm.gateway.openai.limits import ApiLimits
+from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER
 from xllm.gateway.registry import EmbeddedRegistry
 from xllm.models import served_name
 
@@ -32,6 +33,7 @@ class ServeOptions:
     routing: str = "kv_aware"
     limits: ApiLimits = field(default_factory=ApiLimits)  # of the OpenAI API
     access: AccessPolicy = field(default_factory=AccessPolicy)  # API keys, priority permission
+    tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (xllm.gateway.openai.tools)
 
 
 def build_embedded(opts: ServeOptions):
@@ -49,5 +51,6 @@ def build_embedded(opts: ServeOptions):
     registry.register(InProcessEngineClient(async_engine, loaded.info))
     state = GatewayState(registry=registry, tokenizer=loaded.tokenizer, metrics=metrics, default_model=name,
                          max_model_len=engine.max_model_len, on_shutdown=[async_engine.shutdown, stop_compute],
-                         routing=opts.routing, limits=opts.limits, access=opts.access)
+                         routing=opts.routing, limits=opts.limits, access=opts.access,
+                         tool_parser=opts.tool_parser)
     return create_app(state)

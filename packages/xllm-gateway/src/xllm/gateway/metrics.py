@@ -26,11 +26,14 @@ from xllm.proto.registry.v1 import instance_pb2
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 _HANDOFF_OUTCOMES = (("sent", "kv_handoffs_sent"), ("installed", "kv_handoffs_installed"),
                      ("failed", "kv_handoff_failures"), ("timeout", "kv_handoff_timeouts"),
                      ("expired", "kv_reservations_expired"))
 _MIGRATION_OUTCOMES = (("sent", "kv_migrations_sent"), ("installed", "kv_migrations_installed"),
                        ("failed", "kv_migration_failures"))
+_OFFLINE_PREEMPTION_REASONS = (("kv", "offline_preemptions_kv"), ("batch_full", "offline_preemptions_batch_full"),
+                               ("slo", "offline_preemptions_slo"))
 
 
 class EngineMetrics:
@@ -64,6 +67,17 @@ class EngineMetrics:
                                     buckets=_BATCH_BUCKETS, registry=r)
         self.decode_batch_size = Histogram("xllm:decode_batch_size", "Decoding sequences per engine step.", labels,
                                            buckets=_BATCH_BUCKETS, registry=r)
+        self.step_prediction_error = Histogram(
+            "xllm:step_time_prediction_error", "Relative error |predicted - measured| / measured of the engine's "
+            "step-time prediction, per step (in-process engines; see xllm.core.step_timing).", labels,
+            buckets=_ERROR_BUCKETS, registry=r)
+        self.step_prediction_error_recent = Gauge(
+            "xllm:step_time_prediction_error_recent", "Exponentially weighted mean of the step-time prediction's "
+            "relative error over recent steps, as the instance reports it (0: no prediction yet).", labels,
+            registry=r)
+        self.step_time_correction = Gauge(
+            "xllm:step_time_correction_factor", "Measured over predicted step time of the instance's step-time "
+            "model (online correction; 1 = none).", labels, registry=r)
 
         self.instance_role = Gauge("xllm:instance_role", "1 for the role each instance serves (mixed, prefill, "
                                    "decode).", [*labels, "role"], registry=r)
@@ -75,6 +89,31 @@ class EngineMetrics:
                                      "KV, counted by the instances: sent (source), installed (destination), failed "
                                      "(source: resumed by recompute instead; destination: recomputed there).",
                                      [*labels, "outcome"], registry=r)
+        # online/offline co-location (xllm.sched.colocation)
+        self.offline_requests = Counter("xllm:offline_requests", "Offline (service_tier flex) requests finished.",
+                                        labels, registry=r)
+        self.offline_prompt_tokens = Counter("xllm:offline_prompt_tokens", "Prompt tokens of offline requests.",
+                                             labels, registry=r)
+        self.offline_generation_tokens = Counter("xllm:offline_generation_tokens",
+                                                 "Tokens generated for offline requests.", labels, registry=r)
+        self.offline_preemptions = Counter(
+            "xllm:offline_preemptions", "Offline sequences preempted for online work, by reason: kv (KV memory), "
+            "batch_full (a sequence slot an online request needed), slo (held out of a step for online work, "
+            "KV kept: an interruption at a chunk boundary).", [*labels, "reason"], registry=r)
+        self.offline_longest_wait = Gauge(
+            "xllm:offline_longest_wait_seconds", "The longest an offline request in the queues has gone without "
+            "being scheduled (starvation; bounded by --offline-starvation-s unless online work holds the whole "
+            "engine).", labels, registry=r)
+        # speculative decoding (xllm.core.spec), vLLM's names
+        self.spec_drafts = Counter("xllm:spec_decode_num_drafts", "Speculative verify runs (one sequence's drafts "
+                                   "in one step).", labels, registry=r)
+        self.spec_draft_tokens = Counter("xllm:spec_decode_num_draft_tokens", "Draft tokens verified.", labels,
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("xllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                            labels, registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "xllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted by position in their run "
+            "(0: the first draft).", [*labels, "position"], registry=r)
         self._last_counters: dict[tuple[str, str], instance_pb2.EngineCounters] = {}
         cl = ["model_name"]
         self.cluster_instances = Gauge("xllm:cluster_instances", "Live engine instances.", cl, registry=r)
@@ -101,6 +140,10 @@ class EngineMetrics:
         self.running.labels(*lb).set(report.num_running)
         self.waiting.labels(*lb).set(report.num_waiting)
         self.kv_usage.labels(*lb).set(report.kv_usage)
+        self.offline_longest_wait.labels(*lb).set(report.offline_longest_wait)
+        if report.step_predictor.coefficients:  # the instance has a step-time model
+            self.step_time_correction.labels(*lb).set(report.step_predictor.correction)
+            self.step_prediction_error_recent.labels(*lb).set(report.step_predictor.prediction_error)
 
     def set_counters(self, model_name: str, instance: str, counters: instance_pb2.EngineCounters) -> None:
         """Advance the counters of a remote instance to its reported cumulative totals."""
@@ -113,11 +156,23 @@ class EngineMetrics:
                   (self.prefix_queries, (), "prefix_cache_queries"), (self.prefix_hits, (), "prefix_cache_hits"),
                   (self.preemptions, (), "preemptions"),
                   *((self.kv_handoffs, (outcome,), field) for outcome, field in _HANDOFF_OUTCOMES),
-                  *((self.kv_migrations, (outcome,), field) for outcome, field in _MIGRATION_OUTCOMES)]
+                  *((self.kv_migrations, (outcome,), field) for outcome, field in _MIGRATION_OUTCOMES),
+                  (self.offline_requests, (), "offline_requests"),
+                  (self.offline_prompt_tokens, (), "offline_prompt_tokens"),
+                  (self.offline_generation_tokens, (), "offline_generation_tokens"),
+                  *((self.offline_preemptions, (reason,), field) for reason, field in _OFFLINE_PREEMPTION_REASONS),
+                  (self.spec_drafts, (), "spec_decode_num_drafts"),
+                  (self.spec_draft_tokens, (), "spec_decode_num_draft_tokens"),
+                  (self.spec_accepted_tokens, (), "spec_decode_num_accepted_tokens")]
         for counter, extra, field in series:
             delta = getattr(counters, field) - getattr(last, field)
             if delta > 0:  # a series appears with its first count
                 counter.labels(*lb, *extra).inc(delta)
+        before = list(last.spec_decode_num_accepted_tokens_per_pos)
+        for j, n in enumerate(counters.spec_decode_num_accepted_tokens_per_pos):
+            delta = n - (before[j] if j < len(before) else 0)
+            if delta > 0:
+                self.spec_accepted_per_pos.labels(*lb, str(j)).inc(delta)
         self._last_counters[lb] = counters
 
     def set_cluster(self, model_name: str, loads: list[instance_pb2.LoadReport], kv_blocks: int) -> None:
@@ -128,12 +183,19 @@ class EngineMetrics:
         self.cluster_kv_blocks.set(kv_blocks)
 
     def set_role(self, model_name: str, instance: str, role: str) -> None:
+        """``role`` is the instance's role now (registered, or flipped by dynamic PD): its series is 1,
+        the other roles' series of the instance are dropped."""
+        for other in ROLE_NAMES.values():
+            if other != role:
+                with contextlib.suppress(KeyError):
+                    self.instance_role.remove(model_name, instance, other)
         self.instance_role.labels(model_name, instance, role).set(1)
 
     def forget(self, model_name: str, instance: str) -> None:
         """Drop an instance's gauges (it left the cluster); counters stay, as Prometheus expects."""
         lb = (model_name, instance)
-        for gauge in (self.running, self.waiting, self.kv_usage):
+        for gauge in (self.running, self.waiting, self.kv_usage, self.offline_longest_wait, self.step_time_correction,
+                      self.step_prediction_error_recent):
             with contextlib.suppress(KeyError):
                 gauge.remove(*lb)
         for role in ROLE_NAMES.values():
@@ -160,6 +222,8 @@ class _InstanceObserver:
             m.batch_size.labels(*lb).observe(s.batch_size)
         if s.num_decode_tokens:
             m.decode_batch_size.labels(*lb).observe(s.num_decode_tokens)
+        if s.step_time_prediction_error is not None:
+            m.step_prediction_error.labels(*lb).observe(s.step_time_prediction_error)
         if s.num_preempted:
             m.preemptions.labels(*lb).inc(s.num_preempted)
         gen = len(s.ttfts) + len(s.inter_token_latencies)
@@ -177,6 +241,25 @@ class _InstanceObserver:
         if s.prefix_cache_queries:
             m.prefix_queries.labels(*lb).inc(s.prefix_cache_queries)
             m.prefix_hits.labels(*lb).inc(s.prefix_cache_hits)
+        if s.spec_num_drafts:
+            m.spec_drafts.labels(*lb).inc(s.spec_num_drafts)
+            m.spec_draft_tokens.labels(*lb).inc(s.spec_draft_tokens)
+            m.spec_accepted_tokens.labels(*lb).inc(s.spec_accepted_tokens)
+            for j, n in enumerate(s.spec_accepted_per_pos):
+                if n:
+                    m.spec_accepted_per_pos.labels(*lb, str(j)).inc(n)
+        self._offline(s)
+
+    def _offline(self, s: StepStats) -> None:
+        m, lb, o = self.m, self.labels, s.offline
+        if s.batch_size:  # a step (aborts report outside steps, without a wait)
+            m.offline_longest_wait.labels(*lb).set(o.longest_wait)
+        for counter, n in ((m.offline_requests, o.finished), (m.offline_prompt_tokens, o.prompt_tokens),
+                           (m.offline_generation_tokens, o.generation_tokens)):
+            if n:
+                counter.labels(*lb).inc(n)
+        for reason, n in o.preempted.items():
+            m.offline_preemptions.labels(*lb, reason).inc(n)
 
 
 class RouterMetrics:
@@ -315,3 +398,28 @@ class PDMetrics:
 
     def cancelled_request(self, model: str) -> None:
         self.cancelled.labels(model).inc()
+
+
+class PDRoleMetrics:
+    """Dynamic PD roles (:mod:`xllm.gateway.roles`): completed role flips by direction and trigger
+    (``ttft_pressure``, ``tpot_pressure``, ``prefill_idle``, ``manual``), how long each took (decided
+    to done: the hand-over of what the instance held), and the instances in each pool (``prefill``,
+    ``decode``, and ``decode_to_prefill`` / ``prefill_to_decode`` while they flip)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry or CollectorRegistry()
+        self.flips = Counter("xllm:pd_role_flips", "Completed PD role flips, by direction and trigger.",
+                             ["model_name", "from_role", "to_role", "reason"], registry=r)
+        self.flip_seconds = Histogram("xllm:pd_role_flip_seconds", "Time from a role flip's decision to its end "
+                                      "(the instance handed over what it held of its old role).",
+                                      ["model_name", "from_role", "to_role"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.instances = Gauge("xllm:pd_instances", "PD instances per pool: prefill, decode, and the ones flipping "
+                               "(decode_to_prefill, prefill_to_decode).", ["model_name", "role"], registry=r)
+
+    def flipped(self, model: str, from_role: str, to_role: str, trigger: str, seconds: float) -> None:
+        self.flips.labels(model, from_role, to_role, trigger).inc()
+        self.flip_seconds.labels(model, from_role, to_role).observe(seconds)
+
+    def set_pools(self, model: str, counts: dict[str, int]) -> None:
+        for pool, n in counts.items():
+            self.instances.labels(model, pool).set(n)

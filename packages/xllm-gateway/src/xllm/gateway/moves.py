@@ -16,6 +16,11 @@ queued prefill over the destination's measured prefill speed) and either
 A migration that cannot start (no reservation, ``Migrate`` refused) or that the source gives up
 (its stream is handed back) falls back to recompute. ``--drain-moves`` forces either way, or turns
 moves off (requests then finish on the draining instance or are handed back at the drain timeout).
+
+The same path hands over the requests of a decode instance flipping to prefill (dynamic PD,
+:mod:`xllm.gateway.roles`): the instance is not draining, so the gateway makes the offer itself
+(:meth:`Mover.handover_offer`), its KV bytes estimated from the bytes per token the hand-offs
+measured.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from xllm.proto.engine.v1 import engine_pb2
 from xllm.sched import MOVE_MODES, MoveCost, RateEstimate, move_cost
 
 if TYPE_CHECKING:
+    from xllm.gateway.registry import InstanceState
     from xllm.gateway.router import Router, Ticket
 
 log = logging.getLogger(__name__)
@@ -174,6 +180,7 @@ class Mover:
         self.metrics = metrics or MoveMetrics()
         self.bandwidth = RateEstimate(self.options.bandwidth_prior)
         self.bytes_under_way = 0  # KV of the migrations being copied (they share the bandwidth)
+        self.kv_bytes_per_token = 0.0  # as the last measured transfer moved them (0: none measured yet)
 
     @property
     def enabled(self) -> bool:
@@ -184,6 +191,17 @@ class Mover:
         """A KV transfer the destination measured (PD hand-off or migration)."""
         if not stats.recomputed:
             self.bandwidth.observe(stats.transfer_bytes, stats.transfer_seconds)
+            if stats.transferred_tokens:
+                self.kv_bytes_per_token = stats.transfer_bytes / stats.transferred_tokens
+
+    def handover_offer(self, num_tokens: int, source: InstanceState) -> engine_pb2.MoveOffer:
+        """The offer a draining instance would make for a request of ``num_tokens`` tokens, made by
+        the gateway for a role flip: KV bytes from the measured bytes per token (0 while nothing was
+        measured: the move is then predicted as a free copy, i.e. migrated, which is what it costs
+        next to a recompute in practice), the source's measured prefill speed."""
+        speed = source.load.prefill_tokens_per_s if source.load is not None else 0.0
+        return engine_pb2.MoveOffer(num_tokens=num_tokens, kv_bytes=int(self.kv_bytes_per_token * num_tokens),
+                                    prefill_tokens_per_s=speed)
 
     def offer(self, model: str, source: Ticket, source_request_id: str, cont: engine_pb2.GenerateRequest,
               offer: engine_pb2.MoveOffer) -> Migration | Recompute | None:

@@ -7,7 +7,9 @@ the ones sent a moment ago), and keeps that accounting as requests start and fin
 
 PD mode: when a model has live prefill and decode instances, :meth:`Router.route_pd` places each
 request on a pair (:class:`xllm.sched.PDPlacement`), with the prefix each side holds matched in
-the same global KV index (both roles publish their caches).
+the same global KV index (both roles publish their caches). An instance whose role is flipping
+(dynamic PD, :mod:`xllm.gateway.roles`) is in neither pool and gets no moved requests. The latencies
+the role policy reads are measured here too (:attr:`Router.latency`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from xllm.gateway.registry.base import InstanceState, NoInstanceError, Registry
+from xllm.gateway.roles import LatencyTracker
 from xllm.kvstore import block_hashes
 from xllm.sched import ROUTING_POLICIES, InstanceSnapshot, PDPlacement, RouteDecision, RouteRequest, RoutingPolicy
 
@@ -54,12 +57,14 @@ class Router:
         self.expect_ttl = expect_ttl              # after the first token: until heartbeats confirm the blocks
         self.queued_expect_ttl = queued_expect_ttl  # before it: the request may wait in the engine's queue
         self.metrics = metrics
+        self.latency = LatencyTracker()  # TTFT / TPOT per instance, as this gateway measured them
         registry.add_listener(self._on_registry_event)
 
     def _on_registry_event(self, event: str, state: InstanceState) -> None:
         if event == "removed":
             self.policy.forget_instance(state.instance_id)
             self.placement.forget_instance(state.instance_id)
+            self.latency.forget(state.instance_id)
 
     # ---- deciding ---------------------------------------------------------------------------
     def route(self, model: str, prompt: Sequence[int], session: str | None = None,
@@ -76,7 +81,8 @@ class Router:
     def route_move(self, model: str, tokens: Sequence[int], exclude: Collection[str] = ()) -> Ticket:
         """An instance to continue a running request on (its tokens so far): one that decodes (a
         mixed or decode instance), not in ``exclude`` (raises :class:`NoInstanceError`)."""
-        candidates = [s for s in self.registry.routable(model) if s.instance_id not in exclude and s.role != "prefill"]
+        candidates = [s for s in self.registry.routable(model)
+                      if s.instance_id not in exclude and s.role != "prefill" and s.flip is None]
         if not candidates:
             raise NoInstanceError(f"no other live instance decodes {model!r}")
         return self._route_among(candidates, tokens, None)
@@ -96,8 +102,9 @@ class Router:
 
     # ---- PD mode ------------------------------------------------------------------------------
     def pd_pools(self, model: str, exclude: Collection[str] = ()) -> tuple[list[InstanceState], list[InstanceState]]:
-        """The live prefill and decode instances of ``model`` (PD mode when both are non-empty)."""
-        live = [s for s in self.registry.routable(model) if s.instance_id not in exclude]
+        """The live prefill and decode instances of ``model`` (PD mode when both are non-empty); an
+        instance flipping role is in neither."""
+        live = [s for s in self.registry.routable(model) if s.instance_id not in exclude and s.flip is None]
         return [s for s in live if s.role == "prefill"], [s for s in live if s.role == "decode"]
 
     def route_pd(self, model: str, prompt: Sequence[int], max_new_tokens: int, session: str | None = None,

@@ -25,6 +25,8 @@ class Tokenizer:
         self.bos_token_id = self._tok.bos_token_id
         self.all_special_ids = frozenset(self._tok.all_special_ids)
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+        # the template renders a request's tools itself (else xllm.gateway.openai.tools describes them)
+        self.template_renders_tools = "tools" in str(getattr(self._tok, "chat_template", None) or "")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))

@@ -53,8 +53,8 @@ class PrefixCachingBackend(KVCacheBackend):
         return hashes
 
     def _match_prefix(self, seq) -> list[int]:
-        if not self.layout.enable_prefix_cache:
-            return []
+        if not self.layout.enable_prefix_cache or seq.prompt_logprobs_pending is not None:
+            return []  # (prompt logprobs: every prompt row's logits must be computed)
         # never the block holding the last known token: its logits must be computed
         max_blocks = (seq.num_tokens - 1) // self.layout.block_size
         hits: list[int] = []

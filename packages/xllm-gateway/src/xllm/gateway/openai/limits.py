@@ -98,6 +98,19 @@ def _check_sampling(req: OpenAIRequest, limits: ApiLimits) -> None:
                           f"{limits.max_stop_chars}", "stop")
     _at_most("stop_token_ids", len(req.stop_token_ids or ()), limits.max_stop_token_ids, "stop token ids")
     _at_most("logit_bias", len(req.logit_bias or {}), limits.max_logit_bias, "logit_bias entries")
+    if req.prompt_logprobs is not None:
+        _at_most("prompt_logprobs", req.prompt_logprobs, limits.max_logprobs, "prompt logprobs")
+    # an output constraint is compiled into a grammar: bounded like a prompt
+    constraints = {"guided_json": req.guided_json, "guided_regex": req.guided_regex,
+                   "guided_choice": req.guided_choice, "guided_grammar": req.guided_grammar,
+                   "response_format": req.response_format.model_dump(by_alias=True) if req.response_format else None}
+    for name, value in constraints.items():
+        if value is None:
+            continue
+        size = len(value) if isinstance(value, str) else len(json.dumps(value, ensure_ascii=False))
+        if size > limits.max_prompt_chars:
+            raise bad_request(f"{name}: the constraint holds {size} characters; this server accepts at most "
+                              f"{limits.max_prompt_chars}", name)
 
 
 def _check_chat(req: ChatCompletionRequest, limits: ApiLimits) -> None:
@@ -118,6 +131,7 @@ def _check_chat(req: ChatCompletionRequest, limits: ApiLimits) -> None:
 def _check_completion(req: CompletionRequest, limits: ApiLimits) -> None:
     prompts = req.prompts()
     _at_most("prompt", len(prompts), limits.max_prompts, "prompts")
+    _at_most("best_of", req.best_of or 1, limits.max_n, "choices")
     if req.logprobs is not None:
         _at_most("logprobs", req.logprobs, min(limits.max_logprobs, OPENAI_MAX_COMPLETION_LOGPROBS), "logprobs")
     chars = sum(len(p) for p in prompts if isinstance(p, str))

@@ -16,6 +16,7 @@ Limits an operator tunes (counts, lengths, the body size) are checked after vali
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -33,9 +34,20 @@ MaxTokens = Annotated[int, Field(ge=1, le=UINT32_MAX)]
 Identifier = Annotated[str, Field(max_length=256)]  # model, user, session and cache keys
 
 
-# service_tier -> engine priority (lower is served first); anything but 0 needs permission
+# service_tier -> engine priority (lower is served first); a negative one needs permission
 SERVICE_TIER_PRIORITY = {"auto": 0, "default": 0, "flex": 1, "scale": -1, "priority": -1}
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+# a request whose engine priority is at least this is offline (xllm serve --offline-priority)
+DEFAULT_OFFLINE_PRIORITY = 1
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    """How the engine schedules a request (see :meth:`_SamplingFields.scheduling`)."""
+
+    priority: int       # engine priority: lower is served first, 0 is the default
+    offline: bool       # best-effort work in the capacity online requests leave (xllm.sched.colocation)
+    service_tier: str   # what the response echoes: "flex" (offline), "priority"/"scale" (asked), "default"
 
 
 class _Strict(BaseModel):
@@ -59,9 +71,26 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # accepted; no obfuscation padding is ever added
 
 
+class JSONSchemaFormat(_Strict):
+    """``response_format.json_schema``: the output is JSON valid for ``schema`` (always enforced:
+    ``strict`` true or false, the output is generated under the schema's grammar)."""
+
+    name: Annotated[str, Field(max_length=64)]
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JSONSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_with_its_type(cls, v: JSONSchemaFormat | None, info: ValidationInfo) -> JSONSchemaFormat | None:
+        if v is not None and info.data.get("type") != "json_schema":
+            raise ValueError("only allowed with type 'json_schema'")
+        return v
 
 
 class _SamplingFields(_Strict):
@@ -93,6 +122,13 @@ class _SamplingFields(_Strict):
     priority: Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0
     # xLLM extension: requests of one chat session go to the instance that holds its KV cache
     session_id: Identifier | None = None
+    # vLLM's guided decoding (xllm.gateway.openai.structured): at most one constraint per request
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    # vLLM: logprobs of the prompt's tokens (teacher forced), with this many alternatives each
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -119,9 +155,9 @@ class _SamplingFields(_Strict):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, v: ResponseFormat | None) -> ResponseFormat | None:
-        if v is not None and v.type != "text":
-            raise ValueError(f"type {v.type!r} is not supported yet (only 'text')")
+    def _schema_given(cls, v: ResponseFormat | None) -> ResponseFormat | None:
+        if v is not None and v.type == "json_schema" and (v.json_schema is None or v.json_schema.schema_ is None):
+            raise ValueError("type 'json_schema' needs json_schema.schema")
         return v
 
     def affinity_key(self) -> str | None:
@@ -132,17 +168,26 @@ class _SamplingFields(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def requested_priority(self) -> tuple[str, int] | None:
-        """The field asking for non-default scheduling and the engine priority it asks for
-        (``priority`` wins over ``service_tier``); None for default scheduling."""
-        if self.priority:
-            return "priority", self.priority
-        tier = SERVICE_TIER_PRIORITY[self.service_tier or "auto"]
-        return ("service_tier", tier) if tier else None
+        """The field asking to be served ahead of default requests and the engine priority it asks
+        for (what needs permission); None when the request asks for default or lower priority (a
+        downgrade, which anyone may ask for: ``service_tier: "flex"``, a positive ``priority``)."""
+        priority = self.engine_priority()
+        if priority >= 0:
+            return None
+        return ("priority" if self.priority else "service_tier"), priority
 
     def engine_priority(self) -> int:
-        """The engine's priority for this request (lower is served first; 0 is the default)."""
-        asked = self.requested_priority()
-        return asked[1] if asked else 0
+        """The engine's priority for this request (lower is served first; 0 is the default):
+        ``priority`` when nonzero (vLLM's semantics), else the ``service_tier``'s."""
+        return self.priority or SERVICE_TIER_PRIORITY[self.service_tier or "auto"]
+
+    def scheduling(self, offline_priority: int = DEFAULT_OFFLINE_PRIORITY) -> Scheduling:
+        """The request's scheduling: its engine priority, and offline when it asks for
+        ``service_tier: "flex"`` or its engine priority is at least ``offline_priority``."""
+        priority = self.engine_priority()
+        offline = self.service_tier == "flex" or priority >= offline_priority
+        tier = "flex" if offline else (self.service_tier if self.service_tier in ("priority", "scale") else "default")
+        return Scheduling(priority, offline, tier)
 
 
 class TextPart(_Strict):
@@ -241,12 +286,31 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("requires logprobs to be true")
         return v
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_are_functions(cls, v: list[dict] | None) -> list[dict] | None:
+        for i, tool in enumerate(v or []):
+            fn = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                    or not fn["name"]:
+                raise ValueError(f"tool {i} must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+            if not isinstance(fn.get("parameters", {}), dict):
+                raise ValueError(f"tool {i}: function.parameters must be a JSON schema object")
+        return v
+
     @field_validator("tool_choice")
     @classmethod
-    def _no_forced_tools(cls, v: str | dict | None) -> str | dict | None:
-        if v == "required" or isinstance(v, dict):
-            raise ValueError("forcing tool calls ('required' or a named tool) is not supported yet; "
-                             "use 'auto' or 'none'")
+    def _tool_choice_names_a_tool(cls, v: str | dict | None, info: ValidationInfo) -> str | dict | None:
+        tools = info.data.get("tools") or []
+        if v == "required" and not tools:
+            raise ValueError("'required' needs tools")
+        if isinstance(v, dict):
+            fn = v.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if v.get("type") != "function" or not isinstance(name, str):
+                raise ValueError("a named tool choice is {'type': 'function', 'function': {'name': ...}}")
+            if name not in {t["function"]["name"] for t in tools}:
+                raise ValueError(f"names the function {name[:64]!r}, which is not among the tools")
         return v
 
     @field_validator("store")
@@ -282,16 +346,18 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and v != info.data.get("n", 1):
-            raise ValueError("must equal n (best-of ranking is not supported)")
+    def _best_of_at_least_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v < info.data.get("n", 1):
+            raise ValueError("must be at least n")
+        if v is not None and v > 1 and info.data.get("stream"):
+            raise ValueError("cannot be used with stream (the best choices are known only at the end)")
         return v
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
         if v:
-            raise ValueError("suffix (insertion) is not supported")
+            raise ValueError("suffix needs a fill-in-the-middle template and the served models have none")
         return v
 
     def prompts(self) -> list[str | list[int]]:

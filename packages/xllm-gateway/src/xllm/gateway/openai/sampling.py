@@ -8,9 +8,12 @@ from xllm.proto.engine.v1 import engine_pb2
 
 
 def sampling_proto(req: _SamplingFields, max_tokens: int, logprobs: bool, top_logprobs: int,
-                   seed_offset: int = 0) -> engine_pb2.SamplingParams:
+                   seed_offset: int = 0, structured: engine_pb2.StructuredOutput | None = None,
+                   prompt_logprobs: int | None = None) -> engine_pb2.SamplingParams:
     """Build the engine message; ``seed_offset`` separates the ``n`` choices of
-    one seeded request (choice ``i`` uses ``seed + i``). A temperature in (0, ``MIN_TEMPERATURE``)
+    one seeded request (choice ``i`` uses ``seed + i``); ``structured`` is the output constraint,
+    ``prompt_logprobs`` the alternatives per prompt position when the prompt's logprobs are asked
+    for. A temperature in (0, ``MIN_TEMPERATURE``)
     is raised to ``MIN_TEMPERATURE`` (vLLM does the same; so does the engine, the constant's home, for
     gRPC callers): a smaller one overflows the scaled logits."""
     sp = engine_pb2.SamplingParams(
@@ -36,4 +39,8 @@ def sampling_proto(req: _SamplingFields, max_tokens: int, logprobs: bool, top_lo
         sp.seed = (req.seed + seed_offset) % 2**64
     for key, bias in (req.logit_bias or {}).items():
         sp.logit_bias[int(key)] = bias
+    if structured is not None:  # checked by xllm.gateway.openai.structured
+        sp.structured.CopyFrom(structured)
+    if prompt_logprobs is not None:
+        sp.prompt_logprobs = prompt_logprobs
     return sp

@@ -14,6 +14,7 @@ from typing import Protocol
 from fastapi import Request
 
 from xllm.gateway.openai.errors import APIError, to_api_error
+from xllm.gateway.openai.protocol import Scheduling
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.enums import finish_reason_name
 
@@ -36,11 +37,13 @@ class Choice:
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)  # prompt tokens 1..
 
     def add(self, chunk: engine_pb2.GenerateResponse) -> None:
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         if chunk.finish_reason:
             self.finish_reason = finish_reason_name(chunk.finish_reason)
             self.completion_tokens = chunk.usage.completion_tokens
@@ -120,9 +123,10 @@ async def collect(streams: list, prompt_tokens: list[int], request: Request) -> 
 
 
 def engine_request(request_id: str, prompt_ids: list[int], sampling: engine_pb2.SamplingParams,
-                   model: str, priority: int) -> engine_pb2.GenerateRequest:
+                   model: str, scheduling: Scheduling) -> engine_pb2.GenerateRequest:
     return engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-                                      model=model, priority=priority, arrival_time=time.time())
+                                      model=model, priority=scheduling.priority, offline=scheduling.offline,
+                                      arrival_time=time.time())
 
 
 # Characters str.splitlines() (so httpx's aiter_lines and requests' iter_lines) breaks lines at, which
@@ -158,12 +162,14 @@ class StreamFormat(Protocol):
 
 
 async def sse_stream(fmt: StreamFormat, rid: str, model: str, created: int, include_usage: bool,
-                     streams: list) -> AsyncIterator[str]:
+                     streams: list, service_tier: str = "default") -> AsyncIterator[str]:
     """The SSE body of a streamed response: ``fmt``'s chunks in arrival order, an error event if
-    an engine fails mid-stream, the usage chunk when asked for, then ``[DONE]``."""
+    an engine fails mid-stream, the usage chunk when asked for, then ``[DONE]``. Every chunk echoes
+    the ``service_tier`` the request was served at, as OpenAI's do."""
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        body = {"id": rid, "object": fmt.object, "created": created, "model": model, "choices": choices}
+        body = {"id": rid, "object": fmt.object, "created": created, "model": model, "choices": choices,
+                "service_tier": service_tier}
         if include_usage:
             body["usage"] = usage
         return sse(json.dumps(body, ensure_ascii=False))

@@ -9,11 +9,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.openai.errors import bad_request
-from xllm.gateway.openai.logprobs import chat_logprobs
+from xllm.gateway.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from xllm.gateway.openai.preprocess import Preprocessor
-from xllm.gateway.openai.protocol import ChatCompletionRequest
+from xllm.gateway.openai.protocol import ChatCompletionRequest, Scheduling
 from xllm.gateway.openai.sampling import sampling_proto
 from xllm.gateway.openai.serving import INSTANCE_HEADER, collect, engine_request, new_id, sse_stream, usage_dict
+from xllm.gateway.openai.structured import structured_output
+from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+from xllm.gateway.openai.tools import ToolCallStream, ToolChoice, ToolParser
 from xllm.models.tokenizer import ChatTemplateError, Tokenizer
 from xllm.proto.engine.v1 import engine_pb2
 
@@ -23,23 +26,49 @@ class ChatServing:
     the event loop), the ``n`` choices submitted together, the answer streamed or collected."""
 
     def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, max_model_len: int,
-                 preprocessor: Preprocessor) -> None:
+                 preprocessor: Preprocessor, tool_parser: str = DEFAULT_TOOL_PARSER) -> None:
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.preprocessor = preprocessor
+        self.tool_parser: ToolParser = TOOL_PARSERS.create(tool_parser)
 
-    def _render(self, req: ChatCompletionRequest) -> list[int]:
+    def _render(self, req: ChatCompletionRequest) -> tuple[list[int], engine_pb2.StructuredOutput | None]:
+        """The prompt (tools described as the tool parser's family expects when the template does not
+        render them) and the output constraint (a forced tool call, response_format, guided_*)."""
+        choice = ToolChoice.of(req.tools, req.tool_choice)
+        messages = [m.for_template() for m in req.messages]
+        renders = self.tokenizer.template_renders_tools
+        tools = req.tools if choice.mode != "none" else None
+        messages = self.tool_parser.prepare(messages, tools or [], renders)
+        tool_grammar = None
+        if choice.forced:
+            tool_grammar = self.tool_parser.forced_grammar(req.tools, choice, req.parallel_tool_calls is not False)
+        structured = structured_output(req, tool_grammar)
         try:
-            return self.tokenizer.apply_chat_template([m.for_template() for m in req.messages],
-                                                      add_generation_prompt=req.add_generation_prompt,
-                                                      tools=req.tools)
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                        tools=tools if renders else None)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from exc
+        return prompt, structured
 
-    async def create(self, req: ChatCompletionRequest, raw: Request):
+    def _message(self, req: ChatCompletionRequest, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """The assistant message of a finished choice (tool calls parsed out) and its finish reason."""
+        if ToolChoice.of(req.tools, req.tool_choice).mode == "none":
+            return {"role": "assistant", "content": text}, finish
+        parsed = self.tool_parser.parse(text)
+        if not parsed.tool_calls:
+            return {"role": "assistant", "content": text}, finish
+        calls = parsed.tool_calls[:1] if req.parallel_tool_calls is False else parsed.tool_calls
+        return ({"role": "assistant", "content": parsed.content, "tool_calls": calls},
+                "tool_calls" if finish == "stop" else finish)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request, scheduling: Scheduling):
         model = self.dispatcher.resolve_model(req.model)
-        prompt = await self.preprocessor.run(self._render, req)
+        if req.stream and req.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs is not streamed in chat completions; use /v1/completions",
+                              "prompt_logprobs")
+        prompt, structured = await self.preprocessor.run(self._render, req)
         if len(prompt) >= self.max_model_len:
             raise bad_request(f"the conversation has {len(prompt)} tokens but the context length is "
                               f"{self.max_model_len}", "messages", "context_length_exceeded")
@@ -49,8 +78,10 @@ class ChatServing:
         rid = new_id("chatcmpl")
         reqs = [
             engine_request(f"{rid}-{i}", prompt,
-                           sampling_proto(req, max_tokens, req.logprobs, req.top_logprobs or 0, seed_offset=i),
-                           model, req.engine_priority())
+                           sampling_proto(req, max_tokens, req.logprobs, req.top_logprobs or 0, seed_offset=i,
+                                          structured=structured,
+                                          prompt_logprobs=req.prompt_logprobs if i == 0 else None),
+                           model, scheduling)
             for i in range(req.n)
         ]
         client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())
@@ -58,23 +89,30 @@ class ChatServing:
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            fmt = _ChatStream(req, self.tokenizer, len(prompt), len(streams))
-            return StreamingResponse(sse_stream(fmt, rid, model, created, include_usage, streams),
+            fmt = _ChatStream(req, self.tokenizer, len(prompt), len(streams),
+                              self.tool_parser if ToolChoice.of(req.tools, req.tool_choice).mode != "none" else None)
+            return StreamingResponse(sse_stream(fmt, rid, model, created, include_usage, streams,
+                                                scheduling.service_tier),
                                      media_type="text/event-stream", headers=headers)
         choices = await collect(streams, [len(prompt)] * req.n, raw)
         completion = sum(c.completion_tokens for c in choices)
+        messages = [self._message(req, c.text, c.finish_reason) for c in choices]
         body = {
             "id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": chat_logprobs(c.logprobs, self.tokenizer.token_strings) if req.logprobs else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish,
                 }
-                for c in choices
+                for c, (message, finish) in zip(choices, messages, strict=True)
             ],
             "usage": usage_dict(len(prompt), completion, choices[0].cached_tokens),
+            **({"prompt_logprobs": vllm_prompt_logprobs(prompt, choices[0].prompt_logprobs,
+                                                        self.tokenizer.token_strings)}
+               if req.prompt_logprobs is not None else {}),
+            "service_tier": scheduling.service_tier,
         }
         return JSONResponse(body, headers=headers)
 
@@ -84,8 +122,12 @@ class _ChatStream:
 
     object = "chat.completion.chunk"
 
-    def __init__(self, req: ChatCompletionRequest, tokenizer: Tokenizer, prompt_tokens: int, n: int) -> None:
+    def __init__(self, req: ChatCompletionRequest, tokenizer: Tokenizer, prompt_tokens: int, n: int,
+                 tool_parser: ToolParser | None = None) -> None:
         self.req = req
+        # tool calls parsed out of each choice's text as it streams (None: tools not in play)
+        self.tool_streams: list[ToolCallStream] | None = \
+            [tool_parser.stream() for _ in range(n)] if tool_parser is not None else None
         self.tokenizer = tokenizer
         self.prompt_tokens = prompt_tokens
         self.completion = [0] * n
@@ -99,12 +141,29 @@ class _ChatStream:
     def choice(self, index: int, out: engine_pb2.GenerateResponse, finish: str | None) -> dict | None:
         self.completion[index] += len(out.token_ids)
         delta = {"content": out.text} if out.text else {}
+        if self.tool_streams is not None:
+            finish, delta = self._tool_delta(index, out.text, finish)
         if finish:
             self.cached = out.usage.cached_prompt_tokens
         if not delta and not finish and not out.logprobs:
             return None
         lp = chat_logprobs(out.logprobs, self.tokenizer.token_strings) if self.req.logprobs else None
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    def _tool_delta(self, index: int, text: str, finish: str | None) -> tuple[str | None, dict]:
+        stream = self.tool_streams[index]
+        content, calls = stream.feed(text)
+        if finish:
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
+            if stream.calls and finish == "stop":
+                finish = "tool_calls"
+        if self.req.parallel_tool_calls is False:  # one call at most: the first
+            calls = [c for c in calls if c["index"] == 0]
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return finish, delta
 
     def chunk_usage(self, index: int) -> dict | None:
         return usage_dict(self.prompt_tokens, self.completion[index]) if self.continuous else None

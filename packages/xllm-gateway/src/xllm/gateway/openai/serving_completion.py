@@ -9,11 +9,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.openai.errors import bad_request
-from xllm.gateway.openai.logprobs import completion_logprobs
+from xllm.gateway.openai.logprobs import completion_logprobs, echo_logprobs, join_logprobs, vllm_prompt_logprobs
 from xllm.gateway.openai.preprocess import Preprocessor
-from xllm.gateway.openai.protocol import CompletionRequest
+from xllm.gateway.openai.protocol import CompletionRequest, Scheduling
 from xllm.gateway.openai.sampling import sampling_proto
 from xllm.gateway.openai.serving import INSTANCE_HEADER, collect, engine_request, new_id, sse_stream, usage_dict
+from xllm.gateway.openai.structured import structured_output
 from xllm.models.tokenizer import Tokenizer
 from xllm.proto.engine.v1 import engine_pb2
 
@@ -46,46 +47,67 @@ class CompletionServing:
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         return ids, text
 
-    def _tokenize_all(self, req: CompletionRequest) -> list[tuple[list[int], str]]:
-        return [self._tokenize(p) for p in req.prompts()]
+    def _tokenize_all(self, req: CompletionRequest
+                      ) -> tuple[list[tuple[list[int], str]], engine_pb2.StructuredOutput | None]:
+        """Every prompt tokenized, and the output constraint (response_format, guided_*) checked."""
+        return [self._tokenize(p) for p in req.prompts()], structured_output(req)
 
-    async def create(self, req: CompletionRequest, raw: Request):
+    async def create(self, req: CompletionRequest, raw: Request, scheduling: Scheduling):
         model = self.dispatcher.resolve_model(req.model)
-        prompts = await self.preprocessor.run(self._tokenize_all, req)
+        prompts, structured = await self.preprocessor.run(self._tokenize_all, req)
         want_lp = req.logprobs is not None
+        echo_lp = req.echo and want_lp  # the prompt's logprobs in `logprobs`, before the completion's
+        # the prompt's logprobs are computed once per prompt (its first choice) and shared
+        prompt_lp = max(req.logprobs if echo_lp else 0, req.prompt_logprobs or 0) \
+            if echo_lp or req.prompt_logprobs is not None else None
+        best_of = max(req.best_of or req.n, req.n)  # choices generated per prompt; the best n returned
         rid = new_id("cmpl")
         reqs, prompt_lens, echoes = [], [], []
         for p_idx, (ids, text) in enumerate(prompts):
-            for j in range(req.n):
-                k = p_idx * req.n + j
-                sp = sampling_proto(req, req.max_tokens, want_lp, req.logprobs or 0, seed_offset=j)
-                reqs.append(engine_request(f"{rid}-{k}", ids, sp, model, req.engine_priority()))
+            for j in range(best_of):
+                k = p_idx * best_of + j
+                sp = sampling_proto(req, req.max_tokens, want_lp or best_of > req.n, req.logprobs or 0,
+                                    seed_offset=j, structured=structured,
+                                    prompt_logprobs=prompt_lp if j == 0 or req.stream else None)
+                reqs.append(engine_request(f"{rid}-{k}", ids, sp, model, scheduling))
                 prompt_lens.append(len(ids))
                 echoes.append(text if req.echo else "")
         client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())
         headers = {INSTANCE_HEADER: client.info.instance_id}
         created = int(time.time())
         total_prompt = sum(len(ids) for ids, _ in prompts)
-        if req.stream:
+        if req.stream:  # (best_of > 1 is refused with stream)
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            fmt = _CompletionStream(req, self.tokenizer, total_prompt, echoes, prompt_lens)
-            return StreamingResponse(sse_stream(fmt, rid, model, created, include_usage, streams),
+            fmt = _CompletionStream(req, self.tokenizer, total_prompt, echoes, prompt_lens,
+                                    [ids for ids, _ in prompts for _ in range(req.n)])
+            return StreamingResponse(sse_stream(fmt, rid, model, created, include_usage, streams,
+                                                scheduling.service_tier),
                                      media_type="text/event-stream", headers=headers)
-        choices = await collect(streams, prompt_lens, raw)
+        generated = await collect(streams, prompt_lens, raw)
+        strings = self.tokenizer.token_strings
+        out = []
+        for p_idx, (ids, _) in enumerate(prompts):
+            group = generated[p_idx * best_of:(p_idx + 1) * best_of]
+            prompt_entries = group[0].prompt_logprobs
+            if best_of > req.n:  # the highest cumulative logprob first (OpenAI's, vLLM's ranking)
+                group = sorted(group, key=lambda c: -sum(e.logprob for e in c.logprobs))[:req.n]
+            for c in group:
+                echo = echoes[c.index]
+                lp = None
+                if want_lp:
+                    lp = completion_logprobs(c.logprobs, strings, len(echo))
+                    if echo_lp:
+                        lp = join_logprobs(echo_logprobs(ids, prompt_entries, strings), lp)
+                choice = {"index": len(out), "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(ids, prompt_entries, strings)
+                out.append(choice)
         body = {
             "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [
-                {
-                    "index": c.index,
-                    "text": echoes[c.index] + c.text,
-                    "logprobs": completion_logprobs(c.logprobs, self.tokenizer.token_strings,
-                                                    len(echoes[c.index])) if want_lp else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
-            "usage": usage_dict(total_prompt, sum(c.completion_tokens for c in choices),
-                                sum(c.cached_tokens for c in choices[:: req.n])),
+            "choices": out,
+            "usage": usage_dict(total_prompt, sum(c.completion_tokens for c in generated),
+                                sum(c.cached_tokens for c in generated[:: best_of])),
+            "service_tier": scheduling.service_tier,
         }
         return JSONResponse(body, headers=headers)
 
@@ -96,7 +118,9 @@ class _CompletionStream:
     object = "text_completion"
 
     def __init__(self, req: CompletionRequest, tokenizer: Tokenizer, total_prompt: int, echoes: list[str],
-                 prompt_lens: list[int]) -> None:
+                 prompt_lens: list[int], prompt_ids: list[list[int]]) -> None:
+        self.prompt_ids = prompt_ids  # of each choice
+
         self.req = req
         self.tokenizer = tokenizer
         self.total_prompt = total_prompt
@@ -114,17 +138,25 @@ class _CompletionStream:
     def choice(self, index: int, out: engine_pb2.GenerateResponse, finish: str | None) -> dict | None:
         self.completion[index] += len(out.token_ids)
         text = out.text
-        if not self.started[index]:
+        first = not self.started[index]
+        if first:
             text, self.started[index] = self.echoes[index] + text, True
         if finish:
             self.cached[index] = out.usage.cached_prompt_tokens
         if not text and not finish and not out.logprobs:
             return None
         lp = None
+        strings = self.tokenizer.token_strings
+        entries = out.prompt_logprobs  # on each choice's first chunk (streaming asks them for every choice)
         if self.req.logprobs is not None:
-            lp = completion_logprobs(out.logprobs, self.tokenizer.token_strings, self.offsets[index])
+            lp = completion_logprobs(out.logprobs, strings, self.offsets[index])
+            if first and self.req.echo:
+                lp = join_logprobs(echo_logprobs(self.prompt_ids[index], entries, strings), lp)
         self.offsets[index] += len(out.text)
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        if first and self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_ids[index], entries, strings)
+        return choice
 
     def chunk_usage(self, index: int) -> dict | None:
         return usage_dict(self.prompt_lens[index], self.completion[index]) if self.continuous else None

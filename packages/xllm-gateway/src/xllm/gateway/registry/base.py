@@ -42,6 +42,18 @@ class NoInstanceError(LookupError):
     """No live instance serves the requested model."""
 
 
+@dataclass(frozen=True)
+class RoleTransition:
+    """A role flip under way (dynamic PD, :mod:`xllm.gateway.roles`): the instance gets no new
+    work of either role until it holds nothing of ``from_role`` any more."""
+
+    from_role: str
+    to_role: str
+    reason: str
+    trigger: str
+    started: float  # monotonic time the flip was decided
+
+
 @dataclass
 class InstanceState:
     """One registered instance: what it published and what this gateway sent it."""
@@ -61,6 +73,10 @@ class InstanceState:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)  # failures: no requests until a probe passes
     unhealthy: str = ""               # why its last heartbeat said the engine cannot serve ("" = fine)
     removed: bool = False
+    # kept by the role controller (dynamic PD): the role this gateway gives the instance ("": the
+    # registered one) and the flip under way, if any
+    assigned_role: str = ""
+    flip: RoleTransition | None = None
 
     @property
     def instance_id(self) -> str:
@@ -76,7 +92,13 @@ class InstanceState:
 
     @property
     def role(self) -> str:
-        """``"mixed"``, ``"prefill"`` or ``"decode"``: the part of requests the gateway sends it."""
+        """``"mixed"``, ``"prefill"`` or ``"decode"``: the part of requests the gateway sends it (the
+        registered role until this gateway flips it; during a flip, the role it flips from)."""
+        return self.assigned_role or role_name(self.info.role)
+
+    @property
+    def registered_role(self) -> str:
+        """The role the instance registered with (``--role``)."""
         return role_name(self.info.role)
 
 

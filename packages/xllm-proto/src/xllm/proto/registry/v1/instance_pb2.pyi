@@ -1,8 +1,9 @@
 from xllm.proto.kvstore.v1 import kv_events_pb2 as _kv_events_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -45,7 +46,7 @@ class InstanceInfo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., start_time: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_usage", "kv_free_tokens", "recent_ttft", "recent_tpot", "timestamp", "pending_prefill_tokens", "prefill_tokens_per_s")
+    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_usage", "kv_free_tokens", "recent_ttft", "recent_tpot", "timestamp", "pending_prefill_tokens", "prefill_tokens_per_s", "step_predictor", "offline_longest_wait")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +57,8 @@ class LoadReport(_message.Message):
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_PREDICTOR_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_LONGEST_WAIT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_running: int
     num_waiting: int
@@ -66,10 +69,24 @@ class LoadReport(_message.Message):
     timestamp: float
     pending_prefill_tokens: int
     prefill_tokens_per_s: float
-    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., recent_ttft: _Optional[float] = ..., recent_tpot: _Optional[float] = ..., timestamp: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    step_predictor: StepTimePredictor
+    offline_longest_wait: float
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., recent_ttft: _Optional[float] = ..., recent_tpot: _Optional[float] = ..., timestamp: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., step_predictor: _Optional[_Union[StepTimePredictor, _Mapping]] = ..., offline_longest_wait: _Optional[float] = ...) -> None: ...
+
+class StepTimePredictor(_message.Message):
+    __slots__ = ("coefficients", "correction", "profiled", "prediction_error")
+    COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
+    CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    PROFILED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_ERROR_FIELD_NUMBER: _ClassVar[int]
+    coefficients: _containers.RepeatedScalarFieldContainer[float]
+    correction: float
+    profiled: bool
+    prediction_error: float
+    def __init__(self, coefficients: _Optional[_Iterable[float]] = ..., correction: _Optional[float] = ..., profiled: _Optional[bool] = ..., prediction_error: _Optional[float] = ...) -> None: ...
 
 class EngineCounters(_message.Message):
-    __slots__ = ("prompt_tokens", "generation_tokens", "finished_requests", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "steps", "kv_handoffs_sent", "kv_handoffs_installed", "kv_handoff_failures", "kv_transfer_bytes", "kv_handoff_timeouts", "kv_reservations_expired", "kv_migrations_sent", "kv_migrations_installed", "kv_migration_failures")
+    __slots__ = ("prompt_tokens", "generation_tokens", "finished_requests", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "steps", "kv_handoffs_sent", "kv_handoffs_installed", "kv_handoff_failures", "kv_transfer_bytes", "kv_handoff_timeouts", "kv_reservations_expired", "kv_migrations_sent", "kv_migrations_installed", "kv_migration_failures", "offline_requests", "offline_prompt_tokens", "offline_generation_tokens", "offline_preemptions_kv", "offline_preemptions_batch_full", "offline_preemptions_slo", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +103,16 @@ class EngineCounters(_message.Message):
     KV_MIGRATIONS_SENT_FIELD_NUMBER: _ClassVar[int]
     KV_MIGRATIONS_INSTALLED_FIELD_NUMBER: _ClassVar[int]
     KV_MIGRATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_PREEMPTIONS_KV_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_PREEMPTIONS_BATCH_FULL_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_PREEMPTIONS_SLO_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generation_tokens: int
     finished_requests: int
@@ -102,7 +129,17 @@ class EngineCounters(_message.Message):
     kv_migrations_sent: int
     kv_migrations_installed: int
     kv_migration_failures: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., kv_handoffs_sent: _Optional[int] = ..., kv_handoffs_installed: _Optional[int] = ..., kv_handoff_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_handoff_timeouts: _Optional[int] = ..., kv_reservations_expired: _Optional[int] = ..., kv_migrations_sent: _Optional[int] = ..., kv_migrations_installed: _Optional[int] = ..., kv_migration_failures: _Optional[int] = ...) -> None: ...
+    offline_requests: int
+    offline_prompt_tokens: int
+    offline_generation_tokens: int
+    offline_preemptions_kv: int
+    offline_preemptions_batch_full: int
+    offline_preemptions_slo: int
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., kv_handoffs_sent: _Optional[int] = ..., kv_handoffs_installed: _Optional[int] = ..., kv_handoff_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_handoff_timeouts: _Optional[int] = ..., kv_reservations_expired: _Optional[int] = ..., kv_migrations_sent: _Optional[int] = ..., kv_migrations_installed: _Optional[int] = ..., kv_migration_failures: _Optional[int] = ..., offline_requests: _Optional[int] = ..., offline_prompt_tokens: _Optional[int] = ..., offline_generation_tokens: _Optional[int] = ..., offline_preemptions_kv: _Optional[int] = ..., offline_preemptions_batch_full: _Optional[int] = ..., offline_preemptions_slo: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("instance_id", "seq", "load", "kv_events", "counters", "draining", "unhealthy_reason")

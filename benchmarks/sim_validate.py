@@ -1,0 +1,224 @@
+"""The simulator against this machine: one trace replayed live on ``xllm serve --instances 2`` and in
+``xllm-sim`` with the same policies, and the error of the simulation on throughput, TTFT p50/p99
+and TPOT p50 (Vidur reports under 9 %).
+
+    xllm profile --threads 1 --out prof.json                  # measure the engine as the cluster runs it
+    python -m benchmarks sim-validate --profile prof.json     # 60 requests, Poisson 0.4 req/s, 2 instances
+    python -m benchmarks sim-validate --sim-only --profile prof.json   # the simulated half only
+
+The trace: ``--requests`` requests at Poisson arrivals of ``--rate`` req/s, prompt and output lengths
+drawn from ``--prompt-len`` / ``--output-len`` (xllm-sim's syntax), prompts cut from the benchmark
+corpus at exactly those lengths, every request generating exactly its output length (greedy,
+``ignore_eos``). It is written to ``trace.csv`` (``arrival,prompt_len,output_len``: ``xllm-sim run
+--trace`` replays it). Live: ``xllm serve --instances N --threads 1`` (one thread per engine
+process, as the profile must be measured), warmed up, then the trace, streamed, recorded per request.
+Simulated: the same requests on N mixed instances with the same routing policy, batch policy, token
+budget, ``--max-num-seqs`` and KV capacity (``--kv-cache-memory`` GiB of SmolLM2 bf16), step times
+from ``--profile`` (default: xllm-sim's shipped profile). Results: ``results.json`` and
+``summary.md`` in ``--out`` (default ``benchmarks/results/sim-validate-<timestamp>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import statistics
+import sys
+import time
+
+from benchmarks.report import add_output_args
+
+HERE = pathlib.Path(__file__).resolve().parent
+FIGURES = (("output throughput (tok/s)", ("output_throughput",)), ("TTFT p50 (ms)", ("ttft_ms", "p50")),
+           ("TTFT p99 (ms)", ("ttft_ms", "p99")), ("TPOT p50 (ms)", ("tpot_ms", "p50")),
+           ("TPOT p99 (ms)", ("tpot_ms", "p99")), ("E2E p50 (ms)", ("e2e_ms", "p50")))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks sim-validate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=60, help="requests in the trace (60)")
+    p.add_argument("--rate", type=float, default=0.4, help="Poisson arrival rate, req/s (0.4)")
+    p.add_argument("--prompt-len", default="uniform:64:1024", help="prompt lengths (uniform:64:1024)")
+    p.add_argument("--output-len", default="uniform:16:256", help="output lengths (uniform:16:256)")
+    p.add_argument("--instances", type=int, default=2, help="engine processes / simulated instances (2)")
+    p.add_argument("--routing", default="kv_aware", help="the gateway's routing policy, both sides (kv_aware)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="per instance, both sides (32)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget, both sides (512)")
+    p.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB", help="KV per instance (1.0)")
+    p.add_argument("--profile", type=pathlib.Path, default=None,
+                   help="the step-time profile of one engine of the cluster (`xllm profile --threads 1`); "
+                        "default: xllm-sim's shipped one")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--model", default=None, help="HF model dir (default: the bundled SmolLM2)")
+    p.add_argument("--sim-only", action="store_true", help="skip the live run (needs no model or server)")
+    p.add_argument("--seed", type=int, default=0)
+    add_output_args(p, "sim-validate", report=False)
+    return p
+
+
+def trace(args: argparse.Namespace) -> list:
+    from xllm.sim import Workload, synthetic
+
+    return list(synthetic(Workload(rate=args.rate, prompt=args.prompt_len, output=args.output_len),
+                          args.requests, args.seed))
+
+
+def kv_blocks(args: argparse.Namespace) -> int:
+    from xllm.sim.config import SMOLLM2_BLOCK_SIZE, SMOLLM2_KV_BYTES_PER_TOKEN
+
+    return int(args.kv_cache_memory * (1 << 30)) // (SMOLLM2_KV_BYTES_PER_TOKEN * SMOLLM2_BLOCK_SIZE)
+
+
+def simulated(args: argparse.Namespace, specs: list, scale: float = 1.0) -> dict:
+    """The trace in the simulator, as the live cluster is configured; ``scale`` multiplies every step
+    time of the profile's model (an online correction factor)."""
+    from xllm.sched.latency import StepTimeModel
+    from xllm.sim import Cluster, SimConfig, load_model
+
+    model, _ = load_model(args.profile)
+    model = StepTimeModel(tuple(scale * c for c in model.coefficients))
+    cfg = SimConfig(instances=args.instances, routing=args.routing, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens, kv_blocks=kv_blocks(args))
+    cluster = Cluster(cfg, model)
+    cluster.run(specs)
+    r = cluster.report()
+    r["records"] = [q.to_dict() for q in cluster.requests]
+    return r
+
+
+def live(args: argparse.Namespace, specs: list, out: pathlib.Path) -> dict:
+    """The trace against ``xllm serve --instances N``: its serving summary and records."""
+    import asyncio
+    import random
+
+    from benchmarks.client import EndpointProfile, RequestSpec, run_requests
+    from benchmarks.peers import xllm
+    from benchmarks.prompts import PromptBank
+    from benchmarks.stats import serving_summary
+
+    model_dir = xllm.model_dir(args.model)
+    bank = PromptBank(model_dir)
+    rng = random.Random(args.seed)
+    requests = [RequestSpec(bank.prompt(s.prompt_len, rng).ids, "", s.output_len, s.arrival) for s in specs]
+    warmup = [RequestSpec(bank.prompt(n, rng).ids, "", 4) for n in (300, 32, 300, 32)]
+    extra = ["--instances", str(args.instances), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--kv-cache-memory", str(args.kv_cache_memory), "--routing", args.routing]
+    if args.profile is not None:  # the engines predict from the same profile: their online correction
+        extra += ["--profile", str(args.profile)]  # factor is then measured over profile-predicted step time
+    server = xllm.server(model_dir, args.dtype, 1, out / "logs", max_num_seqs=args.max_num_seqs, extra_args=extra)
+    profile = EndpointProfile()
+    with server:
+        xllm.wait_instances(server.base_url, args.instances)
+        import httpx
+        model = httpx.get(server.base_url + "/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
+        asyncio.run(run_requests(server.base_url, model, warmup, profile))
+        records, duration = asyncio.run(run_requests(server.base_url, model, requests, profile, desc="live"))
+        metrics = httpx.get(server.base_url + "/metrics", timeout=10, trust_env=False).text
+    summary = serving_summary(records, duration)
+    summary["records"] = [r.to_dict() for r in records]
+    summary["correction_factors"] = correction_factors(metrics)
+    return summary
+
+
+def correction_factors(metrics_text: str) -> dict[str, float]:
+    """Each instance's online correction of its step-time model (``xllm:step_time_correction_factor``:
+    measured over predicted step time, from its load reports), by instance id."""
+    out = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("xllm:step_time_correction_factor{"):
+            labels, _, value = line.rpartition(" ")
+            instance = labels.split('instance="', 1)[1].split('"', 1)[0] if 'instance="' in labels else labels
+            out[instance] = float(value)
+    return out
+
+
+def _get(d: dict, path: tuple[str, ...]) -> float | None:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d if isinstance(d, (int, float)) and not math.isnan(d) else None
+
+
+def compare(live_summary: dict, sim_report: dict) -> dict:
+    """Per figure: live, simulated and the simulation's relative error (sim / live − 1)."""
+    out = {}
+    for name, path in FIGURES:
+        a, b = _get(live_summary, path), _get(sim_report, path)
+        out[name] = {"live": a, "sim": b, "error": (b / a - 1) if a and b is not None else None}
+    return out
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = [f"# Simulator validation: {meta['requests']} requests, Poisson {meta['rate']} req/s, "
+             f"{meta['instances']} instances", "",
+             f"Prompts {meta['prompt_len']}, outputs {meta['output_len']}; routing {meta['routing']}, max-num-seqs "
+             f"{meta['max_num_seqs']}, budget {meta['max_num_batched_tokens']}, KV {meta['kv_cache_memory']} GiB. "
+             f"Profile: {meta['profile']}{' (PROVISIONAL: synthetic)' if meta['provisional'] else ''}.", "",
+             "| figure | live | simulated | error |", "| --- | ---: | ---: | ---: |"]
+    def f(x):
+        return "–" if x is None else f"{x:.1f}"
+
+    def err(row):
+        return "–" if row["error"] is None else f"{row['error']:+.1%}"
+
+    corrected = results.get("comparison_corrected") or {}
+    if corrected:
+        lines[-2:] = [f"Simulated twice: with the profile as measured, and with it scaled by the mean online "
+                      f"correction factor the live instances reported (measured over predicted step time: "
+                      f"{meta['correction_factor']:.2f}), as the gateway's predictors use it.", "",
+                      "| figure | live | simulated | error | simulated, corrected | error |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, row in results["comparison"].items():
+        line = f"| {name} | {f(row['live'])} | {f(row['sim'])} | {err(row)} |"
+        if corrected:
+            c = corrected[name]
+            line += f" {f(c['sim'])} | {err(c)} |"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from xllm.sim.profile import DEFAULT_PROFILE, is_provisional
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or HERE / "results" / f"sim-validate-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    specs = trace(args)
+    (out / "trace.csv").write_text("arrival,prompt_len,output_len\n" + "".join(
+        f"{s.arrival:.6f},{s.prompt_len},{s.output_len}\n" for s in specs))
+    meta = {**{k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+            "timestamp": stamp, "argv": sys.argv, "profile": str(args.profile or DEFAULT_PROFILE),
+            "provisional": is_provisional(args.profile)}
+    t0 = time.monotonic()
+    sim = simulated(args, specs)
+    meta["sim_wall_s"] = time.monotonic() - t0
+    results = {"meta": meta, "sim": sim, "live": None, "comparison": {}}
+    if not args.sim_only:
+        from benchmarks.machine import cpu_busy_fraction
+        meta["cpu_busy_before"] = cpu_busy_fraction()
+        results["live"] = live(args, specs, out)
+        meta["cpu_busy_after"] = cpu_busy_fraction()
+        results["comparison"] = compare(results["live"], sim)
+        factors = results["live"]["correction_factors"]
+        if factors:  # the simulator calibrated as the gateway's predictors are: profile x online correction
+            meta["correction_factor"] = statistics.fmean(factors.values())
+            results["sim_corrected"] = simulated(args, specs, meta["correction_factor"])
+            results["comparison_corrected"] = compare(results["live"], results["sim_corrected"])
+    else:
+        results["comparison"] = compare({}, sim)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
+    text = markdown(results)
+    (out / "summary.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

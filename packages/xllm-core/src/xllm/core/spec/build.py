@@ -1,0 +1,26 @@
+"""Building the engine's :class:`~xllm.core.spec.speculator.Speculator` from its config."""
+
+from __future__ import annotations
+
+import torch
+
+from xllm.core.config import EngineConfig
+from xllm.core.errors import ConfigError
+from xllm.core.model_api import CausalLM
+from xllm.core.spec.base import ProposerContext
+from xllm.core.spec.registry import PROPOSERS
+from xllm.core.spec.speculator import Speculator
+
+
+def build_speculator(config: EngineConfig, max_model_len: int, device: torch.device, vocab_size: int,
+                     draft_model: CausalLM | None = None) -> Speculator:
+    """The speculator ``config.speculative`` names (``draft``: over ``draft_model``, which the
+    loader built from ``config.draft_model_path``; its vocabulary must be the target's)."""
+    if config.speculative == "draft":
+        if draft_model is None:
+            raise ConfigError("the draft proposer needs its draft model (--draft-model DIR)")
+        if int(draft_model.vocab_size) != vocab_size:
+            raise ConfigError(f"the draft model's vocabulary ({int(draft_model.vocab_size)} tokens) is not the "
+                              f"served model's ({vocab_size}): it needs the same tokenizer")
+    proposer = PROPOSERS.create(config.speculative, ProposerContext(config, max_model_len, device, draft_model))
+    return Speculator(proposer, config.num_speculative_tokens, config.speculative_max_batch)

@@ -1,0 +1,167 @@
+"""The engine's side of speculative decoding: which decoding sequences speculate and how far,
+their drafts' KV room, the acceptance bookkeeping and the counters.
+
+Lifecycle of a verify step (synchronous engine steps only; see ``docs/architecture.md``):
+
+1. after scheduling, :meth:`Speculator.draft` asks the proposer for up to ``k`` drafts for each
+   eligible decode chunk and reserves KV room for them (``kv.allocate(seq, 1 + len(drafts))``;
+   no room: no drafts); the chunk becomes ``1 + len(drafts)`` rows (the last known token, then
+   the drafts) and the forward returns logits for all of them;
+2. :func:`xllm.core.spec.verify.verify` draws each row as the non-speculative sampler would and
+   keeps the drafts up to the first mismatch, plus the target's token there;
+3. :meth:`Speculator.land` sets ``num_computed_tokens`` back to the accepted tokens (the rejected
+   rows' KV is overwritten by the next step; a page they took stays with the sequence, and the
+   prefix cache registers blocks only up to ``num_computed_tokens``, so never a rejected row) and
+   updates the request's acceptance rate.
+
+Adaptive, so that speculation is never a loss by construction: per request an EWMA of the
+acceptance rate sets ``k`` (``k_max`` · rate / ``FULL_RATE``, at least 1); below ``MIN_RATE``
+the request stops speculating for a back-off of steps (doubling, up to ``MAX_BACKOFF``) and then
+probes again with ``k`` = 1. A step with more than ``max_batch`` decoding sequences does not
+speculate at all: a decode step that large is no longer bound by streaming the weights, so the
+extra rows are not free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from xllm.core.kv.base import KVCacheBackend
+from xllm.core.sequence import Phase, SeqStatus, Sequence
+from xllm.core.spec.base import Proposer
+from xllm.core.spec.verify import Verified
+
+ALPHA = 0.3        # EWMA weight of the latest step's acceptance rate
+FULL_RATE = 0.6    # an acceptance rate at or above which k is k_max
+MIN_RATE = 0.15    # below it a request stops speculating for a back-off
+FIRST_BACKOFF = 8  # steps
+MAX_BACKOFF = 256
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its acceptance-rate EWMA, and the back-off when it is off."""
+
+    rate: float = 1.0
+    off_steps: int = 0      # steps left without speculation
+    backoff: int = FIRST_BACKOFF
+    probing: bool = False   # the first speculation after a back-off (k = 1)
+
+    def k(self, k_max: int) -> int:
+        if self.probing:
+            return 1
+        return max(1, min(k_max, math.floor(k_max * self.rate / FULL_RATE + 1e-9)))
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative speculation counters (vLLM's ``spec_decode_*`` names): drafts proposed and verified,
+    drafts accepted, and accepted drafts by position (``accepted_per_pos[j]``: the (j+1)-th draft)."""
+
+    num_drafts: int = 0             # verify runs (sequences that speculated, summed over steps)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, v: Verified) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += v.num_drafts
+        self.num_accepted_tokens += v.num_accepted
+        if len(self.accepted_per_pos) < v.num_drafts:
+            self.accepted_per_pos.extend([0] * (v.num_drafts - len(self.accepted_per_pos)))
+        for j in range(v.num_accepted):
+            self.accepted_per_pos[j] += 1
+
+
+class Speculator:
+    """Drafts for a step's decode chunks (through ``proposer``) and what their verification leaves."""
+
+    def __init__(self, proposer: Proposer, k_max: int, max_batch: int) -> None:
+        if k_max < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {k_max}")
+        self.proposer = proposer
+        self.k_max = k_max
+        self.max_batch = max_batch
+        self.counters = SpecCounters()
+        self._state: dict[Sequence, SpecState] = {}
+
+    def eligible(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may speculate at all: a plain decode (not a PD phase, not moving), no
+        output constraint, no penalties (they depend on the drafts before each row) and past its
+        ``min_tokens`` (the ban of EOS depends on the output position)."""
+        p = seq.params
+        return (seq.phase is Phase.MIXED and seq.grammar is None and not seq.moving and not p.needs_penalties
+                and seq.num_output_tokens() >= p.min_tokens)
+
+    def draft(self, decodes: list[Sequence], kv: KVCacheBackend, budget: int, max_model_len: int
+              ) -> dict[Sequence, list[int]]:
+        """Drafts for this step's decoding sequences ``decodes`` (each scheduled for its one known
+        token), within ``budget`` extra tokens, their KV room reserved. Sequences absent from the
+        result decode as usual."""
+        self._sweep()
+        if not decodes or len(decodes) > self.max_batch or budget < 1:
+            return {}
+        requests: list[tuple[Sequence, int]] = []
+        for seq in decodes:
+            if not self.eligible(seq):
+                continue
+            state = self._state.get(seq)
+            if state is None:
+                state = self._state[seq] = SpecState()
+            if state.off_steps > 0:
+                state.off_steps -= 1
+                if state.off_steps == 0:
+                    state.probing = True
+                continue
+            # room: the drafts and the target's token after them must fit max_tokens and the context
+            room = min(seq.params.max_tokens - seq.num_output_tokens() - 1, max_model_len - seq.num_tokens - 1)
+            k = min(state.k(self.k_max), room)
+            if k >= 1:
+                requests.append((seq, k))
+        if not requests:
+            return {}
+        out: dict[Sequence, list[int]] = {}
+        for (seq, _), drafts in zip(requests, self.proposer.propose(requests), strict=True):
+            drafts = drafts[:budget]
+            if drafts and kv.allocate(seq, 1 + len(drafts)):
+                out[seq] = drafts
+                budget -= len(drafts)
+            if budget < 1:
+                break
+        return out
+
+    def land(self, v: Verified, start: int) -> None:
+        """``v.seq``'s verify step landed: its KV is valid for its last known token (at ``start``) and
+        the accepted drafts; the tokens join its output. Updates the acceptance rate."""
+        seq = v.seq
+        seq.num_computed_tokens = start + 1 + v.num_accepted
+        seq.output_ids.extend(v.tokens)
+        self.counters.add(v)
+        state = self._state.get(seq)
+        if state is None:
+            return
+        rate = v.num_accepted / v.num_drafts
+        state.rate = rate if state.probing else (1 - ALPHA) * state.rate + ALPHA * rate
+        if state.probing and rate > 0:
+            state.probing = False
+            state.backoff = FIRST_BACKOFF
+            state.rate = max(state.rate, FULL_RATE / self.k_max)
+        elif state.rate < MIN_RATE or (state.probing and rate == 0):
+            state.off_steps = state.backoff
+            state.backoff = min(2 * state.backoff, MAX_BACKOFF)
+            state.probing = False
+            state.rate = FULL_RATE / self.k_max  # resume from k = 1 after the back-off
+
+    def state(self, seq: Sequence) -> SpecState | None:
+        return self._state.get(seq)
+
+    def _sweep(self) -> None:
+        """Forget finished sequences (the proposer releases what it keeps for them)."""
+        done = [seq for seq in self._state if seq.status is SeqStatus.FINISHED]
+        for seq in done:
+            del self._state[seq]
+            self.proposer.release(seq)
+
+    def close(self) -> None:
+        self.proposer.close()

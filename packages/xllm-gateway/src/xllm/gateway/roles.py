@@ -1,0 +1,294 @@
+"""Dynamic PD roles, the gateway's side (xLLM §3.2): flipping prefill and decode instances at run time.
+
+An engine holds no role-specific state: its ``--role`` is only a label in its registration, and
+every engine serves both phases. So a flip is the gateway's decision alone, carried out in its
+routing — no restart, no reload. :class:`RoleController` keeps the current role of each PD
+instance (:attr:`InstanceState.assigned_role <xllm.gateway.registry.base.InstanceState>`, initially
+the registered one) and every ``interval`` seconds
+
+1. advances the flips under way: one completes when the instance holds nothing of its old role
+   any more (the gateway's own requests there, ``InstanceState.inflight``), or at
+   ``flip_timeout_s`` whatever it still holds (it serves both phases anyway);
+2. builds one :class:`~xllm.sched.elastic.RoleLoad` per PD instance from its load report, this
+   gateway's queued prefill work there and the latencies this gateway measured itself
+   (:class:`LatencyTracker`: TTFT of the requests each prefill instance served, TPOT of the
+   chunks each decode instance streamed, over the last ``latency_window_s``);
+3. asks the role policy (``--pd-policy``: :data:`xllm.sched.PD_POLICIES`) and starts its flips.
+
+A flip **decode → prefill**: the instance leaves both pools at once (no new decode placements, no
+prefills yet); each request decoding there is handed over as a draining instance's requests are —
+:class:`~xllm.gateway.dispatch.RoutedStream` makes the move offer itself on the request's next
+chunk and the :class:`~xllm.gateway.moves.Mover` migrates it with its KV or recomputes it
+elsewhere, whichever it predicts quicker; a request whose prefill is still running elsewhere is
+handed over once it decodes there. When it holds none, it joins the prefill pool. A flip
+**prefill → decode**: no new prefills; the ones in flight finish (they are short); then it takes
+decode placements. Every flip is logged when it starts and when it ends (instance, roles, trigger,
+reason, duration), counted in ``xllm:pd_role_flips_total`` and shown by ``/health``.
+
+The roles live in this gateway only: the registry (etcd included) keeps the role each instance
+registered with, which an instance that restarts or re-registers takes again. Several gateways
+on one etcd prefix each flip on their own view of the load (correct, as every engine serves both
+phases, but not coordinated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from xllm.core.step_timing import predictor_from_report
+from xllm.gateway.metrics import PDRoleMetrics
+from xllm.gateway.registry.base import InstanceState, Registry, RoleTransition
+from xllm.sched import PD_POLICIES, RoleFlip, RoleLoad, RolePolicy
+from xllm.sched.elastic import PD_ROLES
+from xllm.sched.latency import StepTimeModel
+
+if TYPE_CHECKING:
+    from xllm.gateway.router import Router
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PDRoleOptions:
+    """How the gateway flips PD roles: ``policy`` (a :data:`~xllm.sched.PD_POLICIES` name), the SLOs
+    ``dynamic`` needs, its hysteresis window and cool-downs (see :class:`~xllm.sched.SLORoleFlipPolicy`),
+    ``interval`` between decisions, ``latency_window_s`` of measured latencies, ``flip_timeout_s``
+    after which a flip completes whatever the instance still holds, and an optional step-time
+    ``predictor`` (TTFT predicted from queued prefill work)."""
+
+    policy: str = "static"
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    window_s: float = 5.0
+    cooldown_s: float = 30.0
+    cluster_cooldown_s: float = 10.0
+    min_per_role: int = 1
+    interval: float = 0.5
+    latency_window_s: float = 10.0
+    flip_timeout_s: float = 120.0
+    predictor: StepTimeModel | None = None
+
+    def __post_init__(self) -> None:
+        name = PD_POLICIES.canonical(self.policy)
+        if name == "dynamic" and (self.slo_ttft_s is None or self.slo_tpot_s is None):
+            raise ValueError("--pd-policy dynamic flips roles by SLO headroom: give --slo-ttft-ms and --slo-tpot-ms")
+        for what, value in (("interval", self.interval), ("latency_window_s", self.latency_window_s),
+                            ("flip_timeout_s", self.flip_timeout_s)):
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"PD role {what} must be a positive number of seconds, got {value!r}")
+        self.build_policy()  # its own checks (thresholds, cool-downs, min per role), now rather than later
+
+    def build_policy(self) -> RolePolicy:
+        return PD_POLICIES.create(self.policy, self.slo_ttft_s, self.slo_tpot_s, window_s=self.window_s,
+                                  cooldown_s=self.cooldown_s, cluster_cooldown_s=self.cluster_cooldown_s,
+                                  min_per_role=self.min_per_role, predictor=self.predictor)
+
+
+class LatencyWindow:
+    """Samples of one latency over the last ``horizon`` seconds; their mean (0 when none)."""
+
+    def __init__(self, horizon: float) -> None:
+        self.horizon = horizon
+        self._samples: deque[tuple[float, float]] = deque()
+        self._sum = 0.0
+
+    def add(self, now: float, value: float) -> None:
+        self._samples.append((now, value))
+        self._sum += value
+
+    def mean(self, now: float) -> float:
+        while self._samples and self._samples[0][0] < now - self.horizon:
+            self._sum -= self._samples.popleft()[1]
+        if not self._samples:
+            self._sum = 0.0
+            return 0.0
+        return max(self._sum / len(self._samples), 0.0)
+
+
+class LatencyTracker:
+    """What this gateway measured per instance: time to first token of the requests each one
+    prefilled, and time per output token of the chunks each one streamed (recent windows)."""
+
+    def __init__(self, horizon: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.horizon = horizon
+        self.clock = clock
+        self._ttft: dict[str, LatencyWindow] = {}
+        self._tpot: dict[str, LatencyWindow] = {}
+
+    def ttft(self, instance_id: str, seconds: float) -> None:
+        self._window(self._ttft, instance_id).add(self.clock(), seconds)
+
+    def tpot(self, instance_id: str, seconds: float) -> None:
+        self._window(self._tpot, instance_id).add(self.clock(), seconds)
+
+    def recent(self, instance_id: str) -> tuple[float, float]:
+        """(mean TTFT, mean TPOT) over the window, 0 where nothing was measured."""
+        now = self.clock()
+        ttft, tpot = self._ttft.get(instance_id), self._tpot.get(instance_id)
+        return (ttft.mean(now) if ttft else 0.0), (tpot.mean(now) if tpot else 0.0)
+
+    def forget(self, instance_id: str) -> None:
+        self._ttft.pop(instance_id, None)
+        self._tpot.pop(instance_id, None)
+
+    def _window(self, table: dict[str, LatencyWindow], instance_id: str) -> LatencyWindow:
+        window = table.get(instance_id)
+        if window is None:
+            window = table[instance_id] = LatencyWindow(self.horizon)
+        return window
+
+
+def pool_name(state: InstanceState) -> str:
+    """The pool an instance is in: its role, or ``<from>_to_<to>`` while it flips (xLLM's four pools)."""
+    return state.role if state.flip is None else f"{state.flip.from_role}_to_{state.flip.to_role}"
+
+
+POOLS = ("prefill", "decode", "decode_to_prefill", "prefill_to_decode")
+
+
+class RoleController:
+    """Runs the role policy over the registry's PD instances and carries out its flips (module
+    docstring). ``on_role(state)``: called when an instance's role changed (its metrics label)."""
+
+    def __init__(self, registry: Registry, router: Router, options: PDRoleOptions | None = None,
+                 metrics: PDRoleMetrics | None = None, on_role: Callable[[InstanceState], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = registry
+        self.router = router
+        self.options = options or PDRoleOptions()
+        self.metrics = metrics or PDRoleMetrics()
+        self.on_role = on_role
+        self.clock = clock
+        self.policies: dict[str, RolePolicy] = {}  # per model: a policy keeps its cluster's history
+        self._task: asyncio.Task | None = None
+        router.latency.horizon = self.options.latency_window_s
+
+    # ---- running ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.tick()
+            except Exception:  # a bug here must not stop the flips (nor the routing: it never touches it)
+                log.exception("PD role controller tick failed")
+            await asyncio.sleep(self.options.interval)
+
+    def tick(self) -> list[RoleFlip]:
+        """One round: advance the flips under way, decide, start the new flips (returned)."""
+        now = self.clock()
+        started: list[RoleFlip] = []
+        for model in self.registry.served_models():
+            for state in self.registry.states(model):
+                if state.flip is not None:
+                    self._advance(state, now)
+            loads = self.loads(model)
+            if loads:
+                policy = self.policies.get(model)
+                if policy is None:
+                    policy = self.policies[model] = self.options.build_policy()
+                started += [f for f in policy.decide(now, loads) if self.begin(f, now)]
+            self._count_pools(model)
+        return started
+
+    # ---- what the policy sees ----------------------------------------------------------------------
+    def loads(self, model: str) -> list[RoleLoad]:
+        """One load per PD instance of ``model`` that may get work (or is flipping)."""
+        routable = {s.instance_id for s in self.registry.routable(model)}
+        out = []
+        for s in self.registry.states(model):
+            if s.role not in PD_ROLES or (s.instance_id not in routable and s.flip is None):
+                continue
+            snap = self.router.snapshot(s, 0)
+            ttft, tpot = self.router.latency.recent(s.instance_id)
+            reported = predictor_from_report(s.load.step_predictor) if s.load is not None else None
+            out.append(RoleLoad(s.instance_id, s.role, snap.num_running,
+                                max(snap.num_waiting, s.inflight - snap.num_running, 0),
+                                snap.pending_prefill_tokens, ttft, tpot, flipping=s.flip is not None,
+                                prefill_tokens_per_s=snap.prefill_tokens_per_s, step_model=reported))
+        return out
+
+    # ---- carrying flips out ------------------------------------------------------------------------
+    def begin(self, flip: RoleFlip, now: float | None = None) -> bool:
+        """Start ``flip`` (from the policy, or an operator's): the instance leaves both pools and
+        its running requests of the old role are handed over. False if it cannot start (gone,
+        another role, already flipping)."""
+        now = self.clock() if now is None else now
+        state = self.registry.get(flip.instance_id)
+        if state is None or state.removed or state.role != flip.from_role or state.flip is not None \
+                or flip.to_role not in PD_ROLES or flip.to_role == flip.from_role:
+            log.warning("PD role flip of %s (%s -> %s) not started: the instance is %s", flip.instance_id,
+                        flip.from_role, flip.to_role, "gone" if state is None or state.removed else
+                        f"{state.role}{' and flipping' if state.flip else ''}")
+            return False
+        state.flip = RoleTransition(flip.from_role, flip.to_role, flip.reason, flip.trigger or "manual", now)
+        log.info("PD role flip started: instance=%s from=%s to=%s trigger=%s holding=%d reason=%s",
+                 flip.instance_id, flip.from_role, flip.to_role, state.flip.trigger, state.inflight, flip.reason,
+                 extra={"pd_role_flip": {"instance": flip.instance_id, "from": flip.from_role, "to": flip.to_role,
+                                         "trigger": state.flip.trigger, "reason": flip.reason, "event": "started",
+                                         "holding": state.inflight}})
+        self._advance(state, now)
+        self._count_pools(state.model)
+        return True
+
+    def _advance(self, state: InstanceState, now: float) -> None:
+        flip = state.flip
+        if flip is None:
+            return
+        if state.removed:
+            state.flip = None
+            log.warning("PD role flip of %s (%s -> %s) abandoned: the instance left", state.instance_id,
+                        flip.from_role, flip.to_role)
+            return
+        timed_out = now - flip.started >= self.options.flip_timeout_s
+        if state.inflight > 0 and not timed_out:
+            return
+        state.assigned_role, state.flip = flip.to_role, None
+        duration = now - flip.started
+        log.log(logging.WARNING if state.inflight else logging.INFO,
+                "PD role flip done: instance=%s from=%s to=%s trigger=%s duration=%.3fs%s reason=%s",
+                state.instance_id, flip.from_role, flip.to_role, flip.trigger, duration,
+                f" (timed out still holding {state.inflight} request(s))" if state.inflight else "", flip.reason,
+                extra={"pd_role_flip": {"instance": state.instance_id, "from": flip.from_role, "to": flip.to_role,
+                                        "trigger": flip.trigger, "reason": flip.reason, "event": "done",
+                                        "duration_s": duration, "still_holding": state.inflight}})
+        self.metrics.flipped(state.model, flip.from_role, flip.to_role, flip.trigger, duration)
+        if self.on_role is not None:
+            self.on_role(state)
+
+    def _count_pools(self, model: str) -> None:
+        counts = dict.fromkeys(POOLS, 0)
+        for s in self.registry.states(model):
+            pool = pool_name(s)
+            if pool in counts:
+                counts[pool] += 1
+        self.metrics.set_pools(model, counts)
+
+    def status(self, state: InstanceState) -> dict:
+        """What ``/health`` shows of a PD instance's role (nothing for a mixed one)."""
+        if state.role not in PD_ROLES:
+            return {}
+        out: dict = {"role": state.role}
+        if state.registered_role != state.role:
+            out["registered_role"] = state.registered_role
+        if state.flip is not None:
+            out["flip"] = {"to": state.flip.to_role, "trigger": state.flip.trigger, "reason": state.flip.reason,
+                           "seconds": round(self.clock() - state.flip.started, 3), "holding": state.inflight}
+        return out
