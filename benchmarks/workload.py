@@ -18,6 +18,9 @@ import pathlib
 import random
 from dataclasses import dataclass
 
+from xllm.sim.trace import LengthDist as SimLengthDist
+from xllm.sim.trace import TraceError as SimTraceError
+
 
 class TraceError(ValueError):
     """A trace file line that cannot be used; the message names the file and line."""
@@ -73,46 +76,30 @@ def gaps(arrivals: list[float]) -> list[float]:
 
 @dataclass(frozen=True)
 class LengthDist:
-    """A distribution of token counts, from a spec string (see the module docstring)."""
+    """A distribution of token counts, from a spec string (see the module docstring). The syntax and
+    the draws are xllm-sim's (:class:`xllm.sim.trace.LengthDist`, one parser for both)."""
 
-    kind: str
-    params: tuple[float, ...]
+    dist: SimLengthDist
     spec: str
 
     @classmethod
     def parse(cls, spec: str | int) -> LengthDist:
-        text = str(spec).strip()
-        parts = text.split(":")
         try:
-            if len(parts) == 1:
-                n = int(parts[0])
-                if n < 1:
-                    raise SpecError(f"length must be >= 1, got {n}")
-                return cls("fixed", (n,), text)
-            kind, nums = parts[0].lower(), [float(p) for p in parts[1:]]
-        except ValueError as exc:
-            if isinstance(exc, SpecError):
-                raise
-            raise SpecError(f"bad length spec {text!r}: expected N, uniform:LO:HI or lognormal:MEAN:SIGMA[:MAX]") \
-                from None
-        if kind == "uniform" and len(nums) == 2 and 1 <= nums[0] <= nums[1]:
-            return cls(kind, (int(nums[0]), int(nums[1])), text)
-        if kind == "lognormal" and len(nums) in (2, 3) and nums[0] >= 1 and nums[1] >= 0:
-            cap = nums[2] if len(nums) == 3 else 8 * nums[0]
-            return cls(kind, (nums[0], nums[1], cap), text)
-        raise SpecError(f"bad length spec {text!r}: expected N, uniform:LO:HI (1 <= LO <= HI) "
-                        "or lognormal:MEAN:SIGMA[:MAX]")
+            return cls(SimLengthDist.parse(spec), str(spec).strip())
+        except SimTraceError as exc:
+            raise SpecError(str(exc)) from None
+
+    @property
+    def kind(self) -> str:
+        return self.dist.kind
+
+    @property
+    def params(self) -> tuple[float, ...]:
+        return self.dist.params
 
     def sample(self, n: int, seed: int = 0) -> list[int]:
         rng = random.Random(seed)
-        if self.kind == "fixed":
-            return [int(self.params[0])] * n
-        if self.kind == "uniform":
-            lo, hi = self.params
-            return [rng.randint(int(lo), int(hi)) for _ in range(n)]
-        mean_tokens, sigma, cap = self.params
-        mu = math.log(mean_tokens) - sigma * sigma / 2  # so that E[X] = mean_tokens
-        return [int(min(cap, max(1, round(rng.lognormvariate(mu, sigma))))) for _ in range(n)]
+        return [self.dist.draw(rng) for _ in range(n)]
 
     @property
     def max(self) -> int:
