@@ -127,13 +127,10 @@ def live(args: argparse.Namespace, specs: list, out: pathlib.Path) -> dict:
 def correction_factors(metrics_text: str) -> dict[str, float]:
     """Each instance's online correction of its step-time model (``xllm:step_time_correction_factor``:
     measured over predicted step time, from its load reports), by instance id."""
-    out = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("xllm:step_time_correction_factor{"):
-            labels, _, value = line.rpartition(" ")
-            instance = labels.split('instance="', 1)[1].split('"', 1)[0] if 'instance="' in labels else labels
-            out[instance] = float(value)
-    return out
+    from benchmarks.metrics import parse
+
+    samples = parse(metrics_text).get("xllm:step_time_correction_factor", [])
+    return {labels.get("instance", ""): value for labels, value in samples}
 
 
 def _get(d: dict, path: tuple[str, ...]) -> float | None:
