@@ -49,7 +49,8 @@ import time
 from benchmarks.report import add_output_args
 
 HERE = pathlib.Path(__file__).resolve().parent
-PD_CONFIGS = {  # name -> (pd policy, routing policy, flips per decision: 1, or "batch": --pd-batch)
+PD_CONFIGS = {  # name -> (pd policy, routing policy, flips per decision: 1, or "batch": --pd-batch, by
+    # default a tenth of the instances as the gateway's default --pd-max-flips)
     "dynamic": ("dynamic", "kv_aware", 1),
     "dynamic-batch": ("dynamic", "kv_aware", "batch"),
     "static": ("static", "kv_aware", 1),
@@ -104,10 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pd-cluster-cooldown", type=float, default=10.0,
                    help="dynamic: seconds between two flip decisions of the cluster (10, the gateway's)")
     p.add_argument("--pd-max-in-progress", type=int, default=1,
-                   help="dynamic: flips under way at once (1, the gateway's)")
+                   help="dynamic (one flip per decision): flips under way at once (default 1)")
     p.add_argument("--pd-batch", type=int, default=None,
                    help="dynamic-batch: instances one decision may flip together, and flips under way at once "
-                        "(default: a tenth of --instances)")
+                        "(default: a tenth of --instances, the gateway's default --pd-max-flips)")
     p.add_argument("--configs", default=",".join(PD_CONFIGS),
                    help=f"PD configurations to run, comma-separated, of {', '.join(PD_CONFIGS)} (all)")
     p.add_argument("--jobs", type=int, default=1,
@@ -278,6 +279,8 @@ def pd_config(args: argparse.Namespace, model, name: str) -> dict:
                               pd_policy=pd_policy, routing=routing)
     if flips == "batch":
         cfg = dataclasses.replace(cfg, pd_max_flips=args.pd_batch, pd_max_in_progress=args.pd_batch)
+    else:
+        cfg = dataclasses.replace(cfg, pd_max_flips=flips)
 
     def sized(n: int):
         return lambda rate: (simulate(cfg, workload(args, rate), n, args.seed, model), n)

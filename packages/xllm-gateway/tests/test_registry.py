@@ -66,3 +66,29 @@ def test_register_replaces_and_deregister_removes():
     assert reg.served_models() == []
     reg.deregister("a")  # unknown ids are ignored
     assert reg.routable("m") == []
+
+
+@pytest.mark.parametrize("policy", ["least_load", "kv_aware"])
+def test_online_requests_are_routed_on_online_load_and_offline_ones_accounted_apart(policy):
+    """An engine's report carries its offline share (co-location): an online request ignores it, an
+    offline one sees everything; the router accounts the offline requests it sends apart too."""
+    reg = EmbeddedRegistry()
+    for s in (Stub("a", "m"), Stub("b", "m")):
+        reg.register(s)
+    router = Router(reg, policy)
+    reg.get("a").load = instance_pb2.LoadReport(instance_id="a", num_running=12, num_waiting=30, offline_running=10,
+                                                offline_waiting=30, pending_prefill_tokens=9000,
+                                                offline_pending_prefill_tokens=8800, prefill_tokens_per_s=1000)
+    reg.get("b").load = instance_pb2.LoadReport(instance_id="b", num_running=4, num_waiting=1,
+                                                pending_prefill_tokens=600, prefill_tokens_per_s=1000)
+    assert router.route("m", list(range(200))).state.instance_id == "a"
+    offline = router.route("m", list(range(200)), offline=True)
+    assert offline.state.instance_id == "b" and offline.offline
+    router.dispatched(offline, 1)
+    b = reg.get("b")
+    assert (b.inflight, b.off_inflight, b.off_pending_prefill, b.off_pending_prompt) == (1, 1, 200, 200)
+    snap = router.snapshot(b, 0)
+    assert (snap.offline_inflight, snap.offline_pending_prefill_tokens) == (1, 200)
+    router.first_token(offline)
+    router.finished(offline)
+    assert (b.inflight, b.off_inflight, b.off_pending_prefill, b.off_pending_prompt) == (0, 0, 0, 0)

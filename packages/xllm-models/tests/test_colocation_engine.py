@@ -125,6 +125,12 @@ def test_online_requests_overtake_a_batch_full_of_offline_work(qwen):
     for _ in range(4):
         run.step()
     run.add(request(f"on{i}", p, False, max_tokens=4) for i, p in enumerate(online))
+    # the load report's offline share (gateways route online requests on online load only)
+    report = run.engine.load_report()
+    assert (report.num_running, report.offline_running) == (3, 3)
+    assert (report.num_waiting, report.offline_waiting) == (2, 0)
+    sched = run.engine.scheduler
+    assert sched.pending_prefill_tokens(offline_only=True) == 0 < sched.pending_prefill_tokens()
     while any(len(run.tokens.get(f"on{i}", [])) < 4 for i in range(2)):
         run.step()
         assert not all(len(run.tokens.get(f"off{i}", [])) == 60 for i in range(3))

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import pytest
 
 from xllm.sched import BATCH_POLICIES, DecodeFirstPolicy, StepPlan
-from xllm.sched.colocation import ColocationPolicy, step_shape
-from xllm.sched.latency import StepShape
+from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, BatchSettings
+from xllm.sched.colocation import ColocationPolicy, average_cap
+from xllm.sched.latency import StepShape, step_shape
 
 
 @dataclass(eq=False)
@@ -168,9 +169,26 @@ def test_without_offline_sequences_decisions_equal_decode_first(chunked):
 def test_registered_and_validated():
     policy = BATCH_POLICIES.create("colocation", max_num_seqs=3, max_num_batched_tokens=7, slo_tpot_s=0.1)
     assert isinstance(policy, ColocationPolicy) and policy.slo_tpot_s == 0.1
-    for bad in ({"max_num_seqs": 0}, {"slo_tpot_s": 0.0}, {"starvation_s": 0.0}, {"starved_chunk_tokens": 0}):
+    assert policy.slo_fraction == DEFAULT_OFFLINE_SLO_FRACTION < 1
+    for bad in ({"max_num_seqs": 0}, {"slo_tpot_s": 0.0}, {"starvation_s": 0.0}, {"starved_chunk_tokens": 0},
+                {"slo_fraction": 0.0}, {"slo_fraction": 1.5}):
         with pytest.raises(ValueError):
             ColocationPolicy(**{"max_num_seqs": 2, "max_num_batched_tokens": 8, **bad})
+
+
+def test_built_from_batch_settings():
+    """Every registered policy builds from the engine's one settings object, taking what it uses."""
+    clock = iter(range(100)).__next__
+    settings = BatchSettings(4, 32, chunked_prefill=False, slo_tpot_s=0.05, offline_slo_fraction=0.9,
+                             predict=linear_predictor(0.01), starvation_s=7.0, clock=clock)
+    colo = BATCH_POLICIES.get("colocation").from_settings(settings)
+    assert isinstance(colo, ColocationPolicy)
+    assert (colo.max_num_seqs, colo.max_num_batched_tokens, colo.chunked_prefill) == (4, 32, False)
+    assert (colo.slo_tpot_s, colo.slo_fraction, colo.starvation_s) == (0.05, 0.9, 7.0)
+    assert colo.predict is settings.predict and colo.clock is clock
+    first = BATCH_POLICIES.get("decode_first").from_settings(settings)
+    assert isinstance(first, DecodeFirstPolicy)
+    assert (first.max_num_seqs, first.max_num_batched_tokens, first.chunked_prefill) == (4, 32, False)
 
 
 # ---- offline work fills what online work leaves ------------------------------------------------------
@@ -181,10 +199,15 @@ def test_offline_decodes_admitted_only_within_the_tpot_budget():
     offline = [decoding(f"off{i}", arrival_time=10.0 + i, offline=True) for i in range(5)]
     predict = linear_predictor(0.01)  # 10 ms per row: a 65 ms SLO fits 6 rows
     running = offline[::-1] + online  # offline listed first: order in `running` does not matter
-    plan = run(ColocationPolicy(16, 64, slo_tpot_s=0.065, predict=predict), running, [])
+    plan = run(ColocationPolicy(16, 64, slo_tpot_s=0.065, predict=predict, slo_fraction=1.0), running, [])
     assert chunks(plan) == [(s.name, 1) for s in online] + [("off0", 1), ("off1", 1)]
     assert predict(step_shape([(c.seq, c.num_tokens) for c in plan.chunks])) <= 0.065
     assert not plan.preempted  # the others wait, keeping their KV
+    # headroom: a step with offline work is capped at slo_fraction x the SLO (0.8 x 65 ms fits 5 rows)
+    plan = run(ColocationPolicy(16, 64, slo_tpot_s=0.065, predict=predict, slo_fraction=0.8), list(running), [])
+    assert chunks(plan) == [(s.name, 1) for s in online] + [("off0", 1)]
+    plan = run(ColocationPolicy(16, 64, slo_tpot_s=0.065, predict=predict, slo_fraction=0.6), list(running), [])
+    assert chunks(plan) == [(s.name, 1) for s in online]  # 39 ms: online work alone already takes 40
     # no SLO, or no prediction yet: offline takes what online leaves of the budget
     plan = run(ColocationPolicy(16, 7, slo_tpot_s=0.065, predict=lambda shape: None), list(running), [])
     assert chunks(plan) == [(s.name, 1) for s in online] + [("off0", 1), ("off1", 1), ("off2", 1)]
@@ -193,6 +216,58 @@ def test_offline_decodes_admitted_only_within_the_tpot_budget():
     # with no online work in the queues there is nothing to protect: the SLO does not cap
     plan = run(ColocationPolicy(16, 64, slo_tpot_s=0.025, predict=predict), offline[::-1], [])
     assert chunks(plan) == [(s.name, 1) for s in offline]
+
+
+def test_average_cap_is_the_largest_fill_that_keeps_the_mean_within_the_target():
+    rng = random.Random(7)
+    for _ in range(500):
+        bases = [rng.choice([rng.uniform(0, 0.05), rng.uniform(0.05, 0.4)]) for _ in range(rng.randint(1, 12))]
+        target = rng.uniform(0.01, 0.2)
+        c = average_cap(bases, target)
+
+        def mean_filled(x: float, bases: list[float] = bases) -> float:
+            return sum(max(b, x) for b in bases) / len(bases)
+
+        if sum(bases) / len(bases) > target:
+            assert c == 0.0  # the bases alone are over: no room at all
+            continue
+        # oracle: bisection on the monotone mean, independent of the closed form
+        lo, hi = 0.0, target
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if mean_filled(mid) <= target else (lo, mid)
+        assert c == pytest.approx(lo, abs=1e-9) and mean_filled(c) <= target + 1e-12
+    assert average_cap([], 0.05) == 0.05 and average_cap([0.01, 0.02], 0.05) == 0.05
+
+
+def test_steps_heavy_with_online_prefill_leave_less_room_for_offline_rows():
+    """The cap targets the average of the steps online decodes see: after steps whose online part
+    alone ran long (prefill chunks), a decode-only step takes fewer offline rows than a fresh policy
+    gives it, and none once the recent online steps alone average above the target."""
+    predict = linear_predictor(0.01)  # 10 ms per token
+    online = [decoding(f"on{i}", arrival_time=float(i)) for i in range(2)]
+    offline = [decoding(f"off{i}", arrival_time=10.0 + i, offline=True) for i in range(6)]
+
+    def offline_rows(policy: ColocationPolicy) -> int:
+        plan = run(policy, [*online, *offline], [])
+        return sum(c.seq.offline for c in plan.chunks)
+
+    slo = 0.0605  # a hair over 60 ms: float sums of 10 ms rows stay clear of the boundary
+    fresh = ColocationPolicy(16, 64, slo_tpot_s=slo, predict=predict, slo_fraction=1.0)
+    assert offline_rows(fresh) == 4  # 2 online + 4 offline rows: 60 ms
+    for heavy_steps, expected in ((1, 2), (3, 0)):
+        policy = ColocationPolicy(16, 64, slo_tpot_s=slo, predict=predict, slo_fraction=1.0, window_steps=4)
+        for _ in range(heavy_steps):  # 2 decode rows + a 6-token online prefill chunk: 80 ms of online work
+            plan = run(policy, [*online, FakeSeq("pre", 30, 24)], [])
+            assert sum(c.num_tokens for c in plan.chunks) == 8
+        # one heavy step: mean(80, c) <= 60.5 -> c = 41 ms: 2 online + 2 offline rows; three heavy
+        # ones and this step's 20 ms average 65 ms alone: no offline row fits
+        assert offline_rows(policy) == expected
+    policy = ColocationPolicy(16, 64, slo_tpot_s=slo, predict=predict, slo_fraction=1.0, window_steps=2)
+    for _ in range(3):
+        run(policy, [*online, FakeSeq("pre", 30, 24)], [])
+    assert offline_rows(policy) == 2  # window (80, 20)
+    assert offline_rows(policy) == 4  # the heavy steps left the 2-step window: the full room is back
 
 
 def test_online_work_is_never_capped_by_the_slo():
@@ -206,14 +281,14 @@ def test_offline_prefill_chunk_is_the_largest_that_fits_the_slo():
     online = [decoding(f"on{i}") for i in range(2)]
     pre = FakeSeq("pre", 100, 30, offline=True)
     predict = linear_predictor(0.001, base=0.005)  # 5 ms + 1 ms per token
-    plan = run(ColocationPolicy(8, 64, slo_tpot_s=0.0305, predict=predict), [*online, pre], [])
+    plan = run(ColocationPolicy(8, 64, slo_tpot_s=0.0305, predict=predict, slo_fraction=1.0), [*online, pre], [])
     assert chunks(plan) == [("on0", 1), ("on1", 1), ("pre", 23)]  # 5 + 25 tokens = 30 ms; 26 would be 31
     # an offline prompt waiting is admitted with the same cap
     new = FakeSeq("new", 100, offline=True)
-    plan = run(ColocationPolicy(8, 64, slo_tpot_s=0.0305, predict=predict), list(online), [new])
+    plan = run(ColocationPolicy(8, 64, slo_tpot_s=0.0305, predict=predict, slo_fraction=1.0), list(online), [new])
     assert chunks(plan) == [("on0", 1), ("on1", 1), ("new", 23)] and plan.admitted == [new]
     # without chunked prefill an offline prompt runs whole or not at all
-    plan = run(ColocationPolicy(8, 64, chunked_prefill=False, slo_tpot_s=0.0305, predict=predict),
+    plan = run(ColocationPolicy(8, 64, chunked_prefill=False, slo_tpot_s=0.0305, predict=predict, slo_fraction=1.0),
                list(online), [FakeSeq("whole", 40, offline=True)])
     assert chunks(plan) == [("on0", 1), ("on1", 1)]
 
@@ -289,6 +364,29 @@ def test_kv_pressure_evicts_offline_before_any_online_sequence():
     kv.hold(off, 8)
     plan = run(ColocationPolicy(8, 64), [off, on], [], kv)
     assert chunks(plan) == [("on", 1)] and names(plan.preempted) == ["off"]
+
+
+def test_evicting_offline_work_for_online_decodes_does_not_hold_online_admissions_back():
+    """An online decode that needs KV evicts an offline sequence; a waiting online request is still
+    admitted in the same step (DecodeFirstPolicy skips admissions after a preemption, which under
+    co-location, where evicting offline work is routine, would delay every online arrival)."""
+    kv = FakeKV(num_blocks=6, block_size=4)                       # all held
+    a = FakeSeq("a", 9, 8, arrival_time=0.0)                     # needs a third block
+    off = FakeSeq("off", 16, 15, offline=True, arrival_time=1.0)  # four blocks
+    kv.hold(a, 8)
+    kv.hold(off, 15)
+    new = FakeSeq("new", 6, arrival_time=2.0)
+    plan = run(ColocationPolicy(8, 64), [a, off], [new], kv)
+    assert names(plan.preempted) == ["off"] and plan.preempt_reasons == ["kv"]
+    assert chunks(plan) == [("a", 1), ("new", 6)] and plan.admitted == [new]
+    # online memory pressure (an online sequence preempted) still admits nothing new, as DecodeFirstPolicy
+    kv = FakeKV(num_blocks=4, block_size=4)
+    low = FakeSeq("low", 8, 7, priority=5, arrival_time=9.0)
+    b = FakeSeq("b", 9, 8, arrival_time=0.0)
+    kv.hold(low, 8)
+    kv.hold(b, 8)
+    plan = run(ColocationPolicy(8, 64), [b, low], [FakeSeq("new", 2, arrival_time=10.0)], kv)
+    assert names(plan.preempted) == ["low"] and not plan.admitted
 
 
 def test_online_admission_short_of_kv_evicts_offline():

@@ -13,6 +13,7 @@ import itertools
 import pytest
 
 from xllm.sched import PD_POLICIES, RoleFlip, RoleLoad, SLORoleFlipPolicy, StaticRoles
+from xllm.sched.elastic import auto_flips
 from xllm.sched.latency import StepTimeModel
 
 TTFT, TPOT = 1.0, 0.05  # SLOs (seconds)
@@ -200,6 +201,23 @@ def test_an_instance_already_flipping_is_never_chosen_and_flips_in_progress_bloc
     # flipping instances count for neither side: with d0 and d1 flipping, d2 is the last decode one
     pol = policy(window_s=0.0, cooldown_s=0.0, cluster_cooldown_s=0.0, max_in_progress=3)
     assert pol.decide(1.0, cluster(5.0, 0.001, roles, flipping=frozenset({"d0", "d1"}))) == []
+
+
+def test_auto_flip_limits_are_a_tenth_of_the_pd_instances():
+    """``None`` limits (the gateway's default): one flip per decision below 20 instances, a tenth of
+    them above; the same decision as explicit limits of that size."""
+    assert [auto_flips(n) for n in (1, 2, 19, 20, 200, 205)] == [1, 1, 1, 2, 20, 20]
+    small = {f"p{i}": "prefill" for i in range(2)} | {f"d{i}": "decode" for i in range(9)}
+    big = {f"p{i}": "prefill" for i in range(40)} | {f"d{i}": "decode" for i in range(160)}
+    for roles, k in ((small, 1), (big, 20)):
+        loads = cluster(30.0, 0.001, roles)  # TTFT far over: the decode side can spare many
+        auto = policy(window_s=0.0, max_in_progress=None, max_flips_per_decision=None).decide(0.0, loads)
+        fixed = policy(window_s=0.0, max_in_progress=k, max_flips_per_decision=k).decide(0.0, loads)
+        assert len(auto) == k and auto == fixed
+    loads = cluster(30.0, 0.001, big, flipping=frozenset(f"d{i}" for i in range(15)))
+    assert len(policy(window_s=0.0, max_in_progress=None, max_flips_per_decision=None).decide(0.0, loads)) == 5
+    with pytest.raises(ValueError, match="max_in_progress"):
+        policy(max_in_progress=0)
 
 
 def test_ties_are_broken_by_instance_id_whatever_the_input_order():

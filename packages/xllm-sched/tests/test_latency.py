@@ -84,3 +84,25 @@ def test_online_correction_follows_drift() -> None:
     assert corr.step_seconds(shape) == pytest.approx(1.5 * TRUE.step_seconds(shape), rel=1e-3)
     corr.observe(shape, math.nan)  # ignored
     assert corr.observations == 60
+
+
+def test_with_chunk_builds_the_shape_step_shape_reads() -> None:
+    """Adding chunks one at a time (the co-location policy's running shape) gives what step_shape reads
+    of all of them: decode rows (one token at the end of a sequence with KV) with their context,
+    anything else a prefill chunk over what is cached."""
+    from dataclasses import dataclass
+
+    from xllm.sched.latency import step_shape
+
+    @dataclass
+    class Seq:
+        num_tokens: int
+        num_computed_tokens: int
+
+    chunks = [(Seq(10, 9), 1), (Seq(40, 0), 16), (Seq(5, 4), 1), (Seq(30, 20), 1), (Seq(1, 0), 1),
+              (Seq(64, 32), 8)]
+    shape = StepShape()
+    for seq, n in chunks:
+        shape = shape.with_chunk(seq, n)
+    assert shape == step_shape(chunks)
+    assert shape.decode_contexts == (10, 5) and shape.prefill_chunks == ((0, 16), (20, 1), (0, 1), (32, 8))

@@ -95,6 +95,24 @@ def test_kv_aware_without_matches_goes_to_the_least_loaded():
     assert (d.instance_id, d.reason) == ("b", "least_latency")
 
 
+def test_online_requests_see_online_load_offline_requests_all_of_it():
+    """Offline work (co-location) yields to online work, so an online request is routed as if it were
+    not there; an offline request waits behind everything."""
+    # a: a big offline backlog, little online work; b: more online work, nothing offline
+    a = snap("a", num_running=12, num_waiting=30, inflight=42, pending_prefill_tokens=9000, offline_running=10,
+             offline_waiting=30, offline_inflight=40, offline_pending_prefill_tokens=8800)
+    b = snap("b", num_running=4, num_waiting=1, inflight=5, pending_prefill_tokens=600)
+    seen = a.online_only()
+    assert (seen.num_running, seen.num_waiting, seen.inflight, seen.pending_prefill_tokens) == (2, 0, 2, 200)
+    assert seen.offline_running == seen.offline_pending_prefill_tokens == 0 and b.online_only() is b
+    for policy in (KVCacheAwarePolicy(), LeastLoadPolicy()):
+        assert policy.route(RouteRequest(200), [a, b]).instance_id == "a"
+        assert policy.route(RouteRequest(200, offline=True), [a, b]).instance_id == "b"
+    # a report older than the router's own accounting cannot go negative
+    odd = snap("c", num_running=1, offline_running=3, pending_prefill_tokens=10, offline_pending_prefill_tokens=50)
+    assert odd.online_only().num_running == 0 and odd.online_only().pending_prefill_tokens == 0
+
+
 def test_a_hot_prefix_spills_over_when_its_instance_gets_much_slower():
     p = KVCacheAwarePolicy(fallback_ratio=2.0, fallback_slack=0.0)
     # a holds 900 of 1000 tokens but has 5000 prefill tokens queued: 5.1 s vs b's 1.0 s

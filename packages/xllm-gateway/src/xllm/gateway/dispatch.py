@@ -101,7 +101,7 @@ class Dispatcher:
         last: BaseException | None = None
         for _ in range(self.max_attempts):
             try:
-                ticket = self.router.route(model, prompt, session, exclude)
+                ticket = self.router.route(model, prompt, session, exclude, offline=all(r.offline for r in reqs))
             except NoInstanceError as exc:
                 if last is not None:
                     raise to_api_error(last) from last

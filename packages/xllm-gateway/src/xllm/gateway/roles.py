@@ -60,7 +60,9 @@ log = logging.getLogger(__name__)
 class PDRoleOptions:
     """How the gateway flips PD roles: ``policy`` (a :data:`~xllm.sched.PD_POLICIES` name), the SLOs
     ``dynamic`` needs, its hysteresis window and cool-downs (see :class:`~xllm.sched.SLORoleFlipPolicy`),
-    ``interval`` between decisions, ``latency_window_s`` of measured latencies, ``flip_timeout_s``
+    ``max_flips`` per decision and under way at once (``None``: :func:`xllm.sched.elastic.auto_flips`,
+    a tenth of the PD instances), ``interval`` between decisions, ``latency_window_s`` of measured
+    latencies, ``flip_timeout_s``
     after which a flip completes whatever the instance still holds, and an optional step-time
     ``predictor`` (TTFT predicted from queued prefill work)."""
 
@@ -71,6 +73,7 @@ class PDRoleOptions:
     cooldown_s: float = 30.0
     cluster_cooldown_s: float = 10.0
     min_per_role: int = 1
+    max_flips: int | None = None
     interval: float = 0.5
     latency_window_s: float = 10.0
     flip_timeout_s: float = 120.0
@@ -89,7 +92,8 @@ class PDRoleOptions:
     def build_policy(self) -> RolePolicy:
         return PD_POLICIES.create(self.policy, self.slo_ttft_s, self.slo_tpot_s, window_s=self.window_s,
                                   cooldown_s=self.cooldown_s, cluster_cooldown_s=self.cluster_cooldown_s,
-                                  min_per_role=self.min_per_role, predictor=self.predictor)
+                                  min_per_role=self.min_per_role, max_in_progress=self.max_flips,
+                                  max_flips_per_decision=self.max_flips, predictor=self.predictor)
 
 
 class LatencyWindow:

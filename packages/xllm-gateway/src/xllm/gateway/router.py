@@ -40,6 +40,7 @@ class Ticket:
     requests: int = 0
     first_token_pending: int = 0
     started: float = field(default_factory=time.monotonic)
+    offline: bool = False  # co-location's best-effort work (accounted apart: online requests see online load)
 
     @property
     def uncached_tokens(self) -> int:
@@ -68,15 +69,17 @@ class Router:
 
     # ---- deciding ---------------------------------------------------------------------------
     def route(self, model: str, prompt: Sequence[int], session: str | None = None,
-              exclude: Collection[str] = ()) -> Ticket:
-        """Pick an instance of ``model`` for ``prompt`` (raises :class:`NoInstanceError`).
+              exclude: Collection[str] = (), offline: bool = False) -> Ticket:
+        """Pick an instance of ``model`` for ``prompt`` (raises :class:`NoInstanceError`); an online
+        request (not ``offline``) is routed on the instances' online load only
+        (:func:`xllm.sched.routing.load_as_seen_by`).
 
         With a single candidate (one machine, one engine) there is nothing to choose: no prefix
         hashing, no index match, no policy."""
         candidates = [s for s in self.registry.routable(model) if s.instance_id not in exclude]
         if not candidates:
             raise NoInstanceError(f"no live instance serves {model!r}")
-        return self._route_among(candidates, prompt, session)
+        return self._route_among(candidates, prompt, session, offline)
 
     def route_move(self, model: str, tokens: Sequence[int], exclude: Collection[str] = ()) -> Ticket:
         """An instance to continue a running request on (its tokens so far): one that decodes (a
@@ -92,13 +95,17 @@ class Router:
         return max((s.load.prefill_tokens_per_s for s in self.registry.routable(model) if s.load is not None),
                    default=0.0)
 
-    def _route_among(self, candidates: list[InstanceState], prompt: Sequence[int], session: str | None) -> Ticket:
+    def _route_among(self, candidates: list[InstanceState], prompt: Sequence[int], session: str | None,
+                     offline: bool = False) -> Ticket:
         if len(candidates) == 1:
-            return Ticket(candidates[0], RouteDecision(candidates[0].instance_id, "only"), len(prompt), 0)
+            return Ticket(candidates[0], RouteDecision(candidates[0].instance_id, "only"), len(prompt), 0,
+                          offline=offline)
         hashes_by_bs, matched = self._match(candidates, prompt)
         snaps = [self.snapshot(s, matched.get(s.instance_id, 0)) for s in candidates]
-        decision = self.policy.route(RouteRequest(len(prompt), session), snaps)
-        return self._ticket(candidates, decision, prompt, hashes_by_bs, matched)
+        decision = self.policy.route(RouteRequest(len(prompt), session, offline=offline), snaps)
+        ticket = self._ticket(candidates, decision, prompt, hashes_by_bs, matched)
+        ticket.offline = offline
+        return ticket
 
     # ---- PD mode ------------------------------------------------------------------------------
     def pd_pools(self, model: str, exclude: Collection[str] = ()) -> tuple[list[InstanceState], list[InstanceState]]:
@@ -169,7 +176,11 @@ class Router:
             recent_tpot=load.recent_tpot if load is not None else 0.0,
             inflight=s.inflight, matched_tokens=matched_tokens,
             kv_free_tokens=load.kv_free_tokens if load is not None else -1,
-            cached_blocks=self.registry.kv_index.num_blocks(s.instance_id))
+            cached_blocks=self.registry.kv_index.num_blocks(s.instance_id),
+            offline_running=load.offline_running if load is not None else 0,
+            offline_waiting=load.offline_waiting if load is not None else 0, offline_inflight=s.off_inflight,
+            offline_pending_prefill_tokens=s.off_pending_prefill + max(
+                (load.offline_pending_prefill_tokens if load is not None else 0) - s.off_pending_prompt, 0))
 
     # ---- accounting ----------------------------------------------------------------------------
     def dispatched(self, ticket: Ticket, num_requests: int) -> None:
@@ -180,6 +191,10 @@ class Router:
         s.inflight += num_requests
         s.pending_prefill += ticket.uncached_tokens * num_requests
         s.pending_prompt += ticket.num_prompt_tokens * num_requests
+        if ticket.offline:
+            s.off_inflight += num_requests
+            s.off_pending_prefill += ticket.uncached_tokens * num_requests
+            s.off_pending_prompt += ticket.num_prompt_tokens * num_requests
         if ticket.hashes:
             self.registry.kv_index.expect(s.instance_id, ticket.hashes, self.queued_expect_ttl)
         if self.metrics is not None:
@@ -195,6 +210,9 @@ class Router:
         s = ticket.state
         s.pending_prefill = max(s.pending_prefill - ticket.uncached_tokens, 0)
         s.pending_prompt = max(s.pending_prompt - ticket.num_prompt_tokens, 0)
+        if ticket.offline:
+            s.off_pending_prefill = max(s.off_pending_prefill - ticket.uncached_tokens, 0)
+            s.off_pending_prompt = max(s.off_pending_prompt - ticket.num_prompt_tokens, 0)
         if ticket.hashes and not s.removed:  # computed now (or abandoned): heartbeats take over shortly
             self.registry.kv_index.expect(s.instance_id, ticket.hashes, self.expect_ttl)
         if observe and self.metrics is not None:
@@ -215,6 +233,8 @@ class Router:
         ticket.requests -= 1
         s = ticket.state
         s.inflight = max(s.inflight - 1, 0)
+        if ticket.offline:
+            s.off_inflight = max(s.off_inflight - 1, 0)
         if s.removed and s.inflight == 0:
             self.registry.close_client(s)
 

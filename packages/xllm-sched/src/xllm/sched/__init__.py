@@ -19,7 +19,9 @@
 """
 
 from xllm.sched.batch_policy import (
+    DEFAULT_OFFLINE_SLO_FRACTION,
     BatchPolicy,
+    BatchSettings,
     DecodeFirstPolicy,
     SchedulableSeq,
     ScheduledChunk,
@@ -43,10 +45,12 @@ from xllm.sched.routing import (
 
 __all__ = [
     "BATCH_POLICIES",
+    "DEFAULT_OFFLINE_SLO_FRACTION",
     "MOVE_MODES",
     "PD_POLICIES",
     "ROUTING_POLICIES",
     "BatchPolicy",
+    "BatchSettings",
     "ColocationPolicy",
     "DecodeFirstPolicy",
     "InstanceSnapshot",

@@ -15,15 +15,46 @@ the three operations that change them (allocate, admit, preempt).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from xllm.sched.latency import StepShape
 
 # The engine's default token budget per step (--max-num-batched-tokens). Measured, not guessed: of
 # 256..4096 it had the best goodput under a TTFT <= 1 s + TPOT <= 100 ms SLO on vLLM's client mixes
 # (python -m benchmarks budget; docs/performance.md): 256 admits too little prefill per step, 1024 and
 # more let a burst of short prompts queue behind one long step.
 DEFAULT_TOKEN_BUDGET = 512
+
+# The share of the online TPOT SLO that the average predicted step online decodes see may reach
+# with offline work in the steps (--offline-slo-fraction; xllm.sched.colocation). Measured, not
+# guessed (xllm-sim, 200 instances, online at 179 req/s plus as many offline requests, 20k each;
+# docs/architecture.md "Cluster simulator"): online SLO attainment 85.2 % at 0.9, 89.4 % at 0.8,
+# 90.3 % at 0.75, 90.8 % at 0.7 (online alone: 99.5 %), the offline backlog finishing as fast.
+DEFAULT_OFFLINE_SLO_FRACTION = 0.7
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """An engine's batch-policy settings, the one set every policy of :data:`xllm.sched.BATCH_POLICIES`
+    is built from (:meth:`BatchPolicyClass.from_settings`); each policy takes the ones it uses.
+
+    ``slo_tpot_s``: the online TPOT target (``None``: none); ``offline_slo_fraction``: the share of it
+    a step with offline work may be predicted to take; ``predict``: the step-time predictor
+    (``None`` from it: no model yet); ``starvation_s``: the offline starvation bound; ``clock``: the
+    time source (the simulator's clock in ``xllm-sim``).
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chunked_prefill: bool = True
+    slo_tpot_s: float | None = None
+    offline_slo_fraction: float = DEFAULT_OFFLINE_SLO_FRACTION
+    predict: Callable[[StepShape], float | None] | None = None
+    starvation_s: float = 30.0
+    clock: Callable[[], float] = time.monotonic
 
 
 class SchedulableSeq(Protocol):
@@ -110,6 +141,12 @@ class BatchPolicy(Protocol):
     def schedule(self, queues: SchedulerQueues) -> StepPlan: ...
 
 
+class BatchPolicyClass(Protocol):
+    """What :data:`xllm.sched.BATCH_POLICIES` holds: a policy class built from :class:`BatchSettings`."""
+
+    def from_settings(self, settings: BatchSettings) -> BatchPolicy: ...
+
+
 class DecodeFirstPolicy:
     """Decode-first continuous batching with chunked prefill (see the module docstring)."""
 
@@ -119,6 +156,11 @@ class DecodeFirstPolicy:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+
+    @classmethod
+    def from_settings(cls, settings: BatchSettings) -> DecodeFirstPolicy:
+        """The policy for ``settings`` (it uses the slots, the token budget and chunking only)."""
+        return cls(settings.max_num_seqs, settings.max_num_batched_tokens, settings.chunked_prefill)
 
     @staticmethod
     def victim_order(seq: SchedulableSeq) -> tuple[int, float]:

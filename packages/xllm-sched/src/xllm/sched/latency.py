@@ -55,6 +55,13 @@ class StepShape:
     def num_seqs(self) -> int:
         return len(self.decode_contexts) + len(self.prefill_chunks)
 
+    def with_chunk(self, seq: ChunkSeq, n: int) -> StepShape:
+        """This shape plus one more chunk of ``n`` tokens of ``seq`` (read as :func:`step_shape`
+        reads it): the co-location policy sizes offline chunks against the step built so far."""
+        if is_decode_row(seq, n):
+            return StepShape((*self.decode_contexts, seq.num_computed_tokens + 1), self.prefill_chunks)
+        return StepShape(self.decode_contexts, (*self.prefill_chunks, (seq.num_computed_tokens, n)))
+
     def features(self) -> tuple[float, ...]:
         """The step's features in :data:`FEATURES` order."""
         attention = sum(n * (cached + n / 2.0) for cached, n in self.prefill_chunks)

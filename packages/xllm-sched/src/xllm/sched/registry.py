@@ -4,11 +4,11 @@ configuration; listing the names imports no policy code."""
 from __future__ import annotations
 
 from xllm.common import NameRegistry
-from xllm.sched.batch_policy import BatchPolicy
+from xllm.sched.batch_policy import BatchPolicyClass
 from xllm.sched.elastic import RolePolicy
 from xllm.sched.routing import RoutingPolicy
 
-BATCH_POLICIES: NameRegistry[type[BatchPolicy]] = NameRegistry("batch policy", {
+BATCH_POLICIES: NameRegistry[BatchPolicyClass] = NameRegistry("batch policy", {
     "colocation": "xllm.sched.colocation:ColocationPolicy",
     "decode_first": "xllm.sched.batch_policy:DecodeFirstPolicy",
 })

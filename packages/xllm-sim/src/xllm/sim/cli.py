@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from xllm.sched import BATCH_POLICIES, ROUTING_POLICIES
+from xllm.sched import BATCH_POLICIES, DEFAULT_OFFLINE_SLO_FRACTION, ROUTING_POLICIES
 from xllm.sched.registry import PD_POLICIES
 from xllm.sim.cluster import Cluster
 from xllm.sim.config import DEFAULT_KV_BLOCKS, SMOLLM2_BLOCK_SIZE, SMOLLM2_KV_BYTES_PER_TOKEN, SimConfig
@@ -62,6 +62,13 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def phase_seconds(text: str) -> tuple[float, float]:
     """``--phase-s``: ``S`` (both phases S seconds) or ``P,D`` (prefill-heavy P, decode-heavy D)."""
     parts = [x.strip() for x in text.split(",")]
@@ -102,6 +109,10 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-policy", default="decode_first", choices=BATCH_POLICIES.choices(),
                    help="engine batch policy (xllm.sched.BATCH_POLICIES): decode_first, or colocation (offline "
                         "requests fill what online ones leave within --slo-tpot-ms) (default decode_first)")
+    g.add_argument("--offline-slo-fraction", type=_fraction, default=DEFAULT_OFFLINE_SLO_FRACTION, metavar="F",
+                   help="colocation: offline work joins steps only as far as the average predicted step online "
+                        "decodes see stays within F x --slo-tpot-ms (the engine's flag of the same name; default "
+                        "%(default)s)")
     g.add_argument("--pd-policy", default="static", choices=PD_POLICIES.choices(),
                    help="PD role policy (xllm.sched.PD_POLICIES): static, or dynamic (role flips by SLO headroom; "
                         "needs both SLOs) (default static)")
@@ -117,11 +128,13 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="dynamic: an instance flips at most once per this (default 30, the gateway's)")
     g.add_argument("--pd-cluster-cooldown", type=_non_negative, default=10.0, metavar="SECONDS",
                    help="dynamic: seconds between two flip decisions of the cluster (default 10, the gateway's)")
-    g.add_argument("--pd-max-in-progress", type=_positive(int), default=1, metavar="N",
-                   help="dynamic: flips under way at once (default 1, the gateway's)")
-    g.add_argument("--pd-max-flips", type=_positive(int), default=1, metavar="N",
+    g.add_argument("--pd-max-in-progress", type=_positive(int), default=None, metavar="N",
+                   help="dynamic: flips under way at once (default: a tenth of the instances, at least 1, as the "
+                        "gateway's --pd-max-flips)")
+    g.add_argument("--pd-max-flips", type=_positive(int), default=None, metavar="N",
                    help="dynamic: instances one decision may flip together, as the pressure needs and the other "
-                        "side can spare (at most --pd-max-in-progress under way; default 1, the gateway's)")
+                        "side can spare (at most --pd-max-in-progress under way; default: a tenth of the "
+                        "instances, at least 1, the gateway's)")
     g = p.add_argument_group("engine (each instance)")
     g.add_argument("--profile", type=Path, default=None,
                    help=f"step-time profile written by `xllm profile` (default: the shipped {DEFAULT_PROFILE.name})")
@@ -217,7 +230,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         pd_cooldown_s=args.pd_flip_cooldown, pd_cluster_cooldown_s=args.pd_cluster_cooldown,
         pd_max_in_progress=args.pd_max_in_progress, pd_max_flips=args.pd_max_flips,
         slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
-        slo_tpot_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3)
+        slo_tpot_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
+        offline_slo_fraction=args.offline_slo_fraction)
 
 
 def workload_from_args(args: argparse.Namespace) -> list[RequestSpec] | Workload:

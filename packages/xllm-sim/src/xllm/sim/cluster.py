@@ -16,11 +16,10 @@ Role flips (``pd_policy``) and the moves a flip causes live in :mod:`xllm.sim.ro
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from functools import partial
 
-from xllm.sched import BATCH_POLICIES, ROUTING_POLICIES, PDPlacement
+from xllm.sched import BATCH_POLICIES, ROUTING_POLICIES, BatchPolicy, BatchSettings, PDPlacement
 from xllm.sched.latency import StepShape, StepTimeModel
 from xllm.sim.config import SimConfig
 from xllm.sim.events import DISPATCH, HEARTBEAT, MOVE_DONE, PD_TICK, STEP_END, TRANSFER_DONE, EventQueue
@@ -46,18 +45,13 @@ class PDRequest:
 
 
 def make_batch_policy(name: str, cfg: SimConfig, predict: Callable[[StepShape], float | None],
-                      clock: Callable[[], float]):
-    """``BATCH_POLICIES[name]`` with the engine's settings, plus whichever of the context keywords
-    (``slo_tpot_s``, ``predict``, ``starvation_s``, ``clock``) its constructor takes: a co-location
-    policy gets the TPOT objective, the step-time predictor and the simulated clock."""
-    cls = BATCH_POLICIES.get(name)
-    kwargs: dict = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                    "chunked_prefill": cfg.chunked_prefill}
-    context = {"slo_tpot_s": cfg.slo_tpot_s, "predict": predict, "starvation_s": cfg.offline_starvation_s,
-               "clock": clock}
-    params = inspect.signature(cls).parameters
-    kwargs.update({k: v for k, v in context.items() if k in params})
-    return cls(**kwargs)
+                      clock: Callable[[], float]) -> BatchPolicy:
+    """``BATCH_POLICIES[name]`` built from the engine's settings (:class:`~xllm.sched.BatchSettings`),
+    the step-time predictor and the simulated clock, as an engine builds its own."""
+    return BATCH_POLICIES.get(name).from_settings(BatchSettings(
+        cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunked_prefill, slo_tpot_s=cfg.slo_tpot_s,
+        offline_slo_fraction=cfg.offline_slo_fraction, predict=predict, starvation_s=cfg.offline_starvation_s,
+        clock=clock))
 
 
 class Cluster:
@@ -231,11 +225,11 @@ class Cluster:
     def _finish(self, req: Request, view: InstanceView) -> None:
         req.finish = self.q.now
         self.outstanding -= 1
-        self.gateway.finished(view)
+        self.gateway.finished(view, req)
         pdr = self.pd.pop(req.spec.rid, None)
         if pdr is not None and view is pdr.p_view:  # one output token: finished on the prefill side
             pdr.d_view.inst.remove(pdr.dseq)
-            self.gateway.finished(pdr.d_view)
+            self.gateway.finished(pdr.d_view, req)
             self.kick(pdr.d_view.inst)
 
     # ---- KV hand-offs --------------------------------------------------------------------------------------
@@ -257,7 +251,7 @@ class Cluster:
         assert pdr.pseq is not None
         p, d = pdr.p_view.inst, pdr.d_view.inst
         p.release_handoff(pdr.pseq)
-        self.gateway.finished(pdr.p_view)
+        self.gateway.finished(pdr.p_view, pdr.dseq.req)
         d.install(pdr.dseq)
         if self.roles is not None:
             self.roles.installed(pdr)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xllm.sched.batch_policy import DEFAULT_TOKEN_BUDGET
+from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
 
 SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
 SMOLLM2_BLOCK_SIZE = 32
@@ -38,10 +38,12 @@ class SimConfig:
       ``migrate``; ``recompute``; ``off``: they finish where they are); the dynamic role policy's
       ``window_s``, ``cooldown_s``, ``cluster_cooldown_s``, ``max_in_progress`` and
       ``max_flips_per_decision`` as ``pd_window_s``, ``pd_cooldown_s``, ``pd_cluster_cooldown_s``,
-      ``pd_max_in_progress``, ``pd_max_flips`` (the gateway's defaults).
+      ``pd_max_in_progress``, ``pd_max_flips`` (the gateway's defaults; the flip limits ``None``:
+      ``xllm.sched.elastic.auto_flips``, a tenth of the PD instances).
     - SLOs (seconds, ``None``: none) feed the policies that take them (role flips, co-location)
       and the SLO attainment of the report; ``offline_priority`` is the engine priority of offline
-      requests (lower is more important; online requests have 0).
+      requests (lower is more important; online requests have 0); ``offline_slo_fraction`` and
+      ``offline_starvation_s`` are the co-location policy's headroom and starvation bound.
     """
 
     instances: int = 2
@@ -68,12 +70,13 @@ class SimConfig:
     pd_window_s: float = 5.0
     pd_cooldown_s: float = 30.0
     pd_cluster_cooldown_s: float = 10.0
-    pd_max_in_progress: int = 1
-    pd_max_flips: int = 1
+    pd_max_in_progress: int | None = None
+    pd_max_flips: int | None = None
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     offline_priority: int = 1
     offline_starvation_s: float = 30.0
+    offline_slo_fraction: float = DEFAULT_OFFLINE_SLO_FRACTION
 
     @property
     def pd(self) -> bool:
@@ -93,7 +96,7 @@ class SimConfig:
                     "kv_bandwidth": self.kv_bandwidth, "speed": self.speed, "pd_interval_s": self.pd_interval_s,
                     "pd_max_in_progress": self.pd_max_in_progress, "pd_max_flips": self.pd_max_flips}
         for name, value in positive.items():
-            if not value > 0:
+            if value is not None and not value > 0:  # None: the flip limits' automatic size
                 raise ValueError(f"{name} must be > 0, got {value}")
         for name, value in (("heartbeat_s", self.heartbeat_s), ("gateway_overhead_s", self.gateway_overhead_s),
                             ("transfer_latency_s", self.transfer_latency_s), ("max_model_len", self.max_model_len),
@@ -106,3 +109,5 @@ class SimConfig:
         for name, slo in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):
             if slo is not None and not slo > 0:
                 raise ValueError(f"{name} must be > 0, got {slo}")
+        if not 0 < self.offline_slo_fraction <= 1:
+            raise ValueError(f"offline_slo_fraction must be in (0, 1], got {self.offline_slo_fraction}")

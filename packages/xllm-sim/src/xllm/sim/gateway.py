@@ -27,23 +27,31 @@ from xllm.sim.metrics import Request
 class InstanceView:
     """The gateway's side of one instance: its accounting and its last load report."""
 
-    __slots__ = ("inflight", "inst", "pending_prefill", "pending_prompt", "report", "snap")
+    __slots__ = ("inflight", "inst", "off_inflight", "off_pending_prefill", "off_pending_prompt", "pending_prefill",
+                 "pending_prompt", "report", "snap")
 
     def __init__(self, inst: SimInstance) -> None:
         self.inst = inst
         self.inflight = 0
         self.pending_prefill = 0
         self.pending_prompt = 0
-        self.report: tuple = (0, 0, 0.0, inst.kv.num_blocks * inst.kv.block_size, 0, 0.0, 0.0, 0.0, 0)
+        # the offline share of the three above (co-location: online requests are routed on online load)
+        self.off_inflight = 0
+        self.off_pending_prefill = 0
+        self.off_pending_prompt = 0
+        self.report: tuple = (0, 0, 0.0, inst.kv.num_blocks * inst.kv.block_size, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
         self.snap: InstanceSnapshot | None = None
 
 
 def live_report(inst: SimInstance) -> tuple:
     """What the instance's heartbeat carries: (running, waiting, KV usage, KV free tokens, pending
-    prefill tokens, prefill tokens/s, recent TTFT, recent TPOT, cached blocks)."""
+    prefill tokens, prefill tokens/s, recent TTFT, recent TPOT, cached blocks, and the offline share
+    of running, waiting and pending prefill tokens)."""
     kv = inst.kv
+    pending, off_pending = inst.pending_prefill_tokens()
     return (len(inst.running), len(inst.waiting) + len(inst.reserving), kv.usage, kv.available * kv.block_size,
-            inst.pending_prefill_tokens(), inst.prefill_tps, inst.recent_ttft, inst.recent_tpot, len(kv.refs))
+            pending, inst.prefill_tps, inst.recent_ttft, inst.recent_tpot, len(kv.refs),
+            sum(s.offline for s in inst.running), sum(s.offline for s in inst.waiting), off_pending)
 
 
 class Gateway:
@@ -92,10 +100,13 @@ class Gateway:
         """The candidate as the policies see it (matched tokens 0)."""
         if view.snap is not None and not self.live:
             return view.snap
-        running, waiting, usage, free, pending, tps, ttft, tpot, cached = self.snapshot_report(view)
+        running, waiting, usage, free, pending, tps, ttft, tpot, cached, off_run, off_wait, off_pending = \
+            self.snapshot_report(view)
         others = max(pending - view.pending_prompt, 0)  # queued work of requests this gateway did not send
+        off_others = max(off_pending - view.off_pending_prompt, 0)
         view.snap = InstanceSnapshot(view.inst.instance_id, running, waiting, usage, view.pending_prefill + others,
-                                     tps, ttft, tpot, view.inflight, 0, cached, free)
+                                     tps, ttft, tpot, view.inflight, 0, cached, free, off_run, off_wait,
+                                     view.off_inflight, view.off_pending_prefill + off_others)
         return view.snap
 
     def snapshots(self, views: Sequence[InstanceView], matched: dict[int, int]) -> list[InstanceSnapshot]:
@@ -106,7 +117,9 @@ class Gateway:
             if m:  # dataclasses.replace is 4x slower than building it again
                 snap = InstanceSnapshot(snap.instance_id, snap.num_running, snap.num_waiting, snap.kv_usage,
                                         snap.pending_prefill_tokens, snap.prefill_tokens_per_s, snap.recent_ttft,
-                                        snap.recent_tpot, snap.inflight, m, snap.cached_blocks, snap.kv_free_tokens)
+                                        snap.recent_tpot, snap.inflight, m, snap.cached_blocks, snap.kv_free_tokens,
+                                        snap.offline_running, snap.offline_waiting, snap.offline_inflight,
+                                        snap.offline_pending_prefill_tokens)
             out.append(snap)
         return out
 
@@ -151,7 +164,8 @@ class Gateway:
         if len(views) == 1:
             return views[0], 0
         matched = self.match(req, views)
-        decision = self.policy.route(RouteRequest(req.spec.prompt_len), self.snapshots(views, matched))
+        decision = self.policy.route(RouteRequest(req.spec.prompt_len, offline=req.spec.offline),
+                                     self.snapshots(views, matched))
         view = self._by_id(views, decision.instance_id)
         return view, matched.get(view.inst.index, 0)
 
@@ -174,22 +188,34 @@ class Gateway:
 
     # ---- accounting (as Router.dispatched / first_token / finished) -----------------------------------------
     def dispatched(self, view: InstanceView, req: Request, matched: int, prefill: bool = True) -> None:
+        offline = req.spec.offline
         view.inflight += 1
+        view.off_inflight += offline
         if prefill:
             spec = req.spec
-            view.pending_prefill += max(spec.prompt_len - matched, 0)
+            uncached = max(spec.prompt_len - matched, 0)
+            view.pending_prefill += uncached
             view.pending_prompt += spec.prompt_len
+            if offline:
+                view.off_pending_prefill += uncached
+                view.off_pending_prompt += spec.prompt_len
             self._expect(req, view.inst.index)
         view.snap = None
 
     def first_token(self, view: InstanceView, req: Request) -> None:
         spec = req.spec
-        view.pending_prefill = max(view.pending_prefill - max(spec.prompt_len - req.matched_tokens, 0), 0)
+        uncached = max(spec.prompt_len - req.matched_tokens, 0)
+        view.pending_prefill = max(view.pending_prefill - uncached, 0)
         view.pending_prompt = max(view.pending_prompt - spec.prompt_len, 0)
+        if spec.offline:
+            view.off_pending_prefill = max(view.off_pending_prefill - uncached, 0)
+            view.off_pending_prompt = max(view.off_pending_prompt - spec.prompt_len, 0)
         view.snap = None
 
-    def finished(self, view: InstanceView) -> None:
+    def finished(self, view: InstanceView, req: Request) -> None:
         view.inflight = max(view.inflight - 1, 0)
+        if req.spec.offline:
+            view.off_inflight = max(view.off_inflight - 1, 0)
         view.snap = None
 
     def _expect(self, req: Request, index: int) -> None:

@@ -188,11 +188,16 @@ class SimInstance:
         self.kv.free(seq)
 
     # ---- load -----------------------------------------------------------------------------------------
-    def pending_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute: queued requests and running ones mid-prefill."""
-        pending = sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
-        return pending + sum(s.num_tokens - s.num_computed_tokens for s in self.running
-                             if s.num_tokens - s.num_computed_tokens > 1)
+    def pending_prefill_tokens(self) -> tuple[int, int]:
+        """Prompt tokens still to compute (queued requests and running ones mid-prefill), and the
+        offline share of them."""
+        total = offline = 0
+        for s in (*self.waiting, *(s for s in self.running if s.num_tokens - s.num_computed_tokens > 1)):
+            n = s.num_tokens - s.num_computed_tokens
+            total += n
+            if s.offline:
+                offline += n
+        return total, offline
 
     def observe_ttft(self, ttft: float) -> None:
         self.recent_ttft = ttft if self.recent_ttft == 0 else 0.9 * self.recent_ttft + 0.1 * ttft

@@ -20,7 +20,6 @@ of the old role's work:
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,14 +48,12 @@ class RoleManager:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         cfg = cluster.cfg
-        cls = PD_POLICIES.get(cfg.pd_policy)
-        context = {"predictor": cluster.model, "token_budget": cfg.max_num_batched_tokens,
-                   "window_s": cfg.pd_window_s, "cooldown_s": cfg.pd_cooldown_s,
-                   "cluster_cooldown_s": cfg.pd_cluster_cooldown_s, "max_in_progress": cfg.pd_max_in_progress,
-                   "max_flips_per_decision": cfg.pd_max_flips}
-        params = inspect.signature(cls).parameters
-        extra = {k: v for k, v in context.items() if k in params}
-        self.policy = PD_POLICIES.create(cfg.pd_policy, cfg.slo_ttft_s, cfg.slo_tpot_s, **extra)
+        # every PD policy takes the dynamic one's arguments (static ignores them)
+        self.policy = PD_POLICIES.create(
+            cfg.pd_policy, cfg.slo_ttft_s, cfg.slo_tpot_s, predictor=cluster.model,
+            token_budget=cfg.max_num_batched_tokens, window_s=cfg.pd_window_s, cooldown_s=cfg.pd_cooldown_s,
+            cluster_cooldown_s=cfg.pd_cluster_cooldown_s, max_in_progress=cfg.pd_max_in_progress,
+            max_flips_per_decision=cfg.pd_max_flips)
         self.static = cfg.pd_policy == "static"
         self.log: list[dict] = []
         self.bytes_under_way = 0
@@ -75,7 +72,7 @@ class RoleManager:
             inst = view.inst
             if inst.role not in (PREFILL, DECODE):
                 continue
-            running, waiting, _, _, pending, tps, ttft, tpot, _ = gw.snapshot_report(view)
+            running, waiting, _, _, pending, tps, ttft, tpot = gw.snapshot_report(view)[:8]
             context = sum(s.num_tokens for s in inst.running) if inst.role == DECODE else 0
             # the prefill queue the instance reports: the gateway's own pending-prefill accounting also
             # counts prompts still waiting for their decode instance's KV reservation, a decode-side
@@ -178,8 +175,8 @@ class RoleManager:
         c = self.cluster
         gw = c.gateway
         source.remove(seq)
-        gw.finished(gw.views[source.index])
         req = seq.req
+        gw.finished(gw.views[source.index], req)
         new = SimSeq(req, MIXED, generated=seq.generated)
         new.phase = DECODE if migrated else MIXED
         if migrated and dest.kv.admit(new, new.num_tokens, dest.max_model_len) > 0:

@@ -70,6 +70,10 @@ class InstanceState:
     inflight: int = 0                 # requests dispatched here and not finished
     pending_prefill: int = 0          # their uncached prompt tokens, until each one's first token
     pending_prompt: int = 0           # their whole prompt tokens, until each one's first token
+    # the offline (co-location) share of the three above: online requests are routed on online load
+    off_inflight: int = 0
+    off_pending_prefill: int = 0
+    off_pending_prompt: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)  # failures: no requests until a probe passes
     unhealthy: str = ""               # why its last heartbeat said the engine cannot serve ("" = fine)
     removed: bool = False
