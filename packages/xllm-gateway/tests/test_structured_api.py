@@ -97,6 +97,31 @@ def test_json_object_and_guided_json_streamed(client, http):
     jsonschema.validate(json.loads(text), PERSON)
 
 
+def test_a_schema_compiles_off_the_event_loop(client, monkeypatch):
+    """The engine compiles a request's grammar (a cache miss) on a worker thread, never on the HTTP
+    event loop (a large schema takes milliseconds); the output still follows it."""
+    import asyncio
+
+    from xllm.core.grammar import Grammars
+
+    compile_, misses_on_loop = Grammars.compile, []
+
+    def compile(self, msg):
+        before = self.misses
+        out = compile_(self, msg)
+        if self.misses > before:
+            misses_on_loop.append(asyncio._get_running_loop() is not None)
+        return out
+
+    monkeypatch.setattr(Grammars, "compile", compile)
+    schema = {"type": "object", "additionalProperties": False, "required": ["off_loop"],
+              "properties": {"off_loop": {"enum": ["yes", "no"]}}}  # a schema no other test uses: a miss
+    out = client.completions.create(model=MODEL, prompt="Answer as JSON:", max_tokens=20, temperature=0,
+                                    extra_body={"guided_json": schema})
+    jsonschema.validate(json.loads(out.choices[0].text), schema)
+    assert misses_on_loop == [False]
+
+
 def test_guided_choice_regex_and_grammars(client):
     out = chat(client, messages=ASK, temperature=0, max_tokens=8, extra_body={"guided_choice": ["sunny", "rainy"]})
     assert out.choices[0].message.content in ("sunny", "rainy")

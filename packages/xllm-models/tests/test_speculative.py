@@ -148,8 +148,33 @@ def test_stops_cut_exactly(models):
     assert run(models, n=7, speculative="ngram", num_speculative_tokens=7)[0] == run(models, n=7)[0]
 
 
-def test_refused_with_async_scheduling():
-    with pytest.raises(ConfigError, match="async_scheduling"):
-        EngineConfig(speculative="ngram", async_scheduling=True)
+def test_unknown_proposer_refused():
     with pytest.raises(ConfigError, match="unknown speculative proposer"):
         EngineConfig(speculative="nope")
+
+
+def test_async_scheduling_identical(models):
+    """With async scheduling a speculating sequence steps synchronously (held while its step is in
+    flight), the others overlapped: outputs equal synchronous plain decoding, greedy (drafts accepted),
+    seeded sampling, stops, and under preemption."""
+    want, want_reasons = run(models)
+    engines = []
+    got, reasons = run(models, speculative="ngram", num_speculative_tokens=4, async_scheduling=True,
+                       engine_out=engines)
+    assert got == want and reasons == want_reasons
+    c = engines[0].spec.counters
+    assert c.num_draft_tokens > 0 and c.num_accepted_tokens > 0
+    sampling = dict(temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+    assert run(models, sampling=sampling, speculative="ngram", async_scheduling=True)[0] == run(
+        models, sampling=sampling)[0]
+    stops = dict(temperature=0, stop_token_ids=[want["r0"][5]])
+    assert run(models, n=30, sampling=stops, speculative="ngram", async_scheduling=True) == run(
+        models, n=30, sampling=stops)
+    prompts = _prompts()
+    prompts = [*prompts, prompts[0] + [5], prompts[0] + [6]]
+    per_token = models[0].kv_cache_spec().bytes_per_token(torch.float32)
+    tight = dict(kv_cache_backend="paged", block_size=16, kv_cache_memory_gib=12 * 16 * per_token / 2**30)
+    engines = []
+    got, _ = run(models, prompts, speculative="ngram", async_scheduling=True, engine_out=engines, **tight)
+    assert got == run(models, prompts)[0]
+    assert engines[0].counters.num_preemptions > 0

@@ -122,6 +122,14 @@ class AsyncEngine:
         self._wake.set()
         return stream
 
+    async def submit_async(self, req: engine_pb2.GenerateRequest) -> RequestStream:
+        """:meth:`submit` from an event loop: an output constraint is compiled on a worker thread
+        first (into the engine's grammar cache; milliseconds for a large schema), never on the loop."""
+        grammars = self.engine.grammars
+        if req.sampling.HasField("structured") and grammars is not None:
+            await asyncio.to_thread(grammars.compile, req.sampling.structured)
+        return self.submit(req)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
         self._wake.set()

@@ -11,7 +11,7 @@ from xllm.core.dtypes import DTYPES
 from xllm.core.errors import ConfigError
 from xllm.core.kv.registry import KV_BACKENDS
 from xllm.core.spec.registry import PROPOSERS
-from xllm.sched.batch_policy import DEFAULT_TOKEN_BUDGET
+from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -45,14 +45,24 @@ class EngineConfig:
     ``profile_path``: an ``xllm profile`` JSON whose fitted step model the engine's step-time
     predictor starts from (``xllm.core.step_timing``; ``None``: it fits its own after a warm-up).
     ``slo_ttft_ms`` / ``slo_tpot_ms`` are the online latency targets (``None``: none): the batch
-    policy admits offline (``service_tier: flex``) decodes only as far as the predicted step time
-    keeps within ``slo_tpot_ms``; an offline sequence that made no progress for
-    ``offline_starvation_s`` gets a minimal guaranteed share (``xllm.sched.colocation``).
+    policy admits offline (``service_tier: flex``) work only as far as the predicted step times
+    keep the average step online decodes see within ``offline_slo_fraction`` × ``slo_tpot_ms``;
+    an offline sequence that made no progress for ``offline_starvation_s`` gets a minimal
+    guaranteed share (``xllm.sched.colocation``).
     ``speculative`` names a proposer of :data:`xllm.core.spec.registry.PROPOSERS` (``None``: no
     speculative decoding): up to ``num_speculative_tokens`` drafts per decoding sequence, verified
     in one forward, while a step decodes at most ``speculative_max_batch`` sequences
     (:mod:`xllm.core.spec.speculator`); ``draft_model_path`` is the ``draft`` proposer's model
-    directory. Not with ``async_scheduling``.
+    directory; ``speculative_self_layers`` the ``self`` proposer's number of target layers (``None``:
+    a quarter of them, at least 1). With ``async_scheduling`` a speculating sequence steps
+    synchronously (held until its step in flight lands), the others overlapped.
+    KV tiers below the engine's memory (:mod:`xllm.core.kv.lower_tiers`): ``kv_host_memory_gib``
+    (T1: host DRAM shared by the engine processes of the machine, files under ``kv_host_dir``, a
+    tmpfs) and ``kv_disk_dir`` / ``kv_disk_size_gib`` (T2: local SSD files); ``None``: no such tier.
+    ``kv_store`` (``mooncake://HOST:PORT``, its metadata server ``kv_store_metadata``): T3, the
+    Mooncake store shared by the cluster, to which this engine lends ``kv_store_segment_gib``.
+    Blocks are shared only within ``kv_model_identity`` (the model's weights; the loader sets it
+    from the model directory) and the KV layout.
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -73,11 +83,21 @@ class EngineConfig:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     offline_starvation_s: float = 30.0
+    offline_slo_fraction: float = DEFAULT_OFFLINE_SLO_FRACTION
     profile_path: str | None = None
     speculative: str | None = None
     num_speculative_tokens: int = 3
     speculative_max_batch: int = 8
     draft_model_path: str | None = None
+    kv_host_memory_gib: float | None = None
+    kv_host_dir: str = "/dev/shm/xllm-kv"
+    kv_disk_dir: str | None = None
+    kv_disk_size_gib: float = 10.0
+    kv_model_identity: str | None = None
+    kv_store: str | None = None
+    kv_store_metadata: str | None = None
+    kv_store_segment_gib: float = 1.0
+    speculative_self_layers: int | None = None
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -101,18 +121,42 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be > 0, got {value}")
         if not self.offline_starvation_s > 0:
             raise ConfigError(f"offline_starvation_s must be > 0, got {self.offline_starvation_s}")
+        if not 0 < self.offline_slo_fraction <= 1:
+            raise ConfigError(f"offline_slo_fraction must be in (0, 1], got {self.offline_slo_fraction}")
         self._check_speculative()
+        self._check_kv_tiers()
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return self.kv_host_memory_gib is not None or self.kv_disk_dir is not None or self.kv_store is not None
+
+    def _check_kv_tiers(self) -> None:
+        if self.kv_store is not None:
+            if not self.kv_store.startswith("mooncake://") or ":" not in self.kv_store[len("mooncake://"):]:
+                raise ConfigError(f"kv_store: a Mooncake store is named mooncake://HOST:PORT, got {self.kv_store!r}")
+            if not self.kv_store_metadata:
+                raise ConfigError("kv_store needs kv_store_metadata, the Mooncake metadata server's URL "
+                                  "(--mooncake-metadata), e.g. http://127.0.0.1:8080/metadata")
+        for name in ("kv_host_memory_gib", "kv_disk_size_gib", "kv_store_segment_gib"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if self.kv_tiers_enabled and (self.kv_cache_backend == "contiguous" or not self.enable_prefix_cache):
+            raise ConfigError("KV tiers (kv_host_memory_gib, kv_disk_dir, kv_store) back the prefix cache: they need "
+                              "a paged KV backend (xtensor or paged) with the prefix cache on")
 
     def _check_speculative(self) -> None:
+        if self.speculative_self_layers is not None and self.speculative_self_layers < 1:
+            raise ConfigError(f"speculative_self_layers must be >= 1, got {self.speculative_self_layers}")
+        if self.speculative_self_layers is not None and self.speculative != "self":
+            raise ConfigError("speculative_self_layers (--speculative-self-layers) is for --speculative self, "
+                              f"not {self.speculative!r}")
         if self.speculative is None:
             return
         if self.speculative not in PROPOSERS:
             raise ConfigError(f"speculative: unknown speculative proposer {self.speculative!r}; "
                               f"known: {', '.join(PROPOSERS.choices())}")
         self.speculative = PROPOSERS.canonical(self.speculative)
-        if self.async_scheduling:
-            raise ConfigError("speculative decoding does not run with async_scheduling yet: a verify step's "
-                              "accepted length is unknown until it lands (drop --async-scheduling)")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError(f"num_speculative_tokens must be in 1..16, got {self.num_speculative_tokens}")
         if self.speculative_max_batch < 1:

@@ -46,7 +46,7 @@ from xllm.kernels import native
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.enums import finish_reason_name
 from xllm.proto.registry.v1 import instance_pb2
-from xllm.sched import BATCH_POLICIES, StepPlan
+from xllm.sched import BATCH_POLICIES, BatchSettings, StepPlan
 from xllm.sched.latency import step_shape
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,13 @@ class LLMEngine(EngineMoves):
                                  config.max_num_seqs, self.max_model_len, config.kv_cache_memory_gib,
                                  config.block_size, config.enable_prefix_cache)
         self.layout = self.kv.layout
+        if config.kv_tiers_enabled:  # T1/T2 below the KV memory (xllm.core.kv.lower_tiers)
+            from xllm.core.kv.lower_tiers import LowerTiers, build_store
+            store = build_store(self.layout.fingerprint, config.kv_model_identity, config.kv_host_memory_gib,
+                                config.kv_host_dir, config.kv_disk_dir, config.kv_disk_size_gib, config.kv_store,
+                                config.kv_store_metadata, config.kv_store_segment_gib)
+            if store is not None:
+                self.kv.attach_tiers(LowerTiers(store, self.kv.page_store()))
         self.limits = RequestLimits(int(model.vocab_size), self.max_model_len, self.layout)
         self.runner = ModelRunner(model, self.kv, self.platform.device, native_decode=config.native_decode)
         if config.compile_decode:
@@ -90,17 +97,18 @@ class LLMEngine(EngineMoves):
         # the step-time predictor: fed every step (shape in _prepare, time in _account)
         self.step_timing = StepTiming(load_step_model(config.profile_path) if config.profile_path else None)
         # online work as decode-first batching; offline (flex) work in what it leaves, within the TPOT SLO
-        policy = BATCH_POLICIES.create(
-            "colocation", max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        policy = BATCH_POLICIES.get("colocation").from_settings(BatchSettings(
+            config.max_num_seqs, config.max_num_batched_tokens,
             slo_tpot_s=config.slo_tpot_ms / 1000 if config.slo_tpot_ms else None,
-            predict=self.step_timing.step_seconds, starvation_s=config.offline_starvation_s)
+            offline_slo_fraction=config.offline_slo_fraction, predict=self.step_timing.step_seconds,
+            starvation_s=config.offline_starvation_s))
         self.scheduler = Scheduler(policy, self.kv)
         # speculative decoding (xllm.core.spec; off unless config.speculative names a proposer)
         self.spec: Speculator | None = None
         if config.speculative is not None:
             from xllm.core.spec.build import build_speculator
             self.spec = build_speculator(config, self.max_model_len, self.platform.device, int(model.vocab_size),
-                                         draft_model)
+                                         draft_model, target=model, runner=self.runner)
         self.requests: dict[str, RequestOutput] = {}
         self.counters = EngineCounters()
         self.observers = list(observers or [])
@@ -130,7 +138,7 @@ class LLMEngine(EngineMoves):
         compiled here (into the grammar cache), off the engine thread."""
         params = self.limits.check(req)
         if req.sampling.HasField("structured") and self.grammars is not None:
-            self.grammars.state(req.sampling.structured)
+            self.grammars.compile(req.sampling.structured)
         return params
 
     def add_request(self, req: engine_pb2.GenerateRequest) -> list[engine_pb2.GenerateResponse]:
@@ -242,6 +250,10 @@ class LLMEngine(EngineMoves):
         # sequences whose in-flight token is their last one are not scheduled again, nor are those
         # a migration stops (paused once their step landed)
         parked = {s for s in self.scheduler.running if (s in busy and self._saturated(s)) or s.moving}
+        if self.spec is not None and prev is not None:
+            # a verify step's accepted length is unknown until it lands, and drafts need a sequence's
+            # real last token: speculating sequences step synchronously (xllm.core.spec.speculator)
+            parked |= set(prev.spec_starts) | {s for s in busy if self.spec.wants(s)}
         plan = self._schedule(hold=parked)
         self.stalled = not plan and prev is None
         flight = self._prepare(plan) if plan else None
@@ -302,6 +314,8 @@ class LLMEngine(EngineMoves):
     def _swap_in(self, flight: StepInFlight) -> None:
         """Wait for the forward, put the sampled tokens in place of the placeholders."""
         flight.wait()
+        if self.spec is not None:  # prices the rows of decode/verify steps (xllm.core.spec.costs)
+            self.spec.observe_step(flight.batch, flight.forward_seconds)
         for v in flight.verified:  # before the prefix cache sees them: rejected rows roll back
             self.spec.land(v, flight.spec_starts[v.seq])
         for seq, _ in flight.chunks:
@@ -464,7 +478,9 @@ class LLMEngine(EngineMoves):
             instance_id=self.instance_id, num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), kv_usage=self.kv.usage, kv_free_tokens=self.kv.free_tokens,
             recent_ttft=self.counters.recent_ttft, recent_tpot=self.counters.recent_tpot, timestamp=time.time(),
-            step_predictor=self.step_timing.report(), offline_longest_wait=self.counters.offline_longest_wait)
+            step_predictor=self.step_timing.report(), offline_longest_wait=self.counters.offline_longest_wait,
+            offline_running=sum(s.offline for s in self.scheduler.running),
+            offline_waiting=sum(s.offline for s in self.scheduler.waiting))
 
 
 _PHASES = {engine_pb2.DISAGG_PHASE_NONE: Phase.MIXED, engine_pb2.DISAGG_PHASE_PREFILL: Phase.PREFILL,

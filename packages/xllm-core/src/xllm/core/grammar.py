@@ -5,7 +5,8 @@ Contracts:
 - :class:`Grammars` is the engine's grammar engine (one per engine, built by the loader from the
   tokenizer's ``tokenizer.json``; an engine without one refuses constrained requests). It compiles a
   request's :class:`~xllm.proto.engine.v1.engine_pb2.StructuredOutput` once per distinct grammar text
-  (a bounded LRU of compiled matchers, copied per request: any thread).
+  (:meth:`Grammars.compile`: a bounded LRU of compiled matchers, copied per request; any thread — an
+  event loop hands it to a worker thread, :meth:`xllm.core.AsyncEngine.submit_async`).
 - A sequence's :class:`GrammarState` holds its matcher and how many of its output tokens the matcher
   has consumed. The state follows the sequence's *known output* (``Sequence.all_output_ids()``: a
   resumed request's earlier output, a migration's appended tokens, a PD hand-off's first token,
@@ -17,7 +18,9 @@ Contracts:
   leaves a core free and its native kernels release the GIL (``overlap``, set by the engine: an
   OpenMP team whose cores the grammar thread shares waits at every barrier, and a kernel holding the
   GIL keeps the grammar thread from starting), else right there, before the forward (the default
-  configuration: all cores, kernels holding the GIL; 25-40 µs per constrained sequence). Either way the bitmask is
+  configuration: all cores, kernels holding the GIL; 25-40 µs per constrained sequence, one matcher
+  after the other on the calling thread: no hand-off to a pool thread, and no torch call, which would
+  drop the GIL to the HTTP event loop, before the masks). Either way the bitmask is
   expanded to an additive float mask off the sampler's path, and the sampler
   (:meth:`PendingMasks.apply`) masks the constrained rows with one add. A sequence whose grammar
   has ended may only emit EOS.
@@ -73,7 +76,7 @@ class PendingMasks:
     the sampler's share on the critical path is one add."""
 
     rows: torch.Tensor        # sample rows (of the step's sampled sequences) that are constrained
-    bitmask: torch.Tensor     # int32 [len(rows), words]: bit t of a row = token t allowed
+    bitmask: np.ndarray       # int32 [len(rows), words]: bit t of a row = token t allowed
     num_rows: int = 0         # rows of the step's logits (all constrained: a plain add)
     additive: torch.Tensor | None = None  # float32 [len(rows), vocab], set by the grammar thread
     future: Future | None = field(default=None, repr=False)
@@ -92,7 +95,7 @@ class PendingMasks:
 
     def expand(self, vocab: int) -> None:
         """The additive mask from the bitmask (grammar thread)."""
-        as_bytes = self.bitmask.numpy().view(np.uint8)
+        as_bytes = self.bitmask.view(np.uint8)
         table = np.take(_BYTE_MASKS, as_bytes, axis=0).reshape(len(as_bytes), -1)
         self.additive = torch.from_numpy(np.ascontiguousarray(table[:, :vocab]))
 
@@ -111,31 +114,36 @@ class Grammars:
         self.overlap = overlap  # masks on the grammar thread during the forward (else inline in begin)
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-        self._executor = llguidance.LLExecutor(1)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xllm-grammar")
         self.hits = 0
         self.misses = 0
 
-    def state(self, msg: engine_pb2.StructuredOutput) -> GrammarState:
-        """A fresh state for one request (:class:`InvalidRequestError` naming ``msg.field`` if the
-        constraint does not compile). Any thread."""
+    def compile(self, msg: engine_pb2.StructuredOutput) -> llguidance.LLMatcher:
+        """The compiled matcher of ``msg``'s grammar, from the cache or compiled into it (milliseconds
+        for a large schema: callers on an event loop run this on a worker thread, see
+        :meth:`xllm.core.AsyncEngine.submit_async`); :class:`InvalidRequestError` naming ``msg.field``
+        if the constraint does not compile. Any thread."""
         text = grammar_text(msg)
         with self._lock:
             compiled = self._cache.get(text)
             if compiled is not None:
                 self._cache.move_to_end(text)
                 self.hits += 1
-        if compiled is None:
-            compiled = llguidance.LLMatcher(self.tokenizer, text, log_level=0)  # drops the GIL
-            if compiled.is_error():
-                raise InvalidRequestError(f"invalid {msg.WhichOneof('constraint').replace('_', ' ')}: "
-                                          f"{compiled.get_error()[:500]}", msg.field or "structured")
-            with self._lock:
-                self.misses += 1
-                self._cache[text] = compiled
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-        return GrammarState(compiled.deep_copy())
+                return compiled
+        compiled = llguidance.LLMatcher(self.tokenizer, text, log_level=0)  # drops the GIL
+        if compiled.is_error():
+            raise InvalidRequestError(f"invalid {msg.WhichOneof('constraint').replace('_', ' ')}: "
+                                      f"{compiled.get_error()[:500]}", msg.field or "structured")
+        with self._lock:
+            self.misses += 1
+            self._cache[text] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def state(self, msg: engine_pb2.StructuredOutput) -> GrammarState:
+        """A fresh state for one request (a copy of the compiled matcher; see :meth:`compile`)."""
+        return GrammarState(self.compile(msg).deep_copy())
 
     def begin(self, seqs: list[Sequence]) -> PendingMasks | None:
         """Start the masks of the constrained sequences among a step's sampled ``seqs`` (row ``i``
@@ -151,8 +159,10 @@ class Grammars:
             work.append((state, outputs[state.consumed:]))
         if not rows:
             return None
-        pending = PendingMasks(torch.tensor(rows, dtype=torch.long),
-                               torch.zeros(len(rows), self.words, dtype=torch.int32))
+        # numpy, not torch, allocations: a torch call drops the GIL, and the HTTP event loop (woken by
+        # the previous step's chunks) would take it and hold the engine thread up
+        pending = PendingMasks(torch.from_numpy(np.array(rows, dtype=np.int64)),
+                               np.zeros((len(rows), self.words), dtype=np.int32))
         if self.overlap:
             pending.future = self._thread.submit(self._compute, work, pending)
         else:
@@ -160,22 +170,24 @@ class Grammars:
         return pending
 
     def _compute(self, work: list[tuple[GrammarState, list[int]]], pending: PendingMasks) -> None:
+        """Each row's mask, one matcher at a time on this thread (llguidance's ``LLExecutor`` hands
+        the batch to a pool thread: with every core in the torch team, waking it cost the engine
+        thread ~1 ms per step at batch 16, ten times the masks themselves)."""
         bitmask = pending.bitmask
-        live: list[tuple[llguidance.LLMatcher, int]] = []
+        row_bytes = self.words * 4
+        base = bitmask.ctypes.data
         for k, (state, tokens) in enumerate(work):
             state.catch_up(tokens)
             if state.failed:
                 log.warning("constrained output left its grammar (%s): only EOS allowed", state.failed)
                 self._eos_only(bitmask[k])
             else:
-                live.append((state.matcher, k))
-        if live:
-            self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), self.words * 4, len(work))
+                state.matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
         pending.expand(self.vocab_size)
 
-    def _eos_only(self, row: torch.Tensor) -> None:
-        row.zero_()
-        as_bytes = row.view(torch.uint8)
+    def _eos_only(self, row: np.ndarray) -> None:
+        row[:] = 0
+        as_bytes = row.view(np.uint8)
         for t in self.tokenizer.eos_tokens:
             as_bytes[t // 8] |= 1 << (t % 8)
 

@@ -42,6 +42,7 @@ class BatchInputs:
     prompt_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
     spec_rows: list[int] = field(default_factory=list)
     spec_spans: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)  # the packed chunks, in row order
 
     @property
     def logit_rows(self) -> torch.Tensor:
@@ -64,8 +65,10 @@ class ModelRunner:
 
     Each step picks its graph mode (xLLM §4.2). With the model's fused native forward
     (:class:`~xllm.core.model_api.SupportsFusedForward`) and a backend with slot views: a pure
-    decode step of up to ``max_batch`` sequences runs the fused decode kernel ("native"), any
-    other step of up to ``max_step_tokens`` tokens the fused general step ("native_step"), both
+    decode step of up to ``max_batch`` sequences runs the fused decode kernel ("native"), and so does a
+    step of decode rows and speculative verify chunks of up to ``max_batch`` rows in all
+    ("native_verify": a verify chunk's rows share its slot at consecutive positions); any
+    other step of up to ``max_step_tokens`` tokens the fused general step ("native_step"), all
     unless a caller listens to each layer (``on_layer``). Otherwise a pure decode step takes a
     compiled decode graph covering its batch size (``graph``, see :mod:`xllm.core.graph_runner`)
     and everything else the eager modules.
@@ -79,7 +82,10 @@ class ModelRunner:
         if native_decode and kv.addressing.slot_views and isinstance(model, SupportsFusedForward):
             self.fused = model.fused_forward()
         self.graph = None  # a CompiledDecode for larger decode batches (see graph_runner)
-        self.mode_steps = {"native": 0, "native_step": 0, "compiled": 0, "eager": 0}
+        # hears every forward's final hidden states ``[rows, hidden]`` (the ``mtp`` proposer); while
+        # set, every step runs eager (the fused and compiled paths return the sampled rows only)
+        self.hidden_sink: Callable[[BatchInputs, torch.Tensor], None] | None = None
+        self.mode_steps = {"native": 0, "native_verify": 0, "native_step": 0, "compiled": 0, "eager": 0}
 
     @property
     def native_decode(self) -> bool:
@@ -169,7 +175,14 @@ class ModelRunner:
             decode_context_lens=tensor(dec_lens), prefill_query_starts=pf_starts, prefill_context_lens=pf_lens,
             sample_rows=tensor(sample_rows), sample_seqs=sample_seqs,
             address=self.kv.addressing.pack(chunks, decode_seqs, prefill_seqs, tensor),
-            prompt_rows=prompt_rows, prompt_spans=prompt_spans, spec_rows=spec_rows, spec_spans=spec_spans)
+            prompt_rows=prompt_rows, prompt_spans=prompt_spans, spec_rows=spec_rows, spec_spans=spec_spans,
+            chunks=list(chunks))
+
+    def _skinny_verify(self, batch: BatchInputs) -> bool:
+        """Whether ``batch`` is decode rows plus speculative verify chunks only (no prompt chunk, no
+        prompt-logprob rows) within the decode kernel's row limit."""
+        return (bool(batch.spec_spans) and len(batch.spec_spans) == batch.num_prefill_seqs and not batch.prompt_rows
+                and len(batch.input_ids) <= self.fused.max_batch)
 
     @torch.inference_mode()
     def execute(self, batch: BatchInputs, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -177,11 +190,18 @@ class ModelRunner:
         sequence, then the prompt-logprob rows), ``[rows, vocab]``. ``on_layer`` hears
         each layer's index once the forward stored its KV (such a step runs eager)."""
         pure_decode = batch.num_decode == len(batch.input_ids)
-        if self.fused is not None and on_layer is None:
+        if self.fused is not None and on_layer is None and self.hidden_sink is None:
             if pure_decode and batch.num_decode <= self.fused.max_batch:
                 slots = self.kv.addressing.decode_slots(batch)
                 hidden = self.fused(batch.input_ids, batch.positions, slots, self.kv)
                 self.mode_steps["native"] += 1
+                return self.model.compute_logits(hidden)
+            if self._skinny_verify(batch):
+                # decode rows and verify chunks only, few rows: the decode kernel streams the weights
+                # once for all of them; a verify chunk's rows share its slot at consecutive positions,
+                # which the kernel attends causally. Every row is a logit row, in logit_rows order.
+                hidden = self.fused(batch.input_ids, batch.positions, batch.address.token_slots, self.kv)
+                self.mode_steps["native_verify"] += 1
                 return self.model.compute_logits(hidden)
             if len(batch.input_ids) <= self.fused.max_step_tokens:
                 self.mode_steps["native_step"] += 1
@@ -191,7 +211,7 @@ class ModelRunner:
                 return self.model.compute_logits(self.fused.step(self.step_tokens(batch), self.kv))
         if pure_decode:
             slots = self.kv.addressing.decode_slots(batch)
-            if self.graph is not None and self.graph.covers(batch.num_decode):
+            if self.graph is not None and self.hidden_sink is None and self.graph.covers(batch.num_decode):
                 self.mode_steps["compiled"] += 1
                 return self.graph(batch.input_ids, batch.positions, slots)
         self.mode_steps["eager"] += 1
@@ -199,6 +219,8 @@ class ModelRunner:
         if on_layer is not None:
             ctx = _ReportingContext(ctx, on_layer)
         hidden = self.model.forward(batch.input_ids, batch.positions, ctx)
+        if self.hidden_sink is not None:
+            self.hidden_sink(batch, hidden)
         if not batch.needs_logits:
             return hidden.new_empty(0, 0, dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.logit_rows])

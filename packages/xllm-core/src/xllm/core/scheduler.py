@@ -11,6 +11,11 @@ side, waiting for KV memory for the prompt), ``awaiting_kv`` (decode side, reser
 on its way) and ``handing_off`` (prefill side, first token out, KV held for the transfer). Sequences
 there hold KV but take no part in steps.
 
+With KV tiers below the engine's memory (:mod:`xllm.core.kv.lower_tiers`), a waiting sequence whose
+prefix a lower tier holds goes to ``loading`` (status ``LOADING``) while its blocks come up on the
+loader thread; steps go on without it. Once loaded, the blocks are in the prefix cache, held by the
+load until the sequence's admission (which shares them), and the sequence is back in ``waiting``.
+
 Not thread-safe: used from the engine's step loop only.
 """
 
@@ -18,8 +23,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection, Iterable
+from concurrent.futures import FIRST_COMPLETED, wait
+from itertools import islice
 
 from xllm.core.kv.base import KVCacheBackend
+from xllm.core.kv.lower_tiers import LoadJob
 from xllm.core.sequence import Phase, SeqStatus, Sequence
 from xllm.sched import BatchPolicy, StepPlan
 
@@ -43,6 +51,10 @@ class Scheduler:
         self.handing_off: dict[str, Sequence] = {}
         self._pinned: frozenset[Sequence] = frozenset()
         self._release_after_unpin: list[Sequence] = []
+        self.loading: dict[Sequence, LoadJob] = {}     # prefix coming up from a lower KV tier
+        self._loaded: dict[Sequence, LoadJob] = {}     # back in waiting; the load holds its pages until admission
+        self._orphan_loads: list[LoadJob] = []         # their sequence went away mid-load
+        self._tier_checked: set[Sequence] = set()      # waiting sequences already looked up in the lower tiers
 
     # ---- queues -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -61,16 +73,66 @@ class Scheduler:
     def schedule(self, hold: Collection[Sequence] = ()) -> StepPlan:
         """Let the policy pick this step's chunks; sequences in ``hold`` (async scheduling: their
         last token is already in flight) are neither scheduled nor counted as running."""
+        self._tier_loads()
         plan = self.policy.schedule(_PolicyView(self, hold))
         for seq in plan.admitted:
             seq.status = SeqStatus.RUNNING
         return plan
+
+    # ---- lower KV tiers ---------------------------------------------------------------------------
+    MAX_TIER_CHECKS = 16  # waiting sequences (from the head) looked up in the lower tiers per step
+    IDLE_LOAD_WAIT_S = 0.1  # with nothing else to run, how long a step waits for a load to land
+
+    def _tier_loads(self) -> None:
+        """Start loads for waiting sequences whose prefix a lower tier holds, then land the done loads
+        (their sequences back to ``waiting``). With nothing else to run, wait briefly for a load first,
+        so a lone request's load lands in this step rather than after an idle pause."""
+        if not self.loading and not self._orphan_loads and not (self.kv.has_tiers and self._may_load()):
+            return
+        for seq in list(islice(self.waiting, self.MAX_TIER_CHECKS)):
+            if seq in self._tier_checked or seq.kv_pages:
+                continue
+            job = self.kv.begin_load(seq)
+            if job is None:
+                self._tier_checked.add(seq)
+                continue
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.LOADING
+            self.loading[seq] = job
+        if self.loading and not (self.running or self.waiting or self.reserving):
+            wait([j.future for j in self.loading.values()], timeout=self.IDLE_LOAD_WAIT_S,
+                 return_when=FIRST_COMPLETED)
+        for job in [j for j in self._orphan_loads if j.done]:
+            self._orphan_loads.remove(job)
+            self.kv.end_load(job)
+            self.kv.release_load(job)
+        for seq, job in [(s, j) for s, j in self.loading.items() if j.done]:
+            del self.loading[seq]
+            if job.pages:
+                self.kv.end_load(job)
+                self._loaded[seq] = job
+                self._tier_checked.add(seq)
+            self.add(seq)  # a job without pages waited for another's load: looked up again next step
+
+    def _may_load(self) -> bool:
+        return any(s not in self._tier_checked for s in islice(self.waiting, self.MAX_TIER_CHECKS))
+
+    def _forget_load(self, seq: Sequence) -> None:
+        """``seq`` leaves the waiting side: drop what its lower-tier load held."""
+        self._tier_checked.discard(seq)
+        job = self._loaded.pop(seq, None)
+        if job is not None:
+            self.kv.release_load(job)
+        job = self.loading.pop(seq, None)
+        if job is not None:
+            self._orphan_loads.append(job)  # the loader still writes its pages: released once done
 
     def finish(self, seq: Sequence) -> None:
         """Take ``seq`` out of the queues for good (finished or aborted) and release its KV (after
         the step in flight, if that step writes it)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+        self._forget_load(seq)
         if any(s is seq for s in self.running):
             self.running.remove(seq)
         if seq in self.reserving:
@@ -84,8 +146,9 @@ class Scheduler:
             self.kv.free(seq)
 
     def has_work(self) -> bool:
-        """Anything a step could do (sequences awaiting their KV or handing it off wait for others)."""
-        return bool(self.running or self.waiting or self.reserving)
+        """Anything a step could do (sequences awaiting their KV or handing it off wait for others;
+        loads from lower tiers are landed by steps)."""
+        return bool(self.running or self.waiting or self.reserving or self.loading or self._orphan_loads)
 
     @property
     def num_holding_kv(self) -> int:
@@ -119,11 +182,13 @@ class Scheduler:
         seq.status = SeqStatus.HANDING_OFF
         self.handing_off[seq.request_id] = seq
 
-    def pending_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute: queued requests plus running ones mid-prefill."""
-        pending = sum(max(seq.num_tokens - seq.num_computed_tokens, 0) for seq in self.waiting)
+    def pending_prefill_tokens(self, offline_only: bool = False) -> int:
+        """Prompt tokens still to compute: queued requests plus running ones mid-prefill (of offline
+        requests only, with ``offline_only``)."""
+        pending = sum(max(seq.num_tokens - seq.num_computed_tokens, 0) for seq in self.waiting
+                      if seq.offline or not offline_only)
         return pending + sum(seq.num_tokens - seq.num_computed_tokens for seq in self.running
-                             if seq.num_tokens - seq.num_computed_tokens > 1)
+                             if seq.num_tokens - seq.num_computed_tokens > 1 and (seq.offline or not offline_only))
 
     # ---- KV lifetime across a step in flight ------------------------------------------------------
     def pin(self, seqs: Iterable[Sequence]) -> None:
@@ -143,6 +208,7 @@ class Scheduler:
         if n > 0:
             self.waiting.remove(seq)
             self.running.append(seq)
+            self._forget_load(seq)  # its admission shares the loaded blocks now
         return n
 
     def _preempt(self, seq: Sequence) -> None:
@@ -152,6 +218,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
+        self._tier_checked.discard(seq)  # its blocks may be in a lower tier by now
 
 
 class _PolicyView:

@@ -21,6 +21,7 @@ class SeqStatus(enum.Enum):
     RESERVING = "reserving"      # decode phase: waiting for KV memory to receive the prompt's KV into
     AWAITING_KV = "awaiting_kv"  # decode phase: KV reserved, the prefill instance is computing / sending it
     HANDING_OFF = "handing_off"  # prefill phase: first token out, KV held until the decode side has it
+    LOADING = "loading"          # its prefix is coming up from a lower KV tier (xllm.core.kv.lower_tiers)
 
 
 class Phase(enum.Enum):

@@ -21,7 +21,7 @@ from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.registration.etcd import DEFAULT_PREFIX
 from xllm.engine.security import TOKEN_ENV, ClusterSecurity, resolve_token
 from xllm.proto.enums import ROLE_NAMES
-from xllm.sched.batch_policy import DEFAULT_TOKEN_BUDGET
+from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
 
 if TYPE_CHECKING:
     from xllm.core.config import DEFAULT_TOKEN_BUDGET, EngineConfig
@@ -50,6 +50,13 @@ def positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
 
 
@@ -114,24 +121,58 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="step-time profile written by `xllm profile` (same model, dtype and threads): the "
                         "engine predicts step times from the model fitted to it, corrected online from its own "
                         "steps (default: a model fitted on this engine's own steps after a warm-up)")
+    p.add_argument("--offline-slo-fraction", type=fraction, default=DEFAULT_OFFLINE_SLO_FRACTION, metavar="F",
+                   help="co-location headroom: offline decodes and chunks join steps only as far as the average "
+                        "predicted step time online decodes see (over their last 128 steps) stays within F x "
+                        "--slo-tpot-ms (steps carrying online prompt chunks run long anyway, and an online "
+                        "request's TPOT averages all its steps; default %(default)s, measured in xllm-sim)")
     p.add_argument("--offline-starvation-s", type=positive_float, default=30.0, metavar="SECONDS",
                    help="an offline request that made no progress this long gets a minimal guaranteed share "
                         "of every step (one decode row or a small prompt chunk) until it progresses")
     p.add_argument("--speculative", default=None, choices=PROPOSERS.choices(),
                    help="speculative decoding: a proposer guesses the next tokens of each decoding sequence and "
                         "one forward verifies them (outputs unchanged: greedy identical, sampling exact). ngram: "
-                        "prompt lookup over prompt + output (pays on editing, extraction, code rewriting); draft: "
-                        "a smaller model with the same tokenizer (--draft-model). Not with --async-scheduling. "
-                        "Default: off")
+                        "prompt lookup over prompt + output (pays on editing, extraction, code rewriting); self: "
+                        "the served model's own first layers (--speculative-self-layers) with its LM head; draft: "
+                        "a smaller model with the same tokenizer (--draft-model); mtp: the model's "
+                        "next-token-prediction layers (DeepSeek-V3 checkpoints with num_nextn_predict_layers, "
+                        "loaded only then). With --async-scheduling a speculating sequence steps synchronously "
+                        "(mtp: not with it). Default: off")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=3, metavar="K",
                    help="most draft tokens per sequence and step (1..16; the engine lowers it per request "
                         "when drafts are rejected, and pauses speculation for requests whose drafts fail)")
     p.add_argument("--speculative-max-batch", type=positive_int, default=8, metavar="N",
                    help="no speculation in a step decoding more than N sequences (larger decode steps are no "
                         "longer bound by reading the weights, so verifying drafts is not free)")
+    p.add_argument("--speculative-self-layers", type=positive_int, default=None, metavar="N",
+                   help="--speculative self: how many of the model's first layers draft (default: a quarter of "
+                        "its layers, at least 1; more layers: better guesses, dearer drafts)")
     p.add_argument("--draft-model", default=None, metavar="DIR",
                    help="the draft proposer's model: a Hugging Face directory of a smaller model with the "
                         "served model's tokenizer")
+    add_kv_tier_flags(p)
+
+
+def add_kv_tier_flags(p: argparse.ArgumentParser) -> None:
+    """KV tiers below the engine's KV memory (xllm.core.kv.lower_tiers): prefixes evicted from it are
+    written there and loaded back instead of recomputed."""
+    p.add_argument("--kv-host-memory", type=positive_float, default=None, metavar="GIB",
+                   help="T1 KV tier: host DRAM in GiB shared by the engine processes of this machine (files in a "
+                        "tmpfs, --kv-host-dir) that outlives any of them; blocks evicted from the KV cache are "
+                        "written there and loaded back for later requests with the same prefix; off by default")
+    p.add_argument("--kv-host-dir", default="/dev/shm/xllm-kv", metavar="DIR",
+                   help="where the host KV tier keeps its blocks: a tmpfs directory (RAM); engines of the same "
+                        "model and KV layout using one directory share its blocks and its capacity")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="T2 KV tier: a local SSD directory for evicted KV blocks (one checksummed file per block, "
+                        "kept across restarts; a corrupt block is detected and recomputed; off by default")
+    p.add_argument("--kv-disk-size", type=positive_float, default=10.0, metavar="GIB",
+                   help="capacity of the --kv-disk-dir tier in GiB (least recently used blocks are removed)")
+    p.add_argument("--kv-store", default=None, metavar="mooncake://HOST:PORT",
+                   help="T3 KV tier: a Mooncake store shared by the cluster (its master; with --mooncake-metadata "
+                        "URL): evicted blocks are written there and any instance loads them back; off by default")
+    p.add_argument("--kv-store-segment", type=positive_float, default=1.0, metavar="GIB",
+                   help="memory this engine lends to the --kv-store pool in GiB")
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -280,9 +321,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_cache=not args.no_prefix_cache, async_scheduling=args.async_scheduling,
         native_decode=not args.no_native_decode, compile_decode=args.compile_decode,
         num_threads=args.threads, seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-        offline_starvation_s=args.offline_starvation_s, profile_path=args.profile, speculative=args.speculative,
+        offline_starvation_s=args.offline_starvation_s, offline_slo_fraction=args.offline_slo_fraction,
+        profile_path=args.profile, speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch,
-        draft_model_path=args.draft_model)
+        draft_model_path=args.draft_model, speculative_self_layers=args.speculative_self_layers,
+        kv_host_memory_gib=args.kv_host_memory, kv_host_dir=args.kv_host_dir, kv_disk_dir=args.kv_disk_dir,
+        kv_disk_size_gib=args.kv_disk_size, kv_store=args.kv_store, kv_store_metadata=args.mooncake_metadata,
+        kv_store_segment_gib=args.kv_store_segment)
 
 
 def engine_args(args: argparse.Namespace, instances: int) -> list[str]:

@@ -18,7 +18,7 @@ class InProcessEngineClient:
         self.info = info
 
     async def submit(self, req: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        return self.engine.submit(req)
+        return await self.engine.submit_async(req)  # a constraint compiles off the loop
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

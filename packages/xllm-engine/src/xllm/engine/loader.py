@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from xllm.core import ComputeThread, EngineConfig, LLMEngine, StatsObserver
 from xllm.core.grammar import Grammars
+from xllm.kvstore.tier import model_identity
 from xllm.models import Tokenizer, load_model, resolve_model
 from xllm.proto.registry.v1 import instance_pb2
 
@@ -30,9 +31,11 @@ def load_engine(model: str | None, name: str, cfg: EngineConfig | None, instance
     :mod:`xllm.core.compute_thread`). ``name`` is the name it is served as."""
     model_dir = resolve_model(model, progress=progress)
     cfg = cfg or EngineConfig()
+    if cfg.kv_tiers_enabled and not cfg.kv_model_identity:  # KV tiers share blocks only within these weights
+        cfg.kv_model_identity = model_identity(model_dir)
     tokenizer = Tokenizer(model_dir)
     compute = ComputeThread()
-    weights = compute.call(load_model, model_dir, cfg.dtype, progress=progress)
+    weights = compute.call(load_model, model_dir, cfg.dtype, progress=progress, mtp=cfg.speculative == "mtp")
     draft = None
     if cfg.speculative == "draft" and cfg.draft_model_path:  # speculative decoding's draft model
         draft = compute.call(load_model, resolve_model(cfg.draft_model_path, progress=progress), cfg.dtype,

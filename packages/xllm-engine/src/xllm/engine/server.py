@@ -94,6 +94,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         self._rate_alpha = rate_alpha
         self.prefill_tokens_per_s = 0.0
         self.pending_prefill_tokens = 0
+        self.offline_pending_prefill_tokens = 0
         self._counts = {f.name: 0 for f in instance_pb2.EngineCounters.DESCRIPTOR.fields
                         if f.name != "spec_decode_num_accepted_tokens_per_pos"}
         self._spec_per_pos: list[int] = []  # EngineCounters.spec_decode_num_accepted_tokens_per_pos
@@ -136,6 +137,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             self.prefill_tokens_per_s = rate if self.prefill_tokens_per_s == 0 else (
                 (1 - a) * self.prefill_tokens_per_s + a * rate)
         self.pending_prefill_tokens = llm.scheduler.pending_prefill_tokens()
+        self.offline_pending_prefill_tokens = llm.scheduler.pending_prefill_tokens(offline_only=True)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None) -> int:
@@ -228,6 +230,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
     def load_report(self) -> instance_pb2.LoadReport:
         report = self.engine.load_report()
         report.pending_prefill_tokens = self.pending_prefill_tokens
+        report.offline_pending_prefill_tokens = self.offline_pending_prefill_tokens
         report.prefill_tokens_per_s = self.prefill_tokens_per_s
         return report
 
@@ -263,7 +266,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         decode = request.disagg_phase == engine_pb2.DISAGG_PHASE_DECODE
         reserved = self.handoff.expect_reservation(rid) if decode and self.handoff.enabled else None
         try:
-            stream = self.engine.submit(request)
+            stream = await self.engine.submit_async(request)  # a constraint compiles off the loop
         except EngineError as exc:
             self.handoff.forget(rid)
             await _abort(context, status_for(exc))

@@ -172,10 +172,14 @@ def add_pd_role_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-flip-cooldown", type=non_negative_seconds, default=30.0, metavar="SECONDS",
                    help="--pd-policy dynamic: an instance flips at most once per this long")
     p.add_argument("--pd-cluster-cooldown", type=non_negative_seconds, default=10.0, metavar="SECONDS",
-                   help="--pd-policy dynamic: at most one flip per this long in the whole cluster (and none while "
-                        "one is still under way)")
+                   help="--pd-policy dynamic: at most one flip decision per this long in the whole cluster (and "
+                        "none while --pd-max-flips flips are still under way)")
     p.add_argument("--pd-min-per-role", type=flags.positive_int, default=1, metavar="N",
                    help="--pd-policy dynamic: prefill and decode instances each role keeps at least")
+    p.add_argument("--pd-max-flips", type=flags.positive_int, default=None, metavar="N",
+                   help="--pd-policy dynamic: instances one decision may flip together, and flips under way at "
+                        "once (default: a tenth of the PD instances, at least 1: one for a small cluster, "
+                        "tens at hundreds of instances, where one flip per decision cannot follow the load)")
 
 
 def pd_role_options(args: argparse.Namespace):
@@ -193,7 +197,7 @@ def pd_role_options(args: argparse.Namespace):
     ms = {k: (v / 1e3 if v is not None else None) for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms))}
     return PDRoleOptions(args.pd_policy, ms["ttft"], ms["tpot"], window_s=args.pd_flip_window,
                          cooldown_s=args.pd_flip_cooldown, cluster_cooldown_s=args.pd_cluster_cooldown,
-                         min_per_role=args.pd_min_per_role, predictor=predictor)
+                         min_per_role=args.pd_min_per_role, max_flips=args.pd_max_flips, predictor=predictor)
 
 
 def serve(args: argparse.Namespace) -> int:

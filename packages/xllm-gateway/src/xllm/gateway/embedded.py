@@ -15,6 +15,7 @@ from xllm.engine.inprocess import InProcessEngineClient
 from xllm.engine.loader import load_engine
 from xllm.gateway.access import AccessPolicy
 from xllm.gateway.app import GatewayState, create_app
+from xllm.gateway.kv_tier_metrics import KVTierCollector
 from xllm.gateway.metrics import EngineMetrics
 from xllm.gateway.openai.limits import ApiLimits
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER
@@ -44,6 +45,8 @@ def build_embedded(opts: ServeOptions):
     loaded = load_engine(opts.model, name, opts.engine, instance_id, opts.progress,
                          observers=[metrics.observer(name, instance_id)])
     engine, compute = loaded.engine, loaded.compute
+    if engine.kv.has_tiers:  # xllm:kv_tier_* series, read at scrape time
+        metrics.registry.register(KVTierCollector(name, instance_id, engine.kv.tier_stats))
     async_engine = AsyncEngine(engine, compute=compute)
     async_engine.start()
     stop_compute = functools.partial(compute.shutdown, wait=False)

@@ -47,19 +47,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            native_packed: PackedWeight | None = None, choice: GemmChoice | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` (``[M, K] x [N, K]``).
 
-    Up to 8 rows in bf16/fp32 on a CPU with AVX-512 BF16 run the native GEMV,
-    which streams each weight row once for all rows (the memory-bound decode
-    case). More rows take the native packed GEMM (``native_packed``, see
-    :func:`xllm.kernels.gemm.pack`) when it is given and either ``choice`` says it
-    measured faster than oneDNN at this row count or there is no oneDNN copy;
-    else ``packed`` (see :func:`pack_weight`: oneDNN's blocked layout, no
-    per-call weight reorder) when given, else ``F.linear``.
+    Up to 8 rows in bf16/fp32 on a CPU with AVX-512 BF16 run the native GEMV, which
+    streams each weight row once for all rows (the memory-bound decode case), except
+    that 2-8 rows take the native packed GEMM when ``native_packed`` is given (it
+    stays at the memory bandwidth where the GEMV turns compute-bound, and it is what
+    the fused native steps run for those rows). More rows take the native packed
+    GEMM (``native_packed``, see :func:`xllm.kernels.gemm.pack`) when it is given
+    and either ``choice`` says it measured faster than oneDNN at this row count or
+    there is no oneDNN copy; else ``packed`` (see :func:`pack_weight`: oneDNN's
+    blocked layout, no per-call weight reorder) when given, else ``F.linear``.
     ``out_dtype=torch.float32`` returns fp32 directly from a bf16 product.
     Under ``torch.compile`` it is a plain ``F.linear`` (Inductor packs weights itself).
     """
     if torch.compiler.is_compiling():
         y = F.linear(x, weight, bias)
         return y if out_dtype is None else y.to(out_dtype)
+    if (native_packed is not None and x.dim() == 2 and 2 <= x.shape[0] <= MAX_NATIVE_ROWS
+            and _native_packed_ok(x, native_packed, bias)):
+        # 2-8 rows: the packed GEMM streams the weights once too, without the GEMV's per-row
+        # reductions (the GEMV turns compute-bound from ~4 rows); the fused steps do the same
+        return packed_linear(x, native_packed, bias, out_dtype)
     if not native_linear_ok(x, weight) or (bias is not None and not bias.is_contiguous()):
         if _native_packed_ok(x, native_packed, bias) and (
                 packed is None or choice is None or choice.use_native(x.shape[0])):

@@ -15,8 +15,12 @@ Routing (see :class:`xllm.kernels.RoutingConfig`):
   their two best biased scores); weights from the unbiased scores,
   renormalized when ``norm_topk_prob``, then times ``routed_scaling_factor``.
 
-Multi-token-prediction layers of V3 checkpoints (``model.layers.<num_hidden_layers>...``)
-are not used and skipped at load.
+Multi-token-prediction (MTP) layers of V3 checkpoints (``num_nextn_predict_layers``; tensors
+``model.layers.<num_hidden_layers + i>.*``) are skipped at load, unless the model is built with
+``mtp=True`` (``--speculative mtp``): then the first one is loaded as :class:`DeepseekMTPModule`
+and lent to the ``mtp`` proposer through :meth:`DeepseekV2ForCausalLM.mtp_layers` (see
+:class:`DeepseekMTP` for its semantics). A model can also lend a view of its first layers
+(``--speculative self``: :meth:`DeepseekV2ForCausalLM.layer_prefix`).
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ from xllm.models.layers import Linear, RMSNorm
 from xllm.models.llama import LlamaMLP, LlamaModel
 from xllm.models.mla import MLADims, MLAttention, build_mla_rotary
 from xllm.models.moe import SparseMoeBlock
+from xllm.models.prefix import layer_prefix_view
 from xllm.models.weights import StackedName, load_named_weights
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_OWN = ("enorm", "hnorm", "eh_proj", "shared_head")  # an MTP layer's tensors outside its decoder block
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -60,6 +66,66 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class SharedHead(nn.Module):
+    """An MTP module's output head: ``head(norm(h))`` (checkpoint ``shared_head.norm`` / ``.head``)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class DeepseekMTPModule(nn.Module):
+    """The parameters of one DeepSeek-V3 next-token-prediction layer (checkpoint names under
+    ``model.layers.<num_hidden_layers + i>``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head`` and
+    a full decoder block, here ``block``). Its ``embed_tokens`` is the main model's (DeepSeek-V3's
+    README_WEIGHTS: shared), so the checkpoint's copy is not loaded. The block's attention is KV
+    layer 0 of the MTP's own cache."""
+
+    def __init__(self, cfg: ModelConfig, dims: MLADims, interleaved: bool, mlp: nn.Module) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = SharedHead(cfg)
+        self.block = DeepseekDecoderLayer(cfg, 0, MLAttention(cfg, 0, dims, interleaved), mlp)
+
+
+class DeepseekMTP:
+    """One MTP layer as the ``mtp`` proposer runs it (:class:`xllm.core.spec.base.MTPLayer`).
+
+    Row ``t`` at position ``i`` takes the token one past ``i`` and a hidden state ``h_i`` of
+    position ``i`` (the main model's final, normed hidden state, or this module's own output when
+    chained, as vLLM chains it) and computes
+
+        h' = block(eh_proj(concat(enorm(embed(t_{i+1})), hnorm(h_i))))    (block output + residual)
+        logits = shared_head.head(shared_head.norm(h'))                      (predicting t_{i+2})
+
+    with the embedding rows of position 0 zeroed (as vLLM does). RoPE is the main model's table.
+    """
+
+    def __init__(self, model: DeepseekV2ForCausalLM, module: DeepseekMTPModule) -> None:
+        self.model, self.module = model, module
+        self.max_context_len = model.max_context_len
+        self.vocab_size = model.vocab_size
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(1, 1, self.model.dims.cache_dim, 0)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        m = self.module
+        embeds = self.model.model.embed_tokens(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0)
+        hidden = m.eh_proj(torch.cat([m.enorm(embeds), m.hnorm(previous.to(embeds.dtype))], dim=-1))
+        cos, sin = self.model.rotary.lookup(positions, hidden.dtype)
+        hidden, residual = m.block(hidden, None, cos, sin, ctx)
+        return hidden + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.module.shared_head
+        return head.head(head.norm(hidden)).float()
+
+
 class DeepseekV2ForCausalLM(nn.Module):
     """DeepSeek-V2 (incl. V2-Lite: no ``q_lora_rank``) with HF weight names.
 
@@ -75,7 +141,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         *LlamaMLP.stacked_names,
     )
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, mtp: bool = False) -> None:
+        """``mtp``: also build (and load) the first next-token-prediction layer (V3 checkpoints with
+        ``num_nextn_predict_layers`` > 0; :class:`ModelConfigError` otherwise)."""
         super().__init__()
         cfg.require_silu(type(self).__name__)
         self.cfg = cfg
@@ -88,6 +156,13 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, layers)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryTable | None = None
+        self.mtp = nn.ModuleList()  # the loaded MTP layer (only with mtp=True)
+        if mtp:
+            if self.version != 3 or int(cfg.get("num_nextn_predict_layers") or 0) < 1:
+                raise ModelConfigError(f"{cfg.architecture} has no multi-token-prediction layers "
+                                       "(num_nextn_predict_layers is 0): --speculative mtp needs them")
+            self.mtp.append(DeepseekMTPModule(cfg, self.dims, interleaved, self.build_mlp(cfg, cfg.num_layers)))
+        self._mtp_layers: list[DeepseekMTP] = []
 
     # ---- construction ---------------------------------------------------------------------
     def routing(self, cfg: ModelConfig) -> RoutingConfig:
@@ -119,6 +194,24 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.rotary = build_mla_rotary(self.cfg, self.dims)
         for layer in self.model.layers:
             layer.self_attn.post_load()
+        for module in self.mtp:
+            module.block.self_attn.post_load()
+        self._mtp_layers = [DeepseekMTP(self, module) for module in self.mtp]
+
+    # ---- what speculative decoding borrows (xllm.core.spec) --------------------------------
+    def mtp_layers(self) -> list[DeepseekMTP]:
+        """The loaded MTP layers (:class:`xllm.core.spec.base.SupportsMTP`; empty unless built with
+        ``mtp=True``)."""
+        return self._mtp_layers
+
+    def layer_prefix(self, num_layers: int) -> DeepseekV2ForCausalLM:
+        """A view of the first ``num_layers`` layers with the final norm and LM head, over the same
+        weight tensors (:class:`xllm.core.spec.base.SupportsLayerPrefix`; see
+        :func:`xllm.models.prefix.layer_prefix_view`)."""
+        view = layer_prefix_view(self, num_layers)
+        view.mtp = nn.ModuleList()
+        view._mtp_layers = []
+        return view
 
     # ---- the CausalLM contract ------------------------------------------------------------
     def kv_cache_spec(self) -> KVCacheSpec:
@@ -140,17 +233,26 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the parameters; every parameter must be set.
-        Tensors of layers past ``num_hidden_layers`` (V3's MTP module) are skipped."""
+        Tensors of layers past ``num_hidden_layers`` (V3's MTP layers) are skipped, except the first
+        MTP layer's when it was built (``mtp=True``; its ``embed_tokens`` copy is skipped: shared)."""
         skip = ("rotary_emb.inv_freq",)
         if self.lm_head is None:
             skip += ("lm_head.weight",)
         num_layers = self.cfg.num_layers
+        num_mtp = len(self.mtp)
 
         def used(pairs):
             for name, tensor in pairs:
                 m = _LAYER_RE.match(name)
                 if m is None or int(m.group(1)) < num_layers:
                     yield name, tensor
+                elif int(m.group(1)) < num_layers + num_mtp:
+                    rest = name[m.end():]
+                    head = rest.split(".", 1)[0]
+                    if head == "embed_tokens":
+                        continue
+                    inner = rest if head in _MTP_OWN else f"block.{rest}"
+                    yield f"mtp.{int(m.group(1)) - num_layers}.{inner}", tensor
 
         load_named_weights(self, used(weights), self.stacked_names, skip_suffixes=skip)
 

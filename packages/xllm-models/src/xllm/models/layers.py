@@ -30,6 +30,8 @@ class _PackOnDemand:
     (or stores) them. At that point :func:`xllm.kernels.gemm_choice.choose` says, per row-count
     bucket, whether the native packed GEMM or oneDNN measured faster for this weight's shape (timed
     once per machine and shape, then cached on disk), and only the copies some bucket uses are kept.
+    Steps of 2-8 rows (batched decode, speculative verify chunks) take the native packed copy, made
+    the first time such a step comes.
     """
 
     packed: torch.Tensor | None = None  # oneDNN's blocked copy
@@ -50,6 +52,8 @@ class _PackOnDemand:
         """Keyword arguments of :func:`linear` for ``x``: the packed copies and the choice."""
         if torch.compiler.is_compiling():
             return {}  # Inductor freezes and packs the weights of a compiled graph itself
+        if x.dim() == 2 and 2 <= x.shape[0] <= MAX_NATIVE_ROWS:  # the native packed GEMM (linear's docstring)
+            return {"native_packed": self.native_packed()}
         if not self._pack_tried and x.dim() == 2 and x.shape[0] > MAX_NATIVE_ROWS:
             self._pack_tried = True
             self._choice = choose(self.weight)

@@ -14,6 +14,7 @@ from xllm.kernels import RopeBatch, RotaryTable, apply_rotary, silu_and_mul
 from xllm.models.config import ModelConfig
 from xllm.models.layers import Linear, MergedLinear, RMSNorm, TiedLMHead, build_rotary
 from xllm.models.llama_native import FusedLlamaForward
+from xllm.models.prefix import layer_prefix_view
 from xllm.models.weights import StackedName, load_named_weights
 
 
@@ -131,6 +132,17 @@ class LlamaForCausalLM(nn.Module):
         """The native whole-step forward (:class:`xllm.core.model_api.SupportsFusedForward`), or None
         when the native kernels are unavailable or the layout is one they do not implement."""
         return self._fused
+
+    def layer_prefix(self, num_layers: int) -> LlamaForCausalLM:
+        """A view of the first ``num_layers`` layers with the final norm and LM head, over the same
+        weight tensors (:class:`xllm.core.spec.base.SupportsLayerPrefix`, ``--speculative self``; see
+        :func:`xllm.models.prefix.layer_prefix_view`), with its own fused native forward over those
+        layers where the kernels take them."""
+        if self.lm_head is None and self._tied_head is None:  # one tied head (and its packed copies)
+            self._tied_head = TiedLMHead(self.model.embed_tokens.weight)
+        view = layer_prefix_view(self, num_layers)
+        view._fused = FusedLlamaForward(view) if self._fused is not None else None
+        return view
 
     @property
     def dtype(self) -> torch.dtype:

@@ -6,8 +6,8 @@ structs once per KV backend (engines sharing the model, e.g. a prefill/decode pa
 each get their own binding and workspace and may step at the same time), then runs a whole step
 (every layer) in one native call:
 
-- a pure decode step of up to 8 sequences (``__call__``, the decode kernel: weights streamed once
-  for all rows);
+- a pure decode step of up to 8 rows (``__call__``, the decode kernel: weights streamed once for
+  all rows), speculative verify chunks included (a chunk's rows: one slot, consecutive positions);
 - any step of up to ``max_step_tokens`` tokens mixing decode rows and prefill chunks (``step``, the
   general kernel: blocked GEMMs, varlen attention over every chunk in one call, KV rows stored in
   place).
@@ -152,11 +152,12 @@ class FusedLlamaForward:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  kv: SlotKV) -> torch.Tensor:
-        """Final hidden states ``[B, hidden]`` for one decode token per sequence.
+        """Final hidden states ``[B, hidden]`` of ``B`` <= 8 rows: one decode token per sequence, or
+        a speculative verify chunk as consecutive rows of one slot at consecutive positions.
 
-        ``positions[b]`` is the position of sequence ``b``'s token (its context
-        then spans ``[0, positions[b]]`` in slot ``slots[b]``); its K/V are
-        written by the kernel.
+        ``positions[b]`` is the position of row ``b``'s token (its context then spans
+        ``[0, positions[b]]`` in slot ``slots[b]``); its K/V are written by the kernel, a verify
+        chunk's rows in order, so each attends over the rows before it.
         """
         m = self.model
         bound = self._bind(kv)
@@ -167,7 +168,7 @@ class FusedLlamaForward:
         hidden = m.model.embed_tokens(input_ids).contiguous()
         residual = torch.empty_like(hidden)
         qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-        per_row = c.hidden + qkv_dim + c.n_heads * c.head_dim + c.inter  # r_alt, qkv, attn, act
+        per_row = c.hidden + qkv_dim + c.n_heads * c.head_dim + 3 * c.inter  # r_alt, qkv, attn, act, gate/up
         work = bound.workspace(self.max_batch * per_row, hidden.dtype)
         slots = slots.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from xllm.models.config import ModelConfig
+from xllm.models.config import ModelConfig, ModelConfigError
 from xllm.models.registry import model_class
 from xllm.models.tensor_parallel import TPShard
 
@@ -104,7 +104,7 @@ def _no_init(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", progress: bool = True, tp_rank: int = 0,
-               tp_size: int = 1) -> torch.nn.Module:
+               tp_size: int = 1, mtp: bool = False) -> torch.nn.Module:
     """Build the model class for ``model_dir``'s architecture and load its weights.
 
     Parameters are allocated directly in ``dtype`` on ``device`` (no random
@@ -112,6 +112,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     with rank ``tp_rank``'s local sizes and every sharded checkpoint tensor is
     sliced before it is copied (see :mod:`xllm.models.tensor_parallel`); the
     partial outputs of the ranks' ``o_proj``/``down_proj`` sum to the full model's.
+    ``mtp`` also loads the model's next-token-prediction layer (``--speculative mtp``; DeepSeek-V3
+    checkpoints with ``num_nextn_predict_layers`` > 0, else :class:`ModelConfigError`).
     Returns the model in eval mode.
     """
     model_dir = pathlib.Path(model_dir)
@@ -123,8 +125,11 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         shard = TPShard.for_architecture(cfg.architecture, tp_rank, tp_size)
         cfg = shard.local_config(cfg)
         weights = shard.shard_stream(weights)
+    if mtp and not int(cfg.get("num_nextn_predict_layers") or 0):
+        raise ModelConfigError(f"{model_dir}: {cfg.architecture} has no multi-token-prediction layers "
+                               "(num_nextn_predict_layers): --speculative mtp needs them")
     with torch.device("meta"), _skip_init():
-        model = cls(cfg)
+        model = cls(cfg, mtp=True) if mtp else cls(cfg)
     _materialize(model, dtype, torch.device(device))
     model.load_weights(weights)
     model.post_load()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from xllm.core.kv.addressing import KVAddressing
+from xllm.core.kv.lower_tiers import LoadJob, LowerTiers
 from xllm.core.kv.page_store import PageStore
 from xllm.core.kv.registry import KV_BACKENDS
 from xllm.core.model_api import KVCacheSpec
@@ -121,6 +122,30 @@ class KVCacheBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release OS resources (only at shutdown: tensors become invalid)."""
+
+    # ---- lower KV tiers (xllm.core.kv.lower_tiers; backends with a prefix cache) -------------------------
+    @property
+    def has_tiers(self) -> bool:
+        """Whether KV tiers below this memory are attached."""
+        return False
+
+    def attach_tiers(self, tiers: LowerTiers) -> None:
+        raise ValueError(f"the {type(self).__name__} backend has no prefix cache to back with KV tiers")
+
+    def begin_load(self, seq) -> LoadJob | None:
+        """Start bringing ``seq``'s next prefix blocks up from the lower tiers (None: nothing to load)."""
+        return None
+
+    def end_load(self, job: LoadJob) -> int:
+        """Register a done load's intact blocks in the prefix cache; returns how many."""
+        return 0
+
+    def release_load(self, job: LoadJob) -> None:  # noqa: B027 (optional hook)
+        """Drop the pages a load held (once its request was admitted, or went away)."""
+
+    def tier_stats(self) -> dict:
+        """Per lower tier (by name) its :class:`~xllm.kvstore.tier.TierStats`; empty without tiers."""
+        return {}
 
     @property
     def usage(self) -> float:

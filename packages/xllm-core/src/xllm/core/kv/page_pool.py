@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -56,6 +57,9 @@ class PagePool:
         # someone drains them (an engine server publishing them); otherwise they would pile up.
         self.record_events = record_events
         self.events: list[tuple[bool, int]] = []
+        # called with (page, block hash) when a cached block is evicted to reuse its page, before the page
+        # changes hands (its contents are still the block's): the write-down to lower KV tiers
+        self.on_evict: Callable[[int, int], None] | None = None
 
     # ---- capacity -----------------------------------------------------------
     @property
@@ -98,6 +102,8 @@ class PagePool:
     def _claim(self, page_id: int, owner: str) -> Page:
         page = self.pages[page_id]
         if page.block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(page_id, page.block_hash)
             self._by_hash.pop(page.block_hash, None)
             self._event(False, page.block_hash)
             page.block_hash = None

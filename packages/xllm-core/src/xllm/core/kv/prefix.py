@@ -14,8 +14,10 @@ from __future__ import annotations
 from abc import abstractmethod
 
 from xllm.core.kv.base import KVCacheBackend, KVCacheLayout, PrefixStats
+from xllm.core.kv.lower_tiers import LoadJob, LowerTiers
 from xllm.core.kv.page_pool import PagePool, PageStatus
 from xllm.kvstore import ROOT_HASH, hash_block
+from xllm.kvstore.tier import TierStats
 
 
 class PrefixCachingBackend(KVCacheBackend):
@@ -25,6 +27,9 @@ class PrefixCachingBackend(KVCacheBackend):
         self._prefix_queries = 0   # prompt tokens looked up in the prefix cache
         self._prefix_hits = 0      # of those, tokens found cached
         self.reused_in_place = 0  # pages reused without any mapping work
+        self.lower: LowerTiers | None = None  # tiers below this memory (attach_tiers)
+        self._loading: dict[int, LoadJob] = {}  # block hash -> the load bringing it up
+        self._load_pages = 0  # pages held by loads (taken for blocks, or pinning the T0 prefix before them)
 
     # ---- subclass hooks ------------------------------------------------------------
     @abstractmethod
@@ -41,6 +46,11 @@ class PrefixCachingBackend(KVCacheBackend):
 
     def _before_compute(self, seq, first_block: int, last_block: int) -> None:
         """Called before blocks ``first..last`` are written (wait for async mapping)."""
+
+    def _take_detached(self, owner: str) -> int | None:
+        """A page for ``owner`` that no sequence addresses yet (a lower-tier load writes it)."""
+        page = self.pool.take(owner)
+        return None if page is None else page.page_id
 
     # ---- hashing -------------------------------------------------------------------
     def _extend_hashes(self, seq, num_blocks: int) -> list[int]:
@@ -148,6 +158,102 @@ class PrefixCachingBackend(KVCacheBackend):
     @property
     def prefix_stats(self) -> PrefixStats:
         return PrefixStats(self._prefix_queries, self._prefix_hits)
+
+    # ---- lower tiers (xllm.core.kv.lower_tiers) ----------------------------------------------------------
+    @property
+    def has_tiers(self) -> bool:
+        return self.lower is not None
+
+    def attach_tiers(self, tiers: LowerTiers) -> None:
+        """Write blocks evicted from the prefix cache down to ``tiers`` and load prefixes from them."""
+        self.lower = tiers
+        self.pool.on_evict = tiers.on_evict
+
+    def begin_load(self, seq) -> LoadJob | None:
+        """Look ``seq``'s prefix up in the lower tiers after this memory's prefix cache; when they hold
+        the next blocks, take pages for them (loads hold at most 3/4 of the pool) and start loading.
+        The job also pins the prefix already cached here. A job without pages waits for another
+        request's load of the next block (look again once it is done). None: nothing to load."""
+        if self.lower is None or not self.layout.enable_prefix_cache or seq.kv_pages or \
+                seq.prompt_logprobs_pending is not None:
+            return None
+        max_blocks = (seq.num_tokens - 1) // self.layout.block_size
+        hashes = self._extend_hashes(seq, max_blocks)
+        cached = 0
+        while cached < max_blocks and self.pool.lookup(hashes[cached]) is not None:
+            cached += 1
+        if cached == max_blocks:
+            return None
+        other = self._loading.get(hashes[cached])
+        if other is not None:
+            return LoadJob([], [], other.future)
+        room = min(self.layout.num_blocks * 3 // 4 - self._load_pages - cached, self.pool.num_available - 1)
+        if room < 1:
+            return None
+        found = self.lower.match(hashes[cached:cached + room])
+        if found < 1:
+            return None
+        pinned = [self.pool.lookup(h) for h in hashes[:cached]]
+        for page in pinned:
+            self.pool.share(page)
+        pages = []
+        for _ in range(found):
+            page = self._take_detached(f"load:{seq.request_id}")
+            if page is None:
+                break
+            pages.append(page)
+        if not pages:
+            for page in pinned:
+                self.pool.release(page)
+            return None
+        job = self.lower.load(hashes[cached:cached + len(pages)], pages)
+        job.pinned = pinned
+        for h in job.hashes:
+            self._loading[h] = job
+        self._load_pages += len(pages) + len(pinned)
+        return job
+
+    def end_load(self, job: LoadJob) -> int:
+        """A done load's intact blocks enter the prefix cache (pages still held until
+        :meth:`release_load`); returns how many."""
+        if not job.pages:
+            return 0
+        loaded = self.lower.finished(job)
+        for j, (h, page) in enumerate(zip(job.hashes, job.pages, strict=True)):
+            if self._loading.get(h) is job:
+                del self._loading[h]
+            if j < loaded and self.pool.lookup(h) is None:
+                self.pool.set_hash(page, h)
+        return loaded
+
+    def release_load(self, job: LoadJob) -> None:
+        """Drop the job's page references (after the request's admission shared what it needs)."""
+        for page in job.pages + job.pinned:
+            self.pool.release(page)
+        self._load_pages -= len(job.pages) + len(job.pinned)
+        job.pages, job.pinned = [], []
+
+    def evict_cached(self) -> int:
+        """Drop every cached block nobody references from this memory, writing each down to the lower
+        tiers first (as a capacity eviction would); returns how many. For benchmarks and tests that
+        need a prefix in the lower tiers only, or an operator emptying T0 before a restart."""
+        dropped = 0
+        for page in self.pool.pages:
+            if page.block_hash is not None and page.ref_count == 0:
+                if self.lower is not None:
+                    self.lower.on_evict(page.page_id, page.block_hash)
+                self.pool.discard(page.page_id)
+                dropped += 1
+        return dropped
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        lower = self.lower  # (any thread: a metrics scrape may race close)
+        return {} if lower is None else lower.stats()
+
+    def close(self) -> None:
+        if self.lower is not None:
+            self.lower.close()
+            self.lower = None
 
     def enable_events(self) -> None:
         self.pool.record_events = True

@@ -263,6 +263,13 @@ class XTensorKVCache(PrefixCachingBackend):
         for block in range(first_block, last_block + 1):
             self._wait_mapped(seq.slot, block)
 
+    def _take_detached(self, owner: str) -> int | None:
+        page = self.pool.take(owner)
+        if page is None:
+            return None
+        self._retarget(page.page_id)  # its old mappings no longer show valid contents
+        return page.page_id
+
     # ---- the attention-facing side ---------------------------------------------------
     def layer_kv(self, layer: int):
         return self.k[layer], self.v[layer]
@@ -287,6 +294,7 @@ class XTensorKVCache(PrefixCachingBackend):
 
     def close(self) -> None:
         """Unmap and release everything (also what a failed ``__init__`` had set up)."""
+        super().close()  # the lower tiers first: their writer may still read queued blocks, never pages
         if self._mapper is not None:
             self._mapper.shutdown(wait=True)
             self._mapper = None

@@ -2,5 +2,5 @@
 sequence, one forward verifies them all, rejection sampling keeps the output distribution exact.
 
 Torch-free at this level: :data:`xllm.core.spec.registry.PROPOSERS` is read by the engine flags;
-the proposers (``ngram``, ``draft``) and the engine side (``speculator``) import torch.
+the proposers (``ngram``, ``self``, ``draft``, ``mtp``) and the engine side (``speculator``) import torch.
 """

@@ -6,5 +6,7 @@ from xllm.common import NameRegistry
 
 PROPOSERS: NameRegistry = NameRegistry("speculative proposer", {
     "ngram": "xllm.core.spec.ngram:NgramProposer",
+    "self": "xllm.core.spec.selfspec:SelfProposer",
     "draft": "xllm.core.spec.draft:DraftProposer",
+    "mtp": "xllm.core.spec.mtp:MTPProposer",
 })

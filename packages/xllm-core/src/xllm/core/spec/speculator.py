@@ -1,7 +1,8 @@
 """The engine's side of speculative decoding: which decoding sequences speculate and how far,
 their drafts' KV room, the acceptance bookkeeping and the counters.
 
-Lifecycle of a verify step (synchronous engine steps only; see ``docs/architecture.md``):
+Lifecycle of a verify step (see ``docs/architecture.md``; with async scheduling the engine holds a
+speculating sequence out of the next step until its step in flight lands, :meth:`Speculator.wants`):
 
 1. after scheduling, :meth:`Speculator.draft` asks the proposer for up to ``k`` drafts for each
    eligible decode chunk and reserves KV room for them (``kv.allocate(seq, 1 + len(drafts))``;
@@ -14,29 +15,40 @@ Lifecycle of a verify step (synchronous engine steps only; see ``docs/architectu
    prefix cache registers blocks only up to ``num_computed_tokens``, so never a rejected row) and
    updates the request's acceptance rate.
 
-Adaptive, so that speculation is never a loss by construction: per request an EWMA of the
-acceptance rate sets ``k`` (``k_max`` · rate / ``FULL_RATE``, at least 1); below ``MIN_RATE``
-the request stops speculating for a back-off of steps (doubling, up to ``MAX_BACKOFF``) and then
-probes again with ``k`` = 1. A step with more than ``max_batch`` decoding sequences does not
-speculate at all: a decode step that large is no longer bound by streaming the weights, so the
-extra rows are not free.
+Adaptive, so that speculation is never a loss by construction: per request an EWMA of the acceptance
+rate and a decayed estimate of the per-position acceptance; either below ``MIN_RATE``, the request
+stops speculating for a back-off of steps (doubling, up to ``MAX_BACKOFF``) and then probes again
+with ``k`` = 1. How many drafts each speculating request gets is priced: the engine reports every
+decode/verify step's forward time by its row count (:meth:`Speculator.observe_step`,
+:class:`~xllm.core.spec.costs.StepCosts`) and :func:`~xllm.core.spec.costs.plan_drafts` adds drafts
+while the expected tokens (from each request's per-position acceptance estimate) per estimated
+second rise, so k shrinks where rows stop being nearly free (larger steps, compute-bound kernels) or
+acceptance falls. Before any step was timed, ``k`` = ``k_max`` · rate / ``FULL_RATE`` (at least 1).
+A step with more than ``max_batch`` decoding sequences does not speculate at all.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from xllm.core.kv.base import KVCacheBackend
-from xllm.core.sequence import Phase, SeqStatus, Sequence
+from xllm.core.sequence import PLACEHOLDER, Phase, SeqStatus, Sequence
 from xllm.core.spec.base import Proposer
+from xllm.core.spec.costs import StepCosts, plan_drafts
 from xllm.core.spec.verify import Verified
+
+if TYPE_CHECKING:
+    from xllm.core.model_runner import BatchInputs
 
 ALPHA = 0.3        # EWMA weight of the latest step's acceptance rate
 FULL_RATE = 0.6    # an acceptance rate at or above which k is k_max
 MIN_RATE = 0.15    # below it a request stops speculating for a back-off
 FIRST_BACKOFF = 8  # steps
 MAX_BACKOFF = 256
+EXPLORE_EVERY = 32  # every this many speculating steps, one draft more than the cost model picks
+POS_DECAY = 0.9     # per verify, the weight the per-position acceptance counts keep
 
 
 @dataclass
@@ -47,6 +59,12 @@ class SpecState:
     off_steps: int = 0      # steps left without speculation
     backoff: int = FIRST_BACKOFF
     probing: bool = False   # the first speculation after a back-off (k = 1)
+    hits: float = 0.5       # decayed counts of draft positions accepted / tried: their ratio is the
+    tries: float = 1.0      # probability that a draft is accepted given the ones before it were
+
+    @property
+    def position_rate(self) -> float:
+        return self.hits / self.tries
 
     def k(self, k_max: int) -> int:
         if self.probing:
@@ -84,7 +102,9 @@ class Speculator:
         self.k_max = k_max
         self.max_batch = max_batch
         self.counters = SpecCounters()
+        self.costs = StepCosts()
         self._state: dict[Sequence, SpecState] = {}
+        self._speculating_steps = 0
 
     def eligible(self, seq: Sequence) -> bool:
         """Whether ``seq`` may speculate at all: a plain decode (not a PD phase, not moving), no
@@ -93,6 +113,15 @@ class Speculator:
         p = seq.params
         return (seq.phase is Phase.MIXED and seq.grammar is None and not seq.moving and not p.needs_penalties
                 and seq.num_output_tokens() >= p.min_tokens)
+
+    def wants(self, seq: Sequence) -> bool:
+        """Whether ``seq`` would speculate in its next step (eligible, not backing off). With async
+        scheduling the engine then holds it until its step in flight lands (its drafts need its last
+        token, and a verify step's accepted length is known only once it lands)."""
+        if not self.eligible(seq):
+            return False
+        state = self._state.get(seq)
+        return state is None or state.off_steps == 0
 
     def draft(self, decodes: list[Sequence], kv: KVCacheBackend, budget: int, max_model_len: int
               ) -> dict[Sequence, list[int]]:
@@ -114,13 +143,24 @@ class Speculator:
                 if state.off_steps == 0:
                     state.probing = True
                 continue
+            if seq.output_ids and seq.output_ids[-1] == PLACEHOLDER:
+                continue  # its last token is still being computed (async scheduling): no guess yet
             # room: the drafts and the target's token after them must fit max_tokens and the context
             room = min(seq.params.max_tokens - seq.num_output_tokens() - 1, max_model_len - seq.num_tokens - 1)
-            k = min(state.k(self.k_max), room)
+            k = min(self.k_max if self.costs.known else state.k(self.k_max), room)
             if k >= 1:
                 requests.append((seq, k))
         if not requests:
             return {}
+        if self.costs.known:  # priced: drafts while expected tokens per second rise
+            self._speculating_steps += 1
+            cands = [(seq, k, self._state[seq].position_rate) for seq, k in requests if not self._state[seq].probing]
+            plan = plan_drafts(self.costs, len(decodes), cands, explore=self._speculating_steps % EXPLORE_EVERY == 0)
+            # a request probing after a back-off tries one draft whatever the price
+            requests = [(seq, 1 if self._state[seq].probing else plan.get(seq, 0)) for seq, _ in requests]
+            requests = [(seq, k) for seq, k in requests if k >= 1]
+            if not requests:
+                return {}
         out: dict[Sequence, list[int]] = {}
         for (seq, _), drafts in zip(requests, self.proposer.propose(requests), strict=True):
             drafts = drafts[:budget]
@@ -142,16 +182,26 @@ class Speculator:
         if state is None:
             return
         rate = v.num_accepted / v.num_drafts
+        state.hits = POS_DECAY * state.hits + v.num_accepted
+        state.tries = POS_DECAY * state.tries + v.num_accepted + (v.num_accepted < v.num_drafts)
         state.rate = rate if state.probing else (1 - ALPHA) * state.rate + ALPHA * rate
         if state.probing and rate > 0:
             state.probing = False
             state.backoff = FIRST_BACKOFF
             state.rate = max(state.rate, FULL_RATE / self.k_max)
-        elif state.rate < MIN_RATE or (state.probing and rate == 0):
+        elif (state.rate < MIN_RATE or (state.tries >= 3 and state.position_rate < MIN_RATE)
+              or (state.probing and rate == 0)):
             state.off_steps = state.backoff
             state.backoff = min(2 * state.backoff, MAX_BACKOFF)
             state.probing = False
             state.rate = FULL_RATE / self.k_max  # resume from k = 1 after the back-off
+            state.hits, state.tries = 0.5, 1.0
+
+    def observe_step(self, batch: BatchInputs, seconds: float) -> None:
+        """A landed step's forward + sampling time: counted by row count when the step held decode
+        rows and verify chunks only (what :meth:`draft` prices)."""
+        if batch.num_prefill_seqs == len(batch.spec_spans) and not batch.prompt_rows:
+            self.costs.observe(len(batch.input_ids), seconds)
 
     def state(self, seq: Sequence) -> SpecState | None:
         return self._state.get(seq)

@@ -1,0 +1,166 @@
+"""The engine's side of the KV tiers below its own memory (T1 host, T2 disk, ...; see
+:mod:`xllm.kvstore.tiered`): write-down of evicted blocks, lookups, and loads into KV pages.
+
+Lifecycle of a block (chained hash ``h``, the same in every tier and process):
+
+1. computed in T0 and registered in the prefix cache (``PrefixCachingBackend.on_computed``);
+2. evicted from T0 when its page is taken for other work (``PagePool`` calls :meth:`LowerTiers.on_evict`
+   on the engine thread): its bytes are copied out of the page, the one cost on the step's path, and
+   queued for the writer thread, which writes it to every lower tier lacking it;
+3. found again for a new request: :meth:`LowerTiers.match` after the T0 prefix match, then
+   :meth:`LowerTiers.load` reads the blocks on the loader thread straight into pages taken for them
+   (each block checked against its hash, namespace and checksum first) while the step loop serves
+   other requests; a block that fails stops the load there (the rest is recomputed);
+4. the loaded blocks enter T0's prefix cache, and the request's admission finds them there.
+
+Torch-free (pages are reached through :class:`~xllm.core.kv.page_store.PageStore`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from xllm.core.errors import ConfigError
+from xllm.core.kv.page_store import PageStore
+from xllm.kvstore.file_tier import FileTier
+from xllm.kvstore.mooncake_tier import MooncakeTier, parse_url
+from xllm.kvstore.tier import KVTier, TierDownError, TierStats, namespace
+from xllm.kvstore.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadJob:
+    """Blocks of one request coming up from lower tiers into ``pages`` (taken for them, one reference
+    each, held by the job). ``future`` resolves to how many leading blocks arrived intact. A job with
+    no pages only waits for another request's load of the same blocks (``waits_for``)."""
+
+    hashes: list[int]
+    pages: list[int]
+    future: Future
+    pinned: list[int] = field(default_factory=list)  # pages of the prefix already in T0, referenced meanwhile
+    started: float = field(default_factory=time.perf_counter)
+    loaded: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+
+@dataclass
+class TierCounters:
+    """Engine-side counts of lower-tier loads: requests that waited for a load, blocks asked and
+    loaded, and the loads' wall time (from the request's point of view)."""
+
+    loads: int = 0
+    blocks_requested: int = 0
+    blocks_loaded: int = 0
+    written_down: int = 0
+    skipped_writes: int = 0
+    load_seconds: float = 0.0
+
+
+class LowerTiers:
+    """One backend's link to a :class:`TieredStore` (see the module docstring). Engine thread,
+    except the loads and writes it hands to its threads."""
+
+    def __init__(self, store: TieredStore, pages: PageStore) -> None:
+        self.store = store
+        self.pages = pages
+        self.counters = TierCounters()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xllm-kv-loader")
+
+    def page_views(self, page: int) -> list[memoryview]:
+        """The writable pieces of page ``page`` in block order (one per (layer, K|V) range)."""
+        return [buf[page * pb:(page + 1) * pb] for buf, pb in zip(self.pages.buffers, self.pages.page_bytes,
+                                                                  strict=True)]
+
+    # ---- write-down ----------------------------------------------------------------------------
+    def on_evict(self, page: int, block_hash: int) -> None:
+        """T0 drops the cached block in ``page`` (about to be reused): queue its bytes for the lower
+        tiers, unless they all have it already."""
+        try:
+            if self.store.stored_everywhere(block_hash):
+                self.counters.skipped_writes += 1
+            elif self.store.write_down(block_hash, self.pages.read_block(page)):
+                self.counters.written_down += 1
+        except Exception:  # never let a lower tier break T0's allocation
+            log.exception("KV tiers: writing block %016x down failed", block_hash)
+
+    # ---- loads ------------------------------------------------------------------------------------
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``hashes`` some lower tier (or the write queue) holds."""
+        return len(self.store.match(hashes))
+
+    def load(self, hashes: list[int], pages: list[int]) -> LoadJob:
+        """Start reading blocks ``hashes`` into ``pages`` (same length) on the loader thread."""
+        job = LoadJob(hashes, pages, self._loader.submit(self._load, hashes, pages))
+        self.counters.loads += 1
+        self.counters.blocks_requested += len(hashes)
+        return job
+
+    def _load(self, hashes: list[int], pages: list[int]) -> int:
+        for i, (h, page) in enumerate(zip(hashes, pages, strict=True)):
+            try:
+                source = self.store.load_into(h, self.page_views(page))
+            except Exception:  # a bad queue entry or a tier's bug: recompute from here
+                log.exception("KV tiers: loading block %016x failed", h)
+                source = None
+            if source is None:
+                return i
+        return len(hashes)
+
+    def finished(self, job: LoadJob) -> int:
+        """A done job's count of intact leading blocks (recorded in the counters)."""
+        try:
+            job.loaded = job.future.result()
+        except Exception:
+            log.exception("KV tiers: a load failed")
+            job.loaded = 0
+        self.counters.blocks_loaded += job.loaded
+        self.counters.load_seconds += time.perf_counter() - job.started
+        return job.loaded
+
+    # ---- reports and shutdown ------------------------------------------------------------------------
+    def stats(self) -> dict[str, TierStats]:
+        return self.store.stats()
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True)
+        self.store.close()
+
+
+def build_store(layout: str, model_identity: str | None, host_gib: float | None, host_dir: str,
+                disk_dir: str | None, disk_gib: float, store: str | None = None, store_metadata: str | None = None,
+                store_segment_gib: float = 1.0) -> TieredStore | None:
+    """The lower tiers the settings name (``EngineConfig.kv_*``), fastest first, within the namespace
+    of ``model_identity`` and the KV ``layout`` fingerprint; None when none is set. A tier that
+    cannot be opened is logged and left out (the engine runs without it); ``ConfigError`` without
+    the model's identity."""
+    if host_gib is None and disk_dir is None and store is None:
+        return None
+    if not model_identity:
+        raise ConfigError("KV tiers need kv_model_identity (the loader sets it from the model directory)")
+    ns = namespace(model_identity, layout)
+    tiers: list[KVTier] = []
+    for name, root, gib in (("host", host_dir if host_gib is not None else None, host_gib),
+                            ("disk", disk_dir, disk_gib)):
+        if root is None:
+            continue
+        try:
+            tiers.append(FileTier(name, root, ns, int(gib * 2**30)))
+            log.info("KV tier %s: %s, %.2f GiB", name, tiers[-1].directory, gib)
+        except TierDownError as exc:
+            log.warning("KV tier %s left out: %s", name, exc)
+    if store is not None:
+        try:
+            tiers.append(MooncakeTier(parse_url(store), store_metadata or "", ns, int(store_segment_gib * 2**30)))
+            log.info("KV tier store: %s, lending it %.2f GiB", store, store_segment_gib)
+        except TierDownError as exc:
+            log.warning("KV tier store left out: %s", exc)
+    return TieredStore(tiers) if tiers else None

@@ -1,0 +1,87 @@
+"""What a decode step costs by its number of rows, learned from the engine's own steps, and the
+choice of how many drafts each speculating sequence gets (:func:`plan_drafts`).
+
+Verifying k drafts makes a decoding sequence's chunk k+1 rows. Whether that pays depends on the
+hardware, the model and the kernels: on the 2-core Zen 4 of docs/performance.md a SmolLM2 step of 8
+rows costs ~1.2x one row through the fused decode kernel, but when its projections were the
+row-streaming GEMV a 4-row step cost ~1.65x (compute-bound there), and 3 drafts accepted at 80 %
+lost to 2; a step of more rows than the decode kernel takes runs the general step, dearer again.
+:class:`StepCosts` keeps the last measured forward + sampling seconds of the steps made of decode
+rows and verify chunks only, by row count, and estimates each count by their lower quartile (a step
+slowed by another process on the cores does not make its row count look dear for long); row counts
+never seen are estimated optimistically from the nearest smaller count seen (so they get tried once,
+then known).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+WINDOW = 16          # measurements kept per row count
+OPTIMISM = 0.05      # an unseen row count is estimated this much dearer per extra row than the last seen
+
+
+@dataclass
+class StepCosts:
+    """Seconds of a step by its row count (decode rows + verify rows; steps with a prompt chunk are
+    not counted). Engine thread only."""
+
+    seconds: dict[int, float] = field(default_factory=dict)  # the estimate by row count
+    _recent: dict[int, deque] = field(default_factory=dict)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows < 1 or not seconds > 0:
+            return
+        recent = self._recent.setdefault(rows, deque(maxlen=WINDOW))
+        recent.append(seconds)
+        self.seconds[rows] = sorted(recent)[(len(recent) - 1) // 4]
+
+    @property
+    def known(self) -> bool:
+        return bool(self.seconds)
+
+    def estimate(self, rows: int) -> float | None:
+        """The learned seconds of ``rows`` rows; unseen: the nearest smaller count seen, dearer by
+        :data:`OPTIMISM` per extra row (or, with only larger counts seen, the nearest of those: a
+        step is never cheaper for having more rows). None before any step was seen."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        below = [r for r in self.seconds if r < rows]
+        if below:
+            r = max(below)
+            return self.seconds[r] * (1 + OPTIMISM * (rows - r))
+        above = [r for r in self.seconds if r > rows]
+        return self.seconds[min(above)] if above else None
+
+
+def plan_drafts(costs: StepCosts, base_rows: int, candidates: list[tuple[object, int, float]],
+                explore: bool = False) -> dict[object, int]:
+    """How many drafts each candidate gets in a step of ``base_rows`` decode rows (every decoding
+    sequence's own row, candidates included): ``candidates`` are ``(key, most drafts, acceptance
+    probability per draft position)``. A draft that would be the (j+1)-th of its sequence adds
+    ``p^(j+1)`` expected tokens (it counts only if the j before it are accepted) and one row. Gains
+    fall along each sequence, so for every row count the best drafts are the most valuable ones
+    overall; the plan is the row count with the most expected tokens per estimated second (the cost
+    curve need not be convex: a kernel may turn compute-bound at some row count). ``explore``: one
+    draft more than that (keeps the estimate of the next row count fresh). Requires ``costs.known``."""
+    heap = [(-p, i, key, 1, k, p) for i, (key, k, p) in enumerate(candidates) if k >= 1 and p > 0]
+    heapq.heapify(heap)
+    order: list[object] = []  # drafts, most valuable first (a key once per draft it gets)
+    tokens = float(base_rows)
+    best_n, best_rate = 0, tokens / costs.estimate(base_rows)
+    while heap:
+        neg_gain, i, key, j, k, p = heapq.heappop(heap)
+        order.append(key)
+        tokens -= neg_gain
+        rate = tokens / costs.estimate(base_rows + len(order))
+        if rate > best_rate:
+            best_n, best_rate = len(order), rate
+        if j < k:
+            heapq.heappush(heap, (neg_gain * p, i, key, j + 1, k, p))
+    n = min(best_n + 1, len(order)) if explore else best_n
+    given: dict[object, int] = {}
+    for key in order[:n]:
+        given[key] = given.get(key, 0) + 1
+    return given
