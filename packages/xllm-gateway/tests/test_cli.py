@@ -25,9 +25,8 @@ ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--speculative", "--num-speculative
                        "--speculative-self-layers", "--draft-model"]
 # KV tiers below the engine's KV memory (xllm.core.kv.lower_tiers)
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--kv-host-memory", "--kv-host-dir", "--kv-disk-dir", "--kv-disk-size",
-                       "--kv-store", "--kv-store-segment"]
-HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout", "--mooncake-master",
-                 "--mooncake-metadata"]
+                       "--kv-store", "--kv-store-segment", "--mooncake-metadata"]
+HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout", "--mooncake-master"]
 CLUSTER_SECURITY_FLAGS = ["--cluster-token", "--cluster-token-file", "--tls-cert", "--tls-key", "--tls-ca",
                           "--tls-server-name", "--etcd-ca", "--etcd-cert", "--etcd-key"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", *ENGINE_CONFIG_FLAGS, "--no-progress",

@@ -173,6 +173,10 @@ def add_kv_tier_flags(p: argparse.ArgumentParser) -> None:
                         "URL): evicted blocks are written there and any instance loads them back; off by default")
     p.add_argument("--kv-store-segment", type=positive_float, default=1.0, metavar="GIB",
                    help="memory this engine lends to the --kv-store pool in GiB")
+    # an engine flag (every engine parser has it, `xllm profile` too), also read by --kv-transfer mooncake
+    p.add_argument("--mooncake-metadata", default=None, metavar="URL",
+                   help="the Mooncake metadata server, e.g. http://127.0.0.1:8080/metadata (for --kv-store and "
+                        "for --kv-transfer mooncake)")
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -284,8 +288,6 @@ def add_handoff_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
                    help="the Mooncake store's master (with --kv-transfer mooncake, and on prefill instances "
                         "sending to such decode instances)")
-    p.add_argument("--mooncake-metadata", default=None, metavar="URL",
-                   help="the Mooncake metadata server, e.g. http://127.0.0.1:8080/metadata")
 
 
 def handoff_options(args: argparse.Namespace) -> HandoffOptions:
