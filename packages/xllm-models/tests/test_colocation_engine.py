@@ -130,7 +130,8 @@ def test_online_requests_overtake_a_batch_full_of_offline_work(qwen):
     assert (report.num_running, report.offline_running) == (3, 3)
     assert (report.num_waiting, report.offline_waiting) == (2, 0)
     sched = run.engine.scheduler
-    assert sched.pending_prefill_tokens(offline_only=True) == 0 < sched.pending_prefill_tokens()
+    total, offline_share = sched.pending_prefill_tokens()
+    assert offline_share == 0 < total
     while any(len(run.tokens.get(f"on{i}", [])) < 4 for i in range(2)):
         run.step()
         assert not all(len(run.tokens.get(f"off{i}", [])) == 60 for i in range(3))

@@ -182,13 +182,20 @@ class Scheduler:
         seq.status = SeqStatus.HANDING_OFF
         self.handing_off[seq.request_id] = seq
 
-    def pending_prefill_tokens(self, offline_only: bool = False) -> int:
-        """Prompt tokens still to compute: queued requests plus running ones mid-prefill (of offline
-        requests only, with ``offline_only``)."""
-        pending = sum(max(seq.num_tokens - seq.num_computed_tokens, 0) for seq in self.waiting
-                      if seq.offline or not offline_only)
-        return pending + sum(seq.num_tokens - seq.num_computed_tokens for seq in self.running
-                             if seq.num_tokens - seq.num_computed_tokens > 1 and (seq.offline or not offline_only))
+    def pending_prefill_tokens(self) -> tuple[int, int]:
+        """Prompt tokens still to compute — queued requests plus running ones mid-prefill — and the
+        offline (co-location) share of them, in one pass."""
+        total = offline = 0
+        for seq in self.waiting:
+            n = max(seq.num_tokens - seq.num_computed_tokens, 0)
+            total += n
+            offline += n if seq.offline else 0
+        for seq in self.running:
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > 1:
+                total += n
+                offline += n if seq.offline else 0
+        return total, offline
 
     # ---- KV lifetime across a step in flight ------------------------------------------------------
     def pin(self, seqs: Iterable[Sequence]) -> None:

@@ -13,6 +13,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from xllm.common.argtypes import fraction, positive_int
 from xllm.core.dtypes import DTYPES
 from xllm.core.kv.registry import KV_BACKENDS
 from xllm.core.spec.registry import PROPOSERS
@@ -32,13 +33,6 @@ ENGINE_DESCRIPTION = ("Run one engine instance serving the xllm.engine.v1.Engine
                       "gateways route to it.")
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def context_length(text: str) -> int:
     value = int(text)
     if value < 2:
@@ -50,13 +44,6 @@ def positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
 
 

@@ -136,8 +136,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             a = self._rate_alpha
             self.prefill_tokens_per_s = rate if self.prefill_tokens_per_s == 0 else (
                 (1 - a) * self.prefill_tokens_per_s + a * rate)
-        self.pending_prefill_tokens = llm.scheduler.pending_prefill_tokens()
-        self.offline_pending_prefill_tokens = llm.scheduler.pending_prefill_tokens(offline_only=True)
+        self.pending_prefill_tokens, self.offline_pending_prefill_tokens = llm.scheduler.pending_prefill_tokens()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None) -> int:

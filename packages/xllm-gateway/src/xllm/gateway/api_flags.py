@@ -8,16 +8,10 @@ import argparse
 import os
 from collections.abc import Mapping
 
+from xllm.common.argtypes import positive_int
 from xllm.gateway.access import API_KEY_ENV, AccessPolicy, parse_keys
 from xllm.gateway.openai.limits import MIB, OPENAI_MAX_N, ApiLimits
 from xllm.gateway.openai.protocol import DEFAULT_OFFLINE_PRIORITY
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -57,12 +51,12 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
                         "gets 503 with Retry-After; 0: unlimited")
     g.add_argument("--max-body-mib", type=_positive_float, default=d.max_body_bytes / MIB, metavar="MIB",
                    help="largest HTTP request body, in MiB; a larger one gets 413 before it is read")
-    g.add_argument("--max-prompt-chars", type=_positive_int, default=d.max_prompt_chars, metavar="N",
+    g.add_argument("--max-prompt-chars", type=positive_int, default=d.max_prompt_chars, metavar="N",
                    help="most characters of prompt (messages and tools, or the string prompts) one request may "
                         "send, checked before tokenization")
-    g.add_argument("--max-prompts", type=_positive_int, default=d.max_prompts, metavar="N",
+    g.add_argument("--max-prompts", type=positive_int, default=d.max_prompts, metavar="N",
                    help="most prompts in one /v1/completions request")
-    g.add_argument("--max-n", type=_positive_int, default=d.max_n, metavar="N",
+    g.add_argument("--max-n", type=positive_int, default=d.max_n, metavar="N",
                    help=f"most choices (`n`) per prompt (at most {OPENAI_MAX_N})")
     g.add_argument("--max-logprobs", type=_non_negative_int, default=d.max_logprobs, metavar="N",
                    help="most alternatives per token a request may ask for (`top_logprobs`, completions `logprobs`)")

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from xllm.common.argtypes import fraction
 from xllm.sched import BATCH_POLICIES, DEFAULT_OFFLINE_SLO_FRACTION, ROUTING_POLICIES
 from xllm.sched.registry import PD_POLICIES
 from xllm.sim.cluster import Cluster
@@ -62,13 +63,6 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
 def phase_seconds(text: str) -> tuple[float, float]:
     """``--phase-s``: ``S`` (both phases S seconds) or ``P,D`` (prefill-heavy P, decode-heavy D)."""
     parts = [x.strip() for x in text.split(",")]
@@ -109,7 +103,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-policy", default="decode_first", choices=BATCH_POLICIES.choices(),
                    help="engine batch policy (xllm.sched.BATCH_POLICIES): decode_first, or colocation (offline "
                         "requests fill what online ones leave within --slo-tpot-ms) (default decode_first)")
-    g.add_argument("--offline-slo-fraction", type=_fraction, default=DEFAULT_OFFLINE_SLO_FRACTION, metavar="F",
+    g.add_argument("--offline-slo-fraction", type=fraction, default=DEFAULT_OFFLINE_SLO_FRACTION, metavar="F",
                    help="colocation: offline work joins steps only as far as the average predicted step online "
                         "decodes see stays within F x --slo-tpot-ms (the engine's flag of the same name; default "
                         "%(default)s)")

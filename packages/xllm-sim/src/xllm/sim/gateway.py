@@ -48,10 +48,10 @@ def live_report(inst: SimInstance) -> tuple:
     prefill tokens, prefill tokens/s, recent TTFT, recent TPOT, cached blocks, and the offline share
     of running, waiting and pending prefill tokens)."""
     kv = inst.kv
-    pending, off_pending = inst.pending_prefill_tokens()
+    pending, off_pending, off_running, off_waiting = inst.load_counts()
     return (len(inst.running), len(inst.waiting) + len(inst.reserving), kv.usage, kv.available * kv.block_size,
             pending, inst.prefill_tps, inst.recent_ttft, inst.recent_tpot, len(kv.refs),
-            sum(s.offline for s in inst.running), sum(s.offline for s in inst.waiting), off_pending)
+            off_running, off_waiting, off_pending)
 
 
 class Gateway:

@@ -188,16 +188,24 @@ class SimInstance:
         self.kv.free(seq)
 
     # ---- load -----------------------------------------------------------------------------------------
-    def pending_prefill_tokens(self) -> tuple[int, int]:
-        """Prompt tokens still to compute (queued requests and running ones mid-prefill), and the
-        offline share of them."""
-        total = offline = 0
-        for s in (*self.waiting, *(s for s in self.running if s.num_tokens - s.num_computed_tokens > 1)):
+    def load_counts(self) -> tuple[int, int, int, int]:
+        """Prompt tokens still to compute (queued requests and running ones mid-prefill), the offline
+        share of them, and the offline sequences running and waiting — one pass over each queue."""
+        total = offline = off_waiting = off_running = 0
+        for s in self.waiting:
             n = s.num_tokens - s.num_computed_tokens
             total += n
             if s.offline:
                 offline += n
-        return total, offline
+                off_waiting += 1
+        for s in self.running:
+            n = s.num_tokens - s.num_computed_tokens
+            if n > 1:
+                total += n
+            if s.offline:
+                off_running += 1
+                offline += n if n > 1 else 0
+        return total, offline, off_running, off_waiting
 
     def observe_ttft(self, ttft: float) -> None:
         self.recent_ttft = ttft if self.recent_ttft == 0 else 0.9 * self.recent_ttft + 0.1 * ttft
