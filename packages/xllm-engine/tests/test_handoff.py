@@ -169,10 +169,11 @@ def test_the_decode_side_prefix_cache_shrinks_the_transfer():
 
 
 def test_handoff_through_a_mooncake_store_equals_one_engine(tmp_path):
-    from xllm.testing.processes import start_mooncake_master, stop_process_group
+    from xllm.testing.processes import start_mooncake_master
 
-    master, address, metadata = start_mooncake_master(tmp_path)
-    options = {"mooncake_master": address, "mooncake_metadata": metadata, "mooncake_segment_gib": 0.0625}
+    store = start_mooncake_master(tmp_path)
+    options = {"mooncake_master": store.address, "mooncake_metadata": store.metadata_url,
+               "mooncake_segment_gib": 0.0625}
     mixed = generate(make_engine(MODEL), [make_request("r", PROMPT, **SEEDED)])
 
     async def main():
@@ -187,7 +188,7 @@ def test_handoff_through_a_mooncake_store_equals_one_engine(tmp_path):
     try:
         got, reservation, stats = run(main())
     finally:
-        stop_process_group(master, timeout=20)
+        store.stop(timeout=20)
     assert reservation.transport == "mooncake" and stats.transport == "mooncake" and not stats.recomputed
     assert stats.transfer_bytes > 0
     assert got.tokens["r"] == mixed.tokens["r"] and got.text["r"] == mixed.text["r"]

@@ -38,11 +38,11 @@ GREEDY = dict(max_tokens=NEW, ignore_eos=True)
 @pytest.fixture(scope="module")
 def mooncake_options(tmp_path_factory):
     """A Mooncake master for the module (skips when the wheel is not installed)."""
-    from xllm.testing.processes import start_mooncake_master, stop_process_group
+    from xllm.testing.processes import start_mooncake_master
 
-    master, address, metadata = start_mooncake_master(tmp_path_factory.mktemp("mooncake"))
-    yield {"mooncake_master": address, "mooncake_metadata": metadata, "mooncake_segment_gib": 0.0625}
-    stop_process_group(master, timeout=20)
+    store = start_mooncake_master(tmp_path_factory.mktemp("mooncake"))
+    yield {"mooncake_master": store.address, "mooncake_metadata": store.metadata_url, "mooncake_segment_gib": 0.0625}
+    store.stop(timeout=20)
 
 
 def _random_case(path, config, seed: int):

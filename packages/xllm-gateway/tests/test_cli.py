@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -26,6 +27,8 @@ ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--speculative", "--num-speculative
 # KV tiers below the engine's KV memory (xllm.core.kv.lower_tiers)
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--kv-host-memory", "--kv-host-dir", "--kv-disk-dir", "--kv-disk-size",
                        "--kv-store", "--kv-store-segment", "--mooncake-metadata"]
+ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--quantization", "--kv-cache-dtype"]  # weights and KV quantization
+ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--item-catalog"]  # generative recommendation (issue 19)
 HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout", "--mooncake-master"]
 CLUSTER_SECURITY_FLAGS = ["--cluster-token", "--cluster-token-file", "--tls-cert", "--tls-key", "--tls-ca",
                           "--tls-server-name", "--etcd-ca", "--etcd-cert", "--etcd-key"]
@@ -144,9 +147,9 @@ def test_module_entry_point_help():
 def test_defaults():
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.port, args.dtype, args.model, args.served_model_name) == ("127.0.0.1", 8000,
-                                                                                     "bfloat16", None, None)
+                                                                                     None, None, None)
     cfg = engine_config(args)
-    assert cfg.dtype == torch.bfloat16
+    assert cfg.dtype == torch.bfloat16 and cfg.quantization == "auto"  # a GGUF keeps its stored weights
     assert cfg.max_num_seqs == 64 and cfg.max_num_batched_tokens == 512
     assert cfg.max_model_len is None and cfg.kv_cache_memory_gib == 2.0
     assert cfg.max_waiting_requests == 4096 and cfg.num_threads is None and cfg.seed == 0
@@ -177,6 +180,43 @@ def test_kv_tier_flags_reach_the_engine_config_and_spawned_engines():
         engine_config(build_parser().parse_args(["serve", "--kv-store", "mooncake://10.0.0.1:50051"]))
     with pytest.raises(ConfigError, match="mooncake://HOST:PORT"):
         engine_config(build_parser().parse_args(["serve", "--kv-store", "redis://x", "--mooncake-metadata", "u"]))
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Hex local addresses (/proc/net/tcp) listening on ``port`` (``0100007F``: 127.0.0.1)."""
+    out = set()
+    for line in pathlib.Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:
+            out.add(addr)
+    return out
+
+
+def test_serve_starts_a_local_mooncake_store_on_loopback_for_its_engines():
+    """``xllm serve --kv-store local-mooncake``: a master and a metadata server on loopback ports only,
+    the engine flags pointed at them; an engine on its own refuses the value (it joins a store)."""
+    from xllm.gateway.cli import start_local_store
+    from xllm.testing.processes import ensure_mooncake
+
+    ensure_mooncake()
+    args = build_parser().parse_args(["serve", "--kv-store", "local-mooncake", "--kv-host-memory", "1"])
+    store = start_local_store(args)
+    try:
+        master_port = int(store.address.rsplit(":", 1)[1])
+        meta_port = int(store.metadata_url.split(":")[2].split("/")[0])
+        assert args.kv_store == f"mooncake://127.0.0.1:{master_port}" and args.mooncake_metadata == store.metadata_url
+        assert _listening_addresses(master_port) == {"0100007F"} == _listening_addresses(meta_port)
+        cfg = engine_config(args)
+        assert (cfg.kv_store, cfg.kv_store_metadata) == (args.kv_store, store.metadata_url)
+        spawned = engine_args(args, 2)
+        assert spawned[spawned.index("--kv-store") + 1] == args.kv_store
+    finally:
+        store.stop()
+    assert store.master.poll() is not None and store.metadata.poll() is not None
+    with pytest.raises(ValueError, match="local-mooncake starts a store for `xllm serve`"):
+        engine_config(build_parser().parse_args(["engine", "--kv-store", "local-mooncake"]))
+    assert start_local_store(build_parser().parse_args(["serve"])) is None
 
 
 @pytest.mark.parametrize("argv", [

@@ -72,8 +72,10 @@ def test_any_interleaving_of_deltas_reproduces_the_producer_state():
     log = KVEventLog("w", 8, epoch=3, max_history=64)
     index = GlobalKVIndex()
     acked = None
+    tiers = ("", "host", "disk")  # the engine's memory and two lower tiers, on one version sequence
     for _ in range(300):
-        log.record([(rng.random() < 0.6, rng.randrange(40)) for _ in range(rng.randrange(0, 6))])
+        log.record([(rng.random() < 0.6, rng.randrange(40)) for _ in range(rng.randrange(0, 6))],
+                   tier=rng.choice(tiers))
         if rng.random() < 0.5:
             continue
         msg = log.delta(acked)
@@ -84,8 +86,31 @@ def test_any_interleaving_of_deltas_reproduces_the_producer_state():
             known = index.version("w")
             resync = log.delta(known[1] if known else None, known[0] if known else None)
             assert index.apply("w", resync) == APPLIED
-        assert {h for h in range(40) if "w" in index.holders(h)} == set(log.cached())
+        for tier in tiers:
+            assert {h for h in range(40) if "w" in index.holders(h, tier)} == set(log.cached(tier))
     assert index.gaps > 0
+
+
+def test_match_tiers_continues_a_memory_hit_through_the_fastest_lower_tier_holding_each_block():
+    idx = GlobalKVIndex()
+    log = KVEventLog("a", 16, epoch=1)
+    log.record([(True, 1), (True, 2)])
+    log.record([(True, h) for h in (2, 3, 4, 5)], tier="disk")
+    log.record([(True, h) for h in (4, 9)], tier="host")
+    assert idx.apply("a", log.delta(None)) == APPLIED  # a snapshot carries every tier
+    other = KVEventLog("b", 16, epoch=1)
+    other.record([(True, 1)], tier="store")
+    idx.apply("b", other.delta(None))
+    m = idx.match_tiers([1, 2, 3, 4, 5, 6])
+    assert (m["a"].device, m["a"].lower, m["a"].blocks) == (2, (("disk", 1), ("host", 1), ("disk", 1)), 5)
+    assert (m["b"].device, m["b"].lower) == (0, (("store", 1),))
+    assert set(idx.match_tiers([1, 2], instances={"a"})) == {"a"}
+    log.record([(False, 4)], tier="host")
+    log.record([(False, 3)], tier="disk")
+    assert idx.apply("a", log.delta(idx.version("a")[1])) == APPLIED
+    assert idx.match_tiers([1, 2, 3, 4])["a"].lower == ()
+    idx.remove_instance("a")
+    assert idx.holders(5, "disk") == frozenset() and idx.num_lower_blocks("a", "disk") == 0
 
 
 # ---- GlobalKVIndex ----------------------------------------------------------------------------

@@ -53,6 +53,35 @@ def test_a_full_tier_evicts_the_least_recently_used_block(tmp_path):
     assert s.evictions == 2 and s.used_bytes == 3 * (HEADER_BYTES + BLOCK) <= s.capacity_bytes
 
 
+def test_the_store_publishes_what_each_tier_gains_and_loses_starting_from_what_it_holds(tmp_path):
+    """The events an instance publishes for the gateway's index (xllm.kvstore.events): a tier's
+    existing blocks first (a host tier outliving the engine), then writes, capacity evictions and
+    dropped damaged blocks, each named by tier."""
+    host = FileTier("host", tmp_path / "h", NS, 2 * (HEADER_BYTES + BLOCK), low_water=1.0)
+    host.put(7, [payload(7)])
+    os.utime(host.path(7), ns=(10**9, 10**9))  # the oldest: evicted first
+    disk = FileTier("disk", tmp_path / "d", NS, 100 * BLOCK)
+    store = TieredStore([host, disk], retry_s=0.0)
+    try:
+        assert store.drain_events() == [("host", True, 7)]
+        for h in (1, 2):
+            assert store.write_down(h, payload(h))
+            assert store.flush(10)
+        events = store.drain_events()
+        assert sorted(e for e in events if e[1]) == [("disk", True, 1), ("disk", True, 2), ("host", True, 1),
+                                                     ("host", True, 2)]
+        assert [e for e in events if not e[1]] == [("host", False, 7)]  # made room for block 2
+        with open(disk.path(1), "r+b") as f:  # damage: the failed check drops it, and says so
+            f.seek(HEADER_BYTES + 3)
+            f.write(b"\xff")
+        with pytest.raises(CorruptBlockError):
+            disk.get_into(1, [memoryview(bytearray(BLOCK))])
+        assert store.drain_events() == [("disk", False, 1)]
+        assert store.drain_events() == []
+    finally:
+        store.close()
+
+
 def test_capacity_is_shared_by_every_process_using_the_directory(tmp_path):
     size = HEADER_BYTES + BLOCK
     mine = FileTier("host", tmp_path, NS, 2 * size, low_water=1.0)
@@ -147,6 +176,12 @@ class FlakyTier:
 
     def evict(self, h):
         return self.blocks.pop(h, None) is not None
+
+    def drain_dropped(self):
+        return []
+
+    def listing(self):
+        return []
 
     capacity_bytes = 1 << 30
 

@@ -201,3 +201,33 @@ def test_a_new_prefix_goes_to_the_emptier_cache():
     for _ in range(4):
         d = p.route(RouteRequest(100), [snap("a", cached_blocks=40), snap("b", cached_blocks=10)])
         assert d.instance_id == "b"
+
+
+@pytest.mark.parametrize(("disk_speed", "choice"), [(500.0, "a"), (50_000.0, "b"), (None, "a")])
+def test_kv_aware_weighs_a_deep_lower_tier_hit_against_a_shallow_memory_hit_by_predicted_ttft(disk_speed, choice):
+    """Instance a holds 400 of 2,000 prompt tokens in memory; b holds none there but could load 1,600
+    from disk. At 1,000 tokens/s of prefill: a disk loading 500 tokens/s is slower than recomputing
+    (a wins, and b's hit is worth nothing in the score); one loading 50,000 tokens/s makes b's first
+    token ~5x sooner (b wins); a disk whose speed b has not measured counts as recompute."""
+    speeds = () if disk_speed is None else (("disk", disk_speed),)
+    a = snap("a", matched_tokens=400)
+    b = snap("b", lower_matched=(("disk", 1600),), tier_load_tokens_per_s=speeds)
+    p = KVCacheAwarePolicy()
+    d = p.route(RouteRequest(2000), [a, b])
+    assert d.instance_id == choice
+    loaded, load_s, _ = p.lower_tier_plan(b, 2000, 1000.0)
+    # b computes the 400 tokens no tier has and loads the rest, or computes all 2,000
+    expected_b = 2.0 if disk_speed is None else 400 / 1000 + 1600 / disk_speed
+    assert p.predicted_latency(b, 2000, 1000.0) == pytest.approx(expected_b)
+    assert (loaded, load_s) == ((0, 0.0) if disk_speed is None else (1600, 1600 / disk_speed))
+    if disk_speed == 500.0:
+        assert p.reuse(b, 2000, 1000.0) == 0.0  # slower than recomputing: no reuse credit
+
+
+def test_kv_aware_lower_tier_hits_stop_at_the_first_unmeasured_tier_and_leave_the_last_token_computed():
+    p = KVCacheAwarePolicy()
+    c = snap("c", matched_tokens=100, lower_matched=(("host", 300), ("store", 200), ("disk", 400)),
+             tier_load_tokens_per_s=(("host", 10_000.0), ("disk", 10_000.0)))
+    assert p.lower_tier_plan(c, 1000, 1000.0)[0] == 300  # the store's speed is unknown: stop there
+    full = snap("f", lower_matched=(("host", 1000),), tier_load_tokens_per_s=(("host", 10_000.0),))
+    assert p.lower_tier_plan(full, 1000, 1000.0)[0] == 999

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from xllm.common import UnknownNameError
-from xllm.core.dtypes import DTYPES
+from xllm.core.dtypes import DTYPES, canonical_quantization
 from xllm.core.errors import ConfigError
-from xllm.core.kv.registry import KV_BACKENDS
+from xllm.core.kv.registry import KV_BACKENDS, KV_CACHE_DTYPES
 from xllm.core.spec.registry import PROPOSERS
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
 
@@ -63,6 +63,9 @@ class EngineConfig:
     Mooncake store shared by the cluster, to which this engine lends ``kv_store_segment_gib``.
     Blocks are shared only within ``kv_model_identity`` (the model's weights; the loader sets it
     from the model directory) and the KV layout.
+    ``quantization`` (:data:`xllm.core.dtypes.WEIGHT_QUANTIZATIONS`): the linears' weight format the loader
+    builds (``"auto"``: a GGUF's stored formats; ``"none"``: float in ``dtype``; ``"int8"``/``"int4"``/
+    ``"int4_g128"``: quantized at load); quantized weights need bfloat16/float32 and no ``compile_decode``.
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -73,6 +76,7 @@ class EngineConfig:
     block_size: int | None = None
     kv_cache_memory_gib: float = 2.0
     kv_cache_backend: str = "xtensor"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or a quantized KV kind (xllm.core.kv.registry)
     enable_prefix_cache: bool = True
     native_decode: bool = True
     async_scheduling: bool = False
@@ -98,9 +102,12 @@ class EngineConfig:
     kv_store_metadata: str | None = None
     kv_store_segment_gib: float = 1.0
     speculative_self_layers: int | None = None
+    item_catalog: str | None = None  # generative recommendation's valid items (xllm.recsys.catalog file)
+    quantization: str = "none"  # the linears' weight format (xllm.core.dtypes.WEIGHT_QUANTIZATIONS)
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
+        self._check_quantization()
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -109,6 +116,9 @@ class EngineConfig:
         if self.kv_cache_backend not in KV_BACKENDS:
             raise ConfigError(f"kv_cache_backend: unknown KV cache backend {self.kv_cache_backend!r}; "
                               f"known: {', '.join(KV_BACKENDS.choices())}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype: unknown KV cache dtype {self.kv_cache_dtype!r}; "
+                              f"known: {', '.join(KV_CACHE_DTYPES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory_gib <= 0:
@@ -125,6 +135,20 @@ class EngineConfig:
             raise ConfigError(f"offline_slo_fraction must be in (0, 1], got {self.offline_slo_fraction}")
         self._check_speculative()
         self._check_kv_tiers()
+
+    def _check_quantization(self) -> None:
+        try:
+            self.quantization = canonical_quantization(self.quantization)
+        except ValueError as exc:
+            raise ConfigError(f"quantization: {exc}") from None
+        if self.quantization in ("auto", "none"):
+            return  # "auto" with a GGUF is checked when the loader knows the model is quantized
+        if self.dtype not in (torch.bfloat16, torch.float32):
+            raise ConfigError(f"quantization {self.quantization!r} runs its activations in bfloat16 or float32, "
+                              f"not {str(self.dtype).removeprefix('torch.')} (--dtype)")
+        if self.compile_decode:
+            raise ConfigError(f"quantization {self.quantization!r}: compiled decode graphs (--compile-decode) do not "
+                              "take quantized linears")
 
     @property
     def kv_tiers_enabled(self) -> bool:

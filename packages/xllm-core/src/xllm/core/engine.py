@@ -21,6 +21,8 @@ import random
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 
+from xllm.core.beam import BeamRunner, BeamStepResult
+from xllm.core.beam_check import check_beam_request, load_catalog
 from xllm.core.config import EngineConfig
 from xllm.core.detokenizer import EngineTokenizer
 from xllm.core.disagg import DisaggListener, PromptFinishing
@@ -78,7 +80,7 @@ class LLMEngine(EngineMoves):
         self.max_model_len = config.resolve_max_model_len(int(model.max_context_len))
         self.kv = build_kv_cache(config.kv_cache_backend, model.kv_cache_spec(), config.dtype, self.platform.device,
                                  config.max_num_seqs, self.max_model_len, config.kv_cache_memory_gib,
-                                 config.block_size, config.enable_prefix_cache)
+                                 config.block_size, config.enable_prefix_cache, config.kv_cache_dtype)
         self.layout = self.kv.layout
         if config.kv_tiers_enabled:  # T1/T2 below the KV memory (xllm.core.kv.lower_tiers)
             from xllm.core.kv.lower_tiers import LowerTiers, build_store
@@ -109,6 +111,9 @@ class LLMEngine(EngineMoves):
             from xllm.core.spec.build import build_speculator
             self.spec = build_speculator(config, self.max_model_len, self.platform.device, int(model.vocab_size),
                                          draft_model, target=model, runner=self.runner)
+        # beam search (xllm.core.beam): groups decoding after their prompt, and the item catalogue
+        catalog = load_catalog(config.item_catalog, int(model.vocab_size)) if config.item_catalog else None
+        self.beams = BeamRunner(model, self.kv, tokenizer, eos, catalog, max(config.max_num_batched_tokens, 512))
         self.requests: dict[str, RequestOutput] = {}
         self.counters = EngineCounters()
         self.observers = list(observers or [])
@@ -164,6 +169,9 @@ class LLMEngine(EngineMoves):
                        offline=req.offline)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = PromptLogprobs()
+        if params.beam_width is not None:
+            check_beam_request(params, phase is Phase.MIXED, req, self.beams.catalog, self.max_model_len,
+                               self.layout.capacity_tokens)
         if req.sampling.HasField("structured"):
             if self.grammars is None:
                 raise InvalidRequestError("this engine has no grammar engine (constrained decoding)",
@@ -189,6 +197,7 @@ class LLMEngine(EngineMoves):
             self._abandoned.add(seq.request_id)
             self.disagg.on_abandoned(seq.request_id)
         else:
+            self.beams.drop(seq)
             self.scheduler.finish(seq)
             if seq.phase is Phase.PREFILL:  # before its hand-off began: none will happen
                 self.disagg.on_abandoned(seq.request_id)
@@ -210,7 +219,7 @@ class LLMEngine(EngineMoves):
         return {s.request_id for s in seqs}
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self.beams.groups)
 
     # ---- the step -------------------------------------------------------
     def step(self) -> list[engine_pb2.GenerateResponse]:
@@ -224,20 +233,21 @@ class LLMEngine(EngineMoves):
         """
         self._step_began = time.perf_counter()
         self._reserve()
+        beams = self._beam_step() if self.beams.groups else None
         if self.config.async_scheduling:
-            return self._step_overlapped()
+            return (beams or []) + self._step_overlapped(beams is not None)
         plan = self._schedule()
-        self.stalled = not plan
+        self.stalled = not plan and beams is None
         if not plan:
-            return []
+            return beams or []
         flight = self._prepare(plan)
         flight.start(None)
         self._swap_in(flight)
         responses = self._emit(flight)
         self._stepping = []
-        return responses
+        return (beams or []) + responses
 
-    def _step_overlapped(self) -> list[engine_pb2.GenerateResponse]:
+    def _step_overlapped(self, beams_ran: bool = False) -> list[engine_pb2.GenerateResponse]:
         responses: list[engine_pb2.GenerateResponse] = []
         prev = self._in_flight
         if prev is not None and (self._kv_tight() or self._slots_tight()):
@@ -255,7 +265,7 @@ class LLMEngine(EngineMoves):
             # real last token: speculating sequences step synchronously (xllm.core.spec.speculator)
             parked |= set(prev.spec_starts) | {s for s in busy if self.spec.wants(s)}
         plan = self._schedule(hold=parked)
-        self.stalled = not plan and prev is None
+        self.stalled = not plan and prev is None and not beams_ran
         flight = self._prepare(plan) if plan else None
         if prev is not None:
             self._swap_in(prev)
@@ -341,6 +351,13 @@ class LLMEngine(EngineMoves):
             out = self.requests.get(seq.request_id)
             if out is None or out.seq is not seq or out.finished:
                 continue  # aborted, or its end was detected while this token was in flight
+            if seq in flight.beam_logits:  # the prompt is done: its beams decode as a group from here
+                seq.first_token_time = seq.last_token_time = now
+                ttfts.append(now - seq.arrival_time)
+                prompt_tokens += seq.num_prompt_tokens
+                self.scheduler.park_for_beams(seq)
+                responses += self._beams_done(self.beams.start(seq, flight.beam_logits[seq]), finished, now)
+                continue
             token = result.token_ids[i]
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -404,7 +421,7 @@ class LLMEngine(EngineMoves):
         """Whether the token in flight is certainly the sequence's last here (length limits; a
         prefill-phase sequence stops at its first token)."""
         return (seq.num_resumed + len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
-                or seq.phase is Phase.PREFILL)
+                or seq.phase is Phase.PREFILL or seq.params.beam_width is not None)
 
     def _slots_tight(self) -> bool:
         """Could this step's scheduling preempt an offline sequence for a waiting one's slot?
@@ -460,6 +477,11 @@ class LLMEngine(EngineMoves):
         only after ``kv.enable_events()``)."""
         return self.kv.drain_events()
 
+    def drain_tier_events(self) -> list[tuple[str, bool, int]]:
+        """Lower-tier events ``(tier, stored?, block hash)`` since the last call (any thread: the tiers'
+        store is thread-safe)."""
+        return self.kv.drain_tier_events()
+
     def close(self) -> None:
         """Release the KV memory's OS resources; the engine is unusable afterwards."""
         if self._in_flight is not None:
@@ -470,17 +492,68 @@ class LLMEngine(EngineMoves):
             self.grammars.close()
         if self.spec is not None:
             self.spec.close()
+        self.beams.close()
         self.kv.close()
+
+    # ---- beam groups (xllm.core.beam) -------------------------------------------
+    def _beam_step(self) -> list[engine_pb2.GenerateResponse]:
+        """One decode step of every beam group (the step in flight, if any, lands first: one forward
+        at a time); finished searches' final chunks."""
+        responses: list[engine_pb2.GenerateResponse] = []
+        if self._in_flight is not None:
+            prev, self._in_flight = self._in_flight, None
+            self._swap_in(prev)
+            responses += self._emit(prev)
+        began = time.perf_counter()
+        self._stepping = [g.seq for g in self.beams.groups]  # the suspects if the beam forward raises
+        result = self.beams.step()
+        self._stepping = []
+        finished: list[FinishedRequest] = []
+        now = time.time()
+        responses += self._beams_done(result, finished, now)
+        c = self.counters
+        c.steps += 1
+        c.finished_requests += len(finished)
+        if self.observers:
+            self._notify(StepStats(
+                num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                batch_size=len(self.beams.groups) + len(finished), num_decode_tokens=result.rows,
+                num_prefill_tokens=0, num_preempted=0, kv_usage=self.kv.usage,
+                step_time=time.perf_counter() - began, finished=finished, beam_steps=result.steps,
+                beam_rows=result.rows, beam_candidates_scanned=result.scanned,
+                beam_early_terminations=result.early_terminations))
+        return responses
+
+    def _beams_done(self, result: BeamStepResult, finished: list[FinishedRequest], now: float
+                    ) -> list[engine_pb2.GenerateResponse]:
+        """Retire the searches that ended: their requests, prompt KV and final chunks."""
+        chunks = []
+        for seq, chunk in result.finished:
+            self.requests.pop(seq.request_id, None)
+            self.scheduler.finish(seq)
+            finished.append(FinishedRequest(seq.request_id, finish_reason_name(chunk.finish_reason),
+                                            seq.num_prompt_tokens, chunk.usage.completion_tokens,
+                                            now - seq.arrival_time, seq.first_token_time - seq.arrival_time))
+            chunks.append(chunk)
+        return chunks
 
     # ---- reports ----------------------------------------------------------
     def load_report(self) -> instance_pb2.LoadReport:
         return instance_pb2.LoadReport(
-            instance_id=self.instance_id, num_running=len(self.scheduler.running),
+            instance_id=self.instance_id, num_running=len(self.scheduler.running) + len(self.beams.groups),
             num_waiting=len(self.scheduler.waiting), kv_usage=self.kv.usage, kv_free_tokens=self.kv.free_tokens,
             recent_ttft=self.counters.recent_ttft, recent_tpot=self.counters.recent_tpot, timestamp=time.time(),
             step_predictor=self.step_timing.report(), offline_longest_wait=self.counters.offline_longest_wait,
             offline_running=sum(s.offline for s in self.scheduler.running),
-            offline_waiting=sum(s.offline for s in self.scheduler.waiting))
+            offline_waiting=sum(s.offline for s in self.scheduler.waiting),
+            tier_load_tokens_per_s=tier_load_rates(self.kv.tier_stats(), self.layout.block_size))
+
+
+def tier_load_rates(stats: dict, block_size: int) -> dict[str, float]:
+    """Per lower tier the measured speed of bringing prompt tokens up from it (blocks read intact
+    times ``block_size`` over the time reading them), for the tiers that have been read from."""
+    return {name: s.hits * block_size / s.load_seconds for name, s in stats.items()
+            if s.hits and s.load_seconds > 0}
 
 
 _PHASES = {engine_pb2.DISAGG_PHASE_NONE: Phase.MIXED, engine_pb2.DISAGG_PHASE_PREFILL: Phase.PREFILL,

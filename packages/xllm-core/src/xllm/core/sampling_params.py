@@ -11,6 +11,7 @@ from xllm.proto.engine.v1 import engine_pb2
 MAX_TOP_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-2  # a positive temperature below this is raised to it (vLLM's floor): 1/T overflows below
 MAX_REPETITION_PENALTY = 100.0
+MAX_BEAM_WIDTH = 1024  # beams of one request (xllm.core.beam; xLLM's recommendation design goes to 512)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # the prompt's logprobs with this many alternatives (None: not asked)
+    # beam search (xllm.core.beam): deterministic, HF generate(num_beams) semantics; None: not a beam request
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never"
+    item_catalog: bool = False  # decode only items of the engine's catalogue (beam search over it)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -70,6 +76,34 @@ class SamplingParams:
             raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "prompt_logprobs")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
+        if self.beam_width is not None or self.item_catalog:
+            self._check_beam()
+
+    def _check_beam(self) -> None:
+        """What beam search supports: deterministic scoring of the model's log-probabilities (no
+        sampling, penalties, biases, stop strings or per-token logprobs), as HF's num_beams search."""
+        if self.beam_width is None:
+            raise InvalidRequestError("item_catalog decoding is a beam search: set beam_width", "beam_width")
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise InvalidRequestError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}",
+                                      "beam_width")
+        if not math.isfinite(self.length_penalty):
+            raise InvalidRequestError("length_penalty must be a finite number", "length_penalty")
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidRequestError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}",
+                                      "early_stopping")
+        unsupported = {
+            "temperature": self.temperature != 0.0,
+            "top_p": self.top_p != 1.0, "min_p": self.min_p != 0.0,
+            "presence_penalty": self.presence_penalty != 0.0, "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": bool(self.logit_bias),
+            "stop": bool(self.stop), "logprobs": self.logprobs or self.top_logprobs > 0,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+        }
+        for name, bad in unsupported.items():
+            if bad:
+                raise InvalidRequestError(f"{name} is not supported with beam search (deterministic: the beams "
+                                          "score the model's log-probabilities)", name)
 
     @property
     def greedy(self) -> bool:
@@ -87,7 +121,7 @@ class SamplingParams:
 
         return cls(
             max_tokens=int(msg.max_tokens),
-            temperature=float(opt("temperature", 1.0)),
+            temperature=float(opt("temperature", 0.0 if msg.HasField("beam_width") else 1.0)),
             top_p=float(opt("top_p", 1.0)),
             top_k=int(opt("top_k", 0)),
             min_p=float(opt("min_p", 0.0)),
@@ -105,4 +139,11 @@ class SamplingParams:
             include_stop_str_in_output=bool(msg.include_stop_str_in_output),
             skip_special_tokens=bool(opt("skip_special_tokens", True)),
             prompt_logprobs=int(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None,
+            beam_width=int(msg.beam_width) if msg.HasField("beam_width") else None,
+            length_penalty=float(opt("length_penalty", 1.0)),
+            early_stopping=_EARLY_STOPPING.get(msg.early_stopping, msg.early_stopping),
+            item_catalog=bool(msg.item_catalog),
         )
+
+
+_EARLY_STOPPING: dict[str, bool | str] = {"": False, "false": False, "true": True, "never": "never"}

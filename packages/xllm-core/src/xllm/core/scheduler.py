@@ -170,6 +170,13 @@ class Scheduler:
             reserved.append(seq)
         return reserved
 
+    def park_for_beams(self, seq: Sequence) -> None:
+        """A beam request's prompt is computed: it leaves ``running`` (never scheduled nor preempted
+        again) and keeps its KV, which its beams read until :meth:`finish` (xllm.core.beam)."""
+        if any(s is seq for s in self.running):
+            self.running.remove(seq)
+        seq.status = SeqStatus.BEAM_SEARCH
+
     def resume_with_kv(self, seq: Sequence) -> None:
         """A reserved sequence has its prompt's KV (or will recompute what it lacks): it runs."""
         del self.awaiting_kv[seq.request_id]

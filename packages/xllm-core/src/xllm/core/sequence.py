@@ -22,6 +22,7 @@ class SeqStatus(enum.Enum):
     AWAITING_KV = "awaiting_kv"  # decode phase: KV reserved, the prefill instance is computing / sending it
     HANDING_OFF = "handing_off"  # prefill phase: first token out, KV held until the decode side has it
     LOADING = "loading"          # its prefix is coming up from a lower KV tier (xllm.core.kv.lower_tiers)
+    BEAM_SEARCH = "beam_search"  # prompt computed, KV held: its beams decode as one group (xllm.core.beam)
 
 
 class Phase(enum.Enum):

@@ -57,6 +57,12 @@ class StepStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # beam search (xllm.core.beam): group decode steps, beam rows computed, candidates a heap scan examined,
+    # searches that ended before max_tokens (early stopping / no possible improvement)
+    beam_steps: int = 0
+    beam_rows: int = 0
+    beam_candidates_scanned: int = 0
+    beam_early_terminations: int = 0
 
 
 class StatsObserver(Protocol):

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
+import torch
+
 from xllm.core.grammar import Grammars, PendingMasks
 from xllm.core.model_runner import BatchInputs, ModelRunner
 from xllm.core.sampler import Sampler, SampleResult
@@ -45,6 +47,8 @@ class StepInFlight:
     # speculative decoding: each speculating sequence's verified run, and where its chunk began
     verified: list[Verified] = field(default_factory=list)
     spec_starts: dict[Sequence, int] = field(default_factory=dict)
+    # beam requests whose prompt this step finished: their last row's logits (xllm.core.beam starts from them)
+    beam_logits: dict[Sequence, torch.Tensor] = field(default_factory=dict)
     _future: Future | None = field(default=None, repr=False)
 
     @property
@@ -85,6 +89,9 @@ class StepInFlight:
             self.prompt_logprobs = compute_prompt_logprobs(logits[num_sampled:num_scored], self.batch.prompt_spans)
         if len(logits) > num_sampled:
             logits = logits[:num_sampled]
+        for i, seq in enumerate(self.batch.sample_seqs):
+            if seq.params.beam_width is not None:
+                self.beam_logits[seq] = logits[i].float().clone()
         result = self.sampler(logits, self.batch.sample_seqs, self.masks) if self.batch.sample_seqs else None
         self.forward_seconds = time.perf_counter() - t0
         return result

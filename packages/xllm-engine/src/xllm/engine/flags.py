@@ -14,8 +14,8 @@ import os
 from typing import TYPE_CHECKING
 
 from xllm.common.argtypes import fraction, positive_int
-from xllm.core.dtypes import DTYPES
-from xllm.core.kv.registry import KV_BACKENDS
+from xllm.core.dtypes import DTYPES, quantization_choices
+from xllm.core.kv.registry import KV_BACKENDS, KV_CACHE_DTYPES
 from xllm.core.spec.registry import PROPOSERS
 from xllm.engine.handoff import KV_TRANSPORTS
 from xllm.engine.handoff.base import HandoffOptions
@@ -50,16 +50,25 @@ def positive_float(text: str) -> float:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model to serve: a Hugging Face model directory (config.json + *.safetensors), "
-                        "a .gguf file (converted once into the cache), or SmolLM2-135M-Instruct; "
-                        "default: the bundled SmolLM2-135M-Instruct")
+                        "a .gguf file (its config and tokenizer converted once into the cache; its Q8_0/Q4_0/Q4_1 "
+                        "weights served as stored, see --quantization), or SmolLM2-135M-Instruct; default: the "
+                        "bundled SmolLM2-135M-Instruct (a Q4_1 GGUF)")
     p.add_argument("--served-model-name", default=None,
                    help="name clients pass as `model` (default: SmolLM2-135M-Instruct or the --model value)")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """Flags of the engine itself (shared by ``serve`` and ``engine``; see :func:`engine_args`)."""
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES.choices(),
-                   help="precision of weights, activations and KV cache")
+    p.add_argument("--dtype", default=None, choices=DTYPES.choices(),
+                   help="precision of activations, KV cache and float weights (default: bfloat16). Given "
+                        "explicitly with a GGUF model (the bundled default included) and --quantization auto, it "
+                        "asks for the file's weights dequantized to this dtype")
+    p.add_argument("--quantization", default="auto", choices=quantization_choices(),
+                   help="weight format of the linear layers: auto (a GGUF keeps the Q8_0/Q4_0/Q4_1 weights it "
+                        "stores unless --dtype is given; other models stay float), none (float weights in --dtype, "
+                        "a GGUF dequantized), int8 (per-channel), int4 / int4_g128 (group-wise with zero points, "
+                        "groups of 32 / 128) quantized at load from the float weights. Quantized weights run on "
+                        "the CPU with bfloat16 or float32 activations")
     p.add_argument("--max-num-seqs", type=positive_int, default=64,
                    help="most sequences decoded together in one step (the running batch)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=DEFAULT_TOKEN_BUDGET,
@@ -74,6 +83,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-backend", default="xtensor", choices=KV_BACKENDS.choices(),
                    help="KV memory: xtensor (virtual-contiguous per sequence, pages mapped on demand; Linux), "
                         "paged (block tables; any platform) or contiguous (a max-length region per sequence)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="how K/V are stored: auto (the model dtype), int8 or fp8_e4m3 (one byte per value plus "
+                        "an fp32 scale per token and KV head: about half the bytes of bf16, so about twice the "
+                        "tokens in --kv-cache-memory; steps run the eager modules with native quantized "
+                        "attention, not the fused native steps)")
     p.add_argument("--block-size", type=positive_int, default=None,
                    help="tokens per KV block/page, the prefix-cache granularity (default: 16, rounded up "
                         "for xtensor so a block is whole OS pages)")
@@ -137,6 +151,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, metavar="DIR",
                    help="the draft proposer's model: a Hugging Face directory of a smaller model with the "
                         "served model's tokenizer")
+    p.add_argument("--item-catalog", default=None, metavar="FILE",
+                   help="generative recommendation: the valid items, each a fixed-length tuple of token ids, as "
+                        ".npy (an integer array [items, tokens]) or JSON lines (one array per line); loaded at "
+                        "start-up into a compact trie. POST /v1/recommend (and item_catalog engine requests) "
+                        "beam-search only these items. Default: none")
     add_kv_tier_flags(p)
 
 
@@ -157,7 +176,9 @@ def add_kv_tier_flags(p: argparse.ArgumentParser) -> None:
                    help="capacity of the --kv-disk-dir tier in GiB (least recently used blocks are removed)")
     p.add_argument("--kv-store", default=None, metavar="mooncake://HOST:PORT",
                    help="T3 KV tier: a Mooncake store shared by the cluster (its master; with --mooncake-metadata "
-                        "URL): evicted blocks are written there and any instance loads them back; off by default")
+                        "URL): evicted blocks are written there and any instance loads them back; off by default. "
+                        "`xllm serve --kv-store local-mooncake` starts a store on this machine (master and metadata "
+                        "server on loopback, stopped with the server) for its engines")
     p.add_argument("--kv-store-segment", type=positive_float, default=1.0, metavar="GIB",
                    help="memory this engine lends to the --kv-store pool in GiB")
     # an engine flag (every engine parser has it, `xllm profile` too), also read by --kv-transfer mooncake
@@ -298,15 +319,27 @@ def add_engine_process_arguments(p: argparse.ArgumentParser) -> None:
     add_common_flags(p)
 
 
+def _store_url(value: str | None) -> str | None:
+    from xllm.kvstore.mooncake_local import LOCAL
+
+    if value == LOCAL:
+        raise ValueError(f"--kv-store {LOCAL} starts a store for `xllm serve` and its engines; an engine on its own "
+                         "joins a running one: --kv-store mooncake://HOST:PORT --mooncake-metadata URL")
+    return value
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The :class:`~xllm.core.EngineConfig` the engine flags describe (raises ``ConfigError``)."""
     from xllm.core.config import EngineConfig  # the engine runtime: only where an engine is built
 
+    quantization = args.quantization
+    if quantization == "auto" and args.dtype is not None:
+        quantization = "none"  # an explicit --dtype asks for a GGUF's weights dequantized (README: Quantization)
     return EngineConfig(
-        dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype or "bfloat16", quantization=quantization, device=args.device, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         kv_cache_memory_gib=args.kv_cache_memory, max_waiting_requests=args.max_waiting,
-        kv_cache_backend=args.kv_cache_backend, block_size=args.block_size,
+        kv_cache_backend=args.kv_cache_backend, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         enable_prefix_cache=not args.no_prefix_cache, async_scheduling=args.async_scheduling,
         native_decode=not args.no_native_decode, compile_decode=args.compile_decode,
         num_threads=args.threads, seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
@@ -315,8 +348,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch,
         draft_model_path=args.draft_model, speculative_self_layers=args.speculative_self_layers,
         kv_host_memory_gib=args.kv_host_memory, kv_host_dir=args.kv_host_dir, kv_disk_dir=args.kv_disk_dir,
-        kv_disk_size_gib=args.kv_disk_size, kv_store=args.kv_store, kv_store_metadata=args.mooncake_metadata,
-        kv_store_segment_gib=args.kv_store_segment)
+        kv_disk_size_gib=args.kv_disk_size, kv_store=_store_url(args.kv_store),
+        kv_store_metadata=args.mooncake_metadata,
+        kv_store_segment_gib=args.kv_store_segment, item_catalog=args.item_catalog)
 
 
 def engine_args(args: argparse.Namespace, instances: int) -> list[str]:

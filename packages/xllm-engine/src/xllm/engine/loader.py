@@ -7,9 +7,11 @@ import time
 from dataclasses import dataclass
 
 from xllm.core import ComputeThread, EngineConfig, LLMEngine, StatsObserver
+from xllm.core.errors import ConfigError
 from xllm.core.grammar import Grammars
 from xllm.kvstore.tier import model_identity
 from xllm.models import Tokenizer, load_model, resolve_model
+from xllm.models.source import gguf_file
 from xllm.proto.registry.v1 import instance_pb2
 
 
@@ -26,20 +28,25 @@ class LoadedEngine:
 
 def load_engine(model: str | None, name: str, cfg: EngineConfig | None, instance_id: str, progress: bool,
                 observers: list[StatsObserver] | None = None) -> LoadedEngine:
-    """Resolve ``model`` (converting a GGUF once), then load it and build the engine on a new
+    """Resolve ``model`` (converting a GGUF once), then load it (a GGUF's quantized weights as stored with
+    ``cfg.quantization`` ``"auto"``, see :func:`stored_gguf`) and build the engine on a new
     :class:`ComputeThread`, so loading and every step share one OpenMP pool (see
     :mod:`xllm.core.compute_thread`). ``name`` is the name it is served as."""
-    model_dir = resolve_model(model, progress=progress)
     cfg = cfg or EngineConfig()
+    stored = stored_gguf(model, cfg)
+    model_dir = resolve_model(model, progress=progress, weights=stored is None)  # as stored: config + tokenizer
     if cfg.kv_tiers_enabled and not cfg.kv_model_identity:  # KV tiers share blocks only within these weights
-        cfg.kv_model_identity = model_identity(model_dir)
+        cfg.kv_model_identity = model_identity(model_dir) + weights_suffix(cfg, stored)
     tokenizer = Tokenizer(model_dir)
     compute = ComputeThread()
-    weights = compute.call(load_model, model_dir, cfg.dtype, progress=progress, mtp=cfg.speculative == "mtp")
+    weights = compute.call(load_model, model_dir, cfg.dtype, progress=progress, mtp=cfg.speculative == "mtp",
+                           quantization=cfg.quantization, gguf_file=stored)
     draft = None
     if cfg.speculative == "draft" and cfg.draft_model_path:  # speculative decoding's draft model
-        draft = compute.call(load_model, resolve_model(cfg.draft_model_path, progress=progress), cfg.dtype,
-                             progress=progress)
+        draft_stored = stored_gguf(cfg.draft_model_path, cfg)
+        draft_dir = resolve_model(cfg.draft_model_path, progress=progress, weights=draft_stored is None)
+        draft = compute.call(load_model, draft_dir, cfg.dtype, progress=progress, quantization=cfg.quantization,
+                             gguf_file=draft_stored)
     engine = compute.call(LLMEngine, weights, tokenizer, cfg, observers=observers, instance_id=instance_id,
                           forward_executor=compute, grammars=load_grammars(model_dir, tokenizer, weights.vocab_size),
                           draft_model=draft)
@@ -49,6 +56,25 @@ def load_engine(model: str | None, name: str, cfg: EngineConfig | None, instance
                                      dtype=str(cfg.dtype).removeprefix("torch."),
                                      block_size=engine.layout.block_size))
     return LoadedEngine(engine, tokenizer, info, compute)
+
+
+def stored_gguf(model: str | None, cfg: EngineConfig) -> pathlib.Path | None:
+    """The GGUF file whose weights ``model`` is served with as stored (``--quantization auto`` and a GGUF
+    model, the bundled default included), else None; ``ConfigError`` for what quantized weights refuse."""
+    path = gguf_file(model) if cfg.quantization == "auto" else None
+    if path is not None and cfg.compile_decode:
+        raise ConfigError(f"{path.name} is served with its quantized weights, which compiled decode graphs "
+                          "(--compile-decode) do not take: drop it, or ask for dequantized weights (--dtype or "
+                          "--quantization none)")
+    return path
+
+
+def weights_suffix(cfg: EngineConfig, stored: pathlib.Path | None) -> str:
+    """What tells apart the weights one model directory is served with (float, as stored, quantized at load),
+    appended to its KV-tier identity: their KV differs."""
+    if stored is not None:  # the conversion may hold no weights: name the file
+        return f":gguf-as-stored:{stored.name}:{stored.stat().st_size}"
+    return "" if cfg.quantization in ("auto", "none") else f":{cfg.quantization}"
 
 
 def load_grammars(model_dir: pathlib.Path, tokenizer: Tokenizer, vocab_size: int) -> Grammars | None:

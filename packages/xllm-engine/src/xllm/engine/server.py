@@ -91,6 +91,8 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         llm.kv.enable_events()  # published from now on (drained after every step, see _on_step)
         self.kv_log = KVEventLog(self.instance_id, self.block_size, max_history=kv_history)
         self._raw_events: collections.deque[tuple[bool, int]] = collections.deque()
+        # lower KV tiers: from their content at start (a host tier outliving the last process) on
+        self._raw_tier_events: collections.deque[tuple[str, bool, int]] = collections.deque(llm.drain_tier_events())
         self._rate_alpha = rate_alpha
         self.prefill_tokens_per_s = 0.0
         self.pending_prefill_tokens = 0
@@ -111,6 +113,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
     def _on_step(self, s: StepStats) -> None:
         llm = self.engine.engine
         self._raw_events.extend(llm.drain_kv_events())
+        self._raw_tier_events.extend(llm.drain_tier_events())
         c = self._counts
         c["prompt_tokens"] += s.prompt_tokens
         c["generation_tokens"] += len(s.ttfts) + len(s.inter_token_latencies)
@@ -217,6 +220,9 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             batch.append(self._raw_events.popleft())
         if batch:
             self.kv_log.record(batch)
+        while self._raw_tier_events:
+            tier, stored, block_hash = self._raw_tier_events.popleft()
+            self.kv_log.record([(stored, block_hash)], tier=tier)
 
     def count(self, counter: str, n: int = 1) -> None:
         """Advance one of the cumulative counters of the heartbeats (``EngineCounters`` field names)."""
@@ -242,9 +248,11 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         """The registry heartbeat: load, the KV delta since version ``kv_since`` (None: a
         snapshot), cumulative counters, whether the instance is draining and, if its engine
         does not work, why."""
+        tiers = [s.to_proto(name) for name, s in self.engine.engine.kv.tier_stats().items()]
         return instance_pb2.Heartbeat(instance_id=self.instance_id, seq=seq, load=self.load_report(),
                                       kv_events=self.kv_events(kv_since), counters=self.counters(),
-                                      draining=self.draining, unhealthy_reason=self.health_problem())
+                                      draining=self.draining, unhealthy_reason=self.health_problem(),
+                                      kv_tiers=tiers)
 
     def health_problem(self) -> str:
         """Why the engine cannot serve ("" while it can): its loop died, or one step has been

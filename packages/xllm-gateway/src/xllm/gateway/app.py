@@ -30,9 +30,11 @@ from xllm.gateway.openai.errors import RETRY_AFTER_SECONDS, APIError, internal_e
 from xllm.gateway.openai.limits import ApiLimits
 from xllm.gateway.openai.preprocess import Preprocessor
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from xllm.gateway.openai.protocol_recommend import RecommendRequest
 from xllm.gateway.openai.request_body import validation_error
 from xllm.gateway.openai.serving_chat import ChatServing
 from xllm.gateway.openai.serving_completion import CompletionServing
+from xllm.gateway.openai.serving_recommend import RecommendServing
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER
 from xllm.gateway.registry import InstanceState, Registry
 from xllm.gateway.roles import PDRoleOptions, RoleController
@@ -116,7 +118,8 @@ def create_app(state: GatewayState) -> FastAPI:
     _add_openai_routes(app, preprocessor, state.access,
                        ChatServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor,
                                    state.tool_parser),
-                       CompletionServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor))
+                       CompletionServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor),
+                       RecommendServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor))
     _add_service_routes(app, state, roles)
     return app
 
@@ -147,7 +150,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_openai_routes(app: FastAPI, preprocessor: Preprocessor, access: AccessPolicy, chat: ChatServing,
-                       completions: CompletionServing) -> None:
+                       completions: CompletionServing, recommend: RecommendServing) -> None:
     anonymous = Caller(False, access.allow_client_priority)
 
     async def parse(raw: Request, model: type[OpenAIRequest]) -> OpenAIRequest:
@@ -164,6 +167,10 @@ def _add_openai_routes(app: FastAPI, preprocessor: Preprocessor, access: AccessP
     async def create_completions(raw: Request):
         req = await parse(raw, CompletionRequest)
         return await completions.create(req, raw, access.scheduling(req))
+
+    @app.post("/v1/recommend")
+    async def create_recommendation(raw: Request):  # generative recommendation over the item catalogue
+        return await recommend.create(await preprocessor.parse(raw, RecommendRequest), raw)
 
 
 def _add_service_routes(app: FastAPI, state: GatewayState, roles: RoleController) -> None:

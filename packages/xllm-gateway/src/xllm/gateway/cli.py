@@ -8,12 +8,21 @@ Building the parser imports no torch (flag choices come from name tables): a clu
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+import tempfile
+from typing import TYPE_CHECKING
 
 from xllm.engine import flags
 from xllm.gateway.api_flags import access_policy, add_api_flags, api_limits
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from xllm.sched import MOVE_MODES, PD_POLICIES, ROUTING_POLICIES
+
+if TYPE_CHECKING:
+    from xllm.kvstore.mooncake_local import LocalMooncake
+
+log = logging.getLogger(__name__)
 
 DESCRIPTION = """xLLM: an OpenAI-compatible LLM inference service.
 
@@ -201,15 +210,43 @@ def pd_role_options(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
+    if bool(args.prefill_instances) != bool(args.decode_instances):
+        print("xllm serve: error: --prefill-instances and --decode-instances go together", file=sys.stderr)
+        return 2
+    try:
+        store = start_local_store(args)
+    except (OSError, RuntimeError) as exc:
+        print(f"xllm serve: error: --kv-store {args.kv_store}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _serve(args)
+    finally:
+        if store is not None:
+            store.stop()
+
+
+def start_local_store(args: argparse.Namespace) -> LocalMooncake | None:
+    """For ``--kv-store local-mooncake``: start a Mooncake store on this machine (loopback) and point
+    the engine flags at it (``--kv-store mooncake://...``, ``--mooncake-metadata URL``); returns it
+    (:class:`xllm.kvstore.mooncake_local.LocalMooncake`, the caller stops it), else None."""
+    from xllm.kvstore.mooncake_local import LOCAL, start_local_mooncake
+
+    if args.kv_store != LOCAL:
+        return None
+    store = start_local_mooncake(tempfile.mkdtemp(prefix=f"xllm-mooncake-{os.getpid()}-"))
+    args.kv_store, args.mooncake_metadata = store.url, store.metadata_url
+    log.info("started a Mooncake store for the KV tier: %s (metadata %s, pids %d %d)", store.url,
+             store.metadata_url, *store.pids)
+    return store
+
+
+def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from xllm.core.errors import ConfigError
     from xllm.models.config import ModelConfigError
     from xllm.models.source import ModelNotFoundError
 
-    if bool(args.prefill_instances) != bool(args.decode_instances):
-        print("xllm serve: error: --prefill-instances and --decode-instances go together", file=sys.stderr)
-        return 2
     try:
         flags.handoff_options(args)  # checked here, not by each spawned engine
         api = {"limits": api_limits(args), "access": access_policy(args), "tool_parser": args.tool_call_parser}

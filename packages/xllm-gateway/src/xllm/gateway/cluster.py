@@ -42,6 +42,7 @@ from xllm.engine.registration.etcd_client import DEFAULT_WATCH_TIMEOUT, EtcdClie
 from xllm.engine.security import NO_SECURITY, ClusterSecurity
 from xllm.gateway.access import AccessPolicy
 from xllm.gateway.app import GatewayState, create_app
+from xllm.gateway.kv_tier_metrics import KVTierCollector, from_registry
 from xllm.gateway.metrics import EngineMetrics, RegistryMetrics
 from xllm.gateway.moves import MoveOptions
 from xllm.gateway.openai.limits import ApiLimits
@@ -49,7 +50,7 @@ from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER
 from xllm.gateway.registry import EmbeddedRegistry, EtcdRegistry
 from xllm.gateway.roles import PDRoleOptions
 from xllm.models.config import ModelConfig
-from xllm.models.source import resolve_model, served_name
+from xllm.models.source import gguf_file, resolve_model, served_name
 from xllm.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,10 @@ def build_cluster(opts: ClusterOptions):
         raise ValueError("--tls-cert makes the engines this gateway starts serve TLS: give --tls-ca too (the CA "
                          "that signed it; the certificate itself if it is self-signed) so the gateway can dial them")
     opts.security.check_files()
-    model_dir = resolve_model(opts.model, progress=opts.progress, isolated=True)  # a GGUF converts in a child
+    # a GGUF converts in a child, config and tokenizer only: the engines serve its weights as stored (or, with
+    # --dtype / --quantization none, convert its weights themselves: they get the GGUF, not the directory)
+    model_dir = resolve_model(opts.model, progress=opts.progress, isolated=True, weights=False)
+    model_arg = str(gguf_file(opts.model) or model_dir)
     tokenizer = Tokenizer(model_dir)
     name = served_name(opts.model, opts.served_model_name)
     max_len = opts.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
@@ -157,11 +161,12 @@ def build_cluster(opts: ClusterOptions):
                              client_factory=clients, watch_timeout=opts.etcd_watch_timeout,
                              metrics=RegistryMetrics(metrics.registry))
                 if opts.etcd else EmbeddedRegistry(client_factory=clients))
+    metrics.registry.register(KVTierCollector(from_registry(registry)))  # xllm:kv_tier_*, from heartbeats
     state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=metrics, default_model=name,
                          max_model_len=max_len, routing=opts.routing, limits=opts.limits, access=opts.access,
                          moves=opts.moves, pd_roles=opts.pd_roles, tool_parser=opts.tool_parser)
     if any(opts.instances.values()):
-        procs = EngineProcesses(opts.instances, engine_command(str(model_dir), name, opts),
+        procs = EngineProcesses(opts.instances, engine_command(model_arg, name, opts),
                                 Path(opts.log_dir) if opts.log_dir else None,
                                 stop_timeout=opts.drain_timeout + 10, env=security.environment())
         grpc_server = {}

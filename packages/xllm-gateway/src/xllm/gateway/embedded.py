@@ -46,7 +46,7 @@ def build_embedded(opts: ServeOptions):
                          observers=[metrics.observer(name, instance_id)])
     engine, compute = loaded.engine, loaded.compute
     if engine.kv.has_tiers:  # xllm:kv_tier_* series, read at scrape time
-        metrics.registry.register(KVTierCollector(name, instance_id, engine.kv.tier_stats))
+        metrics.registry.register(KVTierCollector(lambda: [(name, instance_id, engine.kv.tier_stats())]))
     async_engine = AsyncEngine(engine, compute=compute)
     async_engine.start()
     stop_compute = functools.partial(compute.shutdown, wait=False)

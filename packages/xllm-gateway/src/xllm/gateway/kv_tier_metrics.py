@@ -1,13 +1,15 @@
 """``xllm:kv_tier_*`` metrics: the KV tiers below an engine's KV memory (xllm.core.kv.lower_tiers),
-read from the engine at scrape time, one series per (model, instance, tier)."""
+read at scrape time from the in-process engine or, in cluster mode, from each instance's last
+heartbeat; one series per (model, instance, tier)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from xllm.gateway.registry.base import Registry
 from xllm.kvstore.tier import TierStats
 
 # (metric name, kind, help, TierStats field); counters get the _total suffix from prometheus_client
@@ -29,18 +31,31 @@ TIER_METRICS = (
 )
 
 
-class KVTierCollector(Collector):
-    """Collects ``read()`` (tier name -> :class:`TierStats`) of one engine instance at each scrape."""
+TierReadings = Iterable[tuple[str, str, dict[str, TierStats]]]  # (model, instance, tier -> stats)
 
-    def __init__(self, model_name: str, instance: str, read: Callable[[], dict[str, TierStats]]) -> None:
-        self.labels = (model_name, instance)
+
+class KVTierCollector(Collector):
+    """Collects ``read()`` — per engine instance its model, id and lower tiers' :class:`TierStats` — at
+    each scrape: the in-process engine's tiers (embedded mode), or what each instance's last heartbeat
+    reported (cluster mode, :func:`from_registry`)."""
+
+    def __init__(self, read: Callable[[], TierReadings]) -> None:
         self.read = read
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        stats = self.read()
+        readings = list(self.read())
         for name, kind, doc, field in TIER_METRICS:
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
                 name, doc, labels=["model_name", "instance", "tier"])
-            for tier, s in stats.items():
-                family.add_metric([*self.labels, tier], float(getattr(s, field)))
+            for model, instance, stats in readings:
+                for tier, s in stats.items():
+                    family.add_metric([model, instance, tier], float(getattr(s, field)))
             yield family
+
+
+def from_registry(registry: Registry) -> Callable[[], TierReadings]:
+    """The tiers every live instance of ``registry`` reported in its last heartbeat."""
+    def read() -> TierReadings:
+        return [(s.model, s.instance_id, {t.tier: TierStats.from_proto(t) for t in s.kv_tiers})
+                for s in registry.states() if s.kv_tiers]
+    return read

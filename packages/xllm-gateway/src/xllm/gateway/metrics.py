@@ -114,6 +114,18 @@ class EngineMetrics:
         self.spec_accepted_per_pos = Counter(
             "xllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted by position in their run "
             "(0: the first draft).", [*labels, "position"], registry=r)
+        # beam search (xllm.core.beam): embedded engines (their step observer)
+        self.beam_steps = Counter("xllm:beam_steps", "Beam-group decode steps (one per request per step).", labels,
+                                  registry=r)
+        self.beam_rows = Counter("xllm:beam_rows", "Beam rows computed (live beams summed over steps).", labels,
+                                 registry=r)
+        self.beam_candidates_scanned = Counter(
+            "xllm:beam_candidates_scanned", "Candidates a heap scan of the per-beam sorted lists examines before "
+            "every beam stops (early termination; divide by xllm:beam_steps for the per-step figure).", labels,
+            registry=r)
+        self.beam_early_terminations = Counter(
+            "xllm:beam_early_terminations", "Beam searches that ended before max_tokens (early_stopping, or no "
+            "running beam could beat the finished ones).", labels, registry=r)
         self._last_counters: dict[tuple[str, str], instance_pb2.EngineCounters] = {}
         cl = ["model_name"]
         self.cluster_instances = Gauge("xllm:cluster_instances", "Live engine instances.", cl, registry=r)
@@ -248,6 +260,11 @@ class _InstanceObserver:
             for j, n in enumerate(s.spec_accepted_per_pos):
                 if n:
                     m.spec_accepted_per_pos.labels(*lb, str(j)).inc(n)
+        if s.beam_steps:
+            m.beam_steps.labels(*lb).inc(s.beam_steps)
+            m.beam_rows.labels(*lb).inc(s.beam_rows)
+            m.beam_candidates_scanned.labels(*lb).inc(s.beam_candidates_scanned)
+            m.beam_early_terminations.labels(*lb).inc(s.beam_early_terminations)
         self._offline(s)
 
     def _offline(self, s: StepStats) -> None:

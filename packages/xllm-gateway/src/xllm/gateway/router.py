@@ -7,7 +7,10 @@ the ones sent a moment ago), and keeps that accounting as requests start and fin
 
 PD mode: when a model has live prefill and decode instances, :meth:`Router.route_pd` places each
 request on a pair (:class:`xllm.sched.PDPlacement`), with the prefix each side holds matched in
-the same global KV index (both roles publish their caches). An instance whose role is flipping
+the same global KV index (both roles publish their caches). The index also says how much more of the
+prompt an instance could load from its lower KV tiers (host DRAM, disk, the cluster store); the
+snapshot carries that with each tier's measured load speed, and the policy weighs it by predicted
+TTFT against recomputing (:mod:`xllm.sched.routing`). An instance whose role is flipping
 (dynamic PD, :mod:`xllm.gateway.roles`) is in neither pool and gets no moved requests. The latencies
 the role policy reads are measured here too (:attr:`Router.latency`).
 """
@@ -29,13 +32,28 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class PromptMatch:
+    """The prompt's block hashes per block size and, per candidate instance, how much of the prompt it
+    holds: ``device`` tokens in its KV memory, then ``lower`` (tier, tokens) it could load from its lower
+    tiers (:meth:`xllm.kvstore.GlobalKVIndex.match_tiers`)."""
+
+    hashes_by_bs: dict[int, list[int]] = field(default_factory=dict)
+    device: dict[str, int] = field(default_factory=dict)
+    lower: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+
+    def reused_tokens(self, instance_id: str) -> int:
+        """Prompt tokens the instance would not compute: in memory or loaded from a lower tier."""
+        return self.device.get(instance_id, 0) + sum(n for _, n in self.lower.get(instance_id, ()))
+
+
+@dataclass
 class Ticket:
     """One routing decision and the accounting it holds on its instance."""
 
     state: InstanceState
     decision: RouteDecision
     num_prompt_tokens: int
-    matched_tokens: int
+    matched_tokens: int  # prompt tokens the instance reuses (in its memory or loaded from a lower tier)
     hashes: list[int] = field(default_factory=list)
     requests: int = 0
     first_token_pending: int = 0
@@ -100,10 +118,10 @@ class Router:
         if len(candidates) == 1:
             return Ticket(candidates[0], RouteDecision(candidates[0].instance_id, "only"), len(prompt), 0,
                           offline=offline)
-        hashes_by_bs, matched = self._match(candidates, prompt)
-        snaps = [self.snapshot(s, matched.get(s.instance_id, 0)) for s in candidates]
+        match = self._match(candidates, prompt)
+        snaps = [self._snapshot(s, match) for s in candidates]
         decision = self.policy.route(RouteRequest(len(prompt), session, offline=offline), snaps)
-        ticket = self._ticket(candidates, decision, prompt, hashes_by_bs, matched)
+        ticket = self._ticket(candidates, decision, prompt, match)
         ticket.offline = offline
         return ticket
 
@@ -120,12 +138,12 @@ class Router:
         prefills, decodes = self.pd_pools(model, exclude)
         if not prefills or not decodes:
             raise NoInstanceError(f"no live prefill and decode instances serve {model!r}")
-        hashes_by_bs, matched = self._match(prefills + decodes, prompt)
+        match = self._match(prefills + decodes, prompt)
         request = RouteRequest(len(prompt), session, max_new_tokens)
-        decision = self.placement.route(request, [self.snapshot(s, matched.get(s.instance_id, 0)) for s in prefills],
-                                        [self.snapshot(s, matched.get(s.instance_id, 0)) for s in decodes])
-        return (self._ticket(prefills, decision.prefill, prompt, hashes_by_bs, matched),
-                self._ticket(decodes, decision.decode, prompt, hashes_by_bs, matched))
+        decision = self.placement.route(request, [self._snapshot(s, match) for s in prefills],
+                                        [self._snapshot(s, match) for s in decodes])
+        return (self._ticket(prefills, decision.prefill, prompt, match),
+                self._ticket(decodes, decision.decode, prompt, match))
 
     def route_prefill(self, model: str, prompt: Sequence[int], session: str | None = None,
                       exclude: Collection[str] = ()) -> Ticket:
@@ -133,32 +151,38 @@ class Router:
         prefills, _ = self.pd_pools(model, exclude)
         if not prefills:
             raise NoInstanceError(f"no live prefill instance serves {model!r}")
-        hashes_by_bs, matched = self._match(prefills, prompt)
-        snaps = [self.snapshot(s, matched.get(s.instance_id, 0)) for s in prefills]
+        match = self._match(prefills, prompt)
+        snaps = [self._snapshot(s, match) for s in prefills]
         decision = self.placement.prefill_policy.route(RouteRequest(len(prompt), session), snaps)
-        return self._ticket(prefills, decision, prompt, hashes_by_bs, matched)
+        return self._ticket(prefills, decision, prompt, match)
 
-    def _match(self, candidates: list[InstanceState], prompt: Sequence[int]) -> tuple[dict[int, list[int]],
-                                                                                      dict[str, int]]:
-        """The prompt's block hashes per block size, and the prefix tokens each candidate holds."""
-        hashes_by_bs: dict[int, list[int]] = {}
-        matched: dict[str, int] = {}
+    def _match(self, candidates: list[InstanceState], prompt: Sequence[int]) -> PromptMatch:
+        """The prompt's block hashes per block size, and the prefix each candidate holds (in memory and
+        in its lower KV tiers)."""
+        match = PromptMatch()
         for bs in {s.block_size for s in candidates if s.block_size > 0}:
-            hashes = hashes_by_bs[bs] = block_hashes(prompt, bs)
+            hashes = match.hashes_by_bs[bs] = block_hashes(prompt, bs)
             ids = {s.instance_id for s in candidates if s.block_size == bs}
-            for iid, blocks in self.registry.kv_index.match(hashes, ids).items():
-                matched[iid] = blocks * bs
-        return hashes_by_bs, matched
+            for iid, reach in self.registry.kv_index.match_tiers(hashes, ids).items():
+                match.device[iid] = reach.device * bs
+                if reach.lower:
+                    match.lower[iid] = tuple((tier, n * bs) for tier, n in reach.lower)
+        return match
+
+    def _snapshot(self, s: InstanceState, match: PromptMatch) -> InstanceSnapshot:
+        return self.snapshot(s, match.device.get(s.instance_id, 0), match.lower.get(s.instance_id, ()))
 
     @staticmethod
     def _ticket(candidates: list[InstanceState], decision: RouteDecision, prompt: Sequence[int],
-                hashes_by_bs: dict[int, list[int]], matched: dict[str, int]) -> Ticket:
+                match: PromptMatch) -> Ticket:
         state = next(s for s in candidates if s.instance_id == decision.instance_id)
-        return Ticket(state, decision, len(prompt), min(matched.get(state.instance_id, 0), len(prompt)),
-                      hashes_by_bs.get(state.block_size, []))
+        return Ticket(state, decision, len(prompt), min(match.reused_tokens(state.instance_id), len(prompt)),
+                      match.hashes_by_bs.get(state.block_size, []))
 
-    def snapshot(self, s: InstanceState, matched_tokens: int) -> InstanceSnapshot:
-        """What the policies see of ``s``: its last load report and this gateway's requests on it."""
+    def snapshot(self, s: InstanceState, matched_tokens: int,
+                 lower_matched: tuple[tuple[str, int], ...] = ()) -> InstanceSnapshot:
+        """What the policies see of ``s``: its last load report and this gateway's requests on it, with
+        ``matched_tokens`` of the prompt in its memory and then ``lower_matched`` (tier, tokens) it can load."""
         load = s.load
         # The engine reports the whole prompts of its queued requests (it cannot know their cache hits
         # before admission); this gateway knows its own requests' uncached part exactly. Queued work =
@@ -174,7 +198,8 @@ class Router:
             prefill_tokens_per_s=load.prefill_tokens_per_s if load is not None else 0.0,
             recent_ttft=load.recent_ttft if load is not None else 0.0,
             recent_tpot=load.recent_tpot if load is not None else 0.0,
-            inflight=s.inflight, matched_tokens=matched_tokens,
+            inflight=s.inflight, matched_tokens=matched_tokens, lower_matched=lower_matched,
+            tier_load_tokens_per_s=tuple(sorted(load.tier_load_tokens_per_s.items())) if load is not None else (),
             kv_free_tokens=load.kv_free_tokens if load is not None else -1,
             cached_blocks=self.registry.kv_index.num_blocks(s.instance_id),
             offline_running=load.offline_running if load is not None else 0,

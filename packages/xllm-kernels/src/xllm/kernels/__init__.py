@@ -14,6 +14,9 @@ but never the contract.
 - :mod:`xllm.kernels.gemm`: the native blocked GEMM over packed weights (any row count), and
   :mod:`xllm.kernels.gemm_choice`: the measured per-shape choice between it and oneDNN.
 - :mod:`xllm.kernels.native`: the C kernels (``kernels/cpu``) built on first use, with fallbacks.
+- :mod:`xllm.kernels.quant`: weight-only quantized linears (GGUF Q8_0/Q4_0/Q4_1 as stored, int8,
+  int4 g32/g128): formats, (de)quantization, ``quant_linear`` (native VNNI kernels in
+  :mod:`xllm.kernels.quant_native`).
 - :mod:`xllm.kernels.moe`: expert routing (softmax/sigmoid, group-limited, bias-corrected)
   and the routed SwiGLU experts.
 - :mod:`xllm.kernels.mla`: multi-head latent attention helpers (interleaved RoPE,

@@ -48,12 +48,22 @@ class LlamaCfg(ctypes.Structure):
         ("rotary_dim", ctypes.c_int32)]
 
 
+class QWeight(ctypes.Structure):
+    """Mirror of ``XllmQWeight`` (kernels/cpu/gemm_quant.h): a quantized weight's format tag (0: none)
+    and data pointers (see :mod:`xllm.kernels.quant_native`)."""
+
+    _fields_ = [("fmt", ctypes.c_int64), ("data", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("zeros", ctypes.c_void_p)]
+
+
 class LlamaLayer(ctypes.Structure):
-    """Mirror of ``XllmLlamaLayer``: data pointers of one layer's weights, KV cache and packed weights."""
+    """Mirror of ``XllmLlamaLayer``: data pointers of one layer's weights, KV cache and packed weights,
+    then the quantized weights (``fmt`` 0 where a projection is a plain matrix)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b", "ln2", "gate_up_w", "down_w", "k_cache",
-        "v_cache", "qkv_wp", "o_wp", "gate_up_wp", "down_wp")]
+        "v_cache", "qkv_wp", "o_wp", "gate_up_wp", "down_wp")] + [
+        (name, QWeight) for name in ("qkv_q", "o_q", "gate_up_q", "down_q")]
 
 
 class NativeLibrary:
@@ -119,6 +129,12 @@ def _cpu_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``), read once."""
+    return frozenset(_cpu_flags())
 
 
 def unavailable_reason() -> str | None:

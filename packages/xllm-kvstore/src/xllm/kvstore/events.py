@@ -8,6 +8,11 @@ asker is in another epoch (the instance restarted) or further behind than the hi
 reaches, the answer is a snapshot of the whole cache instead (RTP-LLM §5.2.1: versioned
 cache keys, deltas when changed, a light acknowledgement when not).
 
+The lower KV tiers an instance can load from (host DRAM, disk, the cluster store;
+``xllm.kvstore.tiered``) are published on the same version sequence, keyed by tier: tier ``""``
+is the engine's own memory (the message's ``stored``/``removed``), any other name one of its
+``tiers`` entries.
+
 Not thread-safe: one thread records and answers (the engine server's event loop).
 """
 
@@ -25,6 +30,9 @@ def new_epoch() -> int:
     return random.SystemRandom().getrandbits(63) | 1
 
 
+DEVICE = ""  # the tier name of the engine's own KV memory
+
+
 class KVEventLog:
     """The cache content of one instance, versioned, with delta and snapshot answers."""
 
@@ -36,36 +44,41 @@ class KVEventLog:
         self.block_size = block_size
         self.epoch = epoch if epoch is not None else new_epoch()
         self.version = 0
-        self._cached: set[int] = set()
-        # (version, stored?, hash) for the most recent events
-        self._history: deque[tuple[int, bool, int]] = deque(maxlen=max_history)
+        self._cached: dict[str, set[int]] = {DEVICE: set()}  # tier -> blocks held there now
+        # (version, stored?, hash, tier) for the most recent events
+        self._history: deque[tuple[int, bool, int, str]] = deque(maxlen=max_history)
 
-    def record(self, events: Iterable[tuple[bool, int]]) -> int:
-        """Apply the engine's events in order; returns how many were recorded."""
+    def record(self, events: Iterable[tuple[bool, int]], tier: str = DEVICE) -> int:
+        """Apply events of ``tier`` (default: the engine's own memory) in order; returns how many
+        were recorded."""
+        held = self._cached.setdefault(tier, set())
         n = 0
         for stored, block_hash in events:
             self.version += 1
             if stored:
-                self._cached.add(block_hash)
+                held.add(block_hash)
             else:
-                self._cached.discard(block_hash)
-            self._history.append((self.version, bool(stored), block_hash))
+                held.discard(block_hash)
+            self._history.append((self.version, bool(stored), block_hash, tier))
             n += 1
         return n
 
     @property
     def num_cached(self) -> int:
-        return len(self._cached)
+        """Blocks in the engine's own memory."""
+        return len(self._cached[DEVICE])
 
-    def cached(self) -> frozenset[int]:
-        return frozenset(self._cached)
+    def cached(self, tier: str = DEVICE) -> frozenset[int]:
+        return frozenset(self._cached.get(tier, ()))
 
     def _message(self, **fields) -> kv_events_pb2.KVCacheEvents:
         return kv_events_pb2.KVCacheEvents(instance_id=self.instance_id, block_size=self.block_size,
                                            epoch=self.epoch, version=self.version, **fields)
 
     def snapshot(self) -> kv_events_pb2.KVCacheEvents:
-        return self._message(snapshot=True, stored=sorted(self._cached))
+        tiers = [kv_events_pb2.TierBlocks(tier=t, stored=sorted(held))
+                 for t, held in sorted(self._cached.items()) if t != DEVICE and held]
+        return self._message(snapshot=True, stored=sorted(self._cached[DEVICE]), tiers=tiers)
 
     def can_delta(self, since: int) -> bool:
         """Whether the history still holds every event after version ``since``."""
@@ -84,11 +97,15 @@ class KVEventLog:
         """
         if since is None or (epoch is not None and epoch != self.epoch) or not self.can_delta(since):
             return self.snapshot()
-        last: dict[int, bool] = {}
-        for version, stored, block_hash in reversed(self._history):
+        last: dict[tuple[str, int], bool] = {}
+        for version, stored, block_hash, tier in reversed(self._history):
             if version <= since:
                 break
-            last.setdefault(block_hash, stored)
-        stored = sorted(h for h, s in last.items() if s)
-        removed = sorted(h for h, s in last.items() if not s)
-        return self._message(base_version=since, stored=stored, removed=removed)
+            last.setdefault((tier, block_hash), stored)
+        by_tier: dict[str, tuple[list[int], list[int]]] = {}
+        for (tier, h), s in last.items():
+            by_tier.setdefault(tier, ([], []))[0 if s else 1].append(h)
+        stored, removed = by_tier.pop(DEVICE, ([], []))
+        tiers = [kv_events_pb2.TierBlocks(tier=t, stored=sorted(st), removed=sorted(rm))
+                 for t, (st, rm) in sorted(by_tier.items())]
+        return self._message(base_version=since, stored=sorted(stored), removed=sorted(removed), tiers=tiers)

@@ -59,6 +59,7 @@ class FileTier:
         self._low_water = low_water
         self._mutex = threading.Lock()  # flock does not exclude threads sharing one open file
         self._stats = TierStats(capacity_bytes=capacity_bytes)
+        self._dropped: list[int] = []  # blocks removed since drain_dropped (guarded by _mutex)
         self._lock_fd: int | None = None
         try:
             os.makedirs(self.directory, exist_ok=True)
@@ -163,6 +164,18 @@ class FileTier:
             self._error()
             return False
 
+    def drain_dropped(self) -> list[int]:
+        with self._mutex:
+            out, self._dropped = self._dropped, []
+        return out
+
+    def listing(self) -> list[int]:
+        try:
+            with os.scandir(self.directory) as it:
+                return [h for h in (_block_hash(e.name) for e in it) if h is not None]
+        except OSError:
+            return []
+
     def stats(self) -> TierStats:
         with self._mutex:
             out = TierStats(**vars(self._stats))
@@ -231,7 +244,10 @@ class FileTier:
                 os.unlink(path)
                 used -= size
                 evicted += 1
-        self._stats.evictions += evicted  # (_mutex is held: called inside _locked)
+                h = _block_hash(os.path.basename(path))
+                if h is not None:
+                    self._dropped.append(h)  # (_mutex is held: called inside _locked)
+        self._stats.evictions += evicted
         return used
 
     def _drop(self, path: str) -> bool:
@@ -242,6 +258,9 @@ class FileTier:
             except FileNotFoundError:
                 return False
             self._write_used(self._read_used() - size)
+            h = _block_hash(os.path.basename(path))
+            if h is not None:
+                self._dropped.append(h)  # (_mutex is held inside _locked)
         return True
 
     def _write(self, tmp: str, pieces: list) -> None:
@@ -264,3 +283,13 @@ class FileTier:
     def _error(self) -> None:
         with self._mutex:
             self._stats.errors += 1
+
+
+def _block_hash(name: str) -> int | None:
+    """The block hash a block file's name holds, or None for any other file."""
+    if not name.endswith(SUFFIX) or len(name) != 16 + len(SUFFIX):
+        return None
+    try:
+        return int(name[:16], 16)
+    except ValueError:
+        return None

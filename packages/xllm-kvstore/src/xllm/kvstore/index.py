@@ -14,6 +14,13 @@ request to an instance, that instance will hold the request's prefix blocks a mo
 before its next heartbeat says so. Counting them lets a burst of requests sharing a new
 prefix follow the first one instead of scattering.
 
+Besides each instance's own KV memory the index records the blocks it can load from the tiers
+below it (host DRAM, local disk, the cluster store: the events' ``tiers``): :meth:`match_tiers`
+says, per instance, how deep the prompt's prefix reaches in its memory and how many blocks after
+that it could bring up from which tier, so the router can weigh a deep hit in a slow tier against
+a shallow hit in memory by predicted TTFT (RTP-LLM's cache-aware balancing;
+``xllm.sched.routing``).
+
 Pure Python, no torch. Not thread-safe: used from the gateway's event loop.
 """
 
@@ -21,7 +28,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
+from xllm.kvstore.tier import TIER_ORDER
 from xllm.proto.kvstore.v1 import kv_events_pb2
 
 APPLIED = "applied"  # the instance's state moved to the message's version
@@ -29,12 +38,33 @@ STALE = "stale"      # nothing new (an old or duplicate message)
 GAP = "gap"          # events were missed: resynchronise from the instance
 
 
+@dataclass(frozen=True)
+class TierMatch:
+    """How far a prompt's prefix reaches on one instance: ``device`` leading blocks in its KV memory,
+    then ``lower`` — (tier, blocks) runs in prompt order, each block counted in the fastest lower
+    tier holding it — that it would load instead of recomputing."""
+
+    device: int = 0
+    lower: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def blocks(self) -> int:
+        return self.device + sum(n for _, n in self.lower)
+
+
+def _tier_rank(tier: str) -> int:
+    return TIER_ORDER.index(tier) if tier in TIER_ORDER else len(TIER_ORDER)
+
+
 class GlobalKVIndex:
-    """Block hash -> set of instance ids, with per-instance versions."""
+    """Block hash -> set of instance ids, with per-instance versions (and the same per lower tier)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._holders: dict[int, set[str]] = {}
         self._held: dict[str, set[int]] = {}
+        # the lower tiers: hash -> {instance: tiers holding it}, and instance -> tier -> hashes
+        self._lower_holders: dict[int, dict[str, set[str]]] = {}
+        self._lower_held: dict[str, dict[str, set[int]]] = {}
         self._versions: dict[str, tuple[int, int]] = {}
         self._expected: dict[int, dict[str, float]] = {}  # hash -> {instance: expiry}
         self._clock = clock
@@ -52,6 +82,7 @@ class GlobalKVIndex:
             if known is not None and known[0] == ev.epoch and ev.version < known[1]:
                 return STALE
             self._replace(instance_id, set(ev.stored))
+            self._replace_lower(instance_id, {t.tier: set(t.stored) for t in ev.tiers})
             self._versions[instance_id] = (ev.epoch, ev.version)
             return APPLIED
         if known is None or known[0] != ev.epoch:
@@ -60,6 +91,7 @@ class GlobalKVIndex:
                 self.gaps += 1
                 return GAP
             self._replace(instance_id, set())
+            self._replace_lower(instance_id, {})
             known = (ev.epoch, 0)
         if ev.version <= known[1]:
             return STALE
@@ -70,6 +102,11 @@ class GlobalKVIndex:
             self._drop(instance_id, h)
         for h in ev.stored:
             self._add(instance_id, h)
+        for t in ev.tiers:
+            for h in t.removed:
+                self._drop_lower(instance_id, t.tier, h)
+            for h in t.stored:
+                self._add_lower(instance_id, t.tier, h)
         self._versions[instance_id] = (ev.epoch, ev.version)
         return APPLIED
 
@@ -81,6 +118,8 @@ class GlobalKVIndex:
                 holders.discard(instance_id)
                 if not holders:
                     del self._holders[h]
+        self._replace_lower(instance_id, {})
+        self._lower_held.pop(instance_id, None)
         self._versions.pop(instance_id, None)
         for h in [h for h, exp in self._expected.items() if instance_id in exp]:
             exp = self._expected[h]
@@ -129,6 +168,29 @@ class GlobalKVIndex:
                 result[w] = i + 1
         return result
 
+    def match_tiers(self, hashes: Sequence[int], instances: Collection[str] | None = None,
+                    expected: bool = True) -> dict[str, TierMatch]:
+        """Per instance, the prompt's leading blocks in its memory (as :meth:`match`) and then the
+        blocks it can load from its lower tiers, each from the fastest tier holding it; a block no tier
+        of the instance holds ends its prefix. Instances with neither are left out."""
+        device = self.match(hashes, instances, expected)
+        out = {w: TierMatch(n) for w, n in device.items()}
+        lower_ids = list(self._lower_held) if instances is None else [w for w in instances if w in self._lower_held]
+        for w in lower_ids:
+            runs: list[tuple[str, int]] = []
+            for h in hashes[device.get(w, 0):]:
+                tiers = self._lower_holders.get(h, {}).get(w)
+                if not tiers:
+                    break
+                tier = min(tiers, key=_tier_rank)
+                if runs and runs[-1][0] == tier:
+                    runs[-1] = (tier, runs[-1][1] + 1)
+                else:
+                    runs.append((tier, 1))
+            if runs:
+                out[w] = TierMatch(device.get(w, 0), tuple(runs))
+        return out
+
     # ---- introspection ------------------------------------------------------------------
     def num_blocks(self, instance_id: str | None = None) -> int:
         """Blocks confirmed held by ``instance_id`` (or distinct blocks held anywhere)."""
@@ -136,7 +198,14 @@ class GlobalKVIndex:
             return len(self._holders)
         return len(self._held.get(instance_id, ()))
 
-    def holders(self, block_hash: int) -> frozenset[str]:
+    def num_lower_blocks(self, instance_id: str, tier: str) -> int:
+        """Blocks ``instance_id`` reports it can load from its lower tier ``tier``."""
+        return len(self._lower_held.get(instance_id, {}).get(tier, ()))
+
+    def holders(self, block_hash: int, tier: str = "") -> frozenset[str]:
+        """Instances holding the block in their memory (``tier=""``) or in lower tier ``tier``."""
+        if tier:
+            return frozenset(w for w, ts in self._lower_holders.get(block_hash, {}).items() if tier in ts)
         return frozenset(self._holders.get(block_hash, ()))
 
     def instances(self) -> list[str]:
@@ -164,3 +233,30 @@ class GlobalKVIndex:
         for h in blocks - old:
             self._add(instance_id, h)
         self._held.setdefault(instance_id, set())
+
+    def _add_lower(self, instance_id: str, tier: str, h: int) -> None:
+        self._lower_holders.setdefault(h, {}).setdefault(instance_id, set()).add(tier)
+        self._lower_held.setdefault(instance_id, {}).setdefault(tier, set()).add(h)
+
+    def _drop_lower(self, instance_id: str, tier: str, h: int) -> None:
+        by_instance = self._lower_holders.get(h)
+        if by_instance is not None:
+            tiers = by_instance.get(instance_id)
+            if tiers is not None:
+                tiers.discard(tier)
+                if not tiers:
+                    del by_instance[instance_id]
+            if not by_instance:
+                del self._lower_holders[h]
+        held = self._lower_held.get(instance_id, {}).get(tier)
+        if held is not None:
+            held.discard(h)
+
+    def _replace_lower(self, instance_id: str, blocks: dict[str, set[int]]) -> None:
+        old = self._lower_held.get(instance_id, {})
+        for tier in set(old) | set(blocks):
+            have, want = set(old.get(tier, ())), blocks.get(tier, set())
+            for h in have - want:
+                self._drop_lower(instance_id, tier, h)
+            for h in want - have:
+                self._add_lower(instance_id, tier, h)

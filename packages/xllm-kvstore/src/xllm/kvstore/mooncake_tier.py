@@ -26,7 +26,16 @@ import time
 from collections.abc import Sequence
 
 from xllm.kvstore.mooncake_worker import OP_CLOSE, OP_EXISTS, OP_GET, OP_PUT, OP_REMOVE, REQUEST, RESPONSE
-from xllm.kvstore.tier import HEADER_BYTES, BlockHeader, Buffers, CorruptBlockError, TierDownError, TierStats, checksum
+from xllm.kvstore.tier import (
+    HEADER_BYTES,
+    STORE,
+    BlockHeader,
+    Buffers,
+    CorruptBlockError,
+    TierDownError,
+    TierStats,
+    checksum,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +61,7 @@ class MooncakeTier:
 
     remote = True
 
-    def __init__(self, master: str, metadata: str, ns: bytes, segment_bytes: int, name: str = "store",
+    def __init__(self, master: str, metadata: str, ns: bytes, segment_bytes: int, name: str = STORE,
                  local_host: str = "127.0.0.1", timeout: float = 10.0) -> None:
         self.name = name
         self.ns = ns
@@ -65,6 +74,7 @@ class MooncakeTier:
         self._channel = threading.Lock()  # one request at a time on the worker's pipes
         self._proc: subprocess.Popen | None = None
         self._stats = TierStats(capacity_bytes=segment_bytes)
+        self._dropped: list[int] = []  # blocks this process removed since drain_dropped (guarded by _mutex)
         with self._channel:
             self._spawn()
 
@@ -189,7 +199,20 @@ class MooncakeTier:
 
     def evict(self, block_hash: int) -> bool:
         # forced: a read leaves a lease on the object, which a plain remove respects (-706)
-        return self._call(OP_REMOVE, self.key(block_hash))[0] == 0
+        removed = self._call(OP_REMOVE, self.key(block_hash))[0] == 0
+        if removed:
+            with self._mutex:
+                self._dropped.append(block_hash)
+        return removed
+
+    def drain_dropped(self) -> list[int]:
+        """Blocks this process removed. The master's own evictions are not observable from here."""
+        with self._mutex:
+            out, self._dropped = self._dropped, []
+        return out
+
+    def listing(self) -> list[int]:
+        return []  # the cluster-wide store is not enumerated (its content is every instance's)
 
     def raw_put(self, key: str, value: bytes) -> int:
         """Store ``value`` under ``key`` as is (tests: a damaged object)."""

@@ -28,6 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from xllm.proto.registry.v1 import instance_pb2
+
+HOST, DISK, STORE = "host", "disk", "store"  # the lower tiers' names (T1, T2, T3)
+TIER_ORDER = (HOST, DISK, STORE)  # fastest first
+
 MAGIC = b"XKVB"
 VERSION = 1
 # magic, version, reserved, namespace digest (16), block hash (u64), payload bytes (u64), sha256[:16]
@@ -152,6 +157,18 @@ class TierStats:
         self.bytes_read += payload
         self.load_seconds += seconds
 
+    def to_proto(self, tier: str) -> instance_pb2.KVTierStats:
+        """The heartbeat form of these counts (``extra`` stays local)."""
+        return instance_pb2.KVTierStats(tier=tier, **{f: getattr(self, f) for f in _PROTO_FIELDS})
+
+    @classmethod
+    def from_proto(cls, msg: instance_pb2.KVTierStats) -> TierStats:
+        return cls(**{f: getattr(msg, f) for f in _PROTO_FIELDS})
+
+
+_PROTO_FIELDS = ("queries", "hits", "corrupt", "bytes_read", "bytes_written", "blocks_written", "load_seconds",
+                 "evictions", "errors", "up", "used_bytes", "capacity_bytes")
+
 
 class KVTier(Protocol):
     """One tier of KV blocks within a namespace (fixed at construction), with a byte capacity and
@@ -167,6 +184,11 @@ class KVTier(Protocol):
     - ``remote``: a lookup costs a network round trip (the engine thread asks such tiers only in
       batches, never per evicted block).
     - ``evict`` drops a block; False if it was absent.
+    - ``drain_dropped`` lists the blocks this process removed (capacity eviction, a failed check,
+      ``evict``) since the last call; ``listing`` the blocks present now where the tier can enumerate
+      them cheaply (a local directory), else nothing. Together they let an instance publish which
+      blocks it can load from the tier (``xllm.kvstore.events``); removals by other processes sharing
+      the tier go unseen there (a load then misses and the block is recomputed).
     Blocks being read are never freed under the reader (file tiers: an open file outlives its unlink).
     """
 
@@ -182,6 +204,10 @@ class KVTier(Protocol):
     def contains_many(self, block_hashes: Sequence[int]) -> list[bool]: ...
 
     def evict(self, block_hash: int) -> bool: ...
+
+    def drain_dropped(self) -> list[int]: ...
+
+    def listing(self) -> list[int]: ...
 
     @property
     def capacity_bytes(self) -> int: ...

@@ -10,6 +10,11 @@ dropped, never waited for); a block still queued is served from the queue itself
 A tier that fails (:class:`~xllm.kvstore.tier.TierDownError`) is skipped for ``retry_s`` and then
 tried again: the engine carries on without it meanwhile (logged once per outage; ``up`` false in
 its stats). Thread-safe.
+
+:meth:`TieredStore.drain_events` says which blocks became loadable from (or left) each tier, as
+``(tier, stored?, hash)``: what the instance publishes so the gateway's global KV index can weigh a
+hit in a lower tier (``xllm.kvstore.index``). It starts with each tier's listing (a host tier that
+outlived the previous engine process), then follows this process's writes and removals.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class TieredStore:
         self._idle = threading.Condition(self._lock)
         self._stats = StoreStats()
         self._queries = {t.name: 0 for t in self.tiers}  # blocks looked up per tier (match)
+        # (tier, stored?, hash) since drain_events; starts with what the tiers hold already
+        self._events: list[tuple[str, bool, int]] = [(t.name, True, h) for t in self.tiers for h in _listing(t)]
         self._writer = threading.Thread(target=self._write_loop, name="xllm-kv-writer", daemon=True)
         self._writer.start()
 
@@ -183,8 +190,9 @@ class TieredStore:
                     if not self.is_up(tier):
                         continue
                     try:
-                        if not tier.contains(block_hash):
-                            tier.put(block_hash, [payload])
+                        if tier.contains(block_hash) or tier.put(block_hash, [payload]):
+                            with self._lock:
+                                self._events.append((tier.name, True, block_hash))
                         self._worked(tier)
                     except TierDownError as exc:
                         self._failed(tier, exc)
@@ -198,6 +206,18 @@ class TieredStore:
                         self._idle.notify_all()
 
     # ---- reports and shutdown -------------------------------------------------------------------------
+    def drain_events(self) -> list[tuple[str, bool, int]]:
+        """``(tier name, stored?, block hash)`` in order since the last call: blocks this process wrote
+        to (or found in) a tier, and blocks it removed from one (see the module docstring)."""
+        with self._lock:
+            out, self._events = self._events, []
+        for tier in self.tiers:
+            try:
+                out.extend((tier.name, False, h) for h in tier.drain_dropped())
+            except Exception:  # a tier's bug must not break the engine's reports
+                log.exception("KV tier %s: listing removed blocks failed", tier.name)
+        return out
+
     def stats(self) -> dict[str, TierStats]:
         """Each tier's cumulative counts (``up``: not in an outage now), by tier name."""
         out = {}
@@ -232,3 +252,11 @@ def _scatter(payload: bytes, dest: Buffers) -> None:
         at += n
     if at != len(payload):
         raise ValueError(f"a {len(payload)}-byte block into {at} bytes of pages")
+
+
+def _listing(tier: KVTier) -> list[int]:
+    try:
+        return tier.listing()
+    except Exception:  # an unreadable tier publishes nothing up front
+        log.exception("KV tier %s: listing its blocks failed", tier.name)
+        return []

@@ -4,7 +4,9 @@ Weights are dequantized tensor by tensor in file order with the ``gguf``
 package and renamed to the HF layout (undoing llama.cpp's Q/K row permutation);
 config and tokenizer are read from the GGUF metadata through ``transformers``.
 The result is an ordinary model directory that :func:`xllm.models.load_model`
-and HF ``from_pretrained`` both read.
+and HF ``from_pretrained`` both read. Serving the GGUF's weights as stored
+(:mod:`xllm.models.gguf_weights`) needs only the config and tokenizer: the
+conversion can stop there (``weights=False``) and add the weights later.
 """
 
 from __future__ import annotations
@@ -63,18 +65,29 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert_gguf(gguf_path: str | pathlib.Path, out_dir: str | pathlib.Path, progress: bool = True) -> pathlib.Path:
+def convert_gguf(gguf_path: str | pathlib.Path, out_dir: str | pathlib.Path, progress: bool = True,
+                 weights: bool = True) -> pathlib.Path:
     """Write a HF model directory for ``gguf_path`` at ``out_dir`` (atomically).
 
     Weights are stored as float32 safetensors (dequantized values are exact in
-    fp32). Returns ``out_dir``.
+    fp32). With ``weights`` False only the config, tokenizer and generation
+    config are written (what serving the GGUF's weights as stored needs); a
+    later call with ``weights`` adds the safetensors to such a directory
+    (atomically too). Returns ``out_dir``.
     """
     import gguf
-    from transformers import AutoConfig, AutoTokenizer
 
     gguf_path, out_dir = pathlib.Path(gguf_path), pathlib.Path(out_dir)
-    reader = gguf.GGUFReader(str(gguf_path))
-    arch = reader.fields["general.architecture"].contents()
+    if (out_dir / "config.json").is_file():  # the metadata is there: add the weights only
+        if weights and not any(out_dir.glob("*.safetensors")):
+            _write_weights(gguf.GGUFReader(str(gguf_path)), gguf_path, out_dir, progress)
+        return out_dir
+    from transformers import AutoConfig, AutoTokenizer
+
+    from xllm.models.gguf_weights import gguf_tensors
+
+    meta, _ = gguf_tensors(gguf_path)  # the architecture without parsing every metadata array
+    arch = meta.get("general.architecture")
     if arch != "llama":
         raise GGUFImportError(f"GGUF architecture {arch!r} is not supported for import (supported: llama)")
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
@@ -90,22 +103,34 @@ def convert_gguf(gguf_path: str | pathlib.Path, out_dir: str | pathlib.Path, pro
         gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
                "pad_token_id": getattr(config, "pad_token_id", None)}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
-        tensors: dict[str, torch.Tensor] = {}
-        for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress):
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-            name = hf_tensor_name(t.name)
-            if name.endswith("self_attn.q_proj.weight"):
-                data = unpermute_rows(data, n_head)
-            elif name.endswith("self_attn.k_proj.weight"):
-                data = unpermute_rows(data, n_kv)
-            tensors[name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+        if weights:
+            _write_weights(gguf.GGUFReader(str(gguf_path)), gguf_path, tmp, progress)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("converted %s -> %s", gguf_path, out_dir)
+    log.info("converted %s -> %s%s", gguf_path, out_dir, "" if weights else " (config and tokenizer)")
     return out_dir
+
+
+def _write_weights(reader, gguf_path: pathlib.Path, out_dir: pathlib.Path, progress: bool) -> None:
+    """``out_dir/model.safetensors``: every tensor dequantized to float32, HF names, Q/K rows un-interleaved
+    (written to a temporary name, then renamed)."""
+    import gguf
+
+    config = json.loads((out_dir / "config.json").read_text())
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress):
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        name = hf_tensor_name(t.name)
+        if name.endswith("self_attn.q_proj.weight"):
+            data = unpermute_rows(data, n_head)
+        elif name.endswith("self_attn.k_proj.weight"):
+            data = unpermute_rows(data, n_kv)
+        tensors[name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
+    tmp = out_dir / f".model.safetensors.tmp-{os.getpid()}"
+    save_file(tensors, str(tmp), metadata={"format": "pt", "source": gguf_path.name})
+    tmp.rename(out_dir / "model.safetensors")

@@ -1,4 +1,4 @@
-"""Building blocks shared by the decoder models: norms, fused projections, RoPE."""
+"""Building blocks shared by the decoder models: norms, fused projections (float or quantized), RoPE."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from xllm.kernels import RotaryTable, linear, rms_norm
 from xllm.kernels.gemm import PackedWeight, pack
 from xllm.kernels.gemm_choice import GemmChoice, choose
 from xllm.kernels.linear import MAX_NATIVE_ROWS, pack_weight
+from xllm.kernels.quant import QuantizedWeight, dequantize, quant_linear
 from xllm.models.config import ModelConfig, ModelConfigError, rope_parameters
 from xllm.models.weights import CheckpointShards
 
@@ -83,6 +84,63 @@ class TiedLMHead(_PackOnDemand):
         if torch.compiler.is_compiling():
             return linear(x, self.weight)
         return linear(x, self.weight, **self._packed_for(x))
+
+
+class QuantLinear(nn.Module):
+    """A linear layer over a quantized weight (:class:`xllm.kernels.quant.QuantizedWeight`, any format of
+    ``xllm.kernels.quant.FORMATS``): ``qweight`` ``[out_features, in_features]`` as packed, never
+    dequantized as a whole; ``bias`` float (or None). The forward is :func:`xllm.kernels.quant.quant_linear`
+    (the native skinny GEMV for decode-sized inputs); the output has the input's dtype. Fused projections
+    (qkv, gate_up) hold their parts' rows concatenated (:func:`xllm.kernels.quant.cat_rows`)."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.in_features, self.out_features = qweight.k, qweight.n
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self.qweight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.qweight.fmt}"
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding stored quantized (a GGUF's ``token_embd``, or a tied embedding quantized at load):
+    a lookup dequantizes only the looked-up rows, to ``dtype``. When the LM head is tied to it, the head
+    reads the same packed rows (:func:`tied_lm_head`)."""
+
+    def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.num_embeddings, self.embedding_dim = qweight.n, qweight.k
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(self.qweight.rows(input_ids.reshape(-1).long()), self.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, fmt={self.qweight.fmt}"
+
+
+class QuantTiedHead:
+    """The LM head of a model whose head is tied to a :class:`QuantEmbedding` (not a module: the weight
+    belongs to the embedding)."""
+
+    def __init__(self, qweight: QuantizedWeight) -> None:
+        self.qweight = qweight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self.qweight)
+
+
+def tied_lm_head(embedding: nn.Module) -> TiedLMHead | QuantTiedHead:
+    """The LM head reading ``embedding``'s weight (tied word embeddings), float or quantized."""
+    if isinstance(embedding, QuantEmbedding):
+        return QuantTiedHead(embedding.qweight)
+    return TiedLMHead(embedding.weight)
 
 
 class MergedLinear(_PackOnDemand, CheckpointShards, nn.Module):

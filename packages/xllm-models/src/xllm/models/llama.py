@@ -12,7 +12,7 @@ from torch import nn
 from xllm.core.model_api import AttentionContext, KVCacheSpec
 from xllm.kernels import RopeBatch, RotaryTable, apply_rotary, silu_and_mul
 from xllm.models.config import ModelConfig
-from xllm.models.layers import Linear, MergedLinear, RMSNorm, TiedLMHead, build_rotary
+from xllm.models.layers import Linear, MergedLinear, QuantTiedHead, RMSNorm, TiedLMHead, build_rotary, tied_lm_head
 from xllm.models.llama_native import FusedLlamaForward
 from xllm.models.prefix import layer_prefix_view
 from xllm.models.weights import StackedName, load_named_weights
@@ -121,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryTable | None = None
         self._fused: FusedLlamaForward | None = None
-        self._tied_head: TiedLMHead | None = None  # the LM head reading the embedding (tied weights)
+        self._tied_head: TiedLMHead | QuantTiedHead | None = None  # the LM head reading the embedding (tied)
 
     def post_load(self) -> None:
         """Build non-parameter state (RoPE table, native decoder) once parameters are materialized."""
@@ -139,14 +139,15 @@ class LlamaForCausalLM(nn.Module):
         :func:`xllm.models.prefix.layer_prefix_view`), with its own fused native forward over those
         layers where the kernels take them."""
         if self.lm_head is None and self._tied_head is None:  # one tied head (and its packed copies)
-            self._tied_head = TiedLMHead(self.model.embed_tokens.weight)
+            self._tied_head = tied_lm_head(self.model.embed_tokens)
         view = layer_prefix_view(self, num_layers)
         view._fused = FusedLlamaForward(view) if self._fused is not None else None
         return view
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The activations' dtype (the final norm's: float even when the linears are quantized)."""
+        return self.model.norm.weight.dtype
 
     def build_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         return LlamaMLP(cfg.hidden_size, int(cfg.raw["intermediate_size"]), bool(cfg.get("mlp_bias", False)))
@@ -168,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self._tied_head is None:
-            self._tied_head = TiedLMHead(self.model.embed_tokens.weight)
+            self._tied_head = tied_lm_head(self.model.embed_tokens)
         return self._tied_head(hidden).float()
 
     def load_weights(self, weights) -> None:

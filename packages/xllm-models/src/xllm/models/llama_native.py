@@ -12,6 +12,11 @@ each get their own binding and workspace and may step at the same time), then ru
   general kernel: blocked GEMMs, varlen attention over every chunk in one call, KV rows stored in
   place).
 
+Quantized projections (:class:`~xllm.models.layers.QuantLinear`, any format of
+:mod:`xllm.kernels.quant`) go into the layer struct as a format tag and pointers (``XllmQWeight``):
+the kernels run the quantized GEMV (<= 8 rows; 9-16 over chunks of 8) or the panel-dequantizing GEMM of
+``kernels/cpu/gemm_quant.h`` for them, float ones as before.
+
 It applies only where the C kernel's layout assumptions hold; :meth:`model_supported` says so and
 the caller falls back to the eager module path otherwise. It is the
 :class:`xllm.core.model_api.FusedForward` of Llama-family models.
@@ -22,13 +27,19 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from xllm.core.model_api import SlotKV, StepTokens
-from xllm.kernels import native, rms_norm
+from xllm.kernels import native, quant_native, rms_norm
 from xllm.kernels.linear import MAX_NATIVE_ROWS
+from xllm.kernels.quant import QuantizedWeight
+
+
+def _projections(layer) -> tuple:
+    """A decoder layer's four projections in the kernel's order: qkv, o, gate_up, down."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
 
 
 @dataclass
@@ -39,6 +50,7 @@ class _Binding:
     cfg: object  # native.LlamaCfg
     layers: object  # ctypes array of native.LlamaLayer
     work: torch.Tensor | None = None
+    keep: list = field(default_factory=list)  # tensors the structs point at that nothing else holds
 
     def workspace(self, elems: int, dtype: torch.dtype) -> torch.Tensor:
         if self.work is None or self.work.numel() < elems or self.work.dtype != dtype:
@@ -69,11 +81,16 @@ class FusedLlamaForward:
 
     @staticmethod
     def model_supported(model) -> bool:
+        from xllm.models.layers import QuantLinear
         from xllm.models.llama import LlamaMLP
 
         cfg = model.cfg
         if not all(isinstance(layer.mlp, LlamaMLP) for layer in model.model.layers):
             return False  # MoE or other MLPs: the kernel implements the dense SwiGLU block only
+        quantized = [lin for layer in model.model.layers for lin in _projections(layer) if isinstance(lin, QuantLinear)]
+        if quantized and (quant_native.library() is None
+                          or any(lin.qweight.fmt not in quant_native.QUANT_TAGS for lin in quantized)):
+            return False  # the quantized kernels need AVX512-VNNI (the eager path runs the torch fallback)
         attn = model.model.layers[0].self_attn
         mult = 32 if model.dtype == torch.bfloat16 else 16
         return (
@@ -88,13 +105,14 @@ class FusedLlamaForward:
         )
 
     def _packed_weights(self) -> list:
-        """Per layer, the blocked GEMM's packed (qkv, o, gate_up, down) weights or Nones."""
+        """Per layer, for (qkv, o, gate_up, down): the blocked GEMM's packed weight, a quantized
+        projection's kernel-ready :class:`~xllm.kernels.quant.QuantizedWeight`, or None."""
+        from xllm.models.layers import QuantLinear
+
         if self._packed is None:
-            self._packed = []
-            for layer in self.model.model.layers:
-                a, mlp = layer.self_attn, layer.mlp
-                self._packed.append([lin.native_packed() for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj,
-                                                                     mlp.down_proj)])
+            self._packed = [[quant_native.kernel_ready(lin.qweight) if isinstance(lin, QuantLinear)
+                             else lin.native_packed() for lin in _projections(layer)]
+                            for layer in self.model.model.layers]
         return self._packed
 
     def _bind(self, kv: SlotKV) -> _Binding:
@@ -132,18 +150,34 @@ class FusedLlamaForward:
         def ptr(t):
             return None if t is None else t.data_ptr()
 
+        keep = []  # biases cast to the activations' dtype: alive as long as the structs
+
+        def bias_ptr(lin):
+            if lin.bias is None:
+                return None
+            b = lin.bias.detach().to(m.dtype).contiguous()
+            keep.append(b)
+            return b.data_ptr()
+
         for i, layer in enumerate(layers):
             a = layer.self_attn
-            qkv_p, o_p, gu_p, down_p = (None if pw is None else pw.data for pw in packed[i])
+            lins = _projections(layer)
+            plain = [None if isinstance(pw, QuantizedWeight) else pw for pw in packed[i]]
+            quant = [quant_native.struct(pw) if isinstance(pw, QuantizedWeight) else native.QWeight()
+                     for pw in packed[i]]
+            qkv_p, o_p, gu_p, down_p = (None if pw is None else pw.data for pw in plain)
+            qkv_w, o_w, gu_w, down_w = (None if isinstance(pw, QuantizedWeight) else ptr(lin.weight)
+                                        for lin, pw in zip(lins, packed[i], strict=True))
             arr[i] = native.LlamaLayer(
-                ln1=ptr(layer.input_layernorm.weight), qkv_w=ptr(a.qkv_proj.weight), qkv_b=ptr(a.qkv_proj.bias),
+                ln1=ptr(layer.input_layernorm.weight), qkv_w=qkv_w, qkv_b=bias_ptr(a.qkv_proj),
                 q_norm=ptr(a.q_norm.weight) if a.q_norm is not None else None,
                 k_norm=ptr(a.k_norm.weight) if a.k_norm is not None else None,
-                o_w=ptr(a.o_proj.weight), o_b=ptr(a.o_proj.bias), ln2=ptr(layer.post_attention_layernorm.weight),
-                gate_up_w=ptr(layer.mlp.gate_up_proj.weight), down_w=ptr(layer.mlp.down_proj.weight),
+                o_w=o_w, o_b=bias_ptr(a.o_proj), ln2=ptr(layer.post_attention_layernorm.weight),
+                gate_up_w=gu_w, down_w=down_w,
                 k_cache=kvs[i][0].data_ptr(), v_cache=kvs[i][1].data_ptr(), qkv_wp=ptr(qkv_p), o_wp=ptr(o_p),
-                gate_up_wp=ptr(gu_p), down_wp=ptr(down_p))
-        return _Binding(cfg, arr)
+                gate_up_wp=ptr(gu_p), down_wp=ptr(down_p), qkv_q=quant[0], o_q=quant[1], gate_up_q=quant[2],
+                down_q=quant[3])
+        return _Binding(cfg, arr, keep=keep)
 
     def _kernel(self, name: str, dtype: torch.dtype):
         lib = native.library().lib

@@ -1,4 +1,4 @@
-"""Load a HF safetensors model directory into our model classes, in file order.
+"""Load a HF safetensors model directory (or a GGUF file as stored) into our model classes, in file order.
 
 RTP-LLM §4: iterate the shard files in order and each file's tensors in the
 order their bytes lie on disk, reading through a memory map and copying (and
@@ -20,7 +20,10 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from xllm.core.dtypes import WEIGHT_QUANTIZATIONS, canonical_quantization
 from xllm.models.config import ModelConfig, ModelConfigError
+from xllm.models.gguf_weights import StoredWeights, read_gguf_weights
+from xllm.models.quantize import install_quantized, quantize_model, release_freed_memory
 from xllm.models.registry import model_class
 from xllm.models.tensor_parallel import TPShard
 
@@ -104,7 +107,8 @@ def _no_init(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", progress: bool = True, tp_rank: int = 0,
-               tp_size: int = 1, mtp: bool = False) -> torch.nn.Module:
+               tp_size: int = 1, mtp: bool = False, quantization: str = "none",
+               gguf_file: str | pathlib.Path | None = None) -> torch.nn.Module:
     """Build the model class for ``model_dir``'s architecture and load its weights.
 
     Parameters are allocated directly in ``dtype`` on ``device`` (no random
@@ -114,11 +118,35 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     partial outputs of the ranks' ``o_proj``/``down_proj`` sum to the full model's.
     ``mtp`` also loads the model's next-token-prediction layer (``--speculative mtp``; DeepSeek-V3
     checkpoints with ``num_nextn_predict_layers`` > 0, else :class:`ModelConfigError`).
+    ``quantization`` (a name of :data:`xllm.core.dtypes.WEIGHT_QUANTIZATIONS`): ``"none"``/``"auto"`` float
+    weights, ``"int8"``/``"int4"``/``"int4_g128"`` the float model's linears quantized after loading
+    (:func:`xllm.models.quantize.quantize_model`). ``gguf_file``: load the weights from this GGUF as stored
+    (its Q8_0/Q4_0/Q4_1 tensors stay quantized, :mod:`xllm.models.gguf_weights`) instead of ``model_dir``'s
+    safetensors, which then only gives the config (``model_dir`` is the GGUF's conversion).
     Returns the model in eval mode.
     """
     model_dir = pathlib.Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     cls = model_class(cfg.architecture)
+    try:
+        fmt = WEIGHT_QUANTIZATIONS[canonical_quantization(quantization)]
+    except ValueError as exc:
+        raise ModelConfigError(str(exc)) from None
+    if fmt is not None and gguf_file is not None:
+        raise ModelConfigError(f"quantization {quantization!r}: a GGUF file loaded as stored keeps its own formats")
+    if (fmt is not None or gguf_file is not None) and (tp_size != 1 or torch.device(device).type != "cpu"):
+        raise ModelConfigError("quantized weights run on the CPU without tensor parallelism (use "
+                               "--quantization none)")
+    if gguf_file is not None:
+        if mtp:
+            raise ModelConfigError(f"{gguf_file}: a GGUF model has no multi-token-prediction layers")
+        start = time.perf_counter()
+        stored = read_gguf_weights(gguf_file, cfg.num_heads, cfg.num_kv_heads)
+        model = load_stored(model_dir, stored, dtype)
+        log.info("loaded %s (%s activations; %s) from %s as stored in %.2fs", cfg.architecture, dtype,
+                 ", ".join(f"{n} {k}" for k, n in sorted(stored.formats.items())), gguf_file,
+                 time.perf_counter() - start)
+        return model
     start = time.perf_counter()
     weights = iter_safetensors(shard_files(model_dir), progress)
     if tp_size != 1 or tp_rank != 0:
@@ -132,7 +160,31 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         model = cls(cfg, mtp=True) if mtp else cls(cfg)
     _materialize(model, dtype, torch.device(device))
     model.load_weights(weights)
+    if fmt is not None:
+        quantize_model(model, fmt)
+        release_freed_memory()
     model.post_load()
     model.eval().requires_grad_(False)
-    log.info("loaded %s (%s) from %s in %.2fs", cfg.architecture, dtype, model_dir, time.perf_counter() - start)
+    log.info("loaded %s (%s%s) from %s in %.2fs", cfg.architecture, dtype, f", {fmt} linears" if fmt else "",
+             model_dir, time.perf_counter() - start)
     return model
+
+
+def load_stored(model_dir: str | pathlib.Path, stored: StoredWeights, dtype: torch.dtype) -> torch.nn.Module:
+    """The model of ``model_dir``'s config over ``stored`` weights (a GGUF's, :mod:`xllm.models.gguf_weights`):
+    quantized linears and embedding swapped in on the meta device (never materialized as float,
+    :func:`xllm.models.quantize.install_quantized`), the other parameters materialized in ``dtype`` (the
+    activations' dtype: bfloat16 or float32) and loaded. Returns the model in eval mode."""
+    cfg = ModelConfig.from_dir(pathlib.Path(model_dir))
+    cls = model_class(cfg.architecture)
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ModelConfigError(f"quantized weights run with bfloat16 or float32 activations, not {dtype} (or serve "
+                               "them dequantized: --quantization none)")
+    with torch.device("meta"), _skip_init():
+        model = cls(cfg)
+    used = install_quantized(model, stored.quantized, model.stacked_names, dtype)
+    _materialize(model, dtype, torch.device("cpu"))
+    model.load_weights(stored.float_items(skip=used))
+    model.post_load()
+    release_freed_memory()  # the gathers and dequantized copies made while reading
+    return model.eval().requires_grad_(False)

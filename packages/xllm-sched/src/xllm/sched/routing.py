@@ -16,7 +16,12 @@ Policies (by name through :data:`xllm.sched.ROUTING_POLICIES`):
 
   where ``predicted_latency`` is the time to the request's first token on ``w`` from a simple
   performance model (queued prefill work, plus this request's uncached tokens, plus decode
-  interference, over ``w``'s measured prefill speed). A chat/session id is a strong hint: its
+  interference, over ``w``'s measured prefill speed). Blocks ``w`` can load from its lower KV
+  tiers (host DRAM, disk, the cluster store) beyond its in-memory match count as the load time at
+  the tier's measured speed instead of their recompute time, and in ``match_len`` only for the
+  share of the recompute time loading saves: a deep hit in a tier slower than recomputing is
+  worth nothing, and a shallow hit in memory beats it (RTP-LLM's cache-aware balancing). A tier
+  whose speed the instance has not measured yet is treated as recompute. A chat/session id is a strong hint: its
   previous instance is taken unless overloaded. A load-aware fallback sends the request to the
   fastest instance instead when the best-scoring one would be much slower, so a hot prefix
   cannot pile every request onto one instance.
@@ -54,6 +59,11 @@ class InstanceSnapshot:
     offline_waiting: int = 0
     offline_inflight: int = 0
     offline_pending_prefill_tokens: int = 0
+    # after matched_tokens, prompt tokens it can load from its lower KV tiers: (tier, tokens) runs in
+    # prompt order, and each tier's measured load speed (a tier absent: not measured yet). Last, so the
+    # simulator's positional construction stays valid.
+    lower_matched: tuple[tuple[str, int], ...] = ()
+    tier_load_tokens_per_s: tuple[tuple[str, float], ...] = ()
 
     @property
     def outstanding(self) -> int:
@@ -187,12 +197,38 @@ class KVCacheAwarePolicy(RoutingPolicy):
     def _rate(self, c: InstanceSnapshot, fallback: float) -> float:
         return c.prefill_tokens_per_s if c.prefill_tokens_per_s > 0 else fallback
 
+    @staticmethod
+    def lower_tier_plan(c: InstanceSnapshot, num_prompt_tokens: int, rate: float) -> tuple[int, float, float]:
+        """For the prompt tokens ``c`` can load from its lower tiers (beyond its in-memory match, never the
+        last prompt token, which is always computed): ``(tokens loaded, seconds loading them, seconds of
+        recompute they save net of the load)``. Loading stops at the first tier without a measured speed
+        (predicted as recomputed: the conservative side)."""
+        speeds = dict(c.tier_load_tokens_per_s)
+        room = max(num_prompt_tokens - 1 - c.matched_tokens, 0)
+        loaded, seconds, saved = 0, 0.0, 0.0
+        for tier, tokens in c.lower_matched:
+            speed = speeds.get(tier, 0.0)
+            take = min(tokens, room - loaded)
+            if speed <= 0 or take <= 0:
+                break
+            loaded += take
+            seconds += take / speed
+            saved += max(take / rate - take / speed, 0.0)
+        return loaded, seconds, saved
+
     def predicted_latency(self, c: InstanceSnapshot, num_prompt_tokens: int, rate: float) -> float:
         """Seconds to ``c``'s first token for a request of ``num_prompt_tokens``."""
-        uncached = max(num_prompt_tokens - c.matched_tokens, 1)
+        loaded, load_seconds, _ = self.lower_tier_plan(c, num_prompt_tokens, rate)
+        uncached = max(num_prompt_tokens - c.matched_tokens - loaded, 1)
         running = max(c.num_running, c.inflight - c.num_waiting)  # a heartbeat is up to an interval old
         work = c.pending_prefill_tokens + uncached + self.decode_weight * running
-        return work / rate
+        return work / rate + load_seconds
+
+    def reuse(self, c: InstanceSnapshot, num_prompt_tokens: int, rate: float) -> float:
+        """The cache-reuse term's tokens: the in-memory match, plus the lower-tier tokens weighted by the
+        share of their recompute time loading them saves."""
+        saved = self.lower_tier_plan(c, num_prompt_tokens, rate)[2]
+        return min(c.matched_tokens + saved * rate, num_prompt_tokens)
 
     def overloaded(self, c: InstanceSnapshot) -> bool:
         return c.num_waiting >= self.max_waiting or c.kv_usage >= self.kv_high_watermark
@@ -238,7 +274,8 @@ class KVCacheAwarePolicy(RoutingPolicy):
         def acceptable(instance_id: str) -> bool:
             return latency[instance_id] <= limit
 
-        scores = {c.instance_id: self.alpha * min(c.matched_tokens, length) / length
+        reuse = {c.instance_id: self.reuse(c, length, self._rate(c, fallback_rate)) for c in ordered}
+        scores = {c.instance_id: self.alpha * reuse[c.instance_id] / length
                   - self.gamma * latency[c.instance_id] / max_latency for c in pool}
         sticky = self._session_instance(request.session_id)
         if sticky is not None and sticky in scores and acceptable(sticky):
@@ -251,7 +288,7 @@ class KVCacheAwarePolicy(RoutingPolicy):
             best = max(pool, key=lambda c: (round(scores[c.instance_id], 9), -c.outstanding, -c.cached_blocks,
                                             -rank[c.instance_id]))
             choice = best.instance_id
-            reason = "kv_cache" if best.matched_tokens > 0 else "least_latency"
+            reason = "kv_cache" if reuse[choice] > 0 else "least_latency"
             if not acceptable(choice):
                 choice, reason = fastest.instance_id, "load_fallback"
         self._remember(request.session_id, choice)

@@ -15,9 +15,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from xllm.kvstore.mooncake_local import LocalMooncake
 
 
 def free_port() -> int:
@@ -252,27 +256,14 @@ def ensure_mooncake() -> str:
     return found
 
 
-def start_mooncake_master(log_dir: Path) -> tuple[subprocess.Popen, str, str]:
-    """A Mooncake master with its HTTP metadata server, on free ports (its metadata and metrics
-    ports bind every interface whatever it is told: stop it by PID). Returns the process, the
-    master address and the metadata URL."""
-    binary = ensure_mooncake()
-    rpc, meta, metrics = free_port(), free_port(), free_port()
-    log_path = log_dir / "mooncake-master.log"
-    proc = spawn([binary, "-rpc_address=127.0.0.1", f"-rpc_port={rpc}", "-enable_http_metadata_server=true",
-                  "-http_metadata_server_host=127.0.0.1", f"-http_metadata_server_port={meta}",
-                  f"-metrics_port={metrics}"], log_path)
-    url = f"http://127.0.0.1:{meta}/metadata"
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", rpc), timeout=1):
-            break
-        if time.monotonic() > deadline:
-            raise RuntimeError("mooncake_master did not start")
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{rpc}", url
+def start_mooncake_master(log_dir: Path) -> LocalMooncake:
+    """A Mooncake store on loopback for a test (:func:`xllm.kvstore.mooncake_local.start_local_mooncake`,
+    what ``xllm serve --kv-store local-mooncake`` runs); skips the test when Mooncake is not installed.
+    Stop it with its ``stop()`` (by PID)."""
+    ensure_mooncake()
+    from xllm.kvstore.mooncake_local import start_local_mooncake
+
+    return start_local_mooncake(log_dir)
 
 
 def healthy_instances(base_url: str, timeout: float = 5.0) -> set[str]:

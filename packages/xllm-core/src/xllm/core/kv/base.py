@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from abc import ABC, abstractmethod
@@ -12,15 +13,23 @@ import torch
 from xllm.core.kv.addressing import KVAddressing
 from xllm.core.kv.lower_tiers import LoadJob, LowerTiers
 from xllm.core.kv.page_store import PageStore
-from xllm.core.kv.registry import KV_BACKENDS
+from xllm.core.kv.registry import KV_BACKENDS, KV_CACHE_DTYPES
 from xllm.core.model_api import KVCacheSpec
+from xllm.kernels import kv_quant
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """Sizes every backend agrees on."""
+    """Sizes every backend agrees on.
+
+    ``kv_dtype`` is ``"auto"`` (K/V stored in ``dtype``, ``[..., kv_heads, head_dim]`` tensors) or a
+    quantized kind of :data:`~xllm.core.kv.registry.KV_CACHE_DTYPES` (``int8``, ``fp8_e4m3``): then
+    every layer's K and V are ``uint8`` tensors of token rows (:mod:`xllm.kernels.kv_quant`: per
+    head ``head_dim`` codes + an fp32 scale), each row padded to a multiple of ``row_align`` bytes
+    (xTensor: so a block is whole OS pages).
+    """
 
     spec: KVCacheSpec
     dtype: torch.dtype
@@ -30,6 +39,8 @@ class KVCacheLayout:
     block_size: int
     num_blocks: int  # physical capacity in blocks (pages) of block_size tokens
     enable_prefix_cache: bool = True
+    kv_dtype: str = "auto"
+    row_align: int = 1
 
     @property
     def capacity_tokens(self) -> int:
@@ -39,11 +50,45 @@ class KVCacheLayout:
         return math.ceil(num_tokens / self.block_size)
 
     @property
+    def quantized(self) -> bool:
+        return self.kv_dtype != "auto"
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes of one token's row of one layer's K (``head_dim``) or V (``v_head_dim``)."""
+        if self.quantized:
+            return kv_quant.row_bytes(self.spec.num_kv_heads, head_dim, self.row_align)
+        return self.spec.num_kv_heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def row_shape(self, head_dim: int) -> tuple[int, ...]:
+        """The trailing shape of a K/V cache tensor for one token (after slot/page and position)."""
+        return (self.row_bytes(head_dim),) if self.quantized else (self.spec.num_kv_heads, head_dim)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The element type of the K/V cache tensors."""
+        return torch.uint8 if self.quantized else self.dtype
+
+    def quant_format(self, head_dim: int) -> kv_quant.KVQuantFormat:
+        """The quantized row format of K (``head_dim``) or V (``v_head_dim``) rows."""
+        if not self.quantized:
+            raise ValueError("the KV cache is not quantized")
+        return kv_quant.KVQuantFormat(self.kv_dtype, self.spec.num_kv_heads, head_dim, self.row_bytes(head_dim))
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Physical KV bytes of one token over every layer (quantized: codes, scales and padding)."""
+        s = self.spec
+        return s.num_layers * (self.row_bytes(s.head_dim) + (self.row_bytes(s.v_head_dim) if s.v_head_dim else 0))
+
+    @property
     def fingerprint(self) -> str:
         """What two engines must share for one to use the other's KV pages: layers, KV heads, K and V
-        widths, dtype and block size (e.g. ``30L3H64K64V/bfloat16/32``)."""
+        widths, the stored format and block size (e.g. ``30L3H64K64V/bfloat16/32``; quantized: the kind and
+        the K row's bytes, ``30L3H64K64V/int8@208/256``)."""
         s = self.spec
         dtype = str(self.dtype).removeprefix("torch.")
+        if self.quantized:
+            dtype = f"{self.kv_dtype}@{self.row_bytes(s.head_dim)}"
         return f"{s.num_layers}L{s.num_kv_heads}H{s.head_dim}K{s.v_head_dim}V/{dtype}/{self.block_size}"
 
 
@@ -147,6 +192,11 @@ class KVCacheBackend(ABC):
         """Per lower tier (by name) its :class:`~xllm.kvstore.tier.TierStats`; empty without tiers."""
         return {}
 
+    def drain_tier_events(self) -> list[tuple[str, bool, int]]:
+        """``(tier, stored?, block hash)``: blocks that became loadable from, or left, a lower tier since
+        the last call (empty without tiers)."""
+        return []
+
     @property
     def usage(self) -> float:
         """Fraction of physical KV blocks in use."""
@@ -159,7 +209,7 @@ class KVCacheBackend(ABC):
     def physical_bytes_in_use(self) -> int:
         """Bytes of KV memory currently held for live sequences."""
         used = self.layout.num_blocks - self.num_free_blocks
-        return used * self.layout.block_size * self.layout.spec.bytes_per_token(self.layout.dtype)
+        return used * self.layout.block_size * self.layout.bytes_per_token
 
 
 def page_aligned_block_size(spec: KVCacheSpec, dtype: torch.dtype, minimum: int = 16, os_page: int = 4096) -> int:
@@ -175,29 +225,72 @@ def page_aligned_block_size(spec: KVCacheSpec, dtype: torch.dtype, minimum: int 
     return bs
 
 
+def quantized_block_layout(spec: KVCacheSpec, block_size: int | None, minimum: int = 16, os_page: int = 4096,
+                           max_padding: float = 1 / 16, max_block: int = 256) -> tuple[int, int]:
+    """``(block_size, row_align)`` of a quantized xTensor cache: a block of quantized rows must be whole OS
+    pages, so rows are padded to a multiple of ``os_page / gcd(block_size, os_page)`` bytes. With
+    ``block_size`` given, only the padding is chosen; otherwise the smallest multiple of ``minimum``
+    tokens (up to ``max_block``) whose padding costs at most ``max_padding`` of the row, else the one
+    with the least padding (SmolLM2-135M, 3 KV heads of 64: 204-byte rows, 256-token blocks of 208-byte
+    rows; 8 KV heads of 128: 1056-byte rows, 64-token blocks of 1088-byte rows)."""
+    raw = max(kv_quant.row_bytes(spec.num_kv_heads, d) for d in (spec.head_dim, spec.v_head_dim) if d)
+
+    def align(bs: int) -> int:
+        return os_page // math.gcd(bs, os_page)
+
+    if block_size is not None:
+        return block_size, align(block_size)
+    best = None
+    for bs in range(minimum, max_block + 1, minimum):
+        padded = kv_quant.row_bytes(spec.num_kv_heads, spec.head_dim, align(bs))
+        if padded - raw <= raw * max_padding:
+            return bs, align(bs)
+        if best is None or padded < best[0]:
+            best = (padded, bs)
+    return best[1], align(best[1])
+
+
 def build_kv_cache(backend: str, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device, max_num_seqs: int,
                    max_model_len: int, memory_gib: float, block_size: int | None = None,
-                   enable_prefix_cache: bool = True) -> KVCacheBackend:
+                   enable_prefix_cache: bool = True, kv_dtype: str = "auto") -> KVCacheBackend:
     """Size and create the KV backend for an engine.
 
     ``"xtensor"`` falls back to ``"paged"`` where virtual memory control is
     unavailable (non-Linux, or a device other than the CPU for now). The block
-    size defaults to 16 tokens (xTensor: rounded up so a block is whole OS pages).
-    Raises ``ValueError`` when the memory cannot hold one block or the backend is unknown.
+    size defaults to 16 tokens (xTensor: rounded up so a block is whole OS pages;
+    quantized: :func:`quantized_block_layout`). ``kv_dtype`` ``"auto"`` stores K/V in ``dtype``;
+    ``"int8"``/``"fp8_e4m3"`` stores quantized rows (about half the bytes of bf16, so about twice
+    the tokens in ``memory_gib``). Raises ``ValueError`` when the memory cannot hold one block, the
+    backend is unknown, or the KV dtype does not apply (latent caches, head widths not divisible by 4).
     """
     from xllm.core.kv import vmm
 
     backend = KV_BACKENDS.canonical(backend)
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {kv_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
+    quantized = kv_dtype != "auto"
+    if quantized:
+        if not spec.v_head_dim:
+            raise ValueError(f"--kv-cache-dtype {kv_dtype} is not implemented for latent KV caches (MLA, e.g. "
+                             "DeepSeek): use --kv-cache-dtype auto")
+        if spec.head_dim % 4 or spec.v_head_dim % 4:
+            raise ValueError(f"--kv-cache-dtype {kv_dtype} needs head widths divisible by 4, got "
+                             f"{spec.head_dim}/{spec.v_head_dim}")
+        if device.type != "cpu":
+            raise ValueError(f"--kv-cache-dtype {kv_dtype} is implemented for the CPU only")
     if backend == "xtensor" and (device.type != "cpu" or not vmm.supported()):
         log.warning("xTensor needs Linux virtual memory control on the CPU here; using the paged backend")
         backend = "paged"
+    row_align = 1
+    if quantized and backend == "xtensor":
+        block_size, row_align = quantized_block_layout(spec, block_size)
     if block_size is None:
         block_size = page_aligned_block_size(spec, dtype) if backend == "xtensor" else 16
-    per_block = spec.bytes_per_token(dtype) * block_size
+    layout = KVCacheLayout(spec, dtype, device, max_num_seqs, max_model_len, block_size, 1,
+                           enable_prefix_cache and backend != "contiguous", kv_dtype, row_align)
+    per_block = layout.bytes_per_token * block_size
     num_blocks = int(memory_gib * 2**30 // per_block)
     if num_blocks < 1:
         raise ValueError(f"kv cache memory of {memory_gib} GiB is too small for one {block_size}-token block "
                          f"({per_block} bytes)")
-    layout = KVCacheLayout(spec, dtype, device, max_num_seqs, max_model_len, block_size, num_blocks,
-                           enable_prefix_cache and backend != "contiguous")
-    return KV_BACKENDS.create(backend, layout)
+    return KV_BACKENDS.create(backend, dataclasses.replace(layout, num_blocks=num_blocks))

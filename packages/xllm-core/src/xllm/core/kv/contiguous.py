@@ -1,6 +1,7 @@
 """Contiguous KV: one max-length region per sequence slot, reserved up front.
 
-Per layer K and V are ``[max_num_seqs, max_model_len, kv_heads, head_dim]``
+Per layer K and V are ``[max_num_seqs, max_model_len, kv_heads, head_dim]`` (a quantized
+cache: ``uint8 [max_num_seqs, max_model_len, row_bytes]``)
 allocated with ``torch.empty`` (the OS commits pages only when first written).
 Block accounting bounds how many tokens may be live at once. This is the
 baseline the xTensor and paged backends are measured against.
@@ -10,19 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from xllm.core.kv.addressing import SlotAddressing
+from xllm.core.kv.addressing_quant import slot_addressing
 from xllm.core.kv.base import KVCacheBackend, KVCacheLayout
 
 
 class ContiguousKVCache(KVCacheBackend):
     def __init__(self, layout: KVCacheLayout) -> None:
         super().__init__(layout)
-        self.addressing = SlotAddressing(self, layout.block_size)
+        self.addressing = slot_addressing(self, layout)
         spec = layout.spec
-        shape = (layout.max_num_seqs, layout.max_model_len, spec.num_kv_heads)
-        self.k = [torch.empty(*shape, spec.head_dim, dtype=layout.dtype, device=layout.device)
+        shape, dtype = (layout.max_num_seqs, layout.max_model_len), layout.cache_dtype
+        self.k = [torch.empty(*shape, *layout.row_shape(spec.head_dim), dtype=dtype, device=layout.device)
                   for _ in range(spec.num_layers)]
-        self.v = [torch.empty(*shape, spec.v_head_dim, dtype=layout.dtype, device=layout.device)
+        self.v = [torch.empty(*shape, *layout.row_shape(spec.v_head_dim), dtype=dtype, device=layout.device)
                   if spec.v_head_dim else None for _ in range(spec.num_layers)]
         self._free_slots = list(range(layout.max_num_seqs - 1, -1, -1))
         self._blocks: dict[int, int] = {}  # slot -> blocks held

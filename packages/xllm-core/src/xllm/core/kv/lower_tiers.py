@@ -28,7 +28,7 @@ from xllm.core.errors import ConfigError
 from xllm.core.kv.page_store import PageStore
 from xllm.kvstore.file_tier import FileTier
 from xllm.kvstore.mooncake_tier import MooncakeTier, parse_url
-from xllm.kvstore.tier import KVTier, TierDownError, TierStats, namespace
+from xllm.kvstore.tier import DISK, HOST, KVTier, TierDownError, TierStats, namespace
 from xllm.kvstore.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,10 @@ class LowerTiers:
     def stats(self) -> dict[str, TierStats]:
         return self.store.stats()
 
+    def drain_events(self) -> list[tuple[str, bool, int]]:
+        """``(tier, stored?, block hash)`` since the last call (:meth:`TieredStore.drain_events`)."""
+        return self.store.drain_events()
+
     def close(self) -> None:
         self._loader.shutdown(wait=True)
         self.store.close()
@@ -148,8 +152,8 @@ def build_store(layout: str, model_identity: str | None, host_gib: float | None,
         raise ConfigError("KV tiers need kv_model_identity (the loader sets it from the model directory)")
     ns = namespace(model_identity, layout)
     tiers: list[KVTier] = []
-    for name, root, gib in (("host", host_dir if host_gib is not None else None, host_gib),
-                            ("disk", disk_dir, disk_gib)):
+    for name, root, gib in ((HOST, host_dir if host_gib is not None else None, host_gib),
+                            (DISK, disk_dir, disk_gib)):
         if root is None:
             continue
         try:

@@ -1,6 +1,7 @@
 """Paged KV (block tables): the fallback for platforms without virtual memory control.
 
-Per layer, K and V are pools ``[num_blocks, block_size, kv_heads, head_dim]``;
+Per layer, K and V are pools ``[num_blocks, block_size, kv_heads, head_dim]`` (quantized:
+``uint8 [num_blocks, block_size, row_bytes]``);
 a sequence's ``kv_pages`` is its block table. Same allocator and prefix cache as
 xTensor; attention gathers through the block table.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from xllm.core.kv.addressing import PageAddressing
+from xllm.core.kv.addressing_quant import page_addressing
 from xllm.core.kv.base import KVCacheLayout
 from xllm.core.kv.page_store import PageStore
 from xllm.core.kv.prefix import PrefixCachingBackend
@@ -18,12 +19,12 @@ from xllm.core.kv.prefix import PrefixCachingBackend
 class PagedKVCache(PrefixCachingBackend):
     def __init__(self, layout: KVCacheLayout) -> None:
         super().__init__(layout)
-        self.addressing = PageAddressing(self, layout.block_size)
+        self.addressing = page_addressing(self, layout)
         spec = layout.spec
-        shape = (layout.num_blocks, layout.block_size, spec.num_kv_heads)
-        self.k = [torch.zeros(*shape, spec.head_dim, dtype=layout.dtype, device=layout.device)
+        shape, dtype = (layout.num_blocks, layout.block_size), layout.cache_dtype
+        self.k = [torch.zeros(*shape, *layout.row_shape(spec.head_dim), dtype=dtype, device=layout.device)
                   for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(*shape, spec.v_head_dim, dtype=layout.dtype, device=layout.device)
+        self.v = [torch.zeros(*shape, *layout.row_shape(spec.v_head_dim), dtype=dtype, device=layout.device)
                   if spec.v_head_dim else None for _ in range(spec.num_layers)]
 
     def _attach(self, seq, hit_pages: list[int]) -> bool:
@@ -54,4 +55,4 @@ class PagedKVCache(PrefixCachingBackend):
 
     @property
     def bytes_per_page(self) -> int:
-        return self.layout.block_size * self.layout.spec.bytes_per_token(self.layout.dtype)
+        return self.layout.block_size * self.layout.bytes_per_token

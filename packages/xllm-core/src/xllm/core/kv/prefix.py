@@ -250,6 +250,10 @@ class PrefixCachingBackend(KVCacheBackend):
         lower = self.lower  # (any thread: a metrics scrape may race close)
         return {} if lower is None else lower.stats()
 
+    def drain_tier_events(self) -> list[tuple[str, bool, int]]:
+        lower = self.lower
+        return [] if lower is None else lower.drain_events()
+
     def close(self) -> None:
         if self.lower is not None:
             self.lower.close()

@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from xllm.core.kv.addressing import SlotAddressing
+from xllm.core.kv.addressing_quant import slot_addressing
 from xllm.core.kv.base import KVCacheLayout
 from xllm.core.kv.page_pool import PageStatus
 from xllm.core.kv.page_store import PageStore
@@ -73,9 +73,8 @@ class XTensorKVCache(PrefixCachingBackend):
         super().__init__(layout)
         self.map_budget = map_budget
         self._mapped: dict[tuple[int, int], None] = {}  # positions mapped now, oldest first
-        self.addressing = SlotAddressing(self, layout.block_size)
+        self.addressing = slot_addressing(self, layout)
         spec, bs = layout.spec, layout.block_size
-        elem = torch.empty((), dtype=layout.dtype).element_size()
         dims = []  # (layer, kind, head_dim) for every range that exists
         for layer in range(spec.num_layers):
             dims.append((layer, 0, spec.head_dim))
@@ -94,7 +93,7 @@ class XTensorKVCache(PrefixCachingBackend):
         fd_offset = 0
         try:
             for layer, kind, head_dim in dims:
-                page_bytes = bs * spec.num_kv_heads * head_dim * elem
+                page_bytes = bs * layout.row_bytes(head_dim)
                 if page_bytes % OS_PAGE:
                     raise VMMError(
                         f"a {bs}-token block of layer K/V is {page_bytes} bytes, not a multiple of the OS page "
@@ -106,8 +105,8 @@ class XTensorKVCache(PrefixCachingBackend):
                 fd_offset += layout.num_blocks * page_bytes
                 buf = (ctypes.c_uint8 * (layout.max_num_seqs * slot_bytes)).from_address(base)
                 self._buffers.append(buf)
-                view = torch.frombuffer(buf, dtype=layout.dtype).view(
-                    layout.max_num_seqs, self.blocks_per_slot * bs, spec.num_kv_heads, head_dim)
+                view = torch.frombuffer(buf, dtype=layout.cache_dtype).view(
+                    layout.max_num_seqs, self.blocks_per_slot * bs, *layout.row_shape(head_dim))
                 (self.k if kind == 0 else self.v)[layer] = view
             os.ftruncate(self.fd, fd_offset)
         except BaseException:

@@ -23,20 +23,24 @@ decode/verify step's forward time by its row count (:meth:`Speculator.observe_st
 :class:`~xllm.core.spec.costs.StepCosts`) and :func:`~xllm.core.spec.costs.plan_drafts` adds drafts
 while the expected tokens (from each request's per-position acceptance estimate) per estimated
 second rise, so k shrinks where rows stop being nearly free (larger steps, compute-bound kernels) or
-acceptance falls. Before any step was timed, ``k`` = ``k_max`` · rate / ``FULL_RATE`` (at least 1).
+acceptance falls. The proposer's own time counts too (:class:`~xllm.core.spec.costs.DraftCosts`:
+seconds per drafting round, measured around each call), so a model-backed drafter whose rounds cost
+more than the accepted tokens save stops drafting except for the periodic exploration and probes.
+Before any step was timed, ``k`` = ``k_max`` · rate / ``FULL_RATE`` (at least 1).
 A step with more than ``max_batch`` decoding sequences does not speculate at all.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from xllm.core.kv.base import KVCacheBackend
 from xllm.core.sequence import PLACEHOLDER, Phase, SeqStatus, Sequence
 from xllm.core.spec.base import Proposer
-from xllm.core.spec.costs import StepCosts, plan_drafts
+from xllm.core.spec.costs import DraftCosts, StepCosts, plan_drafts
 from xllm.core.spec.verify import Verified
 
 if TYPE_CHECKING:
@@ -103,6 +107,7 @@ class Speculator:
         self.max_batch = max_batch
         self.counters = SpecCounters()
         self.costs = StepCosts()
+        self.drafting = DraftCosts()
         self._state: dict[Sequence, SpecState] = {}
         self._speculating_steps = 0
 
@@ -155,14 +160,18 @@ class Speculator:
         if self.costs.known:  # priced: drafts while expected tokens per second rise
             self._speculating_steps += 1
             cands = [(seq, k, self._state[seq].position_rate) for seq, k in requests if not self._state[seq].probing]
-            plan = plan_drafts(self.costs, len(decodes), cands, explore=self._speculating_steps % EXPLORE_EVERY == 0)
+            plan = plan_drafts(self.costs, len(decodes), cands, explore=self._speculating_steps % EXPLORE_EVERY == 0,
+                               drafting=self.drafting)
             # a request probing after a back-off tries one draft whatever the price
             requests = [(seq, 1 if self._state[seq].probing else plan.get(seq, 0)) for seq, _ in requests]
             requests = [(seq, k) for seq, k in requests if k >= 1]
             if not requests:
                 return {}
         out: dict[Sequence, list[int]] = {}
-        for (seq, _), drafts in zip(requests, self.proposer.propose(requests), strict=True):
+        started = time.perf_counter()
+        proposals = self.proposer.propose(requests)
+        self.drafting.observe(max(k for _, k in requests), time.perf_counter() - started)
+        for (seq, _), drafts in zip(requests, proposals, strict=True):
             drafts = drafts[:budget]
             if drafts and kv.allocate(seq, 1 + len(drafts)):
                 out[seq] = drafts

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-from xllm.core.sampling_params import MAX_TOP_LOGPROBS
+from xllm.core.sampling_params import MAX_BEAM_WIDTH, MAX_TOP_LOGPROBS
 from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from xllm.gateway.openai.protocol_recommend import RecommendRequest
 
 MIB = 1024 * 1024
 
@@ -73,9 +74,12 @@ class ApiLimits:
                              f"got {self.max_logprobs}")
 
 
-def check_limits(req: OpenAIRequest, limits: ApiLimits) -> None:
+def check_limits(req: OpenAIRequest | RecommendRequest, limits: ApiLimits) -> None:
     """Raise a 400 :class:`~xllm.gateway.openai.errors.APIError` naming the first field of ``req``
     past one of ``limits`` (the body size and in-flight bounds are checked before parsing)."""
+    if isinstance(req, RecommendRequest):
+        _check_recommend(req, limits)
+        return
     _check_sampling(req, limits)
     if isinstance(req, ChatCompletionRequest):
         _check_chat(req, limits)
@@ -128,10 +132,22 @@ def _check_chat(req: ChatCompletionRequest, limits: ApiLimits) -> None:
                               f"{limits.max_prompt_chars} before tokenization", "tools")
 
 
+def _check_recommend(req: RecommendRequest, limits: ApiLimits) -> None:
+    if req.messages is not None:
+        _at_most("messages", len(req.messages), limits.max_messages, "messages")
+        chars = sum(len(m.text()) for m in req.messages)
+    else:
+        chars = len(req.prompt) if isinstance(req.prompt, str) else 0
+    if chars > limits.max_prompt_chars:
+        raise bad_request(f"prompt: {chars} characters; this server accepts at most {limits.max_prompt_chars} "
+                          "before tokenization", "prompt" if req.messages is None else "messages")
+
+
 def _check_completion(req: CompletionRequest, limits: ApiLimits) -> None:
     prompts = req.prompts()
     _at_most("prompt", len(prompts), limits.max_prompts, "prompts")
-    _at_most("best_of", req.best_of or 1, limits.max_n, "choices")
+    # with beam search best_of is the beam width, bounded by the engine (xllm.core.beam), not choices
+    _at_most("best_of", req.best_of or 1, MAX_BEAM_WIDTH if req.use_beam_search else limits.max_n, "choices")
     if req.logprobs is not None:
         _at_most("logprobs", req.logprobs, min(limits.max_logprobs, OPENAI_MAX_COMPLETION_LOGPROBS), "logprobs")
     chars = sum(len(p) for p in prompts if isinstance(p, str))

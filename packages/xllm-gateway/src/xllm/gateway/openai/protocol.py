@@ -129,6 +129,10 @@ class _SamplingFields(_Strict):
     guided_grammar: str | None = None
     # vLLM: logprobs of the prompt's tokens (teacher forced), with this many alternatives each
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # vLLM's beam search (xllm.core.beam; the width is best_of or n, see xllm.gateway.openai.beam)
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
     @field_validator("stop")
     @classmethod

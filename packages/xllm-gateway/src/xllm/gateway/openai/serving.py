@@ -38,12 +38,14 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)  # prompt tokens 1..
+    beams: list[engine_pb2.BeamHypothesis] = field(default_factory=list)  # beam search: best first
 
     def add(self, chunk: engine_pb2.GenerateResponse) -> None:
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
         self.prompt_logprobs.extend(chunk.prompt_logprobs)
+        self.beams.extend(chunk.beams)
         if chunk.finish_reason:
             self.finish_reason = finish_reason_name(chunk.finish_reason)
             self.completion_tokens = chunk.usage.completion_tokens

@@ -8,12 +8,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from xllm.gateway.dispatch import Dispatcher
+from xllm.gateway.openai.beam import beam_sampling, beam_width, best_hypotheses, check_beam_fields, finish_name
 from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from xllm.gateway.openai.preprocess import Preprocessor
 from xllm.gateway.openai.protocol import ChatCompletionRequest, Scheduling
 from xllm.gateway.openai.sampling import sampling_proto
-from xllm.gateway.openai.serving import INSTANCE_HEADER, collect, engine_request, new_id, sse_stream, usage_dict
+from xllm.gateway.openai.serving import INSTANCE_HEADER, Choice, collect, engine_request, new_id, sse_stream, usage_dict
 from xllm.gateway.openai.structured import structured_output
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from xllm.gateway.openai.tools import ToolCallStream, ToolChoice, ToolParser
@@ -65,6 +66,7 @@ class ChatServing:
 
     async def create(self, req: ChatCompletionRequest, raw: Request, scheduling: Scheduling):
         model = self.dispatcher.resolve_model(req.model)
+        check_beam_fields(req)
         if req.stream and req.prompt_logprobs is not None:
             raise bad_request("prompt_logprobs is not streamed in chat completions; use /v1/completions",
                               "prompt_logprobs")
@@ -76,14 +78,18 @@ class ChatServing:
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt)
         rid = new_id("chatcmpl")
-        reqs = [
-            engine_request(f"{rid}-{i}", prompt,
-                           sampling_proto(req, max_tokens, req.logprobs, req.top_logprobs or 0, seed_offset=i,
-                                          structured=structured,
-                                          prompt_logprobs=req.prompt_logprobs if i == 0 else None),
-                           model, scheduling)
-            for i in range(req.n)
-        ]
+        if req.use_beam_search:  # one search of n beams; its n best hypotheses are the choices
+            reqs = [engine_request(f"{rid}-0", prompt, beam_sampling(req, beam_width(req), max_tokens), model,
+                                   scheduling)]
+        else:
+            reqs = [
+                engine_request(f"{rid}-{i}", prompt,
+                               sampling_proto(req, max_tokens, req.logprobs, req.top_logprobs or 0, seed_offset=i,
+                                              structured=structured,
+                                              prompt_logprobs=req.prompt_logprobs if i == 0 else None),
+                               model, scheduling)
+                for i in range(req.n)
+            ]
         client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())
         headers = {INSTANCE_HEADER: client.info.instance_id}
         created = int(time.time())
@@ -94,7 +100,11 @@ class ChatServing:
             return StreamingResponse(sse_stream(fmt, rid, model, created, include_usage, streams,
                                                 scheduling.service_tier),
                                      media_type="text/event-stream", headers=headers)
-        choices = await collect(streams, [len(prompt)] * req.n, raw)
+        choices = await collect(streams, [len(prompt)] * len(reqs), raw)
+        if req.use_beam_search:
+            choices = [Choice(i, len(prompt), h.text, list(h.token_ids), finish_reason=finish_name(h),
+                              completion_tokens=len(h.token_ids), cached_tokens=choices[0].cached_tokens)
+                       for i, h in enumerate(best_hypotheses(choices[0], req.n))]
         completion = sum(c.completion_tokens for c in choices)
         messages = [self._message(req, c.text, c.finish_reason) for c in choices]
         body = {

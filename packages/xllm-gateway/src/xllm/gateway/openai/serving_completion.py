@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from xllm.gateway.dispatch import Dispatcher
+from xllm.gateway.openai.beam import beam_sampling, beam_width, best_hypotheses, check_beam_fields, finish_name
 from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.logprobs import completion_logprobs, echo_logprobs, join_logprobs, vllm_prompt_logprobs
 from xllm.gateway.openai.preprocess import Preprocessor
@@ -54,7 +55,10 @@ class CompletionServing:
 
     async def create(self, req: CompletionRequest, raw: Request, scheduling: Scheduling):
         model = self.dispatcher.resolve_model(req.model)
+        check_beam_fields(req)
         prompts, structured = await self.preprocessor.run(self._tokenize_all, req)
+        if req.use_beam_search:
+            return await self._beam_search(req, raw, scheduling, model, prompts)
         want_lp = req.logprobs is not None
         echo_lp = req.echo and want_lp  # the prompt's logprobs in `logprobs`, before the completion's
         # the prompt's logprobs are computed once per prompt (its first choice) and shared
@@ -110,6 +114,31 @@ class CompletionServing:
             "service_tier": scheduling.service_tier,
         }
         return JSONResponse(body, headers=headers)
+
+
+    async def _beam_search(self, req: CompletionRequest, raw: Request, scheduling: Scheduling, model: str,
+                           prompts: list[tuple[list[int], str]]) -> JSONResponse:
+        """One beam search per prompt (xllm.gateway.openai.beam); its ``n`` best hypotheses as choices."""
+        width = beam_width(req)
+        rid = new_id("cmpl")
+        reqs = [engine_request(f"{rid}-{i}", ids, beam_sampling(req, width, req.max_tokens), model, scheduling)
+                for i, (ids, _) in enumerate(prompts)]
+        client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())
+        generated = await collect(streams, [len(ids) for ids, _ in prompts], raw)
+        choices = []
+        for c in generated:
+            for h in best_hypotheses(c, req.n):
+                choices.append({"index": len(choices), "text": h.text, "logprobs": None,
+                                "finish_reason": finish_name(h)})
+        completion = sum(len(h.token_ids) for c in generated for h in best_hypotheses(c, req.n))
+        body = {
+            "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices,
+            "usage": usage_dict(sum(len(ids) for ids, _ in prompts), completion,
+                                sum(c.cached_tokens for c in generated)),
+            "service_tier": scheduling.service_tier,
+        }
+        return JSONResponse(body, headers={INSTANCE_HEADER: client.info.instance_id})
 
 
 class _CompletionStream:

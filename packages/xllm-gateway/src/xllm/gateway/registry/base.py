@@ -62,6 +62,7 @@ class InstanceState:
     client: EngineClient
     load: instance_pb2.LoadReport | None = None
     counters: instance_pb2.EngineCounters | None = None
+    kv_tiers: list[instance_pb2.KVTierStats] = field(default_factory=list)  # its lower KV tiers' counts
     draining: bool = False
     last_heartbeat: float = 0.0       # monotonic time of the last heartbeat
     heartbeats: int = 0
@@ -244,6 +245,7 @@ class Registry:
             state.load = hb.load
         if hb.HasField("counters"):
             state.counters = hb.counters
+        state.kv_tiers = list(hb.kv_tiers)
         if hb.HasField("kv_events") and hb.kv_events.epoch:
             self._apply_kv(state, hb.kv_events)
         return True

@@ -46,7 +46,14 @@ class InstanceInfo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., start_time: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_usage", "kv_free_tokens", "recent_ttft", "recent_tpot", "timestamp", "pending_prefill_tokens", "prefill_tokens_per_s", "step_predictor", "offline_longest_wait", "offline_running", "offline_waiting", "offline_pending_prefill_tokens")
+    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_usage", "kv_free_tokens", "recent_ttft", "recent_tpot", "timestamp", "pending_prefill_tokens", "prefill_tokens_per_s", "step_predictor", "offline_longest_wait", "offline_running", "offline_waiting", "offline_pending_prefill_tokens", "tier_load_tokens_per_s")
+    class TierLoadTokensPerSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +69,7 @@ class LoadReport(_message.Message):
     OFFLINE_RUNNING_FIELD_NUMBER: _ClassVar[int]
     OFFLINE_WAITING_FIELD_NUMBER: _ClassVar[int]
     OFFLINE_PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOAD_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_running: int
     num_waiting: int
@@ -77,7 +85,8 @@ class LoadReport(_message.Message):
     offline_running: int
     offline_waiting: int
     offline_pending_prefill_tokens: int
-    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., recent_ttft: _Optional[float] = ..., recent_tpot: _Optional[float] = ..., timestamp: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., step_predictor: _Optional[_Union[StepTimePredictor, _Mapping]] = ..., offline_longest_wait: _Optional[float] = ..., offline_running: _Optional[int] = ..., offline_waiting: _Optional[int] = ..., offline_pending_prefill_tokens: _Optional[int] = ...) -> None: ...
+    tier_load_tokens_per_s: _containers.ScalarMap[str, float]
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., recent_ttft: _Optional[float] = ..., recent_tpot: _Optional[float] = ..., timestamp: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., step_predictor: _Optional[_Union[StepTimePredictor, _Mapping]] = ..., offline_longest_wait: _Optional[float] = ..., offline_running: _Optional[int] = ..., offline_waiting: _Optional[int] = ..., offline_pending_prefill_tokens: _Optional[int] = ..., tier_load_tokens_per_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class StepTimePredictor(_message.Message):
     __slots__ = ("coefficients", "correction", "profiled", "prediction_error")
@@ -148,7 +157,7 @@ class EngineCounters(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., kv_handoffs_sent: _Optional[int] = ..., kv_handoffs_installed: _Optional[int] = ..., kv_handoff_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_handoff_timeouts: _Optional[int] = ..., kv_reservations_expired: _Optional[int] = ..., kv_migrations_sent: _Optional[int] = ..., kv_migrations_installed: _Optional[int] = ..., kv_migration_failures: _Optional[int] = ..., offline_requests: _Optional[int] = ..., offline_prompt_tokens: _Optional[int] = ..., offline_generation_tokens: _Optional[int] = ..., offline_preemptions_kv: _Optional[int] = ..., offline_preemptions_batch_full: _Optional[int] = ..., offline_preemptions_slo: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("instance_id", "seq", "load", "kv_events", "counters", "draining", "unhealthy_reason")
+    __slots__ = ("instance_id", "seq", "load", "kv_events", "counters", "draining", "unhealthy_reason", "kv_tiers")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +165,7 @@ class Heartbeat(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     UNHEALTHY_REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     seq: int
     load: LoadReport
@@ -163,4 +173,35 @@ class Heartbeat(_message.Message):
     counters: EngineCounters
     draining: bool
     unhealthy_reason: str
-    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., kv_events: _Optional[_Union[_kv_events_pb2.KVCacheEvents, _Mapping]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., draining: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ...) -> None: ...
+    kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTierStats]
+    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., kv_events: _Optional[_Union[_kv_events_pb2.KVCacheEvents, _Mapping]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., draining: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStats, _Mapping]]] = ...) -> None: ...
+
+class KVTierStats(_message.Message):
+    __slots__ = ("tier", "queries", "hits", "corrupt", "bytes_read", "bytes_written", "blocks_written", "load_seconds", "evictions", "errors", "up", "used_bytes", "capacity_bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    queries: int
+    hits: int
+    corrupt: int
+    bytes_read: int
+    bytes_written: int
+    blocks_written: int
+    load_seconds: float
+    evictions: int
+    errors: int
+    up: bool
+    used_bytes: int
+    capacity_bytes: int
+    def __init__(self, tier: _Optional[str] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., corrupt: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., blocks_written: _Optional[int] = ..., load_seconds: _Optional[float] = ..., evictions: _Optional[int] = ..., errors: _Optional[int] = ..., up: _Optional[bool] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...

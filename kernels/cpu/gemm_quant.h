@@ -1,0 +1,564 @@
+/* Weight-only quantized products y[M,N] = x[M,K] . dequant(W)[N,K]^T (+ bias), W in a packed format
+ * of xllm.kernels.quant (formats and layouts in its docstring; the XQ_* tags mirror QUANT_TAGS).
+ *
+ * Skinny path (M <= 8, decode): llama.cpp's scheme. Each row of x is quantized to int8 per block of
+ * 32 (scale dx = amax / 127, round to nearest even). A weight row is streamed once for all M rows, a
+ * quad of 4 blocks at a time: the quad's values are unpacked into two zmm (lane i = block i; `lo` its
+ * first 16 values, `hi` its last 16: exactly what the GGUF nibble order gives, int8 blocks shuffled
+ * to match), the activation is stored in the same split order, and AVX512-VNNI VPDPBUSD (u8 x s8,
+ * exact int32 sums) gives per-lane block sums that are converted to fp32 and scaled by dx (per block
+ * of x) and d (per block of W). 4-bit formats are w = d * q + m (Q4_0: m = -8 d; Q4_1: stored m;
+ * int4: m = -scale * zero), so the product adds m * dx * sum(xq), accumulated apart. Signed weights
+ * (Q8_0, int8) run VPDPBUSD with the activation offset by 128 (u8) and the accumulator started at
+ * -128 * sum(w), which keeps the sums exact. A row's last quad may be partial (K = 576: 18 blocks),
+ * read with masked loads. The 16 partial sums of each (weight row, x row) are parked in L1 for a chunk
+ * of 16 weight rows and reduced 4 rows at a time (streaming 4 rows side by side instead defeats the
+ * DRAM prefetchers: Q8_0 ran at a third of the speed). Chunks of 16 output rows are split over the team.
+ *
+ * Large path (M > 16; 9..16 rows run the skinny GEMV over chunks of 8 rows): a team member dequantizes
+ * a panel of 48 weight rows (fp32 math, FMA) straight into the packed GEMM's layout (gemm_packed.h:
+ * bf16 VNNI pairs or fp32) in an L2-resident buffer, transposing 16x16 dword tiles, and runs the
+ * blocked micro-kernel over all M rows against it.
+ *
+ * Contract: K % 32 == 0 (K % 128 for int4_g128); data/scales/zeros contiguous as documented;
+ * x rows contiguous (stride K); y rows at stride ldy; bias optional, in x's dtype.
+ * Accuracy against the fp32 product of the dequantized weight: the skinny path's int8 activations cost
+ * ~0.5 % of the output's max (random data; benchmarks/gemm_quant.py measures it per shape); the large
+ * path is exact in fp32 and rounds the dequantized weight to bf16 for bf16 x (~0.3 %).
+ */
+#ifndef XLLM_CPU_GEMM_QUANT_H
+#define XLLM_CPU_GEMM_QUANT_H
+
+#include <stdlib.h>
+
+#include "common.h"
+#include "gemm_packed.h"
+
+enum { XQ_NONE = 0, XQ_Q8_0 = 1, XQ_Q4_0 = 2, XQ_Q4_1 = 3, XQ_INT8 = 4, XQ_INT4_G32 = 5, XQ_INT4_G128 = 6 };
+#define XQ_MAX_M 8
+
+typedef struct {
+    int64_t fmt;           /* XQ_* (XQ_NONE: not quantized) */
+    const uint8_t *data;   /* [N, row_bytes] */
+    const void *scales;    /* int8: float [N]; int4: fp16 [N, K / group]; else NULL */
+    const uint8_t *zeros;  /* int4: uint8 [N, K / group]; else NULL */
+} XllmQWeight;
+
+ALWAYS_INLINE int64_t xq_row_bytes(int64_t fmt, int64_t K) {
+    switch (fmt) {
+    case XQ_Q8_0: return K / 32 * 34;
+    case XQ_Q4_0: return K / 32 * 18;
+    case XQ_Q4_1: return K / 32 * 20;
+    case XQ_INT8: return K;
+    default: return K / 2;
+    }
+}
+
+ALWAYS_INLINE int xq_signed(int fmt) { return fmt == XQ_Q8_0 || fmt == XQ_INT8; }
+
+ALWAYS_INLINE float xq_h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 16 packed bytes -> 32 u8 values (element j low nibble of byte j, j + 16 high nibble) */
+ALWAYS_INLINE __m256i xq_nib32(const uint8_t *qs) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
+}
+
+/* block `blk` of a weight row: the 32 values (u8 for 4-bit formats, s8 for signed ones) and w = d*q + m */
+ALWAYS_INLINE __m256i xq_block(const int FMT, const uint8_t *row, const uint8_t *sc, const uint8_t *zp,
+                               int64_t blk, float *d, float *m) {
+    switch (FMT) {
+    case XQ_Q8_0: {
+        const uint8_t *b = row + blk * 34;
+        *d = xq_h2f(b);
+        *m = 0.0f;
+        return _mm256_loadu_si256((const __m256i *)(b + 2));
+    }
+    case XQ_Q4_0: {
+        const uint8_t *b = row + blk * 18;
+        *d = xq_h2f(b);
+        *m = -8.0f * *d;
+        return xq_nib32(b + 2);
+    }
+    case XQ_Q4_1: {
+        const uint8_t *b = row + blk * 20;
+        *d = xq_h2f(b);
+        *m = xq_h2f(b + 2);
+        return xq_nib32(b + 4);
+    }
+    case XQ_INT8:
+        *d = 1.0f;
+        *m = 0.0f;
+        return _mm256_loadu_si256((const __m256i *)(row + blk * 32));
+    default: { /* int4: groups of 32 or 128 */
+        const int64_t g = FMT == XQ_INT4_G32 ? blk : blk >> 2;
+        *d = xq_h2f(sc + 2 * g);
+        *m = -*d * (float)zp[g];
+        return xq_nib32(row + blk * 16);
+    }
+    }
+}
+
+/* ---- activation quantization ---------------------------------------------------------------- */
+
+/* x rows quantized per 32-block (int8, offset by 128 to u8 when `offset`), in quads of 4 blocks (the
+ * last one zero-padded: nqt = ceil(K / 128) quads, row stride 128 * nqt bytes). Inside a quad the
+ * first 16 values of its 4 blocks come first, then their last 16 (the order in which the kernel
+ * unpacks a quad of weight blocks). dxv [M][nqt][16]: a quad's 4 scales dx = amax / 127, each
+ * repeated 4 times (one per int32 lane of the block's 128-bit lane); sx [M][4 nqt] = dx * sum(q)
+ * (before the offset); padding blocks have dx = sx = 0. */
+typedef struct {
+    uint8_t *q;
+    float *dxv, *sx;
+    int64_t nqt;
+} XqAct;
+
+ALWAYS_INLINE int64_t xq_quads(int64_t K) { return (K / 32 + 3) / 4; }
+
+ALWAYS_INLINE size_t xq_act_bytes(int64_t M, int64_t K) {
+    const int64_t nqt = xq_quads(K);
+    return (size_t)(M * nqt * (128 + 64 + 16));
+}
+
+ALWAYS_INLINE XqAct xq_act_view(void *buf, int64_t M, int64_t K) {
+    XqAct a;
+    a.nqt = xq_quads(K);
+    a.dxv = (float *)buf; /* 64-byte aligned first */
+    a.q = (uint8_t *)(a.dxv + M * a.nqt * 16);
+    a.sx = (float *)(a.q + M * a.nqt * 128);
+    return a;
+}
+
+/* block b of row r from its 32 values v0 (0..15), v1 (16..31) */
+ALWAYS_INLINE void xq_act_block(const XqAct a, int64_t r, int64_t b, __m512 v0, __m512 v1, int offset) {
+    const __m512 amax = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+    const float d = _mm512_reduce_max_ps(amax) / 127.0f;
+    const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+    __m128i b0 = _mm512_cvtsepi32_epi8(q0), b1 = _mm512_cvtsepi32_epi8(q1);
+    if (offset) {
+        b0 = _mm_xor_si128(b0, _mm_set1_epi8((char)0x80));
+        b1 = _mm_xor_si128(b1, _mm_set1_epi8((char)0x80));
+    }
+    uint8_t *lo = a.q + (r * a.nqt + b / 4) * 128 + (b % 4) * 16;
+    _mm_storeu_si128((__m128i *)lo, b0);
+    _mm_storeu_si128((__m128i *)(lo + 64), b1);
+    a.sx[r * a.nqt * 4 + b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    _mm_storeu_ps(a.dxv + (r * a.nqt + b / 4) * 16 + (b % 4) * 4, _mm_set1_ps(d));
+}
+
+ALWAYS_INLINE void xq_act_pad(const XqAct a, int64_t M, int64_t K, int offset) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = K / 32; b < 4 * a.nqt; b++) {
+            uint8_t *lo = a.q + (r * a.nqt + b / 4) * 128 + (b % 4) * 16;
+            memset(lo, offset ? 0x80 : 0, 16);
+            memset(lo + 64, offset ? 0x80 : 0, 16);
+            a.sx[r * a.nqt * 4 + b] = 0.0f;
+            _mm_storeu_ps(a.dxv + (r * a.nqt + b / 4) * 16 + (b % 4) * 4, _mm_setzero_ps());
+        }
+}
+
+static void xq_quantize_bf16(const uint16_t *x, int64_t M, int64_t K, int offset, XqAct a) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < K / 32; b++) {
+            const uint16_t *p = x + r * K + b * 32;
+            xq_act_block(a, r, b, load_bf16x16(p), load_bf16x16(p + 16), offset);
+        }
+    xq_act_pad(a, M, K, offset);
+}
+
+static void xq_quantize_f32(const float *x, int64_t M, int64_t K, int offset, XqAct a) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < K / 32; b++) {
+            const float *p = x + r * K + b * 32;
+            xq_act_block(a, r, b, _mm512_loadu_ps(p), _mm512_loadu_ps(p + 16), offset);
+        }
+    xq_act_pad(a, M, K, offset);
+}
+
+/* ---- skinny GEMV ---------------------------------------------------------------------------- */
+
+/* The quad loaders read blocks i < `left` only (left = 4 except in a row's last, partial quad; the
+ * missing blocks read as zeros, d = m = 0, so they add nothing). */
+
+ALWAYS_INLINE __m128i xq_gather16(const uint8_t *p, int64_t stride, int left) { /* uint16 at p + i * stride */
+    uint16_t v[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 4; i++)
+        if (i < left) memcpy(&v[i], p + i * stride, 2);
+    return _mm_setr_epi16((short)v[0], (short)v[1], (short)v[2], (short)v[3], 0, 0, 0, 0);
+}
+
+ALWAYS_INLINE __m128i xq_gather32(const uint8_t *p, int64_t stride, int left) { /* uint32 at p + i * stride */
+    int32_t v[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 4; i++)
+        if (i < left) memcpy(&v[i], p + i * stride, 4);
+    return _mm_setr_epi32(v[0], v[1], v[2], v[3]);
+}
+
+ALWAYS_INLINE __m128i xq_load16(const uint8_t *p, int ok) {
+    return ok ? _mm_loadu_si128((const __m128i *)p) : _mm_setzero_si128();
+}
+
+ALWAYS_INLINE __m256i xq_load32(const uint8_t *p, int ok) {
+    return ok ? _mm256_loadu_si256((const __m256i *)p) : _mm256_setzero_si256();
+}
+
+ALWAYS_INLINE __m512i xq_load4x16(const uint8_t *p, int64_t stride, int left) { /* 16 bytes at p + i * stride */
+    __m512i v = _mm512_castsi128_si512(xq_load16(p, 1));
+    v = _mm512_inserti32x4(v, xq_load16(p + stride, left > 1), 1);
+    v = _mm512_inserti32x4(v, xq_load16(p + 2 * stride, left > 2), 2);
+    return _mm512_inserti32x4(v, xq_load16(p + 3 * stride, left > 3), 3);
+}
+
+ALWAYS_INLINE __m512i xq_load64(const uint8_t *p, int64_t valid) { /* 64 bytes, those past `valid` zero */
+    if (valid >= 64) return _mm512_loadu_si512((const void *)p);
+    if (valid <= 0) return _mm512_setzero_si512();
+    return _mm512_maskz_loadu_epi8((__mmask64)((1ull << valid) - 1), (const void *)p);
+}
+
+/* quad q (blocks 4q .. 4q+left-1) of a weight row: lo = the first 16 values of each block (128-bit
+ * lane i = block i), hi = the last 16; dv = the blocks' d, each repeated 4 times; mv = the blocks' m */
+ALWAYS_INLINE void xq_quad(const int FMT, const uint8_t *row, const uint8_t *sc, const uint8_t *zp, int64_t q,
+                           int left, __m512i *lo, __m512i *hi, __m512 *dv, __m128 *mv) {
+    const __m512i rep4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    __m512i v;
+    switch (FMT) {
+    case XQ_Q8_0: case XQ_INT8: {
+        __m512i A, B;
+        if (FMT == XQ_Q8_0) {
+            const uint8_t *b = row + q * 4 * 34;
+            A = _mm512_inserti64x4(_mm512_castsi256_si512(xq_load32(b + 2, 1)), xq_load32(b + 36, left > 1), 1);
+            B = _mm512_inserti64x4(_mm512_castsi256_si512(xq_load32(b + 70, left > 2)), xq_load32(b + 104, left > 3),
+                                   1);
+            *dv = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_cvtph_ps(xq_gather16(b, 34, left))));
+        } else {
+            A = xq_load64(row + q * 128, 32 * left);
+            B = xq_load64(row + q * 128 + 64, 32 * left - 64);
+            *dv = _mm512_set1_ps(1.0f);
+        }
+        *lo = _mm512_shuffle_i64x2(A, B, 0x88);
+        *hi = _mm512_shuffle_i64x2(A, B, 0xDD);
+        *mv = _mm_setzero_ps();
+        return;
+    }
+    case XQ_Q4_0: {
+        const uint8_t *b = row + q * 4 * 18;
+        v = xq_load4x16(b + 2, 18, left);
+        const __m128 d4 = _mm_cvtph_ps(xq_gather16(b, 18, left));
+        *mv = _mm_mul_ps(d4, _mm_set1_ps(-8.0f));
+        *dv = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(d4));
+        break;
+    }
+    case XQ_Q4_1: {
+        const uint8_t *b = row + q * 4 * 20;
+        v = xq_load4x16(b + 4, 20, left);
+        const __m256 dm = _mm256_cvtph_ps(xq_gather32(b, 20, left)); /* d0 m0 d1 m1 d2 m2 d3 m3 */
+        *dv = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6),
+                                    _mm512_castps256_ps512(dm));
+        *mv = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7)));
+        break;
+    }
+    case XQ_INT4_G32: {
+        v = xq_load64(row + q * 64, 16 * left);
+        __m128i sc4, z4;
+        if (left == 4) {
+            int32_t z;
+            memcpy(&z, zp + 4 * q, 4);
+            sc4 = _mm_loadl_epi64((const __m128i *)(sc + 8 * q));
+            z4 = _mm_cvtsi32_si128(z);
+        } else {
+            sc4 = _mm_maskz_loadu_epi16((__mmask8)((1u << left) - 1), sc + 8 * q);
+            z4 = _mm_maskz_loadu_epi8((__mmask16)((1u << left) - 1), zp + 4 * q);
+        }
+        const __m128 d4 = _mm_cvtph_ps(sc4);
+        *mv = _mm_mul_ps(_mm_sub_ps(_mm_setzero_ps(), d4), _mm_cvtepi32_ps(_mm_cvtepu8_epi32(z4)));
+        *dv = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(d4));
+        break;
+    }
+    default: { /* XQ_INT4_G128: one group per quad (K % 128 == 0: never partial) */
+        v = _mm512_loadu_si512((const void *)(row + q * 64));
+        const float d = xq_h2f(sc + 2 * q);
+        *dv = _mm512_set1_ps(d);
+        *mv = _mm_set1_ps(-d * (float)zp[q]);
+        break;
+    }
+    }
+    *lo = _mm512_and_si512(v, nib);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+}
+
+/* acc[r] += the quad's products with row r of x (off[r]: the 4-bit formats' m * sx terms) */
+ALWAYS_INLINE void xq_quad_rows(const int FMT, const int M, const XqAct a, int64_t q, __m512i lo, __m512i hi,
+                                __m512 dv, __m128 mv, __m512 *acc, __m128 *off) {
+    __m512i base = _mm512_setzero_si512();
+    if (xq_signed(FMT)) { /* -128 * sum(w) per lane: cancels the +128 offset of the activation */
+        const __m512i u128 = _mm512_set1_epi8((char)0x80);
+        base = _mm512_sub_epi32(base, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, u128, lo), u128, hi));
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
+        const uint8_t *xq = a.q + (r * a.nqt + q) * 128;
+        const __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64));
+        __m512i is;
+        if (xq_signed(FMT))
+            is = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, xl, lo), xh, hi);
+        else
+            is = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, lo, xl), hi, xh);
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(is), _mm512_loadu_ps(a.dxv + (r * a.nqt + q) * 16));
+        acc[r] = FMT == XQ_INT8 ? _mm512_add_ps(acc[r], f) : _mm512_fmadd_ps(f, dv, acc[r]);
+        if (!xq_signed(FMT)) off[r] = _mm_fmadd_ps(mv, _mm_loadu_ps(a.sx + (r * a.nqt + q) * 4), off[r]);
+    }
+}
+
+/* the 16-lane sums of a0..a3 as one vector */
+ALWAYS_INLINE __m128 xq_reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
+    const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
+
+/* part[r] = 16 partial sums of x_r . dequant(W[n]) for r < M (one weight row streamed once for all M
+ * rows; the horizontal sums are left to the caller, which does them 4 weight rows at a time) */
+ALWAYS_INLINE void xq_row(const int FMT, const int M, const XqAct a, int64_t K, const XllmQWeight *W, int64_t n,
+                          __m512 *part) {
+    const int64_t nb = K / 32, nq = nb / 4, gpr = FMT == XQ_INT4_G128 ? K / 128 : nb;
+    const int int4 = FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128;
+    const uint8_t *row = W->data + n * xq_row_bytes(FMT, K);
+    const uint8_t *sc = int4 ? (const uint8_t *)W->scales + 2 * n * gpr : NULL;
+    const uint8_t *zp = int4 ? W->zeros + n * gpr : NULL;
+    __m512 acc[XQ_MAX_M];
+    __m128 off[XQ_MAX_M];
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
+        acc[r] = _mm512_setzero_ps();
+        off[r] = _mm_setzero_ps();
+    }
+    __m512i lo, hi;
+    __m512 dv;
+    __m128 mv;
+    for (int64_t q = 0; q < nq; q++) {
+        xq_quad(FMT, row, sc, zp, q, 4, &lo, &hi, &dv, &mv);
+        xq_quad_rows(FMT, M, a, q, lo, hi, dv, mv, acc, off);
+    }
+    if (nb > 4 * nq) { /* a partial last quad (never for int4_g128) */
+        xq_quad(FMT, row, sc, zp, nq, (int)(nb - 4 * nq), &lo, &hi, &dv, &mv);
+        xq_quad_rows(FMT, M, a, nq, lo, hi, dv, mv, acc, off);
+    }
+    const __m512 s = _mm512_set1_ps(FMT == XQ_INT8 ? ((const float *)W->scales)[n] : 1.0f);
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
+        const __m512 t = xq_signed(FMT) ? acc[r] : _mm512_add_ps(acc[r], _mm512_zextps128_ps512(off[r]));
+        part[r] = FMT == XQ_INT8 ? _mm512_mul_ps(t, s) : t;
+    }
+}
+
+/* rows [n0, n0 + 16) of the output (masked past N), bias added, stored as bf16 or fp32. Weight rows
+ * are streamed one after the other (side-by-side streams defeat the DRAM prefetchers), their partial
+ * sums parked in L1 and reduced 4 rows at a time into one 16-lane vector per row of x. */
+ALWAYS_INLINE void xq_gemv_chunk(const int FMT, const int M, const XqAct a, int64_t K, const XllmQWeight *W,
+                                 int64_t N, int64_t n0, const void *bias, int bias_bf16, void *y, int64_t ldy,
+                                 int out_bf16) {
+    __m512 part[16][XQ_MAX_M];
+    const int64_t cnt = N - n0 < 16 ? N - n0 : 16;
+    for (int64_t j = 0; j < cnt; j++) xq_row(FMT, M, a, K, W, n0 + j, part[j]);
+    for (int64_t j = cnt; j < 16; j++)
+        _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) part[j][r] = _mm512_setzero_ps();
+    const __mmask16 mask = (__mmask16)(cnt >= 16 ? 0xffff : (1u << cnt) - 1);
+    __m512 bv = _mm512_setzero_ps();
+    if (bias)
+        bv = bias_bf16 ? load_bf16x16_mask((const uint16_t *)bias + n0, mask)
+                       : _mm512_maskz_loadu_ps(mask, (const float *)bias + n0);
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
+        __m512 v = _mm512_castps128_ps512(xq_reduce4(part[0][r], part[1][r], part[2][r], part[3][r]));
+        v = _mm512_insertf32x4(v, xq_reduce4(part[4][r], part[5][r], part[6][r], part[7][r]), 1);
+        v = _mm512_insertf32x4(v, xq_reduce4(part[8][r], part[9][r], part[10][r], part[11][r]), 2);
+        v = _mm512_insertf32x4(v, xq_reduce4(part[12][r], part[13][r], part[14][r], part[15][r]), 3);
+        v = _mm512_add_ps(v, bv);
+        if (out_bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_mask_storeu_ps((float *)y + r * ldy + n0, mask, v);
+    }
+}
+
+ALWAYS_INLINE void xq_gemv_rows(const int FMT, const int M, const XqAct a, int64_t K, const XllmQWeight *W,
+                                int64_t N, const void *bias, int bias_bf16, void *y, int64_t ldy, int out_bf16) {
+    const int64_t chunks = (N + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) xq_gemv_chunk(FMT, M, a, K, W, N, c * 16, bias, bias_bf16, y, ldy, out_bf16);
+}
+
+static void xq_gemv_dispatch(const XqAct a, int64_t M, int64_t K, const XllmQWeight *W, int64_t N, const void *bias,
+                             int bias_bf16, void *y, int64_t ldy, int out_bf16) {
+#define XQ_M(F, m) \
+    case m: xq_gemv_rows(F, m, a, K, W, N, bias, bias_bf16, y, ldy, out_bf16); break;
+#define XQ_F(F)                                                                                          \
+    case F:                                                                                              \
+        switch (M) { XQ_M(F, 1) XQ_M(F, 2) XQ_M(F, 3) XQ_M(F, 4) XQ_M(F, 5) XQ_M(F, 6) XQ_M(F, 7) default: \
+                         XQ_M(F, 8) }                                                                    \
+        break;
+    switch (W->fmt) {
+        XQ_F(XQ_Q8_0) XQ_F(XQ_Q4_0) XQ_F(XQ_Q4_1) XQ_F(XQ_INT8) XQ_F(XQ_INT4_G32) XQ_F(XQ_INT4_G128)
+    default: break;
+    }
+#undef XQ_F
+#undef XQ_M
+}
+
+/* TEAM (call from every thread of a parallel region, or outside one): y = x . W^T (+ bias) for
+ * M <= 8 rows of x (bf16 when x_bf16, else fp32). Each thread quantizes x privately (M x K values:
+ * cheaper than a barrier), then chunks of 16 output rows are split over the team (ends with a barrier). */
+static void xq_gemv_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
+                         const void *bias, void *y, int64_t ldy, int out_bf16) {
+    uint8_t local[32768] __attribute__((aligned(64))); /* K <= 2432 at 8 rows, 19968 at 1: no allocation */
+    const size_t bytes = (xq_act_bytes(M, K) + 63) / 64 * 64;
+    void *buf = bytes <= sizeof(local) ? (void *)local : aligned_alloc(64, bytes);
+    const XqAct a = xq_act_view(buf, M, K);
+    if (x_bf16)
+        xq_quantize_bf16((const uint16_t *)x, M, K, xq_signed((int)W->fmt), a);
+    else
+        xq_quantize_f32((const float *)x, M, K, xq_signed((int)W->fmt), a);
+    xq_gemv_dispatch(a, M, K, W, N, bias, x_bf16, y, ldy, out_bf16);
+    if (buf != (void *)local) free(buf);
+}
+
+/* ---- dequantization into the packed GEMM's panels ------------------------------------------- */
+
+/* elements 0..15 and 16..31 of block `blk` of weight row n, dequantized in fp32 */
+ALWAYS_INLINE void xq_dequant_block(const int FMT, const XllmQWeight *W, int64_t K, int64_t n, int64_t blk,
+                                    __m512 *lo, __m512 *hi) {
+    const int64_t gpr = FMT == XQ_INT4_G128 ? K / 128 : K / 32;
+    const uint8_t *row = W->data + n * xq_row_bytes(FMT, K);
+    const uint8_t *sc = (FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128) ? (const uint8_t *)W->scales + 2 * n * gpr : NULL;
+    const uint8_t *zp = (FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128) ? W->zeros + n * gpr : NULL;
+    float d, m;
+    const __m256i w = xq_block(FMT, row, sc, zp, blk, &d, &m);
+    __m512i q0, q1;
+    if (xq_signed(FMT)) {
+        q0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(w));
+        q1 = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(w, 1));
+    } else {
+        q0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(w));
+        q1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(w, 1));
+    }
+    if (FMT == XQ_INT8) d = ((const float *)W->scales)[n];
+    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), dv, mv);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), dv, mv);
+}
+
+/* in-register transpose of a 16x16 matrix of dwords (r[i] = row i on entry, column i on return) */
+ALWAYS_INLINE void xq_transpose16(__m512i *r) {
+    __m512i t[16], s[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        s[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        s[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        s[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        s[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* s[4b + c] lane L = column 4L + c of rows 4b..4b+3 */
+    for (int c = 0; c < 4; c++) {
+        const __m512i a = _mm512_shuffle_i32x4(s[c], s[4 + c], 0x44), b = _mm512_shuffle_i32x4(s[c], s[4 + c], 0xEE);
+        const __m512i e = _mm512_shuffle_i32x4(s[8 + c], s[12 + c], 0x44);
+        const __m512i f = _mm512_shuffle_i32x4(s[8 + c], s[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
+    }
+}
+
+/* weight rows n0 .. n0+47 (zeros past N) -> one packed panel (bf16 pairs or fp32, gemm_packed.h) */
+ALWAYS_INLINE void xq_panel(const int FMT, const XllmQWeight *W, int64_t K, int64_t N, int64_t n0, void *panel,
+                            int bf16) {
+    const int64_t nb = K / 32;
+    for (int64_t g = 0; g < GP_NV; g++) {
+        for (int64_t blk = 0; blk < nb; blk++) {
+            __m512i rl[16], rh[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t n = n0 + g * 16 + i;
+                __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+                if (n < N) xq_dequant_block(FMT, W, K, n, blk, &lo, &hi);
+                if (bf16) {
+                    rl[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+                } else {
+                    rl[i] = _mm512_castps_si512(lo);
+                    rh[i] = _mm512_castps_si512(hi);
+                }
+            }
+            xq_transpose16(rl);
+            if (bf16) { /* rl[j] = pair j (k = blk*32 + 2j, +1) of the 16 rows */
+                uint16_t *p = (uint16_t *)panel + (blk * 16) * 2 * GP_NR + g * 32;
+                for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(p + j * 2 * GP_NR), rl[j]);
+            } else {
+                xq_transpose16(rh);
+                float *p = (float *)panel + (blk * 32) * GP_NR + g * 16;
+                for (int j = 0; j < 16; j++) {
+                    _mm512_storeu_si512((void *)(p + j * GP_NR), rl[j]);
+                    _mm512_storeu_si512((void *)(p + (16 + j) * GP_NR), rh[j]);
+                }
+            }
+        }
+    }
+}
+
+static void xq_panel_dispatch(const XllmQWeight *W, int64_t K, int64_t N, int64_t n0, void *panel, int bf16) {
+    switch (W->fmt) {
+    case XQ_Q8_0: xq_panel(XQ_Q8_0, W, K, N, n0, panel, bf16); break;
+    case XQ_Q4_0: xq_panel(XQ_Q4_0, W, K, N, n0, panel, bf16); break;
+    case XQ_Q4_1: xq_panel(XQ_Q4_1, W, K, N, n0, panel, bf16); break;
+    case XQ_INT8: xq_panel(XQ_INT8, W, K, N, n0, panel, bf16); break;
+    case XQ_INT4_G32: xq_panel(XQ_INT4_G32, W, K, N, n0, panel, bf16); break;
+    case XQ_INT4_G128: xq_panel(XQ_INT4_G128, W, K, N, n0, panel, bf16); break;
+    default: break;
+    }
+}
+
+/* TEAM: y = x . W^T (+ bias) for any M through per-panel dequantization and the blocked micro-kernel
+ * (each thread dequantizes the panels of its share into a private buffer; ends with a barrier). */
+static void xq_gemm_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
+                         const void *bias, void *y, int64_t ldy, int out_bf16) {
+    const int64_t np = gp_panels(N), es = x_bf16 ? 2 : 4, oes = (x_bf16 && out_bf16) ? 2 : 4;
+    void *panel = aligned_alloc(64, (size_t)(GP_NR * K * es));
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < np; p++) {
+        const int64_t n0 = p * GP_NR, ncols = N - n0 < GP_NR ? N - n0 : GP_NR;
+        xq_panel_dispatch(W, K, N, n0, panel, x_bf16);
+        if (x_bf16)
+            gp_panel_bf16((const uint16_t *)x, K, M, K, (const uint16_t *)panel,
+                          bias ? (const uint16_t *)bias + n0 : NULL, (char *)y + n0 * oes, ldy, out_bf16, ncols);
+        else
+            gp_panel_f32((const float *)x, K, M, K, (const float *)panel, bias ? (const float *)bias + n0 : NULL,
+                         (float *)y + n0, ldy, ncols);
+    }
+    free(panel);
+}
+
+/* rows past which the panel GEMM beats the skinny GEMV run over chunks of 8 rows (measured on the Zen 4
+ * EPYC, Q4_1 1536x576, one thread: M = 16 chunks 193 us vs panels 226 us; M = 32 383 vs 352 us) */
+#define XQ_CHUNKED_MAX_M 16
+
+/* TEAM: the product for any M: the skinny GEMV up to 8 rows, over chunks of 8 rows up to
+ * XQ_CHUNKED_MAX_M, else the panel-dequantizing GEMM */
+static void xq_linear_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
+                           const void *bias, void *y, int64_t ldy, int out_bf16) {
+    if (M > XQ_CHUNKED_MAX_M) {
+        xq_gemm_team(x, x_bf16, M, K, W, N, bias, y, ldy, out_bf16);
+        return;
+    }
+    const int64_t xes = x_bf16 ? 2 : 4, yes = (x_bf16 && out_bf16) ? 2 : 4;
+    for (int64_t m0 = 0; m0 < M; m0 += XQ_MAX_M)
+        xq_gemv_team((const char *)x + m0 * K * xes, x_bf16, M - m0 < XQ_MAX_M ? M - m0 : XQ_MAX_M, K, W, N, bias,
+                     (char *)y + m0 * ldy * yes, ldy, out_bf16);
+}
+
+#endif

@@ -1,0 +1,98 @@
+"""Native quantized products (``kernels/cpu/gemm_quant.{h,c}``) behind :func:`xllm.kernels.quant.quant_linear`.
+
+Up to 8 rows run the skinny GEMV (int8 activations per 32-block, AVX512-VNNI dot products, one pass
+over the packed weight), 9 to 16 rows the GEMV over chunks of 8 rows; more rows dequantize 48-row panels
+into the blocked bf16/fp32 GEMM's layout and run its micro-kernel (``kernels/cpu/gemm_quant.h`` has
+the algorithms and the measurements behind the thresholds). :func:`linear` returns None whenever the
+native library cannot run the product (no library, ``XLLM_NATIVE=0``, the CPU lacks AVX512-VNNI, under
+``torch.compile``, an unsupported dtype or device); the caller then takes the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from xllm.kernels import native
+
+if TYPE_CHECKING:
+    from xllm.kernels.quant import QuantizedWeight
+
+#: format name -> the kernels' XQ_* tag (gemm_quant.h)
+QUANT_TAGS: dict[str, int] = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "int8": 4, "int4_g32": 5, "int4_g128": 6}
+#: paths of xllm_quant_linear: automatic, skinny GEMV (<= 8 rows), panel GEMM, GEMV over chunks of 8 rows (any M)
+PATHS: dict[str, int] = {"auto": 0, "gemv": 1, "panels": 2, "gemv_chunks": 3}
+MAX_GEMV_ROWS = 8
+_VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+QWeight = native.QWeight  # the C struct XllmQWeight
+
+
+def kernel_ready(qw: QuantizedWeight) -> QuantizedWeight:
+    """``qw`` with the dtypes the kernels read (contiguous; int8 scales fp32, int4 scales fp16)."""
+    qw = qw.contiguous()
+    want = torch.float32 if qw.fmt == "int8" else torch.float16
+    if qw.scales is not None and qw.scales.dtype != want:
+        qw = type(qw)(qw.fmt, qw.n, qw.k, qw.data, qw.scales.to(want).contiguous(), qw.zeros)
+    return qw
+
+
+def struct(qw: QuantizedWeight) -> QWeight:
+    """The C view of ``qw`` (which must be :func:`kernel_ready` and outlive the struct)."""
+    return QWeight(QUANT_TAGS[qw.fmt], qw.data.data_ptr(),
+                   None if qw.scales is None else qw.scales.data_ptr(),
+                   None if qw.zeros is None else qw.zeros.data_ptr())
+
+
+def library() -> native.NativeLibrary | None:
+    """The native library if it can run the quantized kernels here (they need AVX512-VNNI), else None."""
+    lib = native.library()
+    if lib is None or "avx512_vnni" not in native.cpu_flags():
+        return None
+    return lib
+
+
+def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+           path: str = "auto") -> torch.Tensor | None:
+    """``x [m, k] @ dequantize(qw).T + bias`` natively, or None when the native path does not apply.
+    bf16 ``x`` gives bf16 (or fp32 with ``out_dtype=torch.float32``); fp32 ``x`` gives fp32 (cast to
+    ``out_dtype`` if given)."""
+    if torch.compiler.is_compiling() or x.dim() != 2 or x.device.type != "cpu":
+        return None
+    if x.dtype not in (torch.bfloat16, torch.float32) or qw.data.device.type != "cpu":
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    m, k = x.shape
+    x = x.contiguous()
+    qw = kernel_ready(qw)
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    bf16 = x.dtype == torch.bfloat16
+    out_bf16 = bf16 and out_dtype != torch.float32
+    y = torch.empty(m, qw.n, dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    w = struct(qw)
+    fn = lib.fn("xllm_quant_linear", [ctypes.POINTER(QWeight), _VP, _I32, _I64, _I64, _I64, _VP, _VP, _I32, _I32])
+    fn(ctypes.byref(w), x.data_ptr(), int(bf16), m, k, qw.n, None if bias is None else bias.data_ptr(),
+       y.data_ptr(), int(out_bf16), PATHS[path])
+    if out_dtype is not None and y.dtype != out_dtype:
+        y = y.to(out_dtype)
+    return y
+
+
+def dequantize_f32(qw: QuantizedWeight) -> torch.Tensor | None:
+    """The native dequantization to fp32 ``[n, k]`` (FMA: within an ulp of
+    :func:`xllm.kernels.quant.dequantize`), or None without the library."""
+    lib = library()
+    if lib is None:
+        return None
+    qw = kernel_ready(qw)
+    out = torch.empty(qw.n, qw.k, dtype=torch.float32)
+    w = struct(qw)
+    lib.fn("xllm_quant_dequantize_f32", [ctypes.POINTER(QWeight), _I64, _I64, _VP])(
+        ctypes.byref(w), qw.k, qw.n, out.data_ptr())
+    return out

@@ -1,0 +1,171 @@
+"""xllm.kernels.quant: formats, (de)quantization against the gguf package's reference code, error
+bounds of the int8/int4 formats, and the quantized product against F.linear on the dequantized weight
+(native path when available, and the torch fallback)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from xllm.kernels import quant, quant_native
+
+GGUF_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+              "q4_1": gguf.GGMLQuantizationType.Q4_1}
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w[0, :32] = 0.0  # an all-zero block (d = 0)
+    w[1, 32:64] = 0.25  # a constant block (max == min)
+    if n > 2:
+        w[2, :] = torch.linspace(-1, 1, k)  # ties at .5 steps of the grid
+    return w
+
+
+@pytest.mark.parametrize("fmt", quant.GGUF_FORMATS)
+def test_gguf_quantize_and_dequantize_bit_equal(fmt):
+    w = _weight(24, 96, seed=1)
+    ref_bytes = gguf.quants.quantize(w.numpy(), GGUF_TYPES[fmt])
+    qw = quant.quantize(w, fmt)
+    assert qw.data.shape == ref_bytes.shape == (24, 96 // 32 * quant.BLOCK_BYTES[fmt])
+    assert np.array_equal(qw.data.numpy(), ref_bytes)
+    ref = gguf.quants.dequantize(ref_bytes, GGUF_TYPES[fmt])
+    got = quant.dequantize(quant.from_gguf(ref_bytes, fmt.upper(), 24, 96))
+    assert got.dtype == torch.float32
+    assert np.array_equal(got.numpy().view(np.uint32), ref.view(np.uint32))  # bit-equal, NaN-safe
+    assert torch.equal(quant.dequantize(qw, torch.bfloat16), got.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", quant.GGUF_FORMATS)
+def test_gguf_dequantize_arbitrary_bytes(fmt):
+    """Any byte pattern (not only what a quantizer emits) dequantizes like gguf does."""
+    gen = torch.Generator().manual_seed(7)
+    raw = torch.randint(0, 256, (5, 64 // 32 * quant.BLOCK_BYTES[fmt]), generator=gen, dtype=torch.uint8)
+    blocks = raw.reshape(-1, quant.BLOCK_BYTES[fmt])
+    blocks[:, 1] &= 0x3B  # keep the fp16 scales finite (exponent < 31)
+    if fmt == "q4_1":
+        blocks[:, 3] &= 0x3B
+    ref = gguf.quants.dequantize(raw.numpy(), GGUF_TYPES[fmt])
+    got = quant.dequantize(quant.from_gguf(raw.numpy(), fmt, 5, 64))
+    assert np.array_equal(got.numpy().view(np.uint32), ref.view(np.uint32))
+
+
+def test_from_gguf_aliases_and_validates():
+    w = _weight(4, 64, seed=2)
+    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    qw = quant.from_gguf(raw, "Q4_1", 4, 64)
+    assert qw.data.data_ptr() == raw.ctypes.data  # no copy
+    assert qw.nbytes() == raw.nbytes
+    with pytest.raises(ValueError):
+        quant.from_gguf(raw, "Q5_K", 4, 64)
+    with pytest.raises(ValueError):
+        quant.from_gguf(raw, "Q4_1", 4, 96)
+    assert not quant.supports("int4_g128", 96) and quant.supports("int4_g32", 96)
+    assert not quant.supports("q8_0", 48) and not quant.supports("nope", 64)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4_g32", "int4_g128"])
+def test_weight_only_error_bounds(fmt):
+    w = _weight(16, 256, seed=3)
+    qw = quant.quantize(w, fmt)
+    deq = quant.dequantize(qw)
+    if fmt == "int8":
+        step = w.abs().amax(dim=1, keepdim=True) / 127
+        assert qw.data.shape == (16, 256) and qw.scales.shape == (16,)
+        bound = step / 2 * (1 + 1e-5)
+    else:
+        g = qw.group
+        assert qw.data.shape == (16, 128) and qw.scales.shape == qw.zeros.shape == (16, 256 // g)
+        assert int(qw.zeros.max()) <= 15
+        groups = w.reshape(16, -1, g)
+        span = groups.amax(2).clamp(min=0) - groups.amin(2).clamp(max=0)
+        # half a step, the step itself rounded to fp16 (relative 2^-11, times up to 15 steps)
+        bound = (span / 15 * (0.5 + 16 * 2.0**-11)).repeat_interleave(g, dim=1) + 1e-7
+    assert bool(((deq - w).abs() <= bound).all()), float(((deq - w).abs() - bound).max())
+    assert float(deq[0, :32].abs().max()) == 0.0  # zero stays exact
+    # the stored values reproduce through dequantize: re-quantizing the dequantized weight is stable
+    assert torch.allclose(quant.dequantize(quant.quantize(deq, fmt)), deq, atol=1e-6)
+
+
+def test_rows_and_cat_rows():
+    for fmt in quant.FORMATS:
+        w = _weight(12, 128, seed=4)
+        qw = quant.quantize(w, fmt)
+        idx = torch.tensor([5, 0, 11, 5])
+        assert torch.equal(quant.dequantize(qw.rows(idx)), quant.dequantize(qw)[idx])
+        a, b = quant.quantize(w[:5], fmt), quant.quantize(w[5:], fmt)
+        cat = quant.cat_rows([a, b])
+        assert (cat.n, cat.k, cat.nbytes()) == (12, 128, qw.nbytes())
+        assert torch.equal(quant.dequantize(cat), quant.dequantize(qw))
+    with pytest.raises(ValueError):
+        quant.cat_rows([quant.quantize(w, "int8"), quant.quantize(w, "q8_0")])
+
+
+def _check_linear(fmt: str, m: int, dtype: torch.dtype, bias: bool, seed: int) -> None:
+    n, k = 80, 256
+    gen = torch.Generator().manual_seed(seed)
+    qw = quant.quantize(torch.randn(n, k, generator=gen) * 0.05, fmt)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = (torch.randn(n, generator=gen) * 0.1).to(dtype) if bias else None
+    ref = F.linear(x.float(), quant.dequantize(qw), None if b is None else b.float())
+    y = quant.quant_linear(x, qw, b)
+    assert y.shape == (m, n) and y.dtype == dtype
+    # bf16: activations and the result are bf16 (2^-8 relative); the kernels may also quantize the
+    # activation to int8 per 32-block (llama.cpp's Q8 dot products): ~1 % of the row's scale
+    scale = float(ref.abs().max())
+    tol = 0.02 * scale if dtype == torch.bfloat16 else 0.01 * scale
+    assert float((y.float() - ref).abs().max()) <= tol, (fmt, m, float((y.float() - ref).abs().max()), scale)
+    y32 = quant.quant_linear(x, qw, b, out_dtype=torch.float32)
+    assert y32.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_quant_linear_matches_dequantized(fmt):
+    for m, dtype, bias in [(1, torch.bfloat16, False), (3, torch.bfloat16, True), (8, torch.float32, False),
+                           (1, torch.float32, True), (37, torch.bfloat16, True), (64, torch.float32, False)]:
+        _check_linear(fmt, m, dtype, bias, seed=m)
+
+
+def test_quant_linear_torch_fallback(monkeypatch):
+    """XLLM_NATIVE=0 semantics: the torch path alone gives the same contract."""
+    monkeypatch.setattr(quant.quant_native, "linear", lambda *a: None)
+    for fmt in ("q4_1", "int4_g128"):
+        _check_linear(fmt, 2, torch.bfloat16, True, seed=11)
+        _check_linear(fmt, 5, torch.float32, False, seed=12)
+    x = torch.randn(2, 3, 64)
+    qw = quant.quantize(torch.randn(16, 64), "q8_0")
+    assert quant.quant_linear(x, qw).shape == (2, 3, 16)
+    with pytest.raises(ValueError):
+        quant.quant_linear(torch.randn(2, 32), qw)
+
+
+
+@pytest.mark.skipif(quant_native.library() is None, reason="native quantized kernels unavailable")
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_native_paths_against_fp32_product(fmt):
+    """Every native path (skinny VNNI GEMV, panel-dequantizing GEMM, GEMV over 8-row chunks) on shapes
+    with partial quads of blocks (K = 96, 576), output rows not a multiple of 16, bias, bf16 and fp32."""
+    gen = torch.Generator().manual_seed(21)
+    for n, k in [(37, 96), (50, 576), (19, 1536)]:
+        if not quant.supports(fmt, k):
+            continue
+        qw = quant.quantize(torch.randn(n, k, generator=gen) * 0.05, fmt)
+        deq = quant.dequantize(qw)
+        native_deq = quant_native.dequantize_f32(qw)
+        torch.testing.assert_close(native_deq, deq, rtol=1e-6, atol=1e-7)  # FMA vs mul + add: last bit
+        for m, path in [(1, "gemv"), (2, "gemv"), (5, "gemv"), (8, "gemv"), (3, "panels"), (20, "panels"),
+                        (20, "gemv_chunks")]:
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                b = torch.randn(n, generator=gen).to(dtype)
+                ref = F.linear(x.float(), deq, b.float())
+                y = quant_native.linear(x, qw, b, None, path)
+                assert y.dtype == dtype and y.shape == (m, n)
+                # int8 activations (gemv) ~0.4 % of the block max per element; bf16 weights (panels)
+                tol = 0.015 if path != "panels" or dtype == torch.bfloat16 else 1e-5
+                err = float((y.float() - ref).abs().max() / ref.abs().max())
+                assert err <= tol, (fmt, n, k, m, path, dtype, err)
