@@ -129,9 +129,8 @@ def test_an_instance_publishes_its_lower_tier_blocks_and_load_speed_for_tier_awa
     assert set(hashes) <= written  # every full block of A went down to the host tier
     again = tiers_engine(model, tmp_path, disk=False)  # a new process: the tier's listing comes first
     try:
-        log = KVEventLog("w", again.layout.block_size)
-        for tier, stored, h in again.drain_tier_events():
-            log.record([(stored, h)], tier=tier)
+        log = KVEventLog("w", again.layout.block_size)  # as the engine server records them
+        log.record_tiers(again.drain_tier_events())
         index = GlobalKVIndex()
         index.apply("w", log.snapshot())
         assert index.match_tiers(hashes)["w"].lower == (("host", len(hashes)),)

@@ -95,8 +95,8 @@ def test_match_tiers_continues_a_memory_hit_through_the_fastest_lower_tier_holdi
     idx = GlobalKVIndex()
     log = KVEventLog("a", 16, epoch=1)
     log.record([(True, 1), (True, 2)])
-    log.record([(True, h) for h in (2, 3, 4, 5)], tier="disk")
-    log.record([(True, h) for h in (4, 9)], tier="host")
+    assert log.record_tiers([("disk", True, 2), ("disk", True, 3), ("host", True, 4), ("disk", True, 4),
+                             ("disk", True, 5), ("host", True, 9)]) == 6  # as a TieredStore drains them
     assert idx.apply("a", log.delta(None)) == APPLIED  # a snapshot carries every tier
     other = KVEventLog("b", 16, epoch=1)
     other.record([(True, 1)], tier="store")

@@ -220,9 +220,10 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             batch.append(self._raw_events.popleft())
         if batch:
             self.kv_log.record(batch)
+        tier_batch = []
         while self._raw_tier_events:
-            tier, stored, block_hash = self._raw_tier_events.popleft()
-            self.kv_log.record([(stored, block_hash)], tier=tier)
+            tier_batch.append(self._raw_tier_events.popleft())
+        self.kv_log.record_tiers(tier_batch)
 
     def count(self, counter: str, n: int = 1) -> None:
         """Advance one of the cumulative counters of the heartbeats (``EngineCounters`` field names)."""

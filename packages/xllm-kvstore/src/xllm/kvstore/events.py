@@ -18,6 +18,7 @@ Not thread-safe: one thread records and answers (the engine server's event loop)
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import deque
 from collections.abc import Iterable
@@ -62,6 +63,12 @@ class KVEventLog:
             self._history.append((self.version, bool(stored), block_hash, tier))
             n += 1
         return n
+
+    def record_tiers(self, events: Iterable[tuple[str, bool, int]]) -> int:
+        """Apply ``(tier, stored?, hash)`` events (``xllm.kvstore.tiered.TieredStore.drain_events``) in
+        order, each run of one tier at once; returns how many were recorded."""
+        return sum(self.record(((stored, h) for _, stored, h in run), tier=tier)
+                   for tier, run in itertools.groupby(events, key=lambda e: e[0]))
 
     @property
     def num_cached(self) -> int:
