@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from xllm.testing.metrics import metric_value, parse_metrics
-from xllm.testing.processes import engine_pid, healthy_instances, wait_for
+from xllm.testing.processes import engine_pid, frozen, healthy_instances, wait_for
 from xllm.testing.sse import assert_same_streams, busiest_instance, stream_many
 
 MODEL = "tiny"
@@ -69,11 +69,13 @@ def test_sigterm_moves_running_streams_and_loses_or_repeats_nothing(cluster):
     for ref in reference:
         assert ref.complete(MAX_TOKENS), ref
     termed: list[tuple[str, float]] = []
+    pids = {i: engine_pid(gw.proc.pid, i) for i in ("engine-0", "engine-1")}
 
     def term(streams) -> None:  # the instance running most of the streams drains
-        victim = busiest_instance(streams)
-        os.kill(engine_pid(gw.proc.pid, victim), signal.SIGTERM)
-        termed.append((victim, time.monotonic()))
+        with frozen(list(pids.values())):  # every stream is still decoding when the SIGTERM lands
+            victim = busiest_instance(streams)
+            os.kill(pids[victim], signal.SIGTERM)
+            termed.append((victim, time.monotonic()))
 
     results = asyncio.run(stream_many(gw.url, bodies, term))
     victim, at = termed[0]

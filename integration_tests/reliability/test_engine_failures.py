@@ -17,9 +17,11 @@ import signal
 import time
 import uuid
 
+import httpx
 import pytest
 
-from xllm.testing.processes import engine_pid, healthy_instances, wait_for
+from xllm.testing.metrics import metric_value, parse_metrics
+from xllm.testing.processes import engine_pid, frozen, healthy_instances, wait_for
 from xllm.testing.sse import CompletionStream, assert_same_streams, busiest_instance, stream_many
 
 MODEL = "tiny"
@@ -54,17 +56,22 @@ def test_kill_9_with_32_greedy_and_seeded_streams_loses_and_repeats_nothing(clus
     for ref in reference:
         assert ref.complete(MAX_TOKENS), ref
     killed: list[tuple[str, float]] = []
+    pids = {i: engine_pid(gw.proc.pid, i) for i in ("engine-0", "engine-1")}
 
     def kill(streams: list[CompletionStream]):  # the instance running most of the streams
-        victim = busiest_instance(streams)
-        os.kill(engine_pid(gw.proc.pid, victim), signal.SIGKILL)
-        killed.append((victim, time.monotonic()))
+        with frozen(list(pids.values())):  # its streams are mid-decode when it dies
+            victim = busiest_instance(streams)
+            os.kill(pids[victim], signal.SIGKILL)
+            killed.append((victim, time.monotonic()))
 
     results = asyncio.run(stream_many(gw.url, bodies, kill))
     victim, killed_at = killed[0]
     recovered = time.monotonic() - killed_at
     moved = [r for r in results if r.instance == victim]
     assert moved, "the killed instance had no stream in flight"
+    resumed = metric_value(parse_metrics(httpx.get(f"{gw.url}/metrics", timeout=10, trust_env=False).text),
+                           "xllm:router_resumed_requests_total", missing_ok=True)
+    assert resumed >= 1, "no stream was still running on the killed instance"
     ties = assert_same_streams(results, reference, [i % 2 == 0 for i in range(STREAMS)])
     seeded = sum(1 for i, r in enumerate(results) if r.instance == victim and i % 2)
     print(f"kill -9: {len(moved)} of {STREAMS} streams moved ({seeded} "

@@ -281,3 +281,19 @@ def engine_pid(gateway_pid: int, instance_id: str) -> int:
         if instance_id in argv:
             return pid
     raise LookupError(f"no engine process {instance_id} under the gateway {gateway_pid}")
+
+
+@contextlib.contextmanager
+def frozen(pids: list[int]):
+    """Hold ``pids`` stopped (SIGSTOP) for the body, then let them run on (SIGCONT; a pid the body
+    killed is skipped). A fault test freezes the engines the moment its streams are in flight, so a
+    fast tiny model cannot finish them before the fault lands: the fault then hits running requests
+    whatever the machine's speed, with no sleep and no race."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
