@@ -9,8 +9,11 @@ lost to 2; a step of more rows than the decode kernel takes runs the general ste
 :class:`StepCosts` keeps the last measured forward + sampling seconds of the steps made of decode
 rows and verify chunks only, by row count, and estimates each count by their lower quartile (a step
 slowed by another process on the cores does not make its row count look dear for long); row counts
-never seen are estimated optimistically from the nearest smaller count seen (so they get tried once,
-then known).
+never seen are estimated optimistically from the nearest smaller count seen (so they get tried), and a
+count seen fewer than :data:`SETTLED` times by the lower of its measurements and that optimistic
+estimate: the first step of a row count pays one-off costs (oneDNN building its kernels for a new
+shape: a 4-row SmolLM2 step measured 94 ms against 15 ms for 1 row), and judged on that alone the count
+and every larger one looked dear for good, so speculation never ran again (seen in CI).
 
 Drafting has a price of its own where the proposer runs a model (``self``, ``draft``, ``mtp``: a
 forward of the drafter per round, batched over the drafting sequences, plus any catch-up):
@@ -26,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW = 16          # measurements kept per row count
+SETTLED = 3          # measurements after which a row count's estimate is its own
 OPTIMISM = 0.05      # an unseen row count is estimated this much dearer per extra row than the last seen
 
 
@@ -51,13 +55,19 @@ class StepCosts:
     def estimate(self, rows: int) -> float | None:
         """The learned seconds of ``rows`` rows; unseen: the nearest smaller count seen, dearer by
         :data:`OPTIMISM` per extra row (or, with only larger counts seen, the nearest of those: a
-        step is never cheaper for having more rows). None before any step was seen."""
-        if rows in self.seconds:
-            return self.seconds[rows]
+        step is never cheaper for having more rows); seen fewer than :data:`SETTLED` times: the lower
+        of its measurements and that extrapolation. None before any step was seen."""
         below = [r for r in self.seconds if r < rows]
+        optimistic = None
         if below:
             r = max(below)
-            return self.seconds[r] * (1 + OPTIMISM * (rows - r))
+            optimistic = self.estimate(r) * (1 + OPTIMISM * (rows - r))
+        if rows in self.seconds:
+            if optimistic is None or len(self._recent[rows]) >= SETTLED:
+                return self.seconds[rows]
+            return min(self.seconds[rows], optimistic)
+        if optimistic is not None:
+            return optimistic
         above = [r for r in self.seconds if r > rows]
         return self.seconds[min(above)] if above else None
 
