@@ -11,9 +11,9 @@ rows and verify chunks only, by row count, and estimates each count by their low
 slowed by another process on the cores does not make its row count look dear for long); row counts
 never seen are estimated optimistically from the nearest smaller count seen (so they get tried), and a
 count seen fewer than :data:`SETTLED` times by the lower of its measurements and that optimistic
-estimate: the first step of a row count pays one-off costs (oneDNN building its kernels for a new
-shape: a 4-row SmolLM2 step measured 94 ms against 15 ms for 1 row), and judged on that alone the count
-and every larger one looked dear for good, so speculation never ran again (seen in CI).
+estimate: the first step of a row count pays one-off costs (SmolLM2's first 4-row verify step
+measured 94-149 ms, later ones 15 ms, one row 15 ms), and judged on that alone the count and every
+larger one looked dear for good, so speculation never ran again (seen in CI).
 
 Drafting has a price of its own where the proposer runs a model (``self``, ``draft``, ``mtp``: a
 forward of the drafter per round, batched over the drafting sequences, plus any catch-up):
