@@ -79,3 +79,31 @@ def test_beam_search_equals_hf_generate(engine, hf_smollm2_fp32, smollm2_tokeniz
     assert [b.score for b in ours] == pytest.approx(out.sequences_scores.tolist(), abs=2e-3)
     ended = [b.finish_reason == engine_pb2.FINISH_REASON_STOP for b in ours]
     assert ended == [s[-1] in eos for s in hf_seqs]
+
+
+def test_a_large_step_runs_fused_then_the_beams_with_the_logits_of_one_shared_forward(engine, smollm2_tokenizer):
+    """Beam rows ride in the step's one eager forward up to ``share_max_rows`` rows of the step's own;
+    a larger step runs its own rows fused and the beams' forward after it: the same logits."""
+    tok = smollm2_tokenizer
+    engine.add_request(engine_pb2.GenerateRequest(request_id="b", prompt_token_ids=tok.encode("One, two, three"),
+                                                  sampling=engine_pb2.SamplingParams(max_tokens=8, beam_width=4)))
+    engine.add_request(engine_pb2.GenerateRequest(request_id="g", prompt_token_ids=tok.encode("Once upon a time"),
+                                                  sampling=engine_pb2.SamplingParams(max_tokens=8, temperature=0.0)))
+    while not engine.beams.groups:
+        engine.step()
+    runner = engine.runner
+    plan = engine.scheduler.schedule()
+    batch = runner.prepare([(c.seq, c.num_tokens) for c in plan.chunks])
+    rows = engine.beams.begin().first
+    modes = dict(runner.mode_steps)
+    try:
+        runner.share_max_rows = 0
+        split = runner.execute(batch, extra=rows)
+        runner.share_max_rows = 64
+        shared = runner.execute(batch, extra=rows)
+    finally:
+        runner.share_max_rows = 64
+        engine.abort("b"), engine.abort("g")
+    assert runner.mode_steps["native"] - modes["native"] == 1 and runner.mode_steps["beams"] - modes["beams"] == 1
+    assert split.shape == shared.shape == (1 + rows.num_rows, engine.model.vocab_size)
+    assert torch.allclose(split, shared, atol=2e-3, rtol=1e-4), (split - shared).abs().max()

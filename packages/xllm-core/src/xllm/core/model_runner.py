@@ -82,8 +82,11 @@ class ModelRunner:
     other step of up to ``max_step_tokens`` tokens the fused general step ("native_step"), all
     unless a caller listens to each layer (``on_layer``). Otherwise a pure decode step takes a
     compiled decode graph covering its batch size (``graph``, see :mod:`xllm.core.graph_runner`)
-    and everything else the eager modules. A step carrying extra rows (beam groups) runs eager
-    ("beams"): the fused kernels attend over slots only.
+    and everything else the eager modules. A step carrying extra rows (beam groups) runs them in
+    the same eager forward as its own rows ("beams": the fused kernels attend over slots only) when it
+    has at most ``share_max_rows`` rows of its own or no fused path; a larger step runs its own rows
+    fused and the extra rows in an eager forward after it (the fused general step's speed on
+    prefill chunks is worth more than one pass over the weights).
     """
 
     def __init__(self, model: CausalLM, kv: KVCacheBackend, device: torch.device, native_decode: bool = True) -> None:
@@ -98,6 +101,11 @@ class ModelRunner:
         # set, every step runs eager (the fused and compiled paths return the sampled rows only)
         self.hidden_sink: Callable[[BatchInputs, torch.Tensor], None] | None = None
         self.mode_steps = {"native": 0, "native_verify": 0, "native_step": 0, "compiled": 0, "eager": 0, "beams": 0}
+        # a step with extra rows shares one eager forward with them up to this many rows of its own;
+        # from the quiet step table (docs/performance.md): eager costs more than the fused step, ~10 ms at 16
+        # decode rows, ~21 ms at 64, 140 ms at 15 decodes + a 512-token chunk; a forward of the extra rows
+        # alone costs one more pass over the weights (~30 ms for SmolLM2)
+        self.share_max_rows = 64
 
     @property
     def native_decode(self) -> bool:
@@ -205,7 +213,13 @@ class ModelRunner:
         join the forward after the batch's (one pass over the weights for both); their logits follow
         the batch's, every row of them."""
         if extra is not None:
-            return self._execute_with(batch, on_layer, extra)
+            if (self.fused is None or on_layer is not None or self.hidden_sink is not None
+                    or len(batch.input_ids) <= self.share_max_rows):
+                return self._execute_with(batch, on_layer, extra)
+            own = self.execute(batch)  # fused, then the extra rows in a forward of their own
+            hidden = self.model.forward(extra.input_ids, extra.positions, extra.ctx)
+            return torch.cat([own, self.model.compute_logits(hidden)]) if len(own) else \
+                self.model.compute_logits(hidden)
         pure_decode = batch.num_decode == len(batch.input_ids)
         if self.fused is not None and on_layer is None and self.hidden_sink is None:
             if pure_decode and batch.num_decode <= self.fused.max_batch:
