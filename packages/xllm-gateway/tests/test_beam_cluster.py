@@ -53,8 +53,8 @@ def test_beam_requests_over_grpc_equal_the_engine(tmp_path):
     assert list(got["c"]) == list(want_items) and all(b.item_id >= 0 for b in want_items)
 
 
-@pytest.mark.parametrize("transport", ["fd", "grpc"])
-def test_beam_search_across_a_pd_pair_equals_one_engine(tmp_path, transport):
+@pytest.mark.parametrize("transport,overlapped", [("fd", False), ("grpc", True)], ids=["fd-sync", "grpc-async"])
+def test_beam_search_across_a_pd_pair_equals_one_engine(tmp_path, transport, overlapped):
     np.save(tmp_path / "items.npy", np.random.default_rng(2).integers(1, 60, size=(50, 3)).astype(np.int32))
     catalog = str(tmp_path / "items.npy")
     prompt = [5 + (i * 7) % 50 for i in range(100)]  # a full page of 64 tokens and a partial one
@@ -65,8 +65,9 @@ def test_beam_search_across_a_pd_pair_equals_one_engine(tmp_path, transport):
 
     async def run():
         registry = EmbeddedRegistry()
-        served = ServedEngines({"p": "prefill", "d": "decode"}, lambda: make_engine(item_catalog=catalog),
-                               transport, "tiny")
+        served = ServedEngines({"p": "prefill", "d": "decode"},
+                               lambda: make_engine(item_catalog=catalog, async_scheduling=overlapped), transport,
+                               "tiny")
         await served.start(registry)
         dispatcher = Dispatcher(registry, "tiny", Router(registry, "kv_aware"),
                                 pd_metrics=PDMetrics(CollectorRegistry()))
