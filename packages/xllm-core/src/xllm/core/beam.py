@@ -6,9 +6,11 @@ sequence and that row's logits to :class:`BeamRunner`: the sequence leaves the s
 queue (status ``BEAM_SEARCH``) holding its prompt KV, and the group decodes one token per beam per
 engine step until its search ends, its beams batched with every other group's in one forward.
 That forward is the engine step's own: a step with ordinary work (decodes, prefill chunks) takes the
-groups' rows as well (:meth:`BeamRunner.begin`, the shared-prefix attention for the beam rows and the
-batch's own attention for the rest, in one eager forward of the model: the fused native kernels
-cannot attend over a shared prompt); a step with nothing else runs them alone (:meth:`BeamRunner.step`).
+groups' rows as well (:meth:`BeamRunner.begin`; the shared-prefix attention for the beam rows and the
+batch's own attention for the rest, in one eager forward of the model, since the fused native kernels
+cannot attend over a shared prompt; a step with many rows of its own runs them fused and the beam
+rows after them, see ``ModelRunner.share_max_rows``); a step with nothing else runs them alone
+(:meth:`BeamRunner.step`).
 
 - KV: the prompt's pages are shared by all beams, read in place and never copied (nor is a new
   page taken); each beam's decoded tokens' KV lives in the group's :class:`~xllm.core.beam_attention.BeamKV`
