@@ -52,7 +52,7 @@ def _count_forwards(model) -> list[int]:
 
 
 def test_beam_groups_share_the_forward_with_other_work(new_engine, kv_backend, scheduling, catalogue):
-    engine = new_engine(item_catalog=catalogue, max_num_batched_tokens=24)
+    engine = new_engine(item_catalog=catalogue, max_num_batched_tokens=24, kv_cache_memory_gib=0.01)
     forwards = _count_forwards(engine.model)
     first, late = _requests()
     got = Collected()
@@ -72,7 +72,7 @@ def test_beam_groups_share_the_forward_with_other_work(new_engine, kv_backend, s
     assert not engine.requests and not engine.beams.groups
 
     for req in [*first, late]:
-        alone = generate(new_engine(item_catalog=catalogue, max_num_batched_tokens=24), [req])
+        alone = generate(new_engine(item_catalog=catalogue, max_num_batched_tokens=24, kv_cache_memory_gib=0.01), [req])
         rid = req.request_id
         if req.sampling.HasField("beam_width"):
             want, have = alone.final[rid].beams, got.final[rid].beams
