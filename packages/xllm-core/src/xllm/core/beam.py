@@ -168,7 +168,9 @@ class BeamRunner:
         if self.catalog is not None and p.item_catalog:
             group.nodes = self.catalog.root()
         result = BeamStepResult()
-        self._select(group, logits.float()[None], result)
+        # the first selection is no beam step: its candidates are not counted with the steps' (the
+        # per-step figure of xllm:beam_candidates_scanned), a search it ends is an early termination
+        self._select(group, logits.float()[None], BeamStepResult())
         if search.done:
             result.finished.append(group)
             result.early_terminations += search.stopped_early

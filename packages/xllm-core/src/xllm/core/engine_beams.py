@@ -69,7 +69,7 @@ class EngineBeams:
             counted = seq.num_prompt_tokens
         self.scheduler.park_for_beams(seq)
         started = self.beams.start(seq, flight.beam_logits[seq])
-        flight.beam_starts.add_counts(started)  # (its first selection: no beam step, but scanned)
+        flight.beam_starts.add_counts(started)  # (a search its first selection ended early)
         return self._beams_done(started, finished, now), counted
 
     def _beam_step(self) -> list[engine_pb2.GenerateResponse]:
