@@ -1,13 +1,22 @@
 """``xllm serve --instances 2``: the gateway starts two engine processes that register with its
-embedded registry over gRPC, routes between them, and takes them down with it."""
+embedded registry over gRPC, routes between them, reports their counters (beam search's among them,
+equal to what an engine in this process counts for the same searches) and takes them down with it."""
 
 from __future__ import annotations
 
 import httpx
+import torch
 
+from xllm.core import EngineConfig, LLMEngine
+from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.metrics import metric_value, parse_metrics
 from xllm.testing.processes import wait_for
 
 MODEL = "tiny"
+BEAM_PROMPT = [1000 + (i * 37) % 500 for i in range(24)]
+BEAM_SERIES = {"xllm:beam_steps_total": "steps", "xllm:beam_rows_total": "rows",
+               "xllm:beam_candidates_scanned_total": "candidates_scanned",
+               "xllm:beam_early_terminations_total": "early_terminations"}
 
 
 def test_serve_instances_starts_engines_routes_and_stops_them(tiny_model_dir, launch_server):
@@ -37,6 +46,47 @@ def test_serve_instances_starts_engines_routes_and_stops_them(tiny_model_dir, la
                 for iid in ("engine-0", "engine-1"))
 
         wait_for(metrics_of_both, 10, "per-instance and cluster metrics")
+        _check_beam_metrics(gw.url, tiny_model_dir)
     finally:
         gw.stop()  # SIGTERM: the gateway stops its engines; stop() fails if any process of the group is left
     assert "started engine-1" in gw.log_tail(400)
+
+
+def _search(engine: LLMEngine, rid: str, **sampling) -> engine_pb2.GenerateResponse:
+    engine.add_request(engine_pb2.GenerateRequest(request_id=rid, prompt_token_ids=BEAM_PROMPT,
+                                                  sampling=engine_pb2.SamplingParams(beam_width=4, **sampling)))
+    final = None
+    while engine.has_work():
+        final = next((c for c in engine.step() if c.finish_reason), final)
+    return final
+
+
+def _check_beam_metrics(url: str, model_dir) -> None:
+    """Three beam searches through the gateway (to either engine process): their beam counters, which
+    the engines report in their heartbeats, reach ``/metrics`` under the embedded mode's names, summed
+    over the instances equal to an engine's in this process for the same searches: the four best first
+    tokens (a search of one token), a search of six, and one that those tokens end (four hypotheses
+    after its first token: early stopping ends it there)."""
+    from xllm.models import Tokenizer, load_model
+
+    local = LLMEngine(load_model(model_dir, torch.float32, progress=False), Tokenizer(model_dir),
+                      EngineConfig(dtype=torch.float32, kv_cache_memory_gib=0.05, num_threads=1))
+    stops = sorted(b.token_ids[0] for b in _search(local, "top", max_tokens=1).beams)
+    _search(local, "six", max_tokens=6, ignore_eos=True)
+    _search(local, "early", max_tokens=6, ignore_eos=True, stop_token_ids=stops, early_stopping="true")
+    want = local.beams.counters
+    assert want.early_terminations == 1 and want.steps == 5 and want.candidates_scanned > 0, want
+    local.close()
+    for body in ({"max_tokens": 1}, {"max_tokens": 6, "ignore_eos": True},
+                 {"max_tokens": 6, "ignore_eos": True, "stop_token_ids": stops, "early_stopping": True}):
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": BEAM_PROMPT, "n": 4,
+                                                       "use_beam_search": True, **body}, timeout=60, trust_env=False)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 4
+
+    def reported() -> dict[str, float]:
+        m = parse_metrics(httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text)
+        return {name: metric_value(m, name, missing_ok=True, model_name=MODEL) for name in BEAM_SERIES}
+
+    expected = {name: float(getattr(want, field)) for name, field in BEAM_SERIES.items()}
+    wait_for(lambda: reported() == expected, 10, f"the engines' beam counters in /metrics: {expected}")

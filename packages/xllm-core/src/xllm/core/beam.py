@@ -5,6 +5,12 @@ chunked prefill, any KV backend). When its prompt's last chunk has run, the engi
 sequence and that row's logits to :class:`BeamRunner`: the sequence leaves the scheduler's running
 queue (status ``BEAM_SEARCH``) holding its prompt KV, and the group decodes one token per beam per
 engine step until its search ends, its beams batched with every other group's in one forward.
+That forward is the engine step's own: a step with ordinary work (decodes, prefill chunks) takes the
+groups' rows as well (:meth:`BeamRunner.begin`; the shared-prefix attention for the beam rows and the
+batch's own attention for the rest, in one eager forward of the model, since the fused native kernels
+cannot attend over a shared prompt; a step with many rows of its own runs them fused and the beam
+rows after them, see ``ModelRunner.share_max_rows``); a step with nothing else runs them alone
+(:meth:`BeamRunner.step`).
 
 - KV: the prompt's pages are shared by all beams, read in place and never copied (nor is a new
   page taken); each beam's decoded tokens' KV lives in the group's :class:`~xllm.core.beam_attention.BeamKV`
@@ -17,7 +23,10 @@ engine step until its search ends, its beams batched with every other group's in
   the forward runs (they depend only on the beams' nodes), and their log-probs gathered from the
   full-vocabulary log-softmax (so an item's score is its log-probability under the model).
 
-Not thread-safe: the engine's thread only (the lookup thread touches only the immutable catalogue).
+Threads: the groups' list and counters belong to the engine's thread; a :class:`BeamPass` (the
+groups of one forward) is landed on the thread that runs that forward (with async scheduling, the
+engine's forward worker), while the engine thread may start new groups or drop aborted ones; the
+lookup thread touches only the immutable catalogue.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from xllm.core.beam_attention import BeamAttention, BeamKV, GroupRows
 from xllm.core.beam_search import BeamSearch, Hypothesis
 from xllm.core.detokenizer import TokenDecoder
 from xllm.core.kv.base import KVCacheBackend
-from xllm.core.model_api import CausalLM
+from xllm.core.model_api import AttentionContext, CausalLM
 from xllm.core.sequence import SeqStatus, Sequence
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.recsys.beam_topk import topk_candidates
@@ -65,13 +74,62 @@ class BeamGroup:
 
 @dataclass
 class BeamStepResult:
-    """What one engine step's beam work produced: finished requests' final chunks and counts."""
+    """What one engine step's beam work produced: the groups whose search ended, and counts."""
 
-    finished: list[tuple[Sequence, engine_pb2.GenerateResponse]] = field(default_factory=list)
+    finished: list[BeamGroup] = field(default_factory=list)
     rows: int = 0
     steps: int = 0
     scanned: int = 0
+    total: int = 0  # candidates a full scan would examine (BeamCounters.candidates_total)
     early_terminations: int = 0
+
+    def add_counts(self, other: BeamStepResult) -> None:
+        """Add ``other``'s counts (not its finished groups) to these."""
+        self.rows += other.rows
+        self.steps += other.steps
+        self.scanned += other.scanned
+        self.total += other.total
+        self.early_terminations += other.early_terminations
+
+
+@dataclass
+class BeamRows:
+    """The packed inputs of some groups' beam rows for one forward (a group's rows are contiguous)."""
+
+    groups: list[BeamGroup]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    ctx: AttentionContext
+    rows: list[GroupRows]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.input_ids)
+
+
+class BeamPass:
+    """One decode step of the live groups as part of an engine step's forward: :attr:`first` rides in
+    that forward (after its ordinary rows); the groups beyond ``max_rows`` beam rows run in forwards
+    of their own when it lands (:meth:`land`, on the forward's thread)."""
+
+    def __init__(self, runner: BeamRunner, first: BeamRows, rest: list[list[BeamGroup]]) -> None:
+        self.runner = runner
+        self.first = first
+        self.rest = rest
+        self.result = BeamStepResult()
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [g.seq for g in self.first.groups] + [g.seq for batch in self.rest for g in batch]
+
+    @torch.inference_mode()
+    def land(self, logits: torch.Tensor) -> BeamStepResult:
+        """``logits`` ``[first.num_rows, V]`` are the first rows' (the forward is over): select, then
+        step the other groups."""
+        self.runner._land(self.first, logits, self.result)
+        for batch in self.rest:
+            self.runner._run(batch, self.result)
+        return self.result
 
 
 class BeamRunner:
@@ -110,9 +168,12 @@ class BeamRunner:
         if self.catalog is not None and p.item_catalog:
             group.nodes = self.catalog.root()
         result = BeamStepResult()
-        self._select(group, logits.float()[None], result)
+        # the first selection is no beam step: its candidates are not counted with the steps' (the
+        # per-step figure of xllm:beam_candidates_scanned), a search it ends is an early termination
+        self._select(group, logits.float()[None], BeamStepResult())
         if search.done:
-            result.finished.append((seq, self._final_chunk(group)))
+            result.finished.append(group)
+            result.early_terminations += search.stopped_early
         else:
             spec = self.kv.layout.spec
             group.kv = BeamKV(spec.num_layers, p.beam_width, max_tokens - 1, spec.num_kv_heads, spec.head_dim,
@@ -129,32 +190,53 @@ class BeamRunner:
             self._lookups.shutdown(wait=True)
 
     # ---- one step of every group ----------------------------------------------------------------
+    def _batches(self) -> list[list[BeamGroup]]:
+        """The live groups in batches of at most ``max_rows`` beam rows (a group never split)."""
+        batches: list[list[BeamGroup]] = []
+        rows = 0
+        for g in self.groups:
+            if g.search.done:  # finished in a step not retired yet
+                continue
+            if not batches or rows + g.search.num_beams > self.max_rows:
+                batches.append([])
+                rows = 0
+            batches[-1].append(g)
+            rows += g.search.num_beams
+        return batches
+
+    @torch.inference_mode()
+    def begin(self) -> BeamPass | None:
+        """The next decode step of every live group, its first batch to ride in the forward about to
+        start (engine thread; call it once any step before has landed). None without live groups."""
+        batches = self._batches()
+        if not batches:
+            return None
+        return BeamPass(self, self._inputs(batches[0]), batches[1:])
+
     @torch.inference_mode()
     def step(self) -> BeamStepResult:
-        """One decode step of every group (in forwards of at most ``max_rows`` beam rows, a group
-        never split); finished groups leave with their final chunk."""
+        """One decode step of every live group in forwards of their own (of at most ``max_rows`` beam
+        rows); :meth:`retire` the result."""
         result = BeamStepResult()
-        batch: list[BeamGroup] = []
-        rows = 0
-        for g in list(self.groups):
-            if batch and rows + g.search.num_beams > self.max_rows:
-                self._run(batch, result)
-                batch, rows = [], 0
-            batch.append(g)
-            rows += g.search.num_beams
-        if batch:
+        for batch in self._batches():
             self._run(batch, result)
-        done = {id(seq) for seq, _ in result.finished}
-        self.groups = [g for g in self.groups if id(g.seq) not in done]
+        return result
+
+    def retire(self, result: BeamStepResult) -> list[tuple[Sequence, engine_pb2.GenerateResponse]]:
+        """Count a landed step's work (or a start's), forget its finished groups and return their
+        requests' final chunks (engine thread)."""
+        done = {id(g) for g in result.finished}
+        self.groups = [g for g in self.groups if id(g) not in done]
         c = self.counters
         c.steps += result.steps
         c.rows += result.rows
         c.candidates_scanned += result.scanned
+        c.candidates_total += result.total
         c.early_terminations += result.early_terminations
         c.requests += len(result.finished)
-        return result
+        return [(g.seq, self._final_chunk(g)) for g in result.finished]
 
-    def _run(self, groups: list[BeamGroup], result: BeamStepResult) -> None:
+    def _inputs(self, groups: list[BeamGroup]) -> BeamRows:
         ids, positions, rows = [], [], []
         start = 0
         for g in groups:
@@ -167,17 +249,24 @@ class BeamRunner:
             positions.append(torch.full((b,), prompt + s.steps - 1, dtype=torch.int64))
             rows.append(GroupRows(start, b, prompt, g.seq.slot, g.seq.kv_pages, g.kv, s.steps - 1))
             start += b
-        ctx = BeamAttention(self.kv, rows)
-        hidden = self.model.forward(torch.cat(ids), torch.cat(positions), ctx)
-        logits = self.model.compute_logits(hidden)
-        result.rows += start
-        for g, r in zip(groups, rows, strict=True):
+        return BeamRows(groups, torch.cat(ids), torch.cat(positions), BeamAttention(self.kv, rows), rows)
+
+    def _run(self, groups: list[BeamGroup], result: BeamStepResult) -> None:
+        """One step of ``groups`` in a forward of their own."""
+        inputs = self._inputs(groups)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.ctx)
+        self._land(inputs, self.model.compute_logits(hidden), result)
+
+    def _land(self, inputs: BeamRows, logits: torch.Tensor, result: BeamStepResult) -> None:
+        """Select the next beams of each group from its rows of ``logits``."""
+        result.rows += inputs.num_rows
+        for g, r in zip(inputs.groups, inputs.rows, strict=True):
             old_steps = g.search.steps
             parents = self._select(g, logits[r.start:r.start + r.beams], result)
             result.steps += 1
             if g.search.done:
                 result.early_terminations += g.search.stopped_early
-                result.finished.append((g.seq, self._final_chunk(g)))
+                result.finished.append(g)
             else:
                 g.kv.reorder(parents, old_steps)
 
@@ -195,13 +284,13 @@ class BeamRunner:
             tokens = ch.tokens[cand.beams, cand.cols]
             items = ch.first[cand.beams] + cand.cols  # the node each candidate reaches
             result.scanned += cand.scanned
-            self.counters.candidates_total += int(ch.valid.sum())
+            result.total += int(ch.valid.sum())
         else:
             s.ban_end_tokens(logits)  # after the normalizer, as HF's min-length processor after log_softmax
             cand = topk_candidates(s.scores, logits, s.keep, g.per_beam, row_offsets=lse)
             tokens = cand.cols
             result.scanned += cand.scanned
-            self.counters.candidates_total += logits.numel()
+            result.total += logits.numel()
         running = s.advance(cand, tokens, items)
         if g.nodes is not None:
             g.nodes = items[running]

@@ -29,17 +29,19 @@ def load_catalog(path: str, vocab_size: int) -> ItemCatalog:
     return catalog
 
 
-def check_beam_request(params: SamplingParams, mixed: bool, req: engine_pb2.GenerateRequest,
+def check_beam_request(params: SamplingParams, prefill_side: bool, req: engine_pb2.GenerateRequest,
                        catalog: ItemCatalog | None, max_model_len: int, capacity_tokens: int) -> None:
     """Refuse what this engine cannot beam-search (:class:`InvalidRequestError` naming the field): a
-    prefill/decode hand-off, a grammar, a catalogue request without a catalogue, positions past the
-    context, or beams' own KV beyond the KV capacity (it lives outside the page pool)."""
-    if not mixed:
-        raise InvalidRequestError("beam search is not served across a prefill/decode hand-off", "disagg_phase")
+    grammar, a resumed search, a catalogue request without a catalogue, positions past the context,
+    or beams' own KV beyond the KV capacity (it lives outside the page pool). The prefill side of a
+    hand-off (``prefill_side``) computes the prompt only: the search, and so the catalogue and the
+    beams' KV, are the decode side's."""
     if req.sampling.HasField("structured"):
         raise InvalidRequestError("beam search cannot be combined with structured output", "response_format")
     if req.resumed_output_tokens:
         raise InvalidRequestError("a beam search cannot be resumed", "resumed_output_tokens")
+    if prefill_side:
+        return
     steps = params.max_tokens
     if params.item_catalog:
         if catalog is None:

@@ -21,11 +21,12 @@ import random
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 
-from xllm.core.beam import BeamRunner, BeamStepResult
+from xllm.core.beam import BeamRunner
 from xllm.core.beam_check import check_beam_request, load_catalog
 from xllm.core.config import EngineConfig
 from xllm.core.detokenizer import EngineTokenizer
 from xllm.core.disagg import DisaggListener, PromptFinishing
+from xllm.core.engine_beams import EngineBeams, beam_stats
 from xllm.core.engine_moves import EngineMoves
 from xllm.core.errors import EngineOverloadedError, InvalidRequestError
 from xllm.core.grammar import Grammars
@@ -54,7 +55,7 @@ from xllm.sched.latency import step_shape
 log = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineMoves):
+class LLMEngine(EngineMoves, EngineBeams):
     """Continuous-batching engine over one model instance (``model`` satisfies
     :class:`~xllm.core.model_api.CausalLM`)."""
 
@@ -170,7 +171,7 @@ class LLMEngine(EngineMoves):
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = PromptLogprobs()
         if params.beam_width is not None:
-            check_beam_request(params, phase is Phase.MIXED, req, self.beams.catalog, self.max_model_len,
+            check_beam_request(params, phase is Phase.PREFILL, req, self.beams.catalog, self.max_model_len,
                                self.layout.capacity_tokens)
         if req.sampling.HasField("structured"):
             if self.grammars is None:
@@ -215,7 +216,7 @@ class LLMEngine(EngineMoves):
         the one in flight): the suspects when a step raises."""
         seqs = set(self._stepping)
         if self._in_flight is not None:
-            seqs |= self._in_flight.seqs
+            seqs |= self._in_flight.seqs | set(self._in_flight.beam_pass.seqs if self._in_flight.beam_pass else ())
         return {s.request_id for s in seqs}
 
     def has_work(self) -> bool:
@@ -233,21 +234,20 @@ class LLMEngine(EngineMoves):
         """
         self._step_began = time.perf_counter()
         self._reserve()
-        beams = self._beam_step() if self.beams.groups else None
         if self.config.async_scheduling:
-            return (beams or []) + self._step_overlapped(beams is not None)
+            return self._step_overlapped()
         plan = self._schedule()
-        self.stalled = not plan and beams is None
-        if not plan:
-            return beams or []
+        self.stalled = not plan and not self.beams.groups
+        if not plan:  # beam groups alone (else they ride in the plan's forward: StepInFlight.beam_pass)
+            return self._beam_step() if self.beams.groups else []
         flight = self._prepare(plan)
         flight.start(None)
         self._swap_in(flight)
         responses = self._emit(flight)
         self._stepping = []
-        return (beams or []) + responses
+        return responses
 
-    def _step_overlapped(self, beams_ran: bool = False) -> list[engine_pb2.GenerateResponse]:
+    def _step_overlapped(self) -> list[engine_pb2.GenerateResponse]:
         responses: list[engine_pb2.GenerateResponse] = []
         prev = self._in_flight
         if prev is not None and (self._kv_tight() or self._slots_tight()):
@@ -265,7 +265,7 @@ class LLMEngine(EngineMoves):
             # real last token: speculating sequences step synchronously (xllm.core.spec.speculator)
             parked |= set(prev.spec_starts) | {s for s in busy if self.spec.wants(s)}
         plan = self._schedule(hold=parked)
-        self.stalled = not plan and prev is None and not beams_ran
+        self.stalled = not plan and prev is None and not self.beams.groups
         flight = self._prepare(plan) if plan else None
         if prev is not None:
             self._swap_in(prev)
@@ -278,6 +278,8 @@ class LLMEngine(EngineMoves):
             self._stepping = list(prev.seqs)  # emitting it may still fail
             responses += self._emit(prev)  # overlaps the forward just started
         self._stepping = []
+        if flight is None and self.beams.groups:  # beam groups alone, now that nothing is in flight
+            responses += self._beam_step()
         return responses
 
     def _schedule(self, hold: set[Sequence] | frozenset[Sequence] = frozenset()) -> StepPlan:
@@ -289,7 +291,7 @@ class LLMEngine(EngineMoves):
         """Pack the step's inputs and advance its sequences as if it had run; each
         sequence that samples this step gets a placeholder for its new token."""
         chunks = [(c.seq, c.num_tokens) for c in plan.chunks]
-        self._stepping = [seq for seq, _ in chunks]
+        self._stepping = [seq for seq, _ in chunks] + [g.seq for g in self.beams.groups]  # (beams ride along)
         drafts: dict[Sequence, list[int]] = {}
         if self.spec is not None:  # decode chunks become the last token + drafts (xllm.core.spec)
             decodes = {seq for seq, n in chunks if n == 1 and seq.num_computed_tokens > 0
@@ -309,7 +311,7 @@ class LLMEngine(EngineMoves):
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         flight = StepInFlight(plan, chunks, batch, self.runner, self.sampler, time.perf_counter(), shape=shape,
-                              began=self._step_began, grammars=self.grammars)
+                              began=self._step_began, grammars=self.grammars, beams=self.beams)
         flight.spec_starts = {seq: seq.num_computed_tokens - n for seq, n in chunks if seq in drafts}
         for seq in batch.sample_seqs:
             flight.placeholder_at.append(len(seq.output_ids))
@@ -324,7 +326,7 @@ class LLMEngine(EngineMoves):
     def _swap_in(self, flight: StepInFlight) -> None:
         """Wait for the forward, put the sampled tokens in place of the placeholders."""
         flight.wait()
-        if self.spec is not None:  # prices the rows of decode/verify steps (xllm.core.spec.costs)
+        if self.spec is not None and flight.beam_pass is None:  # prices decode/verify rows (xllm.core.spec.costs)
             self.spec.observe_step(flight.batch, flight.forward_seconds)
         for v in flight.verified:  # before the prefix cache sees them: rejected rows roll back
             self.spec.land(v, flight.spec_starts[v.seq])
@@ -351,12 +353,10 @@ class LLMEngine(EngineMoves):
             out = self.requests.get(seq.request_id)
             if out is None or out.seq is not seq or out.finished:
                 continue  # aborted, or its end was detected while this token was in flight
-            if seq in flight.beam_logits:  # the prompt is done: its beams decode as a group from here
-                seq.first_token_time = seq.last_token_time = now
-                ttfts.append(now - seq.arrival_time)
-                prompt_tokens += seq.num_prompt_tokens
-                self.scheduler.park_for_beams(seq)
-                responses += self._beams_done(self.beams.start(seq, flight.beam_logits[seq]), finished, now)
+            if seq.params.beam_width is not None:  # the prompt is done: its beams decode as a group from here
+                chunks, counted = self._beam_prompt_done(seq, out, flight, i, now, ttfts, finished)
+                responses += chunks
+                prompt_tokens += counted
                 continue
             token = result.token_ids[i]
             if seq.first_token_time is None:
@@ -382,6 +382,8 @@ class LLMEngine(EngineMoves):
             elif seq.phase is Phase.PREFILL:
                 self._hand_off(out, token, now)
         spec_tokens = self._emit_verified(flight, now, responses, itls, finished, offline)
+        if flight.beam_pass is not None:  # the groups that rode in this forward
+            responses += self._beams_done(flight.beam_pass.result, finished, now)
         for seq, _ in flight.chunks:
             if seq.moving and seq.status is SeqStatus.RUNNING and not self._computing(seq):
                 self._pause(seq)
@@ -446,7 +448,8 @@ class LLMEngine(EngineMoves):
         # the step's time as StepTiming defines it (xllm.core.step_timing): synchronous, the whole step
         # from scheduling to here; overlapped, its forward and sampling on the worker
         measured = flight.forward_seconds if self.config.async_scheduling else time.perf_counter() - flight.began
-        prediction_error = self.step_timing.observe(flight.shape, measured)
+        beams = flight.beam_pass.result if flight.beam_pass is not None else None  # not in the step's shape
+        prediction_error = self.step_timing.observe(flight.shape, measured) if beams is None else None
         c.steps += 1
         c.prompt_tokens += prompt_tokens
         c.generation_tokens += len(batch.sample_seqs) + spec_tokens
@@ -461,12 +464,13 @@ class LLMEngine(EngineMoves):
         self._reported_prefix = prefix
         self._notify(StepStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            batch_size=len(plan.chunks), num_decode_tokens=batch.num_decode,
+            batch_size=len(plan.chunks) + (beams.steps if beams else 0),
+            num_decode_tokens=batch.num_decode + (beams.rows if beams else 0),
             num_prefill_tokens=plan.num_tokens - batch.num_decode, num_preempted=len(plan.preempted),
             kv_usage=self.kv.usage, step_time=step_time, prompt_tokens=prompt_tokens, ttfts=ttfts,
             inter_token_latencies=itls, finished=finished, prefix_cache_queries=prefix.queries - before.queries,
             prefix_cache_hits=prefix.hits - before.hits, step_time_prediction_error=prediction_error,
-            offline=offline, **_spec_stats(flight)))
+            offline=offline, **_spec_stats(flight), **beam_stats(beams, flight.beam_starts)))
 
     def _notify(self, stats: StepStats) -> None:
         for obs in self.observers:
@@ -494,48 +498,6 @@ class LLMEngine(EngineMoves):
             self.spec.close()
         self.beams.close()
         self.kv.close()
-
-    # ---- beam groups (xllm.core.beam) -------------------------------------------
-    def _beam_step(self) -> list[engine_pb2.GenerateResponse]:
-        """One decode step of every beam group (the step in flight, if any, lands first: one forward
-        at a time); finished searches' final chunks."""
-        responses: list[engine_pb2.GenerateResponse] = []
-        if self._in_flight is not None:
-            prev, self._in_flight = self._in_flight, None
-            self._swap_in(prev)
-            responses += self._emit(prev)
-        began = time.perf_counter()
-        self._stepping = [g.seq for g in self.beams.groups]  # the suspects if the beam forward raises
-        result = self.beams.step()
-        self._stepping = []
-        finished: list[FinishedRequest] = []
-        now = time.time()
-        responses += self._beams_done(result, finished, now)
-        c = self.counters
-        c.steps += 1
-        c.finished_requests += len(finished)
-        if self.observers:
-            self._notify(StepStats(
-                num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                batch_size=len(self.beams.groups) + len(finished), num_decode_tokens=result.rows,
-                num_prefill_tokens=0, num_preempted=0, kv_usage=self.kv.usage,
-                step_time=time.perf_counter() - began, finished=finished, beam_steps=result.steps,
-                beam_rows=result.rows, beam_candidates_scanned=result.scanned,
-                beam_early_terminations=result.early_terminations))
-        return responses
-
-    def _beams_done(self, result: BeamStepResult, finished: list[FinishedRequest], now: float
-                    ) -> list[engine_pb2.GenerateResponse]:
-        """Retire the searches that ended: their requests, prompt KV and final chunks."""
-        chunks = []
-        for seq, chunk in result.finished:
-            self.requests.pop(seq.request_id, None)
-            self.scheduler.finish(seq)
-            finished.append(FinishedRequest(seq.request_id, finish_reason_name(chunk.finish_reason),
-                                            seq.num_prompt_tokens, chunk.usage.completion_tokens,
-                                            now - seq.arrival_time, seq.first_token_time - seq.arrival_time))
-            chunks.append(chunk)
-        return chunks
 
     # ---- reports ----------------------------------------------------------
     def load_report(self) -> instance_pb2.LoadReport:

@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from xllm.core.disagg import DisaggListener, Handoff, MoveReady, MoveSnapshot, Reservation
+from xllm.core.engine_beams import install_beam_kv
 from xllm.core.errors import InvalidRequestError
 from xllm.core.sequence import Phase, SeqStatus, Sequence
 from xllm.proto.engine.v1 import engine_pb2
@@ -120,7 +121,8 @@ class EngineMoves:
         :meth:`_install_moved`). Either way decoding continues after
         the first token (sampled and streamed by the prefill side; later draws depend only on the
         seed and the output index).
-        Returns chunks to deliver (only if the request ends right here)."""
+        Returns chunks to deliver (only if the request ends right here; a beam request's empty chunk
+        says this side took it over)."""
         seq = self.scheduler.awaiting_kv.get(commit.transfer_id)
         if seq is None or commit.transfer_id in self._abandoned:
             return self.release_kv(commit.transfer_id)
@@ -129,6 +131,12 @@ class EngineMoves:
         if commit.num_tokens != seq.num_prompt_tokens:
             raise InvalidRequestError(f"{commit.transfer_id}: the hand-off covers {commit.num_tokens} tokens, "
                                       f"the prompt has {seq.num_prompt_tokens}", "num_tokens")
+        if seq.params.beam_width is not None:  # its last prompt row is computed here (xllm.core.engine_beams)
+            install_beam_kv(seq, received)
+            if received:
+                self.kv.on_computed(seq)
+            self.scheduler.resume_with_kv(seq)
+            return [engine_pb2.GenerateResponse(request_id=seq.request_id)]  # no token: says the KV is here
         if received:
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.kv.on_computed(seq)  # the received blocks join the local prefix cache

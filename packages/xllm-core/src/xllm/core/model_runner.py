@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -60,6 +61,16 @@ class BatchInputs:
         return len(self.prefill_query_starts) - 1
 
 
+class ExtraRows(Protocol):
+    """Rows that ride in a step's forward after its own, with their own attention (the beam rows of
+    :mod:`xllm.core.beam`): ``input_ids``/``positions`` ``[R]`` and the context their queries attend
+    through (it stores their K/V as it likes)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    ctx: AttentionContext
+
+
 class ModelRunner:
     """Runs ``model`` on scheduled chunks with KV from ``kv``.
 
@@ -71,7 +82,11 @@ class ModelRunner:
     other step of up to ``max_step_tokens`` tokens the fused general step ("native_step"), all
     unless a caller listens to each layer (``on_layer``). Otherwise a pure decode step takes a
     compiled decode graph covering its batch size (``graph``, see :mod:`xllm.core.graph_runner`)
-    and everything else the eager modules.
+    and everything else the eager modules. A step carrying extra rows (beam groups) runs them in
+    the same eager forward as its own rows ("beams": the fused kernels attend over slots only) when it
+    has at most ``share_max_rows`` rows of its own or no fused path; a larger step runs its own rows
+    fused and the extra rows in an eager forward after it (the fused general step's speed on
+    prefill chunks is worth more than one pass over the weights).
     """
 
     def __init__(self, model: CausalLM, kv: KVCacheBackend, device: torch.device, native_decode: bool = True) -> None:
@@ -85,7 +100,12 @@ class ModelRunner:
         # hears every forward's final hidden states ``[rows, hidden]`` (the ``mtp`` proposer); while
         # set, every step runs eager (the fused and compiled paths return the sampled rows only)
         self.hidden_sink: Callable[[BatchInputs, torch.Tensor], None] | None = None
-        self.mode_steps = {"native": 0, "native_verify": 0, "native_step": 0, "compiled": 0, "eager": 0}
+        self.mode_steps = {"native": 0, "native_verify": 0, "native_step": 0, "compiled": 0, "eager": 0, "beams": 0}
+        # a step with extra rows shares one eager forward with them up to this many rows of its own;
+        # from the quiet step table (docs/performance.md): eager costs more than the fused step, ~10 ms at 16
+        # decode rows, ~21 ms at 64, 140 ms at 15 decodes + a 512-token chunk; a forward of the extra rows
+        # alone costs one more pass over the weights (~30 ms for SmolLM2)
+        self.share_max_rows = 64
 
     @property
     def native_decode(self) -> bool:
@@ -185,10 +205,21 @@ class ModelRunner:
                 and len(batch.input_ids) <= self.fused.max_batch)
 
     @torch.inference_mode()
-    def execute(self, batch: BatchInputs, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+    def execute(self, batch: BatchInputs, on_layer: Callable[[int], None] | None = None,
+                extra: ExtraRows | None = None) -> torch.Tensor:
         """Forward the packed batch; float32 logits of :attr:`BatchInputs.logit_rows` (one per sampled
         sequence, then the prompt-logprob rows), ``[rows, vocab]``. ``on_layer`` hears
-        each layer's index once the forward stored its KV (such a step runs eager)."""
+        each layer's index once the forward stored its KV (such a step runs eager). ``extra`` rows
+        join the forward after the batch's (one pass over the weights for both); their logits follow
+        the batch's, every row of them."""
+        if extra is not None:
+            if (self.fused is None or on_layer is not None or self.hidden_sink is not None
+                    or len(batch.input_ids) <= self.share_max_rows):
+                return self._execute_with(batch, on_layer, extra)
+            own = self.execute(batch)  # fused, then the extra rows in a forward of their own
+            hidden = self.model.forward(extra.input_ids, extra.positions, extra.ctx)
+            return torch.cat([own, self.model.compute_logits(hidden)]) if len(own) else \
+                self.model.compute_logits(hidden)
         pure_decode = batch.num_decode == len(batch.input_ids)
         if self.fused is not None and on_layer is None and self.hidden_sink is None:
             if pure_decode and batch.num_decode <= self.fused.max_batch:
@@ -224,6 +255,38 @@ class ModelRunner:
         if not batch.needs_logits:
             return hidden.new_empty(0, 0, dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.logit_rows])
+
+    def _execute_with(self, batch: BatchInputs, on_layer: Callable[[int], None] | None,
+                      extra: ExtraRows) -> torch.Tensor:
+        self.mode_steps["beams"] += 1
+        n = len(batch.input_ids)
+        ctx: AttentionContext = _SplitContext(self.kv.addressing.context(batch), n, extra.ctx)
+        if on_layer is not None:
+            ctx = _ReportingContext(ctx, on_layer)
+        hidden = self.model.forward(torch.cat([batch.input_ids, extra.input_ids]),
+                                    torch.cat([batch.positions, extra.positions]), ctx)
+        if self.hidden_sink is not None:
+            self.hidden_sink(batch, hidden[:n])
+        rows = torch.cat([batch.logit_rows, torch.arange(n, len(hidden), device=batch.logit_rows.device)])
+        return self.model.compute_logits(hidden[rows])
+
+
+class _SplitContext:
+    """Attention for a forward of a batch's ``n`` rows then extra rows, each part by its own context."""
+
+    def __init__(self, batch: AttentionContext, n: int, extra: AttentionContext) -> None:
+        self.batch = batch
+        self.n = n
+        self.extra = extra
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
+                  v_dim: int | None = None) -> torch.Tensor:
+        n = self.n
+        if n == 0:
+            return self.extra.attention(layer, q, k, v, scale, v_dim)
+        head = self.batch.attention(layer, q[:n], k[:n], None if v is None else v[:n], scale, v_dim)
+        tail = self.extra.attention(layer, q[n:], k[n:], None if v is None else v[n:], scale, v_dim)
+        return torch.cat([head, tail])
 
 
 class _ReportingContext:

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from xllm.core.beam import BeamPass, BeamRunner, BeamStepResult
 from xllm.core.grammar import Grammars, PendingMasks
 from xllm.core.model_runner import BatchInputs, ModelRunner
 from xllm.core.sampler import Sampler, SampleResult
 from xllm.core.sampler import prompt_logprobs as compute_prompt_logprobs
-from xllm.core.sequence import PLACEHOLDER, Sequence
+from xllm.core.sequence import PLACEHOLDER, Phase, Sequence
 from xllm.core.spec.verify import Verified, verify
 from xllm.sched import StepPlan
 from xllm.sched.latency import StepShape
@@ -49,6 +50,10 @@ class StepInFlight:
     spec_starts: dict[Sequence, int] = field(default_factory=dict)
     # beam requests whose prompt this step finished: their last row's logits (xllm.core.beam starts from them)
     beam_logits: dict[Sequence, torch.Tensor] = field(default_factory=dict)
+    # beam groups decoding: their next step rides in this forward (taken at start, landed by _run)
+    beams: BeamRunner | None = None
+    beam_pass: BeamPass | None = None
+    beam_starts: BeamStepResult = field(default_factory=BeamStepResult)  # the searches begun as it landed
     _future: Future | None = field(default=None, repr=False)
 
     @property
@@ -80,7 +85,12 @@ class StepInFlight:
 
     def _run(self) -> SampleResult | None:
         t0 = time.perf_counter()
-        logits = self.runner.execute(self.batch, self.on_layer)
+        beams = self.beam_pass
+        logits = self.runner.execute(self.batch, self.on_layer, beams.first if beams is not None else None)
+        if beams is not None:  # the beam rows' logits follow the batch's
+            mine = len(logits) - beams.first.num_rows
+            beams.land(logits[mine:])
+            logits = logits[:mine]
         num_sampled = len(self.batch.sample_seqs)
         num_scored = num_sampled + len(self.batch.prompt_rows)
         if self.batch.spec_spans:
@@ -90,7 +100,7 @@ class StepInFlight:
         if len(logits) > num_sampled:
             logits = logits[:num_sampled]
         for i, seq in enumerate(self.batch.sample_seqs):
-            if seq.params.beam_width is not None:
+            if seq.params.beam_width is not None and seq.phase is not Phase.PREFILL:  # (a prefill side hands off)
                 self.beam_logits[seq] = logits[i].float().clone()
         result = self.sampler(logits, self.batch.sample_seqs, self.masks) if self.batch.sample_seqs else None
         self.forward_seconds = time.perf_counter() - t0
@@ -99,7 +109,10 @@ class StepInFlight:
     def start(self, executor: Executor | None) -> None:
         """Run the forward now (``executor`` None) or on the executor's thread. Call it once the
         previous step's tokens have landed: the constrained sequences' masks start from them here,
-        on the grammar thread, and are ready when the forward ends."""
+        on the grammar thread, and are ready when the forward ends. The beam groups' next step joins
+        the forward here, where their state is current."""
+        if self.beams is not None:
+            self.beam_pass = self.beams.begin()
         if self.grammars is not None and self.batch.sample_seqs:
             self.masks = self.grammars.begin(self.batch.sample_seqs)
         if executor is None:

@@ -129,6 +129,10 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         c["spec_decode_num_drafts"] += s.spec_num_drafts
         c["spec_decode_num_draft_tokens"] += s.spec_draft_tokens
         c["spec_decode_num_accepted_tokens"] += s.spec_accepted_tokens
+        c["beam_steps"] += s.beam_steps
+        c["beam_rows"] += s.beam_rows
+        c["beam_candidates_scanned"] += s.beam_candidates_scanned
+        c["beam_early_terminations"] += s.beam_early_terminations
         self._spec_per_pos.extend([0] * (len(s.spec_accepted_per_pos) - len(self._spec_per_pos)))
         for j, n in enumerate(s.spec_accepted_per_pos):
             self._spec_per_pos[j] += n

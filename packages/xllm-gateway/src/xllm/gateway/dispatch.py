@@ -31,7 +31,7 @@ from xllm.engine.wire import InstanceUnavailableError, RequestFailedError
 from xllm.gateway.disagg import PDStream, phase_request
 from xllm.gateway.metrics import PDMetrics
 from xllm.gateway.moves import Migration, Mover, Recompute, continuation
-from xllm.gateway.openai.errors import APIError, bad_request, model_not_found, to_api_error
+from xllm.gateway.openai.errors import APIError, model_not_found, to_api_error
 from xllm.gateway.registry import NoInstanceError, Registry
 from xllm.gateway.router import Router, Ticket
 from xllm.proto.engine.v1 import engine_pb2
@@ -96,10 +96,7 @@ class Dispatcher:
                      session: str | None, exclude: set[str] | None = None) -> tuple[Ticket, list]:
         exclude = set(exclude or ())
         prefills, decodes = self.router.pd_pools(model, exclude)
-        if prefills and decodes:
-            if any(r.sampling.HasField("beam_width") for r in reqs):  # xllm.core.beam: one instance per search
-                raise bad_request("beam search (use_beam_search, /v1/recommend) is not served by a "
-                                  "prefill/decode-disaggregated cluster yet", "use_beam_search")
+        if prefills and decodes:  # (a beam search's group decodes on the decode instance: xllm.core.engine_beams)
             return await self._place_pd(model, prompt, reqs, session, exclude)
         last: BaseException | None = None
         for _ in range(self.max_attempts):

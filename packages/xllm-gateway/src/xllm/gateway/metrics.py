@@ -114,7 +114,7 @@ class EngineMetrics:
         self.spec_accepted_per_pos = Counter(
             "xllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted by position in their run "
             "(0: the first draft).", [*labels, "position"], registry=r)
-        # beam search (xllm.core.beam): embedded engines (their step observer)
+        # beam search (xllm.core.beam): embedded engines (their step observer), remote ones (heartbeats)
         self.beam_steps = Counter("xllm:beam_steps", "Beam-group decode steps (one per request per step).", labels,
                                   registry=r)
         self.beam_rows = Counter("xllm:beam_rows", "Beam rows computed (live beams summed over steps).", labels,
@@ -175,7 +175,10 @@ class EngineMetrics:
                   *((self.offline_preemptions, (reason,), field) for reason, field in _OFFLINE_PREEMPTION_REASONS),
                   (self.spec_drafts, (), "spec_decode_num_drafts"),
                   (self.spec_draft_tokens, (), "spec_decode_num_draft_tokens"),
-                  (self.spec_accepted_tokens, (), "spec_decode_num_accepted_tokens")]
+                  (self.spec_accepted_tokens, (), "spec_decode_num_accepted_tokens"),
+                  (self.beam_steps, (), "beam_steps"), (self.beam_rows, (), "beam_rows"),
+                  (self.beam_candidates_scanned, (), "beam_candidates_scanned"),
+                  (self.beam_early_terminations, (), "beam_early_terminations")]
         for counter, extra, field in series:
             delta = getattr(counters, field) - getattr(last, field)
             if delta > 0:  # a series appears with its first count
@@ -260,11 +263,11 @@ class _InstanceObserver:
             for j, n in enumerate(s.spec_accepted_per_pos):
                 if n:
                     m.spec_accepted_per_pos.labels(*lb, str(j)).inc(n)
-        if s.beam_steps:
-            m.beam_steps.labels(*lb).inc(s.beam_steps)
-            m.beam_rows.labels(*lb).inc(s.beam_rows)
-            m.beam_candidates_scanned.labels(*lb).inc(s.beam_candidates_scanned)
-            m.beam_early_terminations.labels(*lb).inc(s.beam_early_terminations)
+        for counter, n in ((m.beam_steps, s.beam_steps), (m.beam_rows, s.beam_rows),
+                           (m.beam_candidates_scanned, s.beam_candidates_scanned),
+                           (m.beam_early_terminations, s.beam_early_terminations)):
+            if n:  # a series appears with its first count
+                counter.labels(*lb).inc(n)
         self._offline(s)
 
     def _offline(self, s: StepStats) -> None:
