@@ -21,7 +21,7 @@ from xllm.gateway.registry import EmbeddedRegistry
 from xllm.gateway.router import Router
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.registry.v1 import instance_pb2
-from xllm.testing.engine import Collected, generate, make_engine, make_request
+from xllm.testing.engine import Collected, StepGate, gated, generate, make_engine, make_request
 from xllm.testing.processes import until
 from xllm.testing.served import ServedEngines
 from xllm.testing.tiny import TinyLM, tiny_tokenizer
@@ -40,7 +40,10 @@ class Cluster:
 
     def __init__(self, roles: dict[str, str], transport: str, mode: str) -> None:
         self.registry = EmbeddedRegistry()
-        self.served = ServedEngines(roles, lambda: make_engine(LM), transport, MODEL)
+        # the engines hold (after 2 x MOVE_AFTER steps of them all: past the client's MOVE_AFTER-th chunk) until
+        # the drain has begun: the request is still running when it does, however fast the model
+        self.gate = StepGate(hold_after=2 * MOVE_AFTER)
+        self.served = ServedEngines(roles, lambda: gated(make_engine(LM), self.gate), transport, MODEL)
         self.nodes = self.served.nodes
         self.prom = CollectorRegistry()
         router = Router(self.registry, "kv_aware")
@@ -68,7 +71,9 @@ class Cluster:
             chunks += 1
             if chunks == MOVE_AFTER:
                 drained = _decoding_instance(stream)
+                self.nodes[drained].server.begin_drain()
                 drain = asyncio.ensure_future(self.nodes[drained].server.drain(30.0))
+                self.gate.release()
         assert drain is not None, "the request ended before the drain"
         await drain
         return got, drained

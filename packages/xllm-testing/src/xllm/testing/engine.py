@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass, field
+
 import pytest
 import torch
 
@@ -45,6 +48,35 @@ def make_request(rid: str, prompt: list[int], priority: int = 0, arrival_time: f
     sampling.setdefault("max_tokens", 16)
     return engine_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, priority=priority,
                                       arrival_time=arrival_time, sampling=engine_pb2.SamplingParams(**sampling))
+
+
+@dataclass
+class StepGate:
+    """A step observer that holds its engine's thread after the engine's ``hold_after``-th step until
+    :meth:`release` (once released, never again). A test that acts on a request mid-stream (drains
+    its instance, say) holds the engine where the request cannot have finished, acts, releases: the
+    action then lands on a running request however fast the model and however slow the test's event
+    loop (a tiny model otherwise finished 40 tokens before a drain begun from the event loop landed,
+    under load). ``timeout``: seconds a held engine waits before failing its step."""
+
+    hold_after: int
+    timeout: float = 60.0
+    steps: int = 0
+    _released: threading.Event = field(default_factory=threading.Event)
+
+    def on_step(self, stats) -> None:
+        self.steps += 1
+        if self.steps >= self.hold_after and not self._released.wait(self.timeout):
+            raise AssertionError(f"engine held after step {self.steps} for {self.timeout:.0f} s: never released")
+
+    def release(self) -> None:
+        self._released.set()
+
+
+def gated(engine: LLMEngine, gate: StepGate) -> LLMEngine:
+    """``engine`` with ``gate`` among its step observers."""
+    engine.observers.append(gate)
+    return engine
 
 
 class Collected:
