@@ -3,12 +3,15 @@ sets against their definitions, and the seeded categorical draw."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from xllm.kernels import native
 from xllm.kernels.sampling import (
     apply_frequency_presence_penalties,
     apply_repetition_penalty,
+    apply_token_bitmask,
     apply_top_k_top_p_min_p,
     sample_from_probs,
 )
@@ -173,3 +176,30 @@ def test_sampling_from_a_one_hot_row_is_deterministic():
     gens = [torch.Generator().manual_seed(s) for s in range(4)]
     for _ in range(20):
         assert sample_from_probs(probs, gens).tolist() == [3, 0, 8, 5]
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("vocab", [49152, 1000, 37])  # whole 16-token groups, a tail, less than one word
+def test_token_bitmask_against_the_bits_one_by_one(path, vocab, monkeypatch):
+    """Every token of a masked row whose bit (llguidance's layout: bit j of word w = token 32 w + j)
+    is clear is -inf, every other value is unchanged, rows outside ``rows`` untouched, the input
+    untouched; the native kernel and the torch fallback alike."""
+    if path == "native" and native.library() is None:
+        pytest.skip("no native kernels here")
+    if path == "torch":
+        monkeypatch.setattr(native, "for_tensors", lambda *t: None)
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g)
+    before = logits.clone()
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = 0  # a row with nothing allowed
+    rows = torch.tensor([4, 0, 2])
+    out = apply_token_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, before)
+    want = before.clone()
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    for i, r in enumerate(rows.tolist()):
+        want[r, torch.from_numpy(allowed[i] == 0)] = NEG_INF
+    assert torch.equal(out, want)
+    assert torch.isinf(out[0]).all() and torch.equal(out[1], before[1]) and torch.equal(out[3], before[3])

@@ -20,10 +20,9 @@ Contracts:
   GIL keeps the grammar thread from starting), else right there, before the forward (the default
   configuration: all cores, kernels holding the GIL; 25-40 µs per constrained sequence, one matcher
   after the other on the calling thread: no hand-off to a pool thread, and no torch call, which would
-  drop the GIL to the HTTP event loop, before the masks). Either way the bitmask is
-  expanded to an additive float mask off the sampler's path, and the sampler
-  (:meth:`PendingMasks.apply`) masks the constrained rows with one add. A sequence whose grammar
-  has ended may only emit EOS.
+  drop the GIL to the HTTP event loop, before the masks). The sampler
+  (:meth:`PendingMasks.apply`) applies the bitmasks to the constrained rows in one native pass. A
+  sequence whose grammar has ended may only emit EOS.
 """
 
 from __future__ import annotations
@@ -41,13 +40,12 @@ import torch
 from xllm.core.errors import InvalidRequestError
 from xllm.core.grammar_spec import grammar_text
 from xllm.core.sequence import Sequence
+from xllm.kernels.sampling import apply_token_bitmask
 from xllm.proto.engine.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 256
-# byte b of a bitmask row -> the additive logit mask of its 8 tokens (bit j set: token allowed, 0; else -inf)
-_BYTE_MASKS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 0.0, -np.inf).astype(np.float32)
 
 
 @dataclass(eq=False)
@@ -71,14 +69,14 @@ class GrammarState:
 
 @dataclass(eq=False)
 class PendingMasks:
-    """The masks of one step's constrained rows, being computed on the grammar thread: the bitmask
-    (what llguidance writes), then expanded there to an additive float mask (0 allowed, -inf not), so
-    the sampler's share on the critical path is one add."""
+    """The masks of one step's constrained rows, being computed (on the grammar thread, or already
+    done): llguidance's bitmask, applied by the sampler in one native pass
+    (:func:`xllm.kernels.sampling.apply_token_bitmask`: 16-token masked stores of -inf; for 16 rows of
+    SmolLM2's 49,152 tokens 0.47 ms with the copy of the logits, against 1.1 ms to expand the bitmask
+    into a float mask and add it, measured side by side on a busy machine)."""
 
     rows: torch.Tensor        # sample rows (of the step's sampled sequences) that are constrained
     bitmask: np.ndarray       # int32 [len(rows), words]: bit t of a row = token t allowed
-    num_rows: int = 0         # rows of the step's logits (all constrained: a plain add)
-    additive: torch.Tensor | None = None  # float32 [len(rows), vocab], set by the grammar thread
     future: Future | None = field(default=None, repr=False)
 
     def wait(self) -> None:
@@ -89,15 +87,7 @@ class PendingMasks:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with every disallowed token of the constrained rows at -inf (a new tensor)."""
         self.wait()
-        if len(self.rows) == logits.shape[0]:
-            return logits + self.additive
-        return logits.index_add(0, self.rows, self.additive)
-
-    def expand(self, vocab: int) -> None:
-        """The additive mask from the bitmask (grammar thread)."""
-        as_bytes = self.bitmask.view(np.uint8)
-        table = np.take(_BYTE_MASKS, as_bytes, axis=0).reshape(len(as_bytes), -1)
-        self.additive = torch.from_numpy(np.ascontiguousarray(table[:, :vocab]))
+        return apply_token_bitmask(logits, torch.from_numpy(self.bitmask), self.rows)
 
 
 class Grammars:
@@ -183,7 +173,6 @@ class Grammars:
                 self._eos_only(bitmask[k])
             else:
                 state.matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
-        pending.expand(self.vocab_size)
 
     def _eos_only(self, row: np.ndarray) -> None:
         row[:] = 0

@@ -115,3 +115,31 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     lib.lib.xllm_argmax_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
     return out
+
+
+# byte b of a bitmask row -> its 8 tokens' additive mask (bit j set: token allowed, 0; else -inf)
+_BYTE_MASKS = torch.where((torch.arange(256)[:, None] >> torch.arange(8)) & 1 == 1, 0.0, float("-inf"))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``logits`` (float ``[B, V]``) with every token that ``bitmask`` does not allow at ``-inf``, as a
+    new tensor: ``bitmask[i]`` (int32 words, bit ``j`` of word ``w`` = token ``32 w + j`` allowed, the
+    grammar engine's layout) masks row ``rows[i]``; other rows are copied unchanged. Native kernel for
+    contiguous float32 logits (masked 16-token stores), else the bitmask expanded to an additive mask."""
+    import ctypes
+
+    from xllm.kernels import native
+
+    out = logits.clone()
+    lib = native.for_tensors(out) if out.dim() == 2 and out.dtype == torch.float32 and out.is_contiguous() else None
+    vocab = out.shape[1]
+    if lib is not None:
+        bits = bitmask.contiguous()
+        idx = rows.to(torch.int64).contiguous()
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.fn("xllm_apply_token_bitmask_f32", [vp, i64, vp, i64, vp, i64, i64])(
+            out.data_ptr(), out.stride(0), bits.data_ptr(), bits.shape[1], idx.data_ptr(), len(idx), vocab)
+        return out
+    additive = _BYTE_MASKS[bitmask.contiguous().view(torch.uint8).long()].reshape(len(rows), -1)[:, :vocab]
+    out[rows] = out[rows] + additive.to(out.dtype)
+    return out
