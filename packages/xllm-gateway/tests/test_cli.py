@@ -29,7 +29,7 @@ ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--kv-host-memory", "--kv-host-dir"
                        "--kv-store", "--kv-store-segment", "--mooncake-metadata"]
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--quantization", "--kv-cache-dtype"]  # weights and KV quantization
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--item-catalog"]  # generative recommendation (issue 19)
-HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout", "--mooncake-master"]
+HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout"]
 CLUSTER_SECURITY_FLAGS = ["--cluster-token", "--cluster-token-file", "--tls-cert", "--tls-key", "--tls-ca",
                           "--tls-server-name", "--etcd-ca", "--etcd-cert", "--etcd-key"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", *ENGINE_CONFIG_FLAGS, "--no-progress",
@@ -122,10 +122,11 @@ def test_engine_rejects_two_registries(capsys):
 
 
 @pytest.mark.parametrize("command", [["serve", "--prefill-instances", "1", "--decode-instances", "1"], ["engine"]])
-def test_mooncake_transfer_needs_its_master(command, capsys):
-    """Checked before any engine starts, not as a traceback from each spawned engine."""
-    assert main([*command, "--kv-transfer", "mooncake", "--mooncake-master", "h:1", "--no-progress"]) == 2
-    assert "--mooncake-metadata" in capsys.readouterr().err
+def test_mooncake_transfer_needs_the_store_tier(command, capsys):
+    """Checked before any engine starts, not as a traceback from each spawned engine: hand-offs through
+    the store go through the engines' T3 tier."""
+    assert main([*command, "--kv-transfer", "mooncake", "--no-progress"]) == 2
+    assert "--kv-store" in capsys.readouterr().err
 
 
 
