@@ -220,6 +220,26 @@ def test_serve_starts_a_local_mooncake_store_on_loopback_for_its_engines():
     assert start_local_store(build_parser().parse_args(["serve"])) is None
 
 
+def test_serve_stopped_by_sigterm_stops_its_local_store(monkeypatch):
+    """uvicorn re-raises the SIGTERM that stopped it after its shutdown; the store ``xllm serve`` started
+    (in sessions of its own) must still be stopped, not orphaned."""
+    import signal
+
+    from xllm.gateway import cli
+    from xllm.testing.processes import ensure_mooncake
+
+    ensure_mooncake()
+    started, real_start = [], cli.start_local_store
+    monkeypatch.setattr(cli, "start_local_store", lambda args: started.append(real_start(args)) or started[-1])
+    monkeypatch.setattr(cli, "_serve", lambda args: signal.raise_signal(signal.SIGTERM))  # as uvicorn ends
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.serve(build_parser().parse_args(["serve", "--kv-store", "local-mooncake"]))
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    assert started and started[0].master.poll() is not None and started[0].metadata.poll() is not None
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 @pytest.mark.parametrize("argv", [
     ["serve", "--max-num-seqs", "0"],
     ["serve", "--max-model-len", "-5"],
