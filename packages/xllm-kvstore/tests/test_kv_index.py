@@ -65,11 +65,14 @@ def test_history_overflow_falls_back_to_a_snapshot():
     assert snap.snapshot and list(snap.stored) == list(range(10))
 
 
-def test_any_interleaving_of_deltas_reproduces_the_producer_state():
+@pytest.mark.parametrize("scoped", [False, True], ids=["own", "scoped"])
+def test_any_interleaving_of_deltas_reproduces_the_producer_state(scoped):
     """Property: a consumer applying deltas taken at random points (some lost, then resynced)
-    always ends with exactly the producer's cached set."""
+    always ends with exactly the producer's cached set (a lower tier with a scope, alone in it, too)."""
     rng = random.Random(0)
     log = KVEventLog("w", 8, epoch=3, max_history=64)
+    if scoped:
+        log.tier_scopes = {"host": "file://m/shm", "disk": ""}
     index = GlobalKVIndex()
     acked = None
     tiers = ("", "host", "disk")  # the engine's memory and two lower tiers, on one version sequence
