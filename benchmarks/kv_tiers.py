@@ -38,6 +38,7 @@ import tempfile
 import time
 
 from benchmarks.kv_tiers_cluster import POLICIES, VARIANTS
+from benchmarks.kv_tiers_report import break_even_fit
 from benchmarks.report import add_output_args
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -156,8 +157,8 @@ def break_even(model, tok, threads: int, lengths: list[int], reps: int, tier: st
         stats = eng.kv.tier_stats()[tier]
         return {"rows": rows, "read_mb_per_s": round(stats.bytes_read / stats.load_seconds / 1e6, 1)
                 if stats.load_seconds else None,
-                "break_even_tokens": next((r["prefix_tokens"] for r in rows if r["load_ms"] < r["recompute_ms"]),
-                                          None)}
+                "load_ms_per_block": round(stats.load_seconds / stats.hits * 1e3, 2) if stats.hits else None,
+                "block_tokens": eng.layout.block_size, **break_even_fit(rows)}
     finally:
         eng.close()
 
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     n_sessions = args.sessions or (16 if args.quick else 24)
     turns = args.turns or (3 if args.quick else 4)
-    lengths = [64, 128, 256, 512] if args.quick else [32, 64, 128, 256, 512, 1024, 1536]
+    lengths = [64, 128, 256, 512] if args.quick else [64, 128, 256, 512, 1024, 1536]  # (a block is 64 tokens)
     reps = 2 if args.quick else 3
     trace = chat_trace(tok, n_sessions, turns)
     result = {"date": stamp, "commit": git_commit(str(HERE.parent)), "machine": machine_info(),

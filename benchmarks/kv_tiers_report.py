@@ -9,6 +9,29 @@ import statistics
 from benchmarks.report import fmt, pct
 
 
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares ``(intercept, slope)`` of ``ys`` over ``xs``."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def break_even_fit(rows: list[dict]) -> dict:
+    """From TTFT rows (prefix tokens, recompute ms, load ms): the shortest measured prefix from which loading
+    is faster at every longer length too (``break_even_tokens``, None if never), and straight-line fits of
+    both against the prefix length — recompute and load cost per 1k prefix tokens, and the length where the
+    lines cross (``crossover_tokens``; at most 0: loading wins from the first block, whatever its size)."""
+    xs = [r["prefix_tokens"] for r in rows]
+    (a, r_slope), (b, l_slope) = _line(xs, [r["recompute_ms"] for r in rows]), _line(xs, [r["load_ms"] for r in rows])
+    faster = [r["load_ms"] < r["recompute_ms"] for r in rows]
+    first = next((rows[j]["prefix_tokens"] for j in range(len(rows)) if all(faster[j:])), None)
+    crossover = (b - a) / (r_slope - l_slope) if r_slope > l_slope else None
+    return {"break_even_tokens": first, "recompute_ms_per_1k_tokens": round(r_slope * 1e3, 1),
+            "load_ms_per_1k_tokens": round(l_slope * 1e3, 1),
+            "crossover_tokens": None if crossover is None else round(crossover)}
+
+
 def _median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -39,9 +62,16 @@ def markdown(r: dict) -> str:
             for row in b["rows"]:
                 lines.append(f"| {tier} | {row['prefix_tokens']} | {fmt(row['recompute_ms'])} | "
                              f"{fmt(row['load_ms'])} | {row['load_ms'] / row['recompute_ms']:.2f} |")
-        lines += [""] + [f"- {tier}: loading beats recomputing from {b['break_even_tokens']} tokens "
-                         f"(reads at {b['read_mb_per_s']} MB/s, checksum included)"
-                         for tier, b in r["break_even"].items()] + [""]
+        lines.append("")
+        for tier, b in r["break_even"].items():
+            fit = {**b, **break_even_fit(b["rows"])}
+            lines.append(f"- {tier}: loading beats recomputing from {fit['break_even_tokens']} tokens on (the shortest "
+                         f"measured); per 1k prefix tokens {fit['load_ms_per_1k_tokens']} ms to load against "
+                         f"{fit['recompute_ms_per_1k_tokens']} ms to recompute, the lines crossing at "
+                         f"{fit['crossover_tokens']} tokens; reads at {b['read_mb_per_s']} MB/s, checksum included"
+                         + (f", {b['load_ms_per_block']} ms per {b.get('block_tokens', '?')}-token block"
+                            if b.get("load_ms_per_block") else ""))
+        lines.append("")
     if r.get("cluster"):
         c = r.get("cluster_config", {})
         lines += [f"## Cluster: {c.get('engines', 2)} engines x {c.get('threads_per_engine', 1)} thread, T0 "

@@ -68,3 +68,14 @@ def test_the_report_tables_every_part_and_plots(tmp_path):
     assert plot(result, tmp_path / "kv_tiers.png") == "kv_tiers.png" and (tmp_path / "kv_tiers.png").stat().st_size
     args = build_parser().parse_args(["--quick", "--parts", "cluster"])
     assert args.quick and args.parts == "cluster" and args.report is None
+
+
+def test_break_even_fit_finds_where_loading_stays_faster_and_where_the_lines_cross():
+    from benchmarks.kv_tiers_report import break_even_fit
+
+    rows = [{"prefix_tokens": n, "recompute_ms": 10 + 2.0 * n, "load_ms": 60 + 0.5 * n} for n in (16, 64, 256, 1024)]
+    fit = break_even_fit(rows)
+    assert (fit["recompute_ms_per_1k_tokens"], fit["load_ms_per_1k_tokens"]) == pytest.approx((2000, 500))
+    assert fit["crossover_tokens"] == 33 and fit["break_even_tokens"] == 64  # 16 tokens: 42 ms against 68
+    never = [{"prefix_tokens": n, "recompute_ms": 1.0, "load_ms": 2.0} for n in (64, 128)]
+    assert break_even_fit(never)["break_even_tokens"] is None and break_even_fit(never)["crossover_tokens"] is None
