@@ -204,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=None, help="turns per chat (default 4; --quick 3)")
     p.add_argument("--policies", default=",".join(POLICIES), help="cluster part: routing policies")
     p.add_argument("--variants", default=",".join(VARIANTS), help="cluster part: tier variants (host, host+store)")
+    p.add_argument("--cluster-rounds", type=int, default=1, help="cluster part: runs of every policy (1)")
     p.add_argument("--rounds", type=int, default=None,
                    help="runs of every session configuration, every other one in the reverse order (default: "
                         "2; --quick: 1)")
@@ -278,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         result["cluster_config"] = {"engines": 2, "threads_per_engine": 1, "kv_gib": KV_GIB,
                                     "host_gib": CLUSTER_HOST_GIB, "store_segment_gib": 0.25,
                                     "start_gap_s": settings.start_gap, "think_mean_s": settings.think_mean,
-                                    "max_tokens": settings.max_tokens}
-        result["cluster"] = run_cluster(settings, trace, warmup, _names(args.variants), _names(args.policies))
+                                    "max_tokens": settings.max_tokens, "lease_ttl_s": settings.lease_ttl}
+        result["cluster"] = run_cluster(settings, trace, warmup, _names(args.variants), _names(args.policies),
+                                        args.cluster_rounds)
     result["load_average_after"] = os.getloadavg()
     result["cpu_busy_after"] = cpu_busy_fraction()
     save()

@@ -7,9 +7,12 @@ every configuration and policy sees exactly the same prompts.
 The cluster: etcd, two ``xllm engine`` processes (one thread each) and an ``xllm serve --etcd`` gateway
 with the routing policy under test. Each engine has a host tier (T1) of its own, as two machines
 would (separate ``/dev/shm`` directories), and in the ``host+store`` variant both also join one Mooncake
-store (T3, a master on loopback). The chats arrive staggered, each turn after the previous answer and a
-think time; no session ids are sent (an id pins a chat to one instance under any ``kv_aware`` variant,
-which would hide what the index knows). Policies on the same trace:
+store (T3, a master on loopback). The chats arrive staggered (4 s apart), each turn after the previous
+answer and a think time (8 s on average): about a quarter of the two engines' capacity on a quiet
+machine, so that TTFT shows hits and misses rather than queueing; no session ids are sent (an id
+pins a chat to one instance under any ``kv_aware`` variant, which would hide what the index knows).
+The engines' registration lease is 10 s (a CPU-starved engine's late heartbeat is no failure here).
+Policies on the same trace:
 
 - ``kv_aware``: tier-aware (the global index's lower-tier blocks, each tier's measured load speed);
 - ``kv_aware_t0``: the same policy blind to the lower tiers (only engine memory counts);
@@ -191,17 +194,18 @@ class ClusterSettings:
     host_gib: float          # each engine's own host tier (T1)
     store_segment_gib: float  # what each engine lends the Mooncake store (T3), host+store variant
     max_tokens: int = 8
-    start_gap: float = 1.0
-    think_mean: float = 2.0
+    start_gap: float = 4.0   # seconds between chats' first turns
+    think_mean: float = 8.0  # mean think time between a chat's turns (exponential)
     seed: int = 0
+    lease_ttl: float = 10.0  # the engines' registration lease: a CPU-starved engine's late heartbeat is no failure
 
 
 def _engine_cmd(s: ClusterSettings, iid: str, port: int, etcd: str, host_dir: pathlib.Path, store) -> list[str]:
     cmd = [sys.executable, "-m", "xllm.gateway", "engine", "--model", str(s.model_dir), "--served-model-name",
            MODEL_NAME, "--instance-id", iid, "--port", str(port), "--etcd", etcd, "--etcd-prefix", ETCD_PREFIX,
            "--dtype", "bfloat16", "--threads", "1", "--max-num-seqs", "8", "--kv-cache-memory", str(s.kv_gib),
-           "--kv-host-memory", str(s.host_gib), "--kv-host-dir", str(host_dir), "--no-progress",
-           "--log-level", "warning"]
+           "--kv-host-memory", str(s.host_gib), "--kv-host-dir", str(host_dir), "--lease-ttl", str(s.lease_ttl),
+           "--no-progress", "--log-level", "warning"]
     if store is not None:
         cmd += ["--kv-store", store.url, "--mooncake-metadata", store.metadata_url,
                 "--kv-store-segment", str(s.store_segment_gib)]
@@ -246,7 +250,7 @@ def run_policy(policy: str, variant: str, s: ClusterSettings, trace: list[list[l
     from xllm.testing.processes import EtcdServer, spawn, stop_process_group
 
     name = f"{variant}-{policy}"
-    logs = s.out / "logs" / name
+    logs = s.out / "logs" / f"{name}-{time.strftime('%H%M%S')}"
     logs.mkdir(parents=True, exist_ok=True)
     etcd = EtcdServer(logs / "etcd")
     etcd.work.mkdir(parents=True, exist_ok=True)
@@ -298,14 +302,19 @@ def run_policy(policy: str, variant: str, s: ClusterSettings, trace: list[list[l
 
 
 def run_cluster(s: ClusterSettings, trace: list[list[list[int]]], warmup: dict[str, list[list[int]]],
-                variants: tuple[str, ...] = VARIANTS, policies: tuple[str, ...] = POLICIES) -> dict:
-    """Every variant x policy, each on a fresh cluster; a failed run is recorded and the next one goes on."""
-    runs: dict[str, dict[str, dict]] = {}
-    for variant in variants:
-        for policy in policies:
-            try:
-                runs.setdefault(variant, {})[policy] = run_policy(policy, variant, s, trace, warmup)
-            except Exception as exc:
-                runs.setdefault(variant, {})[policy] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-                print(f"[kv_tiers] cluster {variant}-{policy} failed: {exc}", flush=True)
+                variants: tuple[str, ...] = VARIANTS, policies: tuple[str, ...] = POLICIES,
+                rounds: int = 1) -> dict[str, dict[str, list[dict]]]:
+    """Every variant x policy, each on a fresh cluster, ``rounds`` times (every other round in the reverse
+    order of policies: drift of the machine's load hits them alike); ``{variant: {policy: [run, ...]}}``.
+    A failed run is recorded and the next one goes on."""
+    runs: dict[str, dict[str, list[dict]]] = {}
+    for rnd in range(rounds):
+        for variant in variants:
+            for policy in (policies if rnd % 2 == 0 else policies[::-1]):
+                try:
+                    run = run_policy(policy, variant, s, trace, warmup)
+                except Exception as exc:
+                    run = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                    print(f"[kv_tiers] cluster {variant}-{policy} failed: {exc}", flush=True)
+                runs.setdefault(variant, {}).setdefault(policy, []).append(run)
     return runs

@@ -80,21 +80,34 @@ def markdown(r: dict) -> str:
                   "| tiers | policy | hit rate | later turns' hit rate | TTFT p50 ms | TTFT p99 ms | later turns' "
                   "TTFT p50 / p99 ms | requests per instance | tier hits (blocks) | failed |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for variant, runs in r["cluster"].items():
-            for policy, run in runs.items():
-                if "error" in run:
-                    lines.append(f"| {variant} | {policy} | failed: {run['error'][:120]} | | | | | | | |")
-                    continue
-                s = run["summary"]
-                spread = ", ".join(f"{k}: {v}" for k, v in s["by_instance"].items())
-                hits = "; ".join(f"{i}: " + ", ".join(f"{t} {v:.0f}" for t, v in sorted(ts.items()))
-                                 for i, ts in sorted(run["tier_hits"].items())) or "-"
-                lines.append(f"| {variant} | {policy} | {s['hit_rate']:.1%} | {s['later_turn_hit_rate']:.1%} | "
-                             f"{fmt(s['ttft_p50_ms'])} | {fmt(s['ttft_p99_ms'])} | "
-                             f"{fmt(s['later_turn_ttft_p50_ms'])} / {fmt(s['later_turn_ttft_p99_ms'])} | {spread} | "
-                             f"{hits} | {s['failed']} |")
+        for variant, policy, run in _cluster_runs(r["cluster"]):
+            if "error" in run:
+                lines.append(f"| {variant} | {policy} | failed: {run['error'][:120]} | | | | | | | |")
+                continue
+            s = run["summary"]
+            spread = ", ".join(f"{k}: {v}" for k, v in s["by_instance"].items())
+            hits = "; ".join(f"{i}: " + ", ".join(f"{t} {v:.0f}" for t, v in sorted(ts.items()))
+                             for i, ts in sorted(run["tier_hits"].items())) or "-"
+            lines.append(f"| {variant} | {policy} | {s['hit_rate']:.1%} | {s['later_turn_hit_rate']:.1%} | "
+                         f"{fmt(s['ttft_p50_ms'])} | {fmt(s['ttft_p99_ms'])} | "
+                         f"{fmt(s['later_turn_ttft_p50_ms'])} / {fmt(s['later_turn_ttft_p99_ms'])} | {spread} | "
+                         f"{hits} | {s['failed']} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _as_list(runs) -> list[dict]:
+    return runs if isinstance(runs, list) else [runs]  # (results of one round per policy: a dict)
+
+
+def _cluster_runs(cluster: dict):
+    """(variant, policy, run) in round order within each variant."""
+    for variant, runs in cluster.items():
+        per_policy = {policy: _as_list(x) for policy, x in runs.items()}
+        for rnd in range(max(map(len, per_policy.values()), default=0)):
+            for policy, policy_runs in per_policy.items():
+                if rnd < len(policy_runs):
+                    yield variant, policy if rnd == 0 else f"{policy} (round {rnd + 1})", policy_runs[rnd]
 
 
 def _loads(loads) -> str:
@@ -135,12 +148,13 @@ def plot(r: dict, path: pathlib.Path) -> str | None:
         else:
             labels, p50, p99, hit = [], [], [], []
             for variant, runs in r["cluster"].items():
-                for policy, run in runs.items():
-                    if "summary" in run:
+                for policy, policy_runs in runs.items():
+                    done = [x["summary"] for x in _as_list(policy_runs) if "summary" in x]
+                    if done:
                         labels.append(f"{variant}\n{policy}")
-                        p50.append(run["summary"]["ttft_p50_ms"])
-                        p99.append(run["summary"]["ttft_p99_ms"])
-                        hit.append(run["summary"]["hit_rate"])
+                        p50.append(statistics.median(x["ttft_p50_ms"] for x in done))
+                        p99.append(statistics.median(x["ttft_p99_ms"] for x in done))
+                        hit.append(statistics.median(x["hit_rate"] for x in done))
             _bars(ax, labels, p50, p99, hit)
             ax.set_title("2 engines: routing policies")
     fig.tight_layout()

@@ -60,11 +60,12 @@ def test_the_report_tables_every_part_and_plots(tmp_path):
               "sessions": {"t0": [session], "+host": [session]},
               "break_even": {"host": {"rows": [{"prefix_tokens": 64, "recompute_ms": 50.0, "load_ms": 10.0}],
                                       "read_mb_per_s": 500.0, "break_even_tokens": 64}},
-              "cluster": {"host": {"kv_aware": run, "least_load": {"error": "boom"}}}}
+              "cluster": {"host": {"kv_aware": [run, run], "least_load": [{"error": "boom"}]}}}
     md = markdown(result)
     assert "| +host | 1 | 10 | 4.0x | 50.0% |" in md
     assert "| host | 64 | 50.0 | 10.0 | 0.20 |" in md and "from 64 tokens" in md
     assert "| host | kv_aware | 64.0% |" in md and "e0: host 2" in md and "failed: boom" in md
+    assert "| host | kv_aware (round 2) | 64.0% |" in md
     assert plot(result, tmp_path / "kv_tiers.png") == "kv_tiers.png" and (tmp_path / "kv_tiers.png").stat().st_size
     args = build_parser().parse_args(["--quick", "--parts", "cluster"])
     assert args.quick and args.parts == "cluster" and args.report is None
