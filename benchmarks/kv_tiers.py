@@ -47,14 +47,16 @@ HOST_GIB, DISK_GIB, STORE_GIB = 2 * KV_GIB, 4 * KV_GIB, 1.0  # the lower tiers o
 CLUSTER_HOST_GIB = 0.05  # each cluster engine's own host tier
 
 
-def _engine(model, tok, threads: int, kv_gib: float, **tiers):
+def _engine(model, tok, threads: int, kv_gib: float, run: str = "", **tiers):
+    """An engine over the lower tiers ``tiers``; ``run`` names a namespace of its own (blocks another run
+    left in a shared store or directory are never found)."""
     import torch
 
     from xllm.core import EngineConfig, LLMEngine
 
     return LLMEngine(model, tok, EngineConfig(dtype=torch.bfloat16, num_threads=threads, max_model_len=2048,
                                               kv_cache_memory_gib=kv_gib, max_num_seqs=8,
-                                              kv_model_identity="smollm2-bench", **tiers))
+                                              kv_model_identity=f"smollm2-bench{run}", **tiers))
 
 
 def _ttft(eng, rid: str, prompt: list[int], max_tokens: int) -> float:
@@ -78,10 +80,11 @@ def _pct(values: list[float], q: float) -> float:
 
 
 # ---- 1. sessions ---------------------------------------------------------------------------------
-def sessions(model, tok, threads: int, trace: list[list[list[int]]], tiers: dict) -> dict:
+def sessions(model, tok, threads: int, trace: list[list[list[int]]], tiers: dict, run: str) -> dict:
+    """The chats on one engine over ``tiers``, which start empty (a namespace of its own: ``run``)."""
     from benchmarks.kv_tiers_cluster import working_set_tokens
 
-    eng = _engine(model, tok, threads, KV_GIB, **tiers)
+    eng = _engine(model, tok, threads, KV_GIB, run, **tiers)
     ttfts, prompt_tokens = [], 0
     try:
         _ttft(eng, "warmup", tok.encode("Hello there, how are you today?"), 2)
@@ -136,7 +139,7 @@ def _drop_page_cache(directory: str) -> None:
 
 
 def break_even(model, tok, threads: int, lengths: list[int], reps: int, tier: str, tiers: dict) -> dict:
-    eng = _engine(model, tok, threads, 0.25, **tiers)
+    eng = _engine(model, tok, threads, 0.25, f"-be-{tier}", **tiers)
     rng = random.Random(1)
     rows = []
     try:
@@ -255,9 +258,10 @@ def main(argv: list[str] | None = None) -> int:
                 rounds = args.rounds or (1 if args.quick else 2)  # even rounds in the reverse order (drift)
                 for rnd in range(rounds):
                     for name in (list(configs) if rnd % 2 == 0 else list(configs)[::-1]):
-                        tiers = {k: (f"{v}-{rnd}" if k in ("kv_host_dir", "kv_disk_dir") else v)
+                        run = f"-{name}-{rnd}"  # every run starts on empty tiers (directories, store namespace)
+                        tiers = {k: (f"{v}{run}" if k in ("kv_host_dir", "kv_disk_dir") else v)
                                  for k, v in configs[name].items()}
-                        r = sessions(model, tok, args.threads, trace, tiers)
+                        r = sessions(model, tok, args.threads, trace, tiers, run)
                         result["sessions"].setdefault(name, []).append(r)
                         print(f"sessions {name} (round {rnd + 1}): hit rate {r['hit_rate']:.1%}, TTFT p50 "
                               f"{r['ttft_p50_ms']} ms, p99 {r['ttft_p99_ms']} ms", flush=True)
