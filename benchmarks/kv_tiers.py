@@ -19,7 +19,9 @@ length between loading a prefix from a tier and recomputing it on this CPU; and 
    cache, so T2 reads come from the disk).
 3. **Cluster** (:mod:`benchmarks.kv_tiers_cluster`): two engine processes, each with a host tier of its
    own (and, in the ``host+store`` variant, one shared Mooncake store), behind a gateway routing with
-   ``kv_aware`` (tier-aware), ``kv_aware_t0`` (blind to the tiers) or ``least_load``, on the same trace.
+   ``kv_aware`` (tier-aware), ``kv_aware_t0`` (blind to the tiers) or ``least_load``, on the same trace:
+   the chats with notes of their own in their first message (``--cluster-notes``), so that most of a
+   chat's prefix is its own and where its blocks are matters.
 
 Writes ``results.json``, ``summary.md`` and ``kv_tiers.png`` into ``--out``.
 """
@@ -44,7 +46,7 @@ from benchmarks.report import add_output_args
 HERE = pathlib.Path(__file__).resolve().parent
 KV_GIB = 0.015  # T0: ten 64-token blocks of SmolLM2's bf16 KV
 HOST_GIB, DISK_GIB, STORE_GIB = 2 * KV_GIB, 4 * KV_GIB, 1.0  # the lower tiers of the sessions part
-CLUSTER_HOST_GIB = 0.05  # each cluster engine's own host tier
+CLUSTER_HOST_GIB = 0.1  # each cluster engine's own host tier (two hold about the cluster trace's working set)
 
 
 def _engine(model, tok, threads: int, kv_gib: float, run: str = "", **tiers):
@@ -208,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=",".join(POLICIES), help="cluster part: routing policies")
     p.add_argument("--variants", default=",".join(VARIANTS), help="cluster part: tier variants (host, host+store)")
     p.add_argument("--cluster-rounds", type=int, default=1, help="cluster part: runs of every policy (1)")
+    p.add_argument("--cluster-notes", type=int, default=12,
+                   help="cluster part: lines of notes of its own in each chat's first message, ~20 tokens each "
+                        "(12: most of a chat's prefix is its own, so where its blocks are matters; 0: the "
+                        "sessions part's trace)")
     p.add_argument("--rounds", type=int, default=None,
                    help="runs of every session configuration, every other one in the reverse order (default: "
                         "2; --quick: 1)")
@@ -222,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    from benchmarks.kv_tiers_cluster import ClusterSettings, chat_trace, run_cluster
+    from benchmarks.kv_tiers_cluster import ClusterSettings, chat_trace, run_cluster, working_set_tokens
     from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
     from xllm.models import Tokenizer, load_model, resolve_model
 
@@ -280,11 +286,15 @@ def main(argv: list[str] | None = None) -> int:
         settings = ClusterSettings(model_dir, out, KV_GIB, CLUSTER_HOST_GIB, 0.25)
         rng = random.Random(3)
         warmup = {iid: [[rng.randrange(100, 40000) for _ in range(448)] for _ in range(2)] for iid in ("e0", "e1")}
+        cluster_trace = chat_trace(tok, n_sessions, turns, system_repeat=2 if args.cluster_notes else 6,
+                                   notes=args.cluster_notes)
         result["cluster_config"] = {"engines": 2, "threads_per_engine": 1, "kv_gib": KV_GIB,
+                                    "notes_per_chat": args.cluster_notes,
+                                    "working_set_tokens": working_set_tokens(cluster_trace, 64),
                                     "host_gib": CLUSTER_HOST_GIB, "store_segment_gib": 0.25,
                                     "start_gap_s": settings.start_gap, "think_mean_s": settings.think_mean,
                                     "max_tokens": settings.max_tokens, "lease_ttl_s": settings.lease_ttl}
-        result["cluster"] = run_cluster(settings, trace, warmup, _names(args.variants), _names(args.policies),
+        result["cluster"] = run_cluster(settings, cluster_trace, warmup, _names(args.variants), _names(args.policies),
                                         args.cluster_rounds)
     result["load_average_after"] = os.getloadavg()
     result["cpu_busy_after"] = cpu_busy_fraction()

@@ -64,17 +64,28 @@ ANSWERS = [
 ]
 
 
-def chat_trace(tok, sessions: int, turns: int, seed: int = 0, system_repeat: int = 6) -> list[list[list[int]]]:
+NOTES = [f"Item {i}: the {c} {t} on shelf {i % 7 + 1} costs {3 + i % 11} euros and weighs {i % 5 + 1} kilograms."
+         for i, (c, t) in enumerate((c, t) for c in ("red", "blue", "green", "black", "white", "grey")
+                                    for t in ("hammer", "drill", "saw", "ladder", "lamp", "pump", "brush"))]
+
+
+def chat_trace(tok, sessions: int, turns: int, seed: int = 0, system_repeat: int = 6,
+               notes: int = 0) -> list[list[list[int]]]:
     """Per session, per turn, the prompt's token ids: the chat so far (session ``s`` opens with system prompt
-    ``s % 4``, repeated ``system_repeat`` times) and a new user question, the assistant turns being fixed
-    texts, so each turn's prompt extends the last one's and every run sees the same prompts."""
+    ``s % 4``, repeated ``system_repeat`` times; with ``notes``, its first user message carries that many
+    lines of notes of its own, about 20 tokens each: a long prefix no other chat shares) and a new user
+    question, the assistant turns being fixed texts, so each turn's prompt extends the last one's and every
+    run sees the same prompts."""
     rng = random.Random(seed)
     out = []
     for s in range(sessions):
         history = [{"role": "system", "content": SYSTEMS[s % len(SYSTEMS)] * system_repeat}]
         prompts = []
-        for _ in range(turns):
-            history.append({"role": "user", "content": rng.choice(QUESTIONS)})
+        for t in range(turns):
+            question = rng.choice(QUESTIONS)
+            if t == 0 and notes:
+                question = "My notes:\n" + "\n".join(rng.sample(NOTES, notes)) + "\n" + question
+            history.append({"role": "user", "content": question})
             prompts.append(list(tok.apply_chat_template(history)))
             history.append({"role": "assistant", "content": rng.choice(ANSWERS)})
         out.append(prompts)

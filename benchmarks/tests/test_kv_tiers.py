@@ -31,6 +31,11 @@ def test_each_turn_extends_the_last_and_every_run_sees_the_same_prompts():
     assert trace[0][0][:50] == trace[4][0][:50]  # sessions 0 and 4 share system prompt 0
     # distinct blocks of the last prompts: shared system prompts counted once
     assert working_set_tokens(trace, 8) < sum(len(c[-1]) for c in trace)
+    noted = chat_trace(FakeTokenizer(), sessions=6, turns=3, seed=4, system_repeat=2, notes=5)
+    assert all(len(a[0]) > len(b[0]) + 5 * 40 for a, b in zip(noted, trace))  # the notes: a long prefix of its own
+    common = next(j for j, (a, b) in enumerate(zip(noted[0][0], noted[4][0])) if a != b)
+    assert common < len(noted[0][0]) // 2  # the same system prompt, then notes of each chat's own
+    assert noted[0][1][:len(noted[0][0]) - 1] == noted[0][0][:-1]  # later turns keep the notes
 
 
 def test_cluster_summary_counts_hits_ttft_later_turns_and_spread():
