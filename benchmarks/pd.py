@@ -9,11 +9,12 @@ each: ``mixed`` = ``--instances 2`` (each instance prefills and decodes: a promp
 2048 tokens, the default step budget, joins the decode steps); ``mixed-chunked`` = the same with
 256-token chunks (``--max-num-batched-tokens 256``: mixed mode's own answer to prefill stalls);
 ``pd-<transport>`` = ``--prefill-instances 1
---decode-instances 1 --kv-transfer <transport>`` (``mooncake`` also gets a Mooncake master started
-here, when the wheel is installed). The workload is the one PD exists for: long prompts
-(``--long-prompt-len``, 2048 tokens, a ``--long-fraction`` of the requests) among short ones, every
-request with a long output (``--output-len``), arriving as a Poisson stream (``--rate``). Each
-configuration starts fresh, is warmed up, replays the same requests and is stopped.
+--decode-instances 1 --kv-transfer <transport>`` (``mooncake`` hands off through the engines' T3
+tier: ``--kv-store local-mooncake``, a store ``xllm serve`` starts and stops). The workload is the
+one PD exists for: long prompts (``--long-prompt-len``, 2048 tokens, a ``--long-fraction`` of the
+requests) among short ones, every request with a long output (``--output-len``), arriving as a
+Poisson stream (``--rate``). Each configuration starts fresh, is warmed up, replays the same
+requests and is stopped.
 
 Reported per configuration: TTFT and TPOT p50/p99 (all requests and per class), goodput and SLO
 attainment under ``--slo-tpot-ms``; for PD also the KV moved per request (bytes, and the decode
@@ -26,19 +27,12 @@ mixed. Results: ``results.json``, ``summary.md`` and ``pd.png`` in ``--out`` (de
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
-import os
 import pathlib
 import random
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, fields
 
 from benchmarks.client import EndpointProfile, RequestSpec, run_requests
@@ -114,54 +108,15 @@ def _le(value: float) -> str:
 
 # ---- running ------------------------------------------------------------------------------------
 
-class MooncakeMaster:
-    """A local ``mooncake_master`` (with its HTTP metadata server) on free loopback ports, stopped by PID."""
-
-    def __init__(self, log_path: pathlib.Path) -> None:
-        from benchmarks.peers.venv import free_port
-
-        binary = shutil.which("mooncake_master") or str(pathlib.Path(sys.executable).with_name("mooncake_master"))
-        if not pathlib.Path(binary).is_file():
-            raise RuntimeError("mooncake_master not found: pip install 'xllm-engine[mooncake]' (and apt-get install "
-                               "libibverbs1)")
-        self.rpc, meta = free_port(), free_port()
-        self.address, self.metadata = f"127.0.0.1:{self.rpc}", f"http://127.0.0.1:{meta}/metadata"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(
-            [binary, "-rpc_address=127.0.0.1", f"-rpc_port={self.rpc}", "-enable_http_metadata_server=true",
-             "-http_metadata_server_host=127.0.0.1", f"-http_metadata_server_port={meta}",
-             f"-metrics_port={free_port()}"], stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; log: {log_path}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.rpc), timeout=1):
-                return
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError("mooncake_master did not start")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
-
-
-def serve_args(config: str, mooncake: MooncakeMaster | None) -> list[str]:
+def serve_args(config: str) -> list[str]:
     if config == "mixed":
         return ["--instances", "2"]
     if config == "mixed-chunked":
         return ["--instances", "2", "--max-num-batched-tokens", str(CHUNKED)]
     transport = config.removeprefix("pd-")
     args = ["--prefill-instances", "1", "--decode-instances", "1", "--kv-transfer", transport]
-    if transport == "mooncake" and mooncake is not None:
-        args += ["--mooncake-master", mooncake.address, "--mooncake-metadata", mooncake.metadata]
+    if transport == "mooncake":  # hand-offs through the engines' T3 tier: a store `xllm serve` starts and stops
+        args += ["--kv-store", "local-mooncake"]
     return args
 
 
@@ -173,26 +128,20 @@ def run_config(config: str, args: argparse.Namespace, model_dir: pathlib.Path, w
 
     from benchmarks.peers.venv import ServerProcess, free_port
 
-    mooncake = MooncakeMaster(out / "logs" / "mooncake-master.log") if config == "pd-mooncake" else None
     port = free_port()
     cmd = [sys.executable, "-m", "xllm.gateway", "serve", "--model", str(model_dir), "--port", str(port),
            "--dtype", args.dtype, "--threads", "1", "--kv-cache-memory", str(args.kv_cache_memory),
            "--max-num-seqs", str(args.max_num_seqs), "--no-progress", "--log-level", "warning",
-           *serve_args(config, mooncake)]
+           *serve_args(config)]
     server = ServerProcess(f"xllm-{config}", cmd, port, out / "logs" / f"serve-{config}.log", health_path="/health")
     profile = EndpointProfile()
-    try:
-        with server:
-            wait_instances(server.base_url, 2)
-            model = httpx.get(server.base_url + "/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
-            asyncio.run(run_requests(server.base_url, model, warmup, profile))
-            before = scrape(server.base_url)
-            records, duration = asyncio.run(run_requests(server.base_url, model, workload.specs, profile,
-                                                         desc=config))
-            after = scrape(server.base_url)
-    finally:
-        if mooncake is not None:
-            mooncake.stop()
+    with server:
+        wait_instances(server.base_url, 2)
+        model = httpx.get(server.base_url + "/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
+        asyncio.run(run_requests(server.base_url, model, warmup, profile))
+        before = scrape(server.base_url)
+        records, duration = asyncio.run(run_requests(server.base_url, model, workload.specs, profile, desc=config))
+        after = scrape(server.base_url)
     slo = SLO(tpot_ms=args.slo_tpot_ms)
     run = {
         "summary": serving_summary(records, duration, slo),

@@ -70,12 +70,14 @@ def test_pd_figures_are_what_moved_between_the_scrapes():
 
 
 def test_every_configuration_has_its_serve_flags():
-    assert serve_args("mixed", None) == ["--instances", "2"]
-    assert "--max-num-batched-tokens" in serve_args("mixed-chunked", None)
+    assert serve_args("mixed") == ["--instances", "2"]
+    assert "--max-num-batched-tokens" in serve_args("mixed-chunked")
     for config in CONFIGS[2:]:
-        args = serve_args(config, None)
+        args = serve_args(config)
         assert args[:4] == ["--prefill-instances", "1", "--decode-instances", "1"]
         assert args[args.index("--kv-transfer") + 1] == config.removeprefix("pd-")
+    # hand-offs through the store go through the engines' T3 tier, on a store `xllm serve` starts
+    assert serve_args("pd-mooncake")[-2:] == ["--kv-store", "local-mooncake"]
 
 
 def test_the_table_has_ratios_and_hand_off_figures():

@@ -166,29 +166,3 @@ def test_the_decode_side_prefix_cache_shrinks_the_transfer():
     assert s2.transferred_tokens == len(system) + 2 - r2.matched_tokens < s1.transferred_tokens
     mixed = generate(make_engine(MODEL), [make_request("b", system + tok.encode_pieces(list("yo")), **GREEDY)])
     assert got.tokens["b"] == mixed.tokens["b"]
-
-
-def test_handoff_through_a_mooncake_store_equals_one_engine(tmp_path):
-    from xllm.testing.processes import start_mooncake_master
-
-    store = start_mooncake_master(tmp_path)
-    options = {"mooncake_master": store.address, "mooncake_metadata": store.metadata_url,
-               "mooncake_segment_gib": 0.0625}
-    mixed = generate(make_engine(MODEL), [make_request("r", PROMPT, **SEEDED)])
-
-    async def main():
-        prefill = await served("p", transport="grpc", transport_options=options)
-        decode = await served("d", transport="mooncake", transport_options=options)
-        try:
-            return await pd_generate(prefill, decode, "r", PROMPT, **SEEDED)
-        finally:
-            await prefill.stop()
-            await decode.stop()
-
-    try:
-        got, reservation, stats = run(main())
-    finally:
-        store.stop(timeout=20)
-    assert reservation.transport == "mooncake" and stats.transport == "mooncake" and not stats.recomputed
-    assert stats.transfer_bytes > 0
-    assert got.tokens["r"] == mixed.tokens["r"] and got.text["r"] == mixed.text["r"]

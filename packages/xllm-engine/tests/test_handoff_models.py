@@ -36,12 +36,14 @@ GREEDY = dict(max_tokens=NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def mooncake_options(tmp_path_factory):
-    """A Mooncake master for the module (skips when the wheel is not installed)."""
+def mooncake_tiers(tmp_path_factory):
+    """A Mooncake master for the module (skips when the wheel is not installed), as the engine settings of
+    its T3 tier (the ``mooncake`` transport hands off through it)."""
     from xllm.testing.processes import start_mooncake_master
 
     store = start_mooncake_master(tmp_path_factory.mktemp("mooncake"))
-    yield {"mooncake_master": store.address, "mooncake_metadata": store.metadata_url, "mooncake_segment_gib": 0.0625}
+    yield {"kv_model_identity": "handoff-models", "kv_store": store.url, "kv_store_metadata": store.metadata_url,
+           "kv_store_segment_gib": 0.0625}
     store.stop(timeout=20)
 
 
@@ -68,9 +70,9 @@ def case(request, tmp_path_factory):
     return _random_case(tmp_path_factory.mktemp(request.param), config, seed=3 if request.param == "qwen3" else 12)
 
 
-def new_engine(model, tokenizer, name: str) -> LLMEngine:
+def new_engine(model, tokenizer, name: str, **tiers) -> LLMEngine:
     return LLMEngine(model, tokenizer, EngineConfig(dtype=torch.float32, kv_cache_memory_gib=0.05, max_model_len=512,
-                                                    max_num_seqs=4, num_threads=1), instance_id=name)
+                                                    max_num_seqs=4, num_threads=1, **tiers), instance_id=name)
 
 
 @pytest.fixture(scope="module")
@@ -90,13 +92,15 @@ def oracle(case):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_pd_equals_hf_and_one_engine(case, oracle, transport, request):
     model, tok, _, prompts = case
-    options = request.getfixturevalue("mooncake_options") if transport == "mooncake" else {}
+    tiers = {}
+    if transport == "mooncake":  # (the namespace names this model: the cases share one store)
+        tiers = {**request.getfixturevalue("mooncake_tiers"), "kv_model_identity": f"case-{id(model)}"}
 
     async def main():
-        prefill = await ServedEngine(new_engine(model, tok, "p"),
-                                     handoff=HandoffOptions(transport="grpc", transport_options=options)).start()
-        decode = await ServedEngine(new_engine(model, tok, "d"),
-                                    handoff=HandoffOptions(transport=transport, transport_options=options)).start()
+        prefill = await ServedEngine(new_engine(model, tok, "p", **tiers),
+                                     handoff=HandoffOptions(transport="grpc")).start()
+        decode = await ServedEngine(new_engine(model, tok, "d", **tiers),
+                                    handoff=HandoffOptions(transport=transport)).start()
         try:
             return [await pd_generate(prefill, decode, f"r{i}", p, **GREEDY) for i, p in enumerate(prompts)]
         finally:
@@ -112,6 +116,9 @@ def test_pd_equals_hf_and_one_engine(case, oracle, transport, request):
         assert got.final[rid].finish_reason == oracle.final[rid].finish_reason == engine_pb2.FINISH_REASON_LENGTH
         assert stats.transport == transport and not stats.recomputed, stats.failure
         assert stats.transferred_tokens == len(prompts[i]) - reservation.matched_tokens
+        # the store path: every full block sent went through the store, the partial last one as pages
+        assert stats.store_blocks == ((len(prompts[i]) - reservation.matched_tokens) // bs
+                                      if transport == "mooncake" else 0)
     (_, first, s1), (_, second, s2) = results
     assert first.matched_tokens == 0 and second.matched_tokens == shared // bs * bs > 0
     assert 0 < s2.transfer_bytes < s1.transfer_bytes

@@ -29,7 +29,7 @@ ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--kv-host-memory", "--kv-host-dir"
                        "--kv-store", "--kv-store-segment", "--mooncake-metadata"]
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--quantization", "--kv-cache-dtype"]  # weights and KV quantization
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--item-catalog"]  # generative recommendation (issue 19)
-HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout", "--mooncake-master"]
+HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout"]
 CLUSTER_SECURITY_FLAGS = ["--cluster-token", "--cluster-token-file", "--tls-cert", "--tls-key", "--tls-ca",
                           "--tls-server-name", "--etcd-ca", "--etcd-cert", "--etcd-key"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", *ENGINE_CONFIG_FLAGS, "--no-progress",
@@ -122,10 +122,11 @@ def test_engine_rejects_two_registries(capsys):
 
 
 @pytest.mark.parametrize("command", [["serve", "--prefill-instances", "1", "--decode-instances", "1"], ["engine"]])
-def test_mooncake_transfer_needs_its_master(command, capsys):
-    """Checked before any engine starts, not as a traceback from each spawned engine."""
-    assert main([*command, "--kv-transfer", "mooncake", "--mooncake-master", "h:1", "--no-progress"]) == 2
-    assert "--mooncake-metadata" in capsys.readouterr().err
+def test_mooncake_transfer_needs_the_store_tier(command, capsys):
+    """Checked before any engine starts, not as a traceback from each spawned engine: hand-offs through
+    the store go through the engines' T3 tier."""
+    assert main([*command, "--kv-transfer", "mooncake", "--no-progress"]) == 2
+    assert "--kv-store" in capsys.readouterr().err
 
 
 
@@ -217,6 +218,26 @@ def test_serve_starts_a_local_mooncake_store_on_loopback_for_its_engines():
     with pytest.raises(ValueError, match="local-mooncake starts a store for `xllm serve`"):
         engine_config(build_parser().parse_args(["engine", "--kv-store", "local-mooncake"]))
     assert start_local_store(build_parser().parse_args(["serve"])) is None
+
+
+def test_serve_stopped_by_sigterm_stops_its_local_store(monkeypatch):
+    """uvicorn re-raises the SIGTERM that stopped it after its shutdown; the store ``xllm serve`` started
+    (in sessions of its own) must still be stopped, not orphaned."""
+    import signal
+
+    from xllm.gateway import cli
+    from xllm.testing.processes import ensure_mooncake
+
+    ensure_mooncake()
+    started, real_start = [], cli.start_local_store
+    monkeypatch.setattr(cli, "start_local_store", lambda args: started.append(real_start(args)) or started[-1])
+    monkeypatch.setattr(cli, "_serve", lambda args: signal.raise_signal(signal.SIGTERM))  # as uvicorn ends
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.serve(build_parser().parse_args(["serve", "--kv-store", "local-mooncake"]))
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    assert started and started[0].master.poll() is not None and started[0].metadata.poll() is not None
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 @pytest.mark.parametrize("argv", [

@@ -125,3 +125,12 @@ def test_offline_series_from_steps_and_from_heartbeats():
     assert value(m, "xllm:offline_preemptions_total", reason="slo", **remote) == 2
     m.set_load("m", "i1", instance_pb2.LoadReport(offline_longest_wait=7.25))
     assert value(m, "xllm:offline_longest_wait_seconds", **remote) == 7.25
+
+
+def test_handoffs_through_the_kv_store_are_counted_from_heartbeats():
+    m = EngineMetrics()
+    m.set_counters("m", "p0", instance_pb2.EngineCounters(steps=1, kv_handoffs_sent=2, kv_handoff_store_blocks=5))
+    m.set_counters("m", "p0", instance_pb2.EngineCounters(steps=2, kv_handoffs_sent=3, kv_handoff_store_blocks=7,
+                                                           kv_handoff_store_fallbacks=1))
+    assert value(m, "xllm:kv_handoff_store_blocks_total", instance="p0") == 7
+    assert value(m, "xllm:kv_handoff_store_fallbacks_total", instance="p0") == 1

@@ -65,11 +65,14 @@ def test_history_overflow_falls_back_to_a_snapshot():
     assert snap.snapshot and list(snap.stored) == list(range(10))
 
 
-def test_any_interleaving_of_deltas_reproduces_the_producer_state():
+@pytest.mark.parametrize("scoped", [False, True], ids=["own", "scoped"])
+def test_any_interleaving_of_deltas_reproduces_the_producer_state(scoped):
     """Property: a consumer applying deltas taken at random points (some lost, then resynced)
-    always ends with exactly the producer's cached set."""
+    always ends with exactly the producer's cached set (a lower tier with a scope, alone in it, too)."""
     rng = random.Random(0)
     log = KVEventLog("w", 8, epoch=3, max_history=64)
+    if scoped:
+        log.tier_scopes = {"host": "file://m/shm", "disk": ""}
     index = GlobalKVIndex()
     acked = None
     tiers = ("", "host", "disk")  # the engine's memory and two lower tiers, on one version sequence
@@ -111,6 +114,35 @@ def test_match_tiers_continues_a_memory_hit_through_the_fastest_lower_tier_holdi
     assert idx.match_tiers([1, 2, 3, 4])["a"].lower == ()
     idx.remove_instance("a")
     assert idx.holders(5, "disk") == frozenset() and idx.num_lower_blocks("a", "disk") == 0
+
+
+def test_instances_sharing_a_tier_share_its_blocks_and_its_removals():
+    """A store (or a host directory) named by the same scope: a block one instance lists there is loadable
+    by every instance on it; a removal one of them reports holds for all; an instance on another store,
+    or leaving, changes nothing for the others."""
+    idx = GlobalKVIndex()
+    logs = {w: KVEventLog(w, 16, epoch=1) for w in ("p", "d", "c", "x")}
+    for w in ("p", "d", "c"):
+        logs[w].tier_scopes = {"store": "mooncake://m:1/ns", "host": f"file://{w}/shm"}
+    logs["x"].tier_scopes = {"store": "mooncake://other:1/ns"}
+    logs["p"].record_tiers([("store", True, 1), ("store", True, 2), ("host", True, 3)])  # the prefill published
+    logs["x"].record_tiers([("store", True, 3)])
+    for w, log in logs.items():
+        assert idx.apply(w, log.delta(None)) == APPLIED
+    assert idx.match_tiers([1, 2, 3], {"c"})["c"].lower == (("store", 2),)  # c listed nothing, shares p's store
+    assert idx.holders(2, "store") == frozenset({"p", "d", "c"})  # not x: another store
+    assert idx.holders(3, "host") == frozenset({"p"})  # each host directory its own
+    assert "x" not in idx.match_tiers([1, 2], {"x"})
+    logs["d"].record_tiers([("store", False, 2)])  # d found block 2 missing (the master evicted it)
+    assert idx.apply("d", logs["d"].delta(idx.version("d")[1])) == APPLIED
+    assert idx.match_tiers([1, 2], {"p", "c"}) == {w: idx.match_tiers([1], {w})[w] for w in ("p", "c")}
+    assert idx.holders(2, "store") == frozenset() and idx.num_lower_blocks("p", "store") == 1
+    logs["c"].tier_scopes = {"store": "mooncake://other:1/ns"}  # c restarted on x's store
+    logs["c"].epoch = 2
+    assert idx.apply("c", logs["c"].delta(None)) == APPLIED
+    assert idx.holders(3, "store") == frozenset({"x", "c"}) and idx.holders(1, "store") == frozenset({"p", "d"})
+    idx.remove_instance("p")  # its listing leaves with it: nobody else listed block 1
+    assert idx.holders(1, "store") == frozenset() and idx.holders(3, "store") == frozenset({"x", "c"})
 
 
 # ---- GlobalKVIndex ----------------------------------------------------------------------------

@@ -82,6 +82,33 @@ def test_the_store_publishes_what_each_tier_gains_and_loses_starting_from_what_i
         store.close()
 
 
+def test_lookups_and_loads_correct_what_the_store_publishes(tmp_path):
+    """Blocks another process put into a shared tier are published once a lookup finds them; a block this
+    instance published that another process removed is withdrawn when a lookup or load misses it; the
+    first block of a lookup that no tier holds is withdrawn even if never published (the index may hold it
+    for another instance sharing the tier). Known blocks are published once."""
+    mine = FileTier("host", tmp_path, NS, 100 * BLOCK)
+    theirs = FileTier("host", tmp_path, NS, 100 * BLOCK)  # another engine process on the same directory
+    store = TieredStore([mine], retry_s=0.0)
+    try:
+        assert store.drain_events() == [] and store.scopes() == {"host": mine.scope} and mine.scope == theirs.scope
+        for h in (1, 2, 3):
+            theirs.put(h, [payload(h)])
+        assert store.match([1, 2, 3, 4, 5]) == [0, 0, 0]
+        assert store.drain_events() == [("host", True, 1), ("host", True, 2), ("host", True, 3), ("host", False, 4)]
+        assert store.match([1, 2]) == [0, 0] and store.drain_events() == []  # nothing new
+        assert theirs.evict(2) and theirs.evict(3)  # the other process evicts two of them
+        assert store.match([1, 2]) == [0] and store.drain_events() == [("host", False, 2)]
+        dest = [[memoryview(bytearray(BLOCK))] for _ in range(2)]
+        assert store.load_many([1, 3], dest) == 1 and bytes(dest[0][0]) == payload(1)
+        assert store.drain_events() == [("host", False, 3)]  # the load found it gone
+        assert store.publish("host", [(3, payload(3)), (1, payload(1))]) == [True, True]
+        assert store.drain_events() == [("host", True, 3)] and theirs.contains(3)
+        assert store.publish("store", [(5, payload(5))]) == [False]  # no such tier: the caller goes another way
+    finally:
+        store.close()
+
+
 def test_capacity_is_shared_by_every_process_using_the_directory(tmp_path):
     size = HEADER_BYTES + BLOCK
     mine = FileTier("host", tmp_path, NS, 2 * size, low_water=1.0)

@@ -33,7 +33,7 @@ class Clock:
 
 
 def test_policies_by_name():
-    assert ROUTING_POLICIES.names() == ["kv_aware", "least_load", "round_robin"]
+    assert ROUTING_POLICIES.names() == ["kv_aware", "kv_aware_t0", "least_load", "round_robin"]
     assert isinstance(ROUTING_POLICIES.create("round_robin"), RoundRobinPolicy)
     assert isinstance(ROUTING_POLICIES.create("least-load"), LeastLoadPolicy)
     assert ROUTING_POLICIES.create("kv_aware", alpha=2.0).alpha == 2.0
@@ -222,6 +222,10 @@ def test_kv_aware_weighs_a_deep_lower_tier_hit_against_a_shallow_memory_hit_by_p
     assert (loaded, load_s) == ((0, 0.0) if disk_speed is None else (1600, 1600 / disk_speed))
     if disk_speed == 500.0:
         assert p.reuse(b, 2000, 1000.0) == 0.0  # slower than recomputing: no reuse credit
+    # kv_aware_t0 (the benchmark's baseline) does not see b's disk: a's memory hit wins whatever the speed
+    blind = ROUTING_POLICIES.create("kv_aware_t0")
+    assert blind.route(RouteRequest(2000), [a, b]).instance_id == "a"
+    assert blind.predicted_latency(b, 2000, 1000.0) == pytest.approx(2.0)
 
 
 def test_kv_aware_lower_tier_hits_stop_at_the_first_unmeasured_tier_and_leave_the_last_token_computed():

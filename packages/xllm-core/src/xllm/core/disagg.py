@@ -63,6 +63,9 @@ class Handoff:
     queue_seconds: float
     prefill_seconds: float
     sampled_at: float = field(default=0.0)  # time.time() of the first token
+    # the chained hash of every full prompt block (the key of a block in every KV tier: a hand-off through
+    # the cluster store publishes the blocks under them)
+    block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,10 @@ class EngineMoves:
         seq = out.seq
         self.scheduler.hand_off(seq)
         scheduled = seq.first_scheduled_time or seq.arrival_time
+        full = seq.num_prompt_tokens // self.kv.layout.block_size
         self.disagg.on_handoff(Handoff(
             seq.request_id, out.kv_target, seq.num_prompt_tokens, tuple(seq.kv_pages), token,
-            scheduled - seq.arrival_time, now - scheduled, now))
+            scheduled - seq.arrival_time, now - scheduled, now, tuple(self.kv.block_hashes_of(seq, full)[:full])))
 
     # ---- migrations (xllm.core.disagg) ----------------------------------------------------------
     def move_snapshot(self, request_id: str) -> MoveSnapshot | None:

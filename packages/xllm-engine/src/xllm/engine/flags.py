@@ -183,10 +183,8 @@ def add_kv_tier_flags(p: argparse.ArgumentParser) -> None:
                         "server on loopback, stopped with the server) for its engines")
     p.add_argument("--kv-store-segment", type=positive_float, default=1.0, metavar="GIB",
                    help="memory this engine lends to the --kv-store pool in GiB")
-    # an engine flag (every engine parser has it, `xllm profile` too), also read by --kv-transfer mooncake
     p.add_argument("--mooncake-metadata", default=None, metavar="URL",
-                   help="the Mooncake metadata server, e.g. http://127.0.0.1:8080/metadata (for --kv-store and "
-                        "for --kv-transfer mooncake)")
+                   help="the Mooncake metadata server of --kv-store, e.g. http://127.0.0.1:8080/metadata")
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
@@ -288,28 +286,26 @@ def add_handoff_flags(p: argparse.ArgumentParser) -> None:
                    help="how this instance receives handed-off KV: fd (one host: the prefill instance's memfd "
                         "over a Unix socket, its pages copied from a mapping; needs the xtensor KV backend), grpc "
                         "(between hosts: pages over gRPC, each layer as soon as the prefill stored it) or "
-                        "mooncake (through a Mooncake store; pip install 'xllm-engine[mooncake]')")
+                        "mooncake (through the cluster KV store of --kv-store: the prefill instance publishes the "
+                        "blocks there under their hashes, this instance reads them, and they stay there as T3 "
+                        "blocks for later requests; pip install 'xllm-kvstore[mooncake]')")
     p.add_argument("--kv-handoff-timeout", type=positive_float, default=30.0, metavar="SECONDS",
                    help="prefill side: release a request's KV if the decode instance has not confirmed this "
                         "long after the first token")
     p.add_argument("--kv-reservation-timeout", type=positive_float, default=60.0, metavar="SECONDS",
                    help="decode side: give up a KV reservation nobody filled by then (the request fails here "
                         "and the gateway resumes it elsewhere)")
-    p.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
-                   help="the Mooncake store's master (with --kv-transfer mooncake, and on prefill instances "
-                        "sending to such decode instances)")
 
 
 def handoff_options(args: argparse.Namespace) -> HandoffOptions:
     """The hand-off settings the flags describe (``ValueError`` names a missing companion flag)."""
-    if args.kv_transfer == "mooncake" and not (args.mooncake_master and args.mooncake_metadata):
-        raise ValueError("--kv-transfer mooncake needs --mooncake-master HOST:PORT and --mooncake-metadata URL "
-                         "(a Mooncake master started with its HTTP metadata server)")
+    if args.kv_transfer == "mooncake" and not args.kv_store:
+        raise ValueError("--kv-transfer mooncake hands KV off through the cluster KV store: it needs --kv-store "
+                         "mooncake://HOST:PORT with --mooncake-metadata URL (or `xllm serve --kv-store "
+                         "local-mooncake`)")
     return HandoffOptions(
         transport=args.kv_transfer, handoff_timeout=args.kv_handoff_timeout,
-        reservation_timeout=args.kv_reservation_timeout,
-        transport_options={"timeout": args.kv_handoff_timeout, "mooncake_master": args.mooncake_master,
-                           "mooncake_metadata": args.mooncake_metadata})
+        reservation_timeout=args.kv_reservation_timeout, transport_options={"timeout": args.kv_handoff_timeout})
 
 
 def add_engine_process_arguments(p: argparse.ArgumentParser) -> None:

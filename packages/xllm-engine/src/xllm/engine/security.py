@@ -234,11 +234,20 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         return _refusing(handler)
 
 
+# Our clients ping every 10 s (xllm.engine.client); gRPC's server default expects pings at most every 5 min
+# while it sends nothing, and after 2 early ones closes the connection with GOAWAY "too_many_pings",
+# failing every call on it. A request queued for long in an overloaded engine did that (seen in
+# `benchmarks kv_tiers`' cluster runs: all streams of both engines failed with UNAVAILABLE "Too many pings").
+KEEPALIVE_PERMITS = (("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                     ("grpc.keepalive_permit_without_calls", 1))
+
+
 def new_server(security: ClusterSecurity = NO_SECURITY, options: ChannelOptions = ()) -> grpc.aio.Server:
     """A ``grpc.aio`` server for an internal service (the token check installed when there is a token).
     Bind it with :func:`bind`."""
     interceptors = [TokenCheck(security.token)] if security.token else None
-    return grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0), *options])
+    return grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0), *KEEPALIVE_PERMITS, *options])
+
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, security: ClusterSecurity, service: str) -> int:

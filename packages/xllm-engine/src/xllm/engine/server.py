@@ -15,8 +15,8 @@ One engine instance per process in a cluster. The server
 - serves either side of a prefill/decode hand-off (:mod:`xllm.engine.handoff`): a decode-phase
   request's first message is its KV reservation (``kv_reservation``), a prefill-phase request's
   stream ends with ``FINISH_REASON_HANDED_OFF`` once its KV went to the decode instance, and
-  ``TransferKV`` receives KV over gRPC (and Mooncake commits). The chunk after a hand-off on either
-  side carries its ``disagg_stats``;
+  ``TransferKV`` receives KV over gRPC (and the commits of hand-offs through the KV store). The chunk
+  after a hand-off on either side carries its ``disagg_stats``;
 - moves running requests off a draining instance: to a caller that marked its request ``movable``
   (a gateway) the stream carries one ``move_offer`` (the KV's size against this instance's prefill
   speed) once the request decodes; the caller either resumes it elsewhere by recompute (closing
@@ -91,8 +91,8 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         llm.kv.enable_events()  # published from now on (drained after every step, see _on_step)
         self.kv_log = KVEventLog(self.instance_id, self.block_size, max_history=kv_history)
         self._raw_events: collections.deque[tuple[bool, int]] = collections.deque()
-        # lower KV tiers: from their content at start (a host tier outliving the last process) on
-        self._raw_tier_events: collections.deque[tuple[str, bool, int]] = collections.deque(llm.drain_tier_events())
+        tiers = llm.kv.lower_tiers
+        self.kv_log.tier_scopes = tiers.scopes() if tiers is not None else {}  # who shares each tier's storage
         self._rate_alpha = rate_alpha
         self.prefill_tokens_per_s = 0.0
         self.pending_prefill_tokens = 0
@@ -113,7 +113,6 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
     def _on_step(self, s: StepStats) -> None:
         llm = self.engine.engine
         self._raw_events.extend(llm.drain_kv_events())
-        self._raw_tier_events.extend(llm.drain_tier_events())
         c = self._counts
         c["prompt_tokens"] += s.prompt_tokens
         c["generation_tokens"] += len(s.ttfts) + len(s.inter_token_latencies)
@@ -224,10 +223,10 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             batch.append(self._raw_events.popleft())
         if batch:
             self.kv_log.record(batch)
-        tier_batch = []
-        while self._raw_tier_events:
-            tier_batch.append(self._raw_tier_events.popleft())
-        self.kv_log.record_tiers(tier_batch)
+        # lower KV tiers, from their content at start (a host tier outliving the last process) on: they change
+        # off the engine thread too (write-down, loads, hand-offs through the store), so they are drained
+        # here, on the one thread that records
+        self.kv_log.record_tiers(self.engine.engine.drain_tier_events())
 
     def count(self, counter: str, n: int = 1) -> None:
         """Advance one of the cumulative counters of the heartbeats (``EngineCounters`` field names)."""
@@ -342,7 +341,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         return self.load_report()
 
     async def TransferKV(self, request_iterator, context) -> engine_pb2.KVTransferAck:
-        return await grpc_transport.receive(self.handoff, request_iterator, self.handoff.fetch)
+        return await grpc_transport.receive(self.handoff, request_iterator)
 
     async def Migrate(self, request: engine_pb2.MigrateRequest, context) -> engine_pb2.MigrateResponse:
         if request.request_id not in self._calls:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import tempfile
 from typing import TYPE_CHECKING
@@ -218,11 +219,19 @@ def serve(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError) as exc:
         print(f"xllm serve: error: --kv-store {args.kv_store}: {exc}", file=sys.stderr)
         return 2
+    # uvicorn re-raises the SIGTERM that stopped it once it has shut down: with the default handler the
+    # process would die there, leaving the store (in sessions of its own) running; exit through finally
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if store is not None else None
     try:
         return _serve(args)
     finally:
         if store is not None:
+            signal.signal(signal.SIGTERM, previous)
             store.stop()
+
+
+def _exit_on_sigterm(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def start_local_store(args: argparse.Namespace) -> LocalMooncake | None:

@@ -89,6 +89,13 @@ class EngineMetrics:
                                      "KV, counted by the instances: sent (source), installed (destination), failed "
                                      "(source: resumed by recompute instead; destination: recomputed there).",
                                      [*labels, "outcome"], registry=r)
+        self.kv_handoff_store_blocks = Counter(
+            "xllm:kv_handoff_store_blocks", "KV blocks prefill instances handed off through the cluster KV store "
+            "(--kv-transfer mooncake): published there under their hashes, read by the decode instance, kept as "
+            "T3 blocks.", labels, registry=r)
+        self.kv_handoff_store_fallbacks = Counter(
+            "xllm:kv_handoff_store_fallbacks", "Hand-offs through the KV store whose blocks went as pages instead "
+            "(the store was down or full, or the decode instance could not read them there).", labels, registry=r)
         # online/offline co-location (xllm.sched.colocation)
         self.offline_requests = Counter("xllm:offline_requests", "Offline (service_tier flex) requests finished.",
                                         labels, registry=r)
@@ -169,6 +176,8 @@ class EngineMetrics:
                   (self.preemptions, (), "preemptions"),
                   *((self.kv_handoffs, (outcome,), field) for outcome, field in _HANDOFF_OUTCOMES),
                   *((self.kv_migrations, (outcome,), field) for outcome, field in _MIGRATION_OUTCOMES),
+                  (self.kv_handoff_store_blocks, (), "kv_handoff_store_blocks"),
+                  (self.kv_handoff_store_fallbacks, (), "kv_handoff_store_fallbacks"),
                   (self.offline_requests, (), "offline_requests"),
                   (self.offline_prompt_tokens, (), "offline_prompt_tokens"),
                   (self.offline_generation_tokens, (), "offline_generation_tokens"),

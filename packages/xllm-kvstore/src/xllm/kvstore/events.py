@@ -11,7 +11,8 @@ cache keys, deltas when changed, a light acknowledgement when not).
 The lower KV tiers an instance can load from (host DRAM, disk, the cluster store;
 ``xllm.kvstore.tiered``) are published on the same version sequence, keyed by tier: tier ``""``
 is the engine's own memory (the message's ``stored``/``removed``), any other name one of its
-``tiers`` entries.
+``tiers`` entries. Every message also names the storage each lower tier is in (``tier_scopes``:
+instances sharing a host directory or a cluster store share what is in it; ``xllm.kvstore.index``).
 
 Not thread-safe: one thread records and answers (the engine server's event loop).
 """
@@ -46,6 +47,7 @@ class KVEventLog:
         self.epoch = epoch if epoch is not None else new_epoch()
         self.version = 0
         self._cached: dict[str, set[int]] = {DEVICE: set()}  # tier -> blocks held there now
+        self.tier_scopes: dict[str, str] = {}  # lower tier -> the storage it is in (KVCacheEvents.tier_scopes)
         # (version, stored?, hash, tier) for the most recent events
         self._history: deque[tuple[int, bool, int, str]] = deque(maxlen=max_history)
 
@@ -80,7 +82,8 @@ class KVEventLog:
 
     def _message(self, **fields) -> kv_events_pb2.KVCacheEvents:
         return kv_events_pb2.KVCacheEvents(instance_id=self.instance_id, block_size=self.block_size,
-                                           epoch=self.epoch, version=self.version, **fields)
+                                           epoch=self.epoch, version=self.version, tier_scopes=self.tier_scopes,
+                                           **fields)
 
     def snapshot(self) -> kv_events_pb2.KVCacheEvents:
         tiers = [kv_events_pb2.TierBlocks(tier=t, stored=sorted(held))

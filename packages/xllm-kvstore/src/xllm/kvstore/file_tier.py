@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -55,6 +56,8 @@ class FileTier:
         self.name = name
         self.ns = ns
         self.directory = os.path.join(os.fspath(root), ns.hex())
+        # the processes of this machine using this directory share it (its path includes the namespace)
+        self.scope = f"file://{socket.gethostname()}{os.path.realpath(self.directory)}"
         self._capacity = capacity_bytes
         self._low_water = low_water
         self._mutex = threading.Lock()  # flock does not exclude threads sharing one open file
@@ -118,6 +121,18 @@ class FileTier:
         with self._mutex:
             self._stats.wrote(payload)
         return True
+
+    def put_many(self, blocks: Sequence[tuple[int, Sequence[bytes]]]) -> list[bool]:
+        return [self.put(h, pieces) for h, pieces in blocks]
+
+    def get_many_into(self, block_hashes: Sequence[int], dests: Sequence[Buffers]) -> list[bool]:
+        out = []
+        for h, dest in zip(block_hashes, dests, strict=True):
+            try:
+                out.append(self.get_into(h, dest))
+            except CorruptBlockError:
+                out.append(False)
+        return out
 
     def get_into(self, block_hash: int, dest: Buffers) -> bool:
         path = self.path(block_hash)

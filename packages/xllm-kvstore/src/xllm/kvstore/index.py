@@ -21,6 +21,13 @@ that it could bring up from which tier, so the router can weigh a deep hit in a 
 a shallow hit in memory by predicted TTFT (RTP-LLM's cache-aware balancing;
 ``xllm.sched.routing``).
 
+Lower tiers can be shared: the engine processes of one machine share a host directory, every
+instance of a cluster the Mooncake store. The events name each tier's storage (``tier_scopes``), and
+instances naming the same scope share its blocks here: a block one of them lists in a shared tier
+counts as loadable by all of them (a prefill instance's hand-off published to the store is a T3 hit
+for every instance on that store), and a removal one of them reports there (an eviction, a lookup
+that found the block missing) holds for all of them.
+
 Pure Python, no torch. Not thread-safe: used from the gateway's event loop.
 """
 
@@ -65,6 +72,11 @@ class GlobalKVIndex:
         # the lower tiers: hash -> {instance: tiers holding it}, and instance -> tier -> hashes
         self._lower_holders: dict[int, dict[str, set[str]]] = {}
         self._lower_held: dict[str, dict[str, set[int]]] = {}
+        # shared lower tiers: instance -> {tier: scope}, scope -> its (instance, tier) members, and
+        # scope -> {hash: how many members list it}
+        self._scopes: dict[str, dict[str, str]] = {}
+        self._scope_members: dict[str, set[tuple[str, str]]] = {}
+        self._scope_blocks: dict[str, dict[int, int]] = {}
         self._versions: dict[str, tuple[int, int]] = {}
         self._expected: dict[int, dict[str, float]] = {}  # hash -> {instance: expiry}
         self._clock = clock
@@ -81,6 +93,7 @@ class GlobalKVIndex:
         if ev.snapshot:
             if known is not None and known[0] == ev.epoch and ev.version < known[1]:
                 return STALE
+            self._set_scopes(instance_id, dict(ev.tier_scopes))
             self._replace(instance_id, set(ev.stored))
             self._replace_lower(instance_id, {t.tier: set(t.stored) for t in ev.tiers})
             self._versions[instance_id] = (ev.epoch, ev.version)
@@ -98,13 +111,14 @@ class GlobalKVIndex:
         if ev.base_version > known[1]:
             self.gaps += 1
             return GAP
+        self._set_scopes(instance_id, dict(ev.tier_scopes))
         for h in ev.removed:
             self._drop(instance_id, h)
         for h in ev.stored:
             self._add(instance_id, h)
         for t in ev.tiers:
             for h in t.removed:
-                self._drop_lower(instance_id, t.tier, h)
+                self._drop_shared(instance_id, t.tier, h)
             for h in t.stored:
                 self._add_lower(instance_id, t.tier, h)
         self._versions[instance_id] = (ev.epoch, ev.version)
@@ -119,6 +133,7 @@ class GlobalKVIndex:
                 if not holders:
                     del self._holders[h]
         self._replace_lower(instance_id, {})
+        self._set_scopes(instance_id, {})
         self._lower_held.pop(instance_id, None)
         self._versions.pop(instance_id, None)
         for h in [h for h, exp in self._expected.items() if instance_id in exp]:
@@ -175,11 +190,15 @@ class GlobalKVIndex:
         of the instance holds ends its prefix. Instances with neither are left out."""
         device = self.match(hashes, instances, expected)
         out = {w: TierMatch(n) for w, n in device.items()}
-        lower_ids = list(self._lower_held) if instances is None else [w for w in instances if w in self._lower_held]
+        known = self._lower_held.keys() | self._scopes.keys()
+        lower_ids = list(known) if instances is None else [w for w in instances if w in known]
         for w in lower_ids:
             runs: list[tuple[str, int]] = []
+            shared = [(t, self._scope_blocks.get(s, {})) for t, s in self._scopes.get(w, {}).items()]
             for h in hashes[device.get(w, 0):]:
-                tiers = self._lower_holders.get(h, {}).get(w)
+                tiers = self._lower_holders.get(h, {}).get(w, set())
+                if shared:
+                    tiers = tiers | {t for t, blocks in shared if h in blocks}
                 if not tiers:
                     break
                 tier = min(tiers, key=_tier_rank)
@@ -203,9 +222,13 @@ class GlobalKVIndex:
         return len(self._lower_held.get(instance_id, {}).get(tier, ()))
 
     def holders(self, block_hash: int, tier: str = "") -> frozenset[str]:
-        """Instances holding the block in their memory (``tier=""``) or in lower tier ``tier``."""
+        """Instances holding the block in their memory (``tier=""``), or able to load it from their lower tier
+        ``tier`` (listed by them, or by another instance sharing that tier's storage)."""
         if tier:
-            return frozenset(w for w, ts in self._lower_holders.get(block_hash, {}).items() if tier in ts)
+            own = {w for w, ts in self._lower_holders.get(block_hash, {}).items() if tier in ts}
+            shared = {w for w, scopes in self._scopes.items()
+                      if tier in scopes and block_hash in self._scope_blocks.get(scopes[tier], {})}
+            return frozenset(own | shared)
         return frozenset(self._holders.get(block_hash, ()))
 
     def instances(self) -> list[str]:
@@ -235,10 +258,67 @@ class GlobalKVIndex:
         self._held.setdefault(instance_id, set())
 
     def _add_lower(self, instance_id: str, tier: str, h: int) -> None:
+        held = self._lower_held.setdefault(instance_id, {}).setdefault(tier, set())
+        if h in held:
+            return
+        held.add(h)
         self._lower_holders.setdefault(h, {}).setdefault(instance_id, set()).add(tier)
-        self._lower_held.setdefault(instance_id, {}).setdefault(tier, set()).add(h)
+        scope = self._scopes.get(instance_id, {}).get(tier)
+        if scope:
+            blocks = self._scope_blocks.setdefault(scope, {})
+            blocks[h] = blocks.get(h, 0) + 1
+
+    def _drop_shared(self, instance_id: str, tier: str, h: int) -> None:
+        """``instance_id`` says ``h`` left its tier ``tier``: from every member of that tier's scope."""
+        scope = self._scopes.get(instance_id, {}).get(tier)
+        if not scope:
+            self._drop_lower(instance_id, tier, h)
+            return
+        for w, t in list(self._scope_members.get(scope, ())):
+            self._drop_lower(w, t, h)
+
+    def _set_scopes(self, instance_id: str, scopes: dict[str, str]) -> None:
+        """Record which storage each of the instance's lower tiers is in (moving its blocks' counts)."""
+        scopes = {t: s for t, s in scopes.items() if s}
+        old = self._scopes.get(instance_id, {})
+        if scopes == old:
+            return
+        held = self._lower_held.get(instance_id, {})
+        for tier, scope in old.items():
+            self._scope_members[scope].discard((instance_id, tier))
+            blocks = self._scope_blocks.get(scope, {})
+            for h in held.get(tier, ()):
+                n = blocks.get(h, 0) - 1
+                if n > 0:
+                    blocks[h] = n
+                else:
+                    blocks.pop(h, None)
+            if not self._scope_members[scope]:
+                del self._scope_members[scope]
+                self._scope_blocks.pop(scope, None)
+        if scopes:
+            self._scopes[instance_id] = scopes
+        else:
+            self._scopes.pop(instance_id, None)
+        for tier, scope in scopes.items():
+            self._scope_members.setdefault(scope, set()).add((instance_id, tier))
+            blocks = self._scope_blocks.setdefault(scope, {})
+            for h in held.get(tier, ()):
+                blocks[h] = blocks.get(h, 0) + 1
 
     def _drop_lower(self, instance_id: str, tier: str, h: int) -> None:
+        held = self._lower_held.get(instance_id, {}).get(tier)
+        if held is None or h not in held:
+            return
+        held.discard(h)
+        scope = self._scopes.get(instance_id, {}).get(tier)
+        if scope:
+            blocks = self._scope_blocks.get(scope, {})
+            n = blocks.get(h, 0) - 1
+            if n > 0:
+                blocks[h] = n
+            else:
+                blocks.pop(h, None)
         by_instance = self._lower_holders.get(h)
         if by_instance is not None:
             tiers = by_instance.get(instance_id)
@@ -248,9 +328,6 @@ class GlobalKVIndex:
                     del by_instance[instance_id]
             if not by_instance:
                 del self._lower_holders[h]
-        held = self._lower_held.get(instance_id, {}).get(tier)
-        if held is not None:
-            held.discard(h)
 
     def _replace_lower(self, instance_id: str, blocks: dict[str, set[int]]) -> None:
         old = self._lower_held.get(instance_id, {})

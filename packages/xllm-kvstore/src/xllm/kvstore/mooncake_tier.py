@@ -5,6 +5,8 @@ GIL for as long as its transfers took), spawned when the tier opens and again af
 
 A block is one object, key ``xllm/kv/<namespace hex>/<block hash hex>``, value the
 :class:`~xllm.kvstore.tier.BlockHeader` and the payload, checked on every read like a file tier's.
+Batches (``put_many``, ``get_many_into``, ``contains_many``) are one round trip each: a prefill/decode
+hand-off through the store moves a request's blocks with one of each.
 Capacity and eviction are the store's: every client mounts a segment of its memory into the
 cluster's pool (``segment_bytes``) and the master evicts objects when the pool fills; a put the
 pool cannot take is dropped. An unreachable master (Mooncake's own error codes), a worker that
@@ -25,7 +27,19 @@ import threading
 import time
 from collections.abc import Sequence
 
-from xllm.kvstore.mooncake_worker import OP_CLOSE, OP_EXISTS, OP_GET, OP_PUT, OP_REMOVE, REQUEST, RESPONSE
+from xllm.kvstore.mooncake_worker import (
+    OP_CLOSE,
+    OP_EXISTS,
+    OP_GET,
+    OP_GET_MANY,
+    OP_PUT,
+    OP_PUT_MANY,
+    OP_REMOVE,
+    REQUEST,
+    RESPONSE,
+    pack_items,
+    unpack_items,
+)
 from xllm.kvstore.tier import (
     HEADER_BYTES,
     STORE,
@@ -67,6 +81,7 @@ class MooncakeTier:
         self.ns = ns
         self.timeout = timeout
         self._prefix = f"xllm/kv/{ns.hex()}/"
+        self.scope = f"{SCHEME}{master}/{ns.hex()}"  # every client of this master, in this namespace
         self._capacity = segment_bytes
         self._argv = [sys.executable, "-m", "xllm.kvstore.mooncake_worker", master, metadata, str(segment_bytes),
                       local_host]
@@ -157,10 +172,15 @@ class MooncakeTier:
             raise TierDownError(f"tier {self.name}: lookup failed ({min(codes, default=-1)})")
         return [c == 1 for c in codes]
 
-    def put(self, block_hash: int, pieces: Buffers) -> bool:
+    def _record(self, block_hash: int, pieces: Buffers | Sequence[bytes]) -> tuple[bytes, int]:
+        """A block's stored value (header and payload) and its payload size."""
         payload = sum(len(p) for p in pieces)
         header = BlockHeader(self.ns, block_hash, payload, checksum(pieces)).pack()
-        code, _ = self._call(OP_PUT, self.key(block_hash), b"".join([header, *(bytes(p) for p in pieces)]))
+        return b"".join([header, *(bytes(p) for p in pieces)]), payload
+
+    def put(self, block_hash: int, pieces: Buffers) -> bool:
+        value, payload = self._record(block_hash, pieces)
+        code, _ = self._call(OP_PUT, self.key(block_hash), value)
         if code != 0:
             if _unreachable(code):
                 self._failed()
@@ -170,12 +190,57 @@ class MooncakeTier:
             self._stats.wrote(payload)
         return True
 
+    def put_many(self, blocks: Sequence[tuple[int, Sequence[bytes]]]) -> list[bool]:
+        """One round trip for all of ``blocks``; the store takes the batch whole or not at all."""
+        if not blocks:
+            return []
+        records = [self._record(h, pieces) for h, pieces in blocks]
+        code, _ = self._call(OP_PUT_MANY, payload=pack_items([(self.key(h), value)
+                                                              for (h, _), (value, _) in zip(blocks, records)]))
+        if code != 0:
+            if _unreachable(code):
+                self._failed()
+                raise TierDownError(f"tier {self.name}: batch put failed ({code})")
+            return [False] * len(blocks)
+        with self._mutex:
+            for _, payload in records:
+                self._stats.wrote(payload)
+        return [True] * len(blocks)
+
     def get_into(self, block_hash: int, dest: Buffers) -> bool:
         started = time.perf_counter()
-        payload = sum(len(d) for d in dest)
         _, value = self._call(OP_GET, self.key(block_hash))
-        if not value:  # missing (evicted since the lookup) or unreachable: either way not loaded
+        return self._fill(block_hash, value, dest, started)
+
+    def get_many_into(self, block_hashes: Sequence[int], dests: Sequence[Buffers]) -> list[bool]:
+        if not block_hashes:
+            return []
+        started = time.perf_counter()
+        keys = [self.key(h) for h in block_hashes]
+        _, raw = self._call(OP_GET_MANY, payload="\n".join(keys).encode())
+        try:
+            items = unpack_items(raw)
+        except ValueError as exc:
+            self._failed()
+            raise TierDownError(f"tier {self.name}: a malformed batch answer ({exc})") from exc
+        if [k for k, _ in items] != keys:
+            self._failed()
+            raise TierDownError(f"tier {self.name}: the batch answer names other keys")
+        out = []
+        for h, (_, value), dest in zip(block_hashes, items, dests, strict=True):
+            try:
+                out.append(self._fill(h, value, dest, started))
+            except CorruptBlockError:
+                out.append(False)
+            started = time.perf_counter()  # the round trip is charged to the first block
+        return out
+
+    def _fill(self, block_hash: int, value: bytes | memoryview, dest: Buffers, started: float) -> bool:
+        """Check a stored value and copy its payload into ``dest``: False when it is missing (evicted since
+        the lookup, or unreachable), :class:`CorruptBlockError` (the object is removed) when it fails."""
+        if not value:
             return False
+        payload = sum(len(d) for d in dest)
         view = memoryview(value)
         try:
             if len(view) != HEADER_BYTES + payload:

@@ -14,7 +14,9 @@ Tiers (T0 is the engine's own KV, in ``xllm.core.kv``):
 - T1 ``host``: host DRAM shared by the engine processes of one machine (:mod:`xllm.kvstore.file_tier`
   over a tmpfs directory, ``/dev/shm``);
 - T2 ``disk``: local SSD files (:mod:`xllm.kvstore.file_tier` over a directory);
-- T3 ``store``: a cluster-wide store (Mooncake), not built yet.
+- T3 ``store``: a cluster-wide store (:mod:`xllm.kvstore.mooncake_tier`), which also carries prefill/decode
+  hand-offs: a prefill instance publishes a request's blocks there under their hashes and the decode
+  instance reads them back (``xllm.engine.handoff.mooncake``), so they stay as ordinary T3 blocks.
 
 Torch-free: payloads are bytes-like objects.
 """
@@ -179,6 +181,9 @@ class KVTier(Protocol):
     - ``get_into`` reads a block's payload into ``dest`` (pieces filled in order) and verifies it;
       False on a miss; raises :class:`CorruptBlockError` (the block is dropped from the tier) or
       :class:`TierDownError`. A hit makes the block the most recently used.
+    - ``put_many`` / ``get_many_into``: the same for several blocks at once (one round trip for a remote
+      tier). ``get_many_into`` answers per block whether it was loaded intact: a missing block and a
+      corrupt one (dropped, counted) are both False; only an unreachable tier raises.
     - ``contains`` says whether the block is present (unverified: ``get_into`` checks);
       ``contains_many`` the same for several blocks at once (one round trip for a remote tier).
     - ``remote``: a lookup costs a network round trip (the engine thread asks such tiers only in
@@ -188,16 +193,24 @@ class KVTier(Protocol):
       ``evict``) since the last call; ``listing`` the blocks present now where the tier can enumerate
       them cheaply (a local directory), else nothing. Together they let an instance publish which
       blocks it can load from the tier (``xllm.kvstore.events``); removals by other processes sharing
-      the tier go unseen there (a load then misses and the block is recomputed).
+      the tier are not listed there, but a lookup or load that misses such a block says so
+      (:class:`~xllm.kvstore.tiered.TieredStore` publishes the correction).
+    - ``scope``: names the storage the tier is in (a host directory, a Mooncake master and namespace), so
+      that the instances sharing it can be told apart from those that do not (``KVCacheEvents.tier_scopes``).
     Blocks being read are never freed under the reader (file tiers: an open file outlives its unlink).
     """
 
     name: str
     remote: bool
+    scope: str
 
     def put(self, block_hash: int, pieces: Buffers | Sequence[bytes]) -> bool: ...
 
+    def put_many(self, blocks: Sequence[tuple[int, Sequence[bytes]]]) -> list[bool]: ...
+
     def get_into(self, block_hash: int, dest: Buffers) -> bool: ...
+
+    def get_many_into(self, block_hashes: Sequence[int], dests: Sequence[Buffers]) -> list[bool]: ...
 
     def contains(self, block_hash: int) -> bool: ...
 

@@ -15,6 +15,7 @@ BATCH_POLICIES: NameRegistry[BatchPolicyClass] = NameRegistry("batch policy", {
 
 ROUTING_POLICIES: NameRegistry[type[RoutingPolicy]] = NameRegistry("routing policy", {
     "kv_aware": "xllm.sched.routing:KVCacheAwarePolicy",
+    "kv_aware_t0": "xllm.sched.routing:MemoryOnlyKVAwarePolicy",
     "least_load": "xllm.sched.routing:LeastLoadPolicy",
     "round_robin": "xllm.sched.routing:RoundRobinPolicy",
 }, normalize=lambda name: name.replace("-", "_"))

@@ -21,7 +21,9 @@ Policies (by name through :data:`xllm.sched.ROUTING_POLICIES`):
   the tier's measured speed instead of their recompute time, and in ``match_len`` only for the
   share of the recompute time loading saves: a deep hit in a tier slower than recomputing is
   worth nothing, and a shallow hit in memory beats it (RTP-LLM's cache-aware balancing). A tier
-  whose speed the instance has not measured yet is treated as recompute. A chat/session id is a strong hint: its
+  whose speed the instance has not measured yet is treated as recompute. ``kv_aware_t0`` is the same
+  policy blind to the lower tiers (only prefixes in engine memory count): the ablation that
+  ``python -m benchmarks kv_tiers`` measures tier-aware routing against. A chat/session id is a strong hint: its
   previous instance is taken unless overloaded. A load-aware fallback sends the request to the
   fastest instance instead when the best-scoring one would be much slower, so a hot prefix
   cannot pile every request onto one instance.
@@ -197,12 +199,15 @@ class KVCacheAwarePolicy(RoutingPolicy):
     def _rate(self, c: InstanceSnapshot, fallback: float) -> float:
         return c.prefill_tokens_per_s if c.prefill_tokens_per_s > 0 else fallback
 
-    @staticmethod
-    def lower_tier_plan(c: InstanceSnapshot, num_prompt_tokens: int, rate: float) -> tuple[int, float, float]:
+    tier_aware = True  # count what lower tiers hold (kv_aware_t0: not)
+
+    def lower_tier_plan(self, c: InstanceSnapshot, num_prompt_tokens: int, rate: float) -> tuple[int, float, float]:
         """For the prompt tokens ``c`` can load from its lower tiers (beyond its in-memory match, never the
         last prompt token, which is always computed): ``(tokens loaded, seconds loading them, seconds of
         recompute they save net of the load)``. Loading stops at the first tier without a measured speed
-        (predicted as recomputed: the conservative side)."""
+        (predicted as recomputed: the conservative side). Nothing for a policy that is not ``tier_aware``."""
+        if not self.tier_aware:
+            return 0, 0.0, 0.0
         speeds = dict(c.tier_load_tokens_per_s)
         room = max(num_prompt_tokens - 1 - c.matched_tokens, 0)
         loaded, seconds, saved = 0, 0.0, 0.0
@@ -294,3 +299,10 @@ class KVCacheAwarePolicy(RoutingPolicy):
         self._remember(request.session_id, choice)
         return RouteDecision(choice, reason, latency[choice], scores)
 
+
+class MemoryOnlyKVAwarePolicy(KVCacheAwarePolicy):
+    """``kv_aware_t0``: :class:`KVCacheAwarePolicy` that counts only the prefix an instance holds in its KV
+    memory, as if it had no lower tiers (what routing was before it knew them; the benchmark's baseline)."""
+
+    name = "kv_aware_t0"
+    tier_aware = False

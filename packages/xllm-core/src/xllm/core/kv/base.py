@@ -16,6 +16,7 @@ from xllm.core.kv.page_store import PageStore
 from xllm.core.kv.registry import KV_BACKENDS, KV_CACHE_DTYPES
 from xllm.core.model_api import KVCacheSpec
 from xllm.kernels import kv_quant
+from xllm.kvstore import ROOT_HASH, hash_block
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,17 @@ class KVCacheBackend(ABC):
     def __init__(self, layout: KVCacheLayout) -> None:
         self.layout = layout
 
+    def block_hashes_of(self, seq, num_blocks: int) -> list[int]:
+        """``seq.block_hashes`` extended to at least its first ``num_blocks`` full blocks: the chained hashes
+        (:mod:`xllm.kvstore.hashing`) that name a block in the prefix cache and in every lower KV tier."""
+        bs = self.layout.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            j = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block(parent, seq.token_slice(j * bs, (j + 1) * bs)))
+        return hashes
+
     def admit(self, seq, max_new_tokens: int) -> int:
         n = min(seq.num_tokens - seq.num_computed_tokens, max_new_tokens)
         return n if n > 0 and self.allocate(seq, n) else 0
@@ -173,6 +185,12 @@ class KVCacheBackend(ABC):
     def has_tiers(self) -> bool:
         """Whether KV tiers below this memory are attached."""
         return False
+
+    @property
+    def lower_tiers(self) -> LowerTiers | None:
+        """The tiers attached below this memory (prefill/decode hand-offs through the cluster store use
+        them), or None."""
+        return None
 
     def attach_tiers(self, tiers: LowerTiers) -> None:
         raise ValueError(f"the {type(self).__name__} backend has no prefix cache to back with KV tiers")

@@ -13,6 +13,11 @@ Lifecycle of a block (chained hash ``h``, the same in every tier and process):
    other requests; a block that fails stops the load there (the rest is recomputed);
 4. the loaded blocks enter T0's prefix cache, and the request's admission finds them there.
 
+Prefill/decode hand-offs through the cluster store (``xllm.engine.handoff.mooncake``) use the same
+tiers, blocking, from the engine server's threads: :meth:`LowerTiers.publish` puts a request's blocks
+into the store tier under their hashes (prefill side), :meth:`LowerTiers.fetch` reads them into the
+reserved pages (decode side) exactly as a prefix load does; the blocks then stay there as T3 blocks.
+
 Torch-free (pages are reached through :class:`~xllm.core.kv.page_store.PageStore`).
 """
 
@@ -28,7 +33,7 @@ from xllm.core.errors import ConfigError
 from xllm.core.kv.page_store import PageStore
 from xllm.kvstore.file_tier import FileTier
 from xllm.kvstore.mooncake_tier import MooncakeTier, parse_url
-from xllm.kvstore.tier import DISK, HOST, KVTier, TierDownError, TierStats, namespace
+from xllm.kvstore.tier import DISK, HOST, STORE, KVTier, TierDownError, TierStats, namespace
 from xllm.kvstore.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -105,15 +110,30 @@ class LowerTiers:
         return job
 
     def _load(self, hashes: list[int], pages: list[int]) -> int:
-        for i, (h, page) in enumerate(zip(hashes, pages, strict=True)):
-            try:
-                source = self.store.load_into(h, self.page_views(page))
-            except Exception:  # a bad queue entry or a tier's bug: recompute from here
-                log.exception("KV tiers: loading block %016x failed", h)
-                source = None
-            if source is None:
-                return i
-        return len(hashes)
+        try:
+            return self.store.load_many(hashes, [self.page_views(page) for page in pages])
+        except Exception:  # a bad queue entry or a tier's bug: recompute
+            log.exception("KV tiers: loading %d blocks failed", len(hashes))
+            return 0
+
+    # ---- prefill/decode hand-offs through the cluster store (blocking: call from a thread) ---------------
+    @property
+    def has_store(self) -> bool:
+        """Whether the cluster store tier (T3) is attached and not in an outage now."""
+        return any(t.name == STORE and self.store.is_up(t) for t in self.store.tiers)
+
+    def publish(self, hashes: Sequence[int], pages: Sequence[int]) -> int:
+        """Prefill side: put the blocks in ``pages`` into the store tier under ``hashes`` (those it lacks, one
+        batch); returns how many leading blocks it holds afterwards (0: no store, or it is down)."""
+        if not hashes or not self.has_store:
+            return 0
+        there = self.store.publish(STORE, [(h, self.pages.read_block(p)) for h, p in zip(hashes, pages, strict=True)])
+        return next((j for j, ok in enumerate(there) if not ok), len(there))
+
+    def fetch(self, hashes: Sequence[int], pages: Sequence[int]) -> int:
+        """Decode side: read blocks ``hashes`` into ``pages`` from the tiers (each checked against its hash,
+        namespace and checksum); returns how many leading blocks arrived intact."""
+        return self.store.load_many(list(hashes), [self.page_views(p) for p in pages])
 
     def finished(self, job: LoadJob) -> int:
         """A done job's count of intact leading blocks (recorded in the counters)."""
@@ -133,6 +153,10 @@ class LowerTiers:
     def drain_events(self) -> list[tuple[str, bool, int]]:
         """``(tier, stored?, block hash)`` since the last call (:meth:`TieredStore.drain_events`)."""
         return self.store.drain_events()
+
+    def scopes(self) -> dict[str, str]:
+        """Each tier's storage (:meth:`TieredStore.scopes`)."""
+        return self.store.scopes()
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)

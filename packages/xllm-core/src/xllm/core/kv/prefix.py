@@ -16,7 +16,6 @@ from abc import abstractmethod
 from xllm.core.kv.base import KVCacheBackend, KVCacheLayout, PrefixStats
 from xllm.core.kv.lower_tiers import LoadJob, LowerTiers
 from xllm.core.kv.page_pool import PagePool, PageStatus
-from xllm.kvstore import ROOT_HASH, hash_block
 from xllm.kvstore.tier import TierStats
 
 
@@ -52,23 +51,13 @@ class PrefixCachingBackend(KVCacheBackend):
         page = self.pool.take(owner)
         return None if page is None else page.page_id
 
-    # ---- hashing -------------------------------------------------------------------
-    def _extend_hashes(self, seq, num_blocks: int) -> list[int]:
-        bs = self.layout.block_size
-        hashes = seq.block_hashes
-        while len(hashes) < num_blocks:
-            j = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash_block(parent, seq.token_slice(j * bs, (j + 1) * bs)))
-        return hashes
-
     def _match_prefix(self, seq) -> list[int]:
         if not self.layout.enable_prefix_cache or seq.prompt_logprobs_pending is not None:
             return []  # (prompt logprobs: every prompt row's logits must be computed)
         # never the block holding the last known token: its logits must be computed
         max_blocks = (seq.num_tokens - 1) // self.layout.block_size
         hits: list[int] = []
-        for h in self._extend_hashes(seq, max_blocks):
+        for h in self.block_hashes_of(seq, max_blocks):
             page = self.pool.lookup(h)
             if page is None:
                 break
@@ -136,7 +125,7 @@ class PrefixCachingBackend(KVCacheBackend):
         full = min(seq.num_computed_tokens // self.layout.block_size, len(seq.kv_pages))
         if full <= seq.num_hashed_blocks:
             return
-        hashes = self._extend_hashes(seq, full)
+        hashes = self.block_hashes_of(seq, full)
         for j in range(seq.num_hashed_blocks, full):
             self.pool.set_hash(seq.kv_pages[j], hashes[j])
         seq.num_hashed_blocks = full
@@ -164,6 +153,10 @@ class PrefixCachingBackend(KVCacheBackend):
     def has_tiers(self) -> bool:
         return self.lower is not None
 
+    @property
+    def lower_tiers(self) -> LowerTiers | None:
+        return self.lower
+
     def attach_tiers(self, tiers: LowerTiers) -> None:
         """Write blocks evicted from the prefix cache down to ``tiers`` and load prefixes from them."""
         self.lower = tiers
@@ -178,7 +171,7 @@ class PrefixCachingBackend(KVCacheBackend):
                 seq.prompt_logprobs_pending is not None:
             return None
         max_blocks = (seq.num_tokens - 1) // self.layout.block_size
-        hashes = self._extend_hashes(seq, max_blocks)
+        hashes = self.block_hashes_of(seq, max_blocks)
         cached = 0
         while cached < max_blocks and self.pool.lookup(hashes[cached]) is not None:
             cached += 1

@@ -31,17 +31,24 @@ class HandoffOptions:
     transport_options: dict = field(default_factory=dict)  # e.g. Mooncake's master and metadata server
 
 
+TIERS_OPTION = "kv_tiers"  # a sender's options entry: the engine's LowerTiers (HandoffManager sets it)
+
+
 class TransferError(RuntimeError):
     """A hand-off could not deliver intact KV (unreachable, corrupted, incompatible layout)."""
 
 
 @dataclass(frozen=True)
 class TransferResult:
-    """What a sender learnt: whether the decode side installed the KV, and the bytes moved."""
+    """What a sender learnt: whether the decode side installed the KV, and the bytes moved. The store path:
+    how many blocks went through the cluster store, and whether blocks meant for it went as pages instead
+    (``fallback``: the store was unavailable, or the decode side could not read them there)."""
 
     installed: bool
     bytes: int
     error: str = ""
+    store_blocks: int = 0
+    fallback: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,17 @@ class HandoffSink(Protocol):
         ...
 
     async def end_receive(self, commit: engine_pb2.KVCommit, received_bytes: int, error: str = "",
-                          started: float | None = None, overlapped: float = 0.0) -> bool:
+                          started: float | None = None, overlapped: float = 0.0, store_blocks: int = 0) -> bool:
         """The blocks are written (``error`` empty) or were not: install the KV, or recompute.
         ``started``: ``time.monotonic()`` when the transfer's first byte arrived; ``overlapped``: the
-        seconds of it before the commit arrived (sent while the prefill ran). Returns whether the
-        received KV was installed."""
+        seconds of it before the commit arrived (sent while the prefill ran); ``store_blocks``: of the
+        blocks, how many were read from the cluster store. Returns whether the received KV was installed."""
+        ...
+
+    def fetch_from_store(self, hashes: list[int], pages: tuple[int, ...]) -> int:
+        """Blocking (call from a thread): read blocks ``hashes`` from this instance's KV tiers into
+        ``pages``, each checked against its hash, namespace and checksum; how many leading blocks
+        arrived intact (0 without tiers)."""
         ...
 
     def cancel_receive(self, transfer_id: str) -> None:
@@ -80,13 +93,16 @@ class Outgoing:
 
     ``pages`` are this side's pages of the blocks ``first_block ..`` to send. Layers become final as
     the prefill forward stores them (:meth:`layer_done`; all at once for a hand-off that starts after
-    the prefill); the commit arrives with the first token (:meth:`commit_ready`)."""
+    the prefill); the commit arrives with the first token (:meth:`commit_ready`), and with it the
+    hashes of the full blocks (``block_hashes``)."""
 
     def __init__(self, transfer_id: str, first_block: int, pages: tuple[int, ...], num_layers: int) -> None:
         self.transfer_id = transfer_id
         self.first_block = first_block
         self.pages = pages
         self.num_layers = num_layers
+        # the chained hashes of the full blocks among ``pages`` (a prefix of them), known with the commit
+        self.block_hashes: tuple[int, ...] = ()
         self._layers: asyncio.Queue[int] = asyncio.Queue()
         self.committed_future: asyncio.Future[engine_pb2.KVCommit] = asyncio.get_running_loop().create_future()
         self.task: asyncio.Task | None = None  # the send, while it runs
@@ -191,17 +207,4 @@ def write_pages_checked(dest: Destination, r: int, first_block: int, data: bytes
     view, pb = memoryview(data), page_bytes[r]
     for i in range(n):
         dest.store.write_page(r, dest.pages[first_block + i], view[i * pb:(i + 1) * pb])
-    return len(data)
-
-
-def write_checked(dest: Destination, block: int, data: bytes | memoryview, expected_crc: int) -> int:
-    """Write one received block into its reserved page after checking it; returns its size."""
-    if block < dest.first_block or block >= len(dest.pages):
-        raise TransferError(f"{dest.transfer_id}: block {block} is not one this reservation receives")
-    if len(data) != dest.store.block_bytes:
-        raise TransferError(f"{dest.transfer_id}: block {block} has {len(data)} bytes, "
-                            f"a block is {dest.store.block_bytes}")
-    if crc32(data) != expected_crc:
-        raise TransferError(f"{dest.transfer_id}: block {block} is corrupted (CRC mismatch)")
-    dest.store.write_block(dest.pages[block], data)
     return len(data)

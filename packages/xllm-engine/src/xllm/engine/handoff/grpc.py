@@ -6,15 +6,18 @@ block the decode side lacks, with a CRC-32 — as soon as the forward stored the
 transfer overlaps the rest of the prefill; the :class:`KVCommit` (first token, sampler state)
 follows the sampling. The decode side checks and writes each message into its reservation as it
 arrives; a corrupted or missing range makes it recompute the prompt instead of installing the KV.
-The same call carries the commit of the Mooncake transport, whose blocks are fetched from the
-store (``fetch``).
+The same call carries the store path's hand-offs (``xllm.engine.handoff.mooncake``): a commit naming
+``store_hashes`` has those blocks read from the decode side's KV tiers (the cluster store) and the
+rest as pages; when the store cannot deliver them all, the answer asks the sender to send them again
+as pages (``resend``) and the reservation waits for that.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
@@ -28,11 +31,12 @@ from xllm.engine.handoff.base import (
     TransferResult,
     Transport,
     crc32,
-    write_checked,
     write_pages_checked,
 )
 from xllm.engine.security import NO_SECURITY, ClusterSecurity, open_channel
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 256 << 20  # a block of a large model is several MiB
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
@@ -67,6 +71,16 @@ class TransferChannels:
         self._stubs.clear()
 
 
+def page_messages(store: PageStore, transfer_id: str, pages: tuple[int, ...], first_block: int,
+                  ranges: list[int] | None = None) -> Iterator[engine_pb2.KVTransferMessage]:
+    """One :class:`KVPages` per range (``ranges``, default all): its page of each of ``pages``, the blocks
+    ``first_block ..``, with its CRC-32."""
+    for r in range(len(store.page_bytes)) if ranges is None else ranges:
+        data = store.read_pages(r, pages)
+        yield engine_pb2.KVTransferMessage(pages=engine_pb2.KVPages(
+            transfer_id=transfer_id, range=r, first_block=first_block, data=data, crc32=crc32(data)))
+
+
 class GrpcSender(KVSender):
     name = "grpc"
     streams_layers = True
@@ -81,12 +95,10 @@ class GrpcSender(KVSender):
         async def messages() -> AsyncIterator[engine_pb2.KVTransferMessage]:
             nonlocal sent
             async for layer in out.layers():
-                for r in store.ranges_of_layer(layer):
-                    data = store.read_pages(r, out.pages)
-                    sent += len(data)
-                    yield engine_pb2.KVTransferMessage(pages=engine_pb2.KVPages(
-                        transfer_id=out.transfer_id, range=r, first_block=out.first_block, data=data,
-                        crc32=crc32(data)))
+                for message in page_messages(store, out.transfer_id, out.pages, out.first_block,
+                                             store.ranges_of_layer(layer)):
+                    sent += len(message.pages.data)
+                    yield message
             yield engine_pb2.KVTransferMessage(commit=await out.commit())
 
         ack = await self.channels.transfer(target.address, messages(), float(self.options.get("timeout", 30.0)))
@@ -96,10 +108,10 @@ class GrpcSender(KVSender):
         await self.channels.close()
 
 
-async def receive(sink: HandoffSink, messages: AsyncIterator[engine_pb2.KVTransferMessage],
-                  fetch: Callable[[list[str]], list[bytes]] | None = None) -> engine_pb2.KVTransferAck:
-    """Decode side of ``TransferKV``: write the streamed pages (or, for a commit naming store keys,
-    the blocks ``fetch`` returns) into the reservation, then install or recompute."""
+async def receive(sink: HandoffSink, messages: AsyncIterator[engine_pb2.KVTransferMessage]
+                  ) -> engine_pb2.KVTransferAck:
+    """Decode side of ``TransferKV``: write the streamed pages (and, for a commit naming store hashes,
+    the blocks read from the store) into the reservation, then install or recompute."""
     dest, error, received, started = None, "", 0, time.monotonic()
     ranges_seen: list[tuple[int, int, int]] = []  # (range, first block, blocks)
     try:
@@ -121,12 +133,20 @@ async def receive(sink: HandoffSink, messages: AsyncIterator[engine_pb2.KVTransf
             committed = time.monotonic()
             if dest is None:
                 started = committed
-                dest = sink.begin_receive(commit.transfer_id, "mooncake" if commit.store_keys else "grpc")
-            if not error and commit.store_keys:
-                received, error = await _fetch_blocks(dest, commit, fetch)
-            elif not error:
-                error = _missing(dest, commit, ranges_seen)
-            installed = await sink.end_receive(commit, received, error, started, committed - started)
+                dest = sink.begin_receive(commit.transfer_id, "mooncake" if commit.store_hashes else "grpc")
+            from_store = len(commit.store_hashes)
+            if not error and from_store:
+                got, error = await _read_store_blocks(sink, dest, commit)
+                if not error and got < from_store:  # the store lost some: the sender sends them as pages
+                    sink.cancel_receive(dest.transfer_id)
+                    return engine_pb2.KVTransferAck(
+                        installed=False, resend=True,
+                        error=f"{commit.transfer_id}: {got} of {from_store} blocks read from the KV store")
+                received += from_store * dest.store.block_bytes
+            if not error:
+                error = _missing(dest, commit, ranges_seen, from_store)
+            installed = await sink.end_receive(commit, received, error, started, committed - started,
+                                               store_blocks=from_store if not error else 0)
             return engine_pb2.KVTransferAck(installed=installed, error=error)
     except TransferError as exc:
         return engine_pb2.KVTransferAck(installed=False, error=str(exc))
@@ -135,30 +155,33 @@ async def receive(sink: HandoffSink, messages: AsyncIterator[engine_pb2.KVTransf
     return engine_pb2.KVTransferAck(installed=False, error="the transfer ended without its commit")
 
 
-def _missing(dest: Destination, commit: engine_pb2.KVCommit, ranges_seen: list[tuple[int, int, int]]) -> str:
-    """What the commit covers but the pages received do not ("" when complete)."""
-    expected = [(r, commit.first_block, commit.num_blocks) for r in range(len(dest.store.page_bytes))]
-    if commit.num_blocks == 0 or sorted(ranges_seen) == expected:
+def _missing(dest: Destination, commit: engine_pb2.KVCommit, ranges_seen: list[tuple[int, int, int]],
+             from_store: int = 0) -> str:
+    """What the commit covers but the pages received (after the ``from_store`` blocks read from the
+    store) do not ("" when complete)."""
+    paged = commit.num_blocks - from_store
+    expected = [(r, commit.first_block + from_store, paged) for r in range(len(dest.store.page_bytes))]
+    if (paged == 0 and not ranges_seen) or sorted(ranges_seen) == expected:
         return ""
     return (f"{commit.transfer_id}: received {len(ranges_seen)} page ranges, expected blocks "
-            f"{commit.first_block}..{commit.first_block + commit.num_blocks - 1} of {len(expected)} ranges")
+            f"{commit.first_block + from_store}..{commit.first_block + commit.num_blocks - 1} of {len(expected)} "
+            "ranges")
 
 
-async def _fetch_blocks(dest: Destination, commit: engine_pb2.KVCommit, fetch) -> tuple[int, str]:
-    """Mooncake: every block the commit names, from the store. Returns the bytes written and the error."""
-    if fetch is None:
-        return 0, "this instance has no KV store to fetch the blocks from"
-    if len(commit.store_keys) != commit.num_blocks or len(commit.block_crc32) != commit.num_blocks:
-        return 0, (f"{commit.transfer_id}: the commit names {len(commit.store_keys)} keys and "
-                   f"{len(commit.block_crc32)} checksums for {commit.num_blocks} blocks")
-    received = 0
+async def _read_store_blocks(sink: HandoffSink, dest: Destination, commit: engine_pb2.KVCommit) -> tuple[int, str]:
+    """The store path: the blocks ``commit.store_hashes`` names, from the decode side's KV tiers into the
+    reservation (checked there: hash, namespace, checksum). Returns how many leading blocks arrived intact,
+    and an error for a commit that names blocks this reservation does not receive."""
+    first, n = commit.first_block, len(commit.store_hashes)
+    if n > commit.num_blocks or first < dest.first_block or first + commit.num_blocks > len(dest.pages):
+        return 0, (f"{commit.transfer_id}: the commit names blocks {first}..{first + commit.num_blocks - 1} "
+                   f"({n} from the store); this reservation receives {dest.first_block}..{len(dest.pages) - 1}")
     try:
-        blocks = await asyncio.to_thread(fetch, list(commit.store_keys))  # one batch
-        for i, (data, check) in enumerate(zip(blocks, commit.block_crc32)):
-            received += write_checked(dest, commit.first_block + i, data, check)
-    except (TransferError, OSError, KeyError) as exc:
-        return received, str(exc)
-    return received, ""
+        return await asyncio.to_thread(sink.fetch_from_store, list(commit.store_hashes),
+                                       dest.pages[first:first + n]), ""
+    except Exception:  # a tier's bug: the blocks come again as pages
+        log.exception("%s: reading blocks from the KV store failed", commit.transfer_id)
+        return 0, ""
 
 
 TRANSPORT = Transport("grpc", GrpcSender)

@@ -32,8 +32,10 @@ from dataclasses import dataclass
 
 from xllm.core import AsyncEngine
 from xllm.core.disagg import Handoff, LayerObserver, MoveReady, PromptFinishing, Reservation
+from xllm.core.kv.lower_tiers import LowerTiers
 from xllm.engine.handoff import KV_TRANSPORTS
 from xllm.engine.handoff.base import (
+    TIERS_OPTION,
     Destination,
     HandoffOptions,
     KVReceiver,
@@ -83,7 +85,6 @@ class HandoffManager:
         self._senders: dict[str, KVSender] = {}
         self._sending: dict[str, Outgoing] = {}  # prefill side: hand-offs whose send has not ended
         self._receiver: KVReceiver | None = None
-        self._store_client = None  # Mooncake: this instance's client of the store the blocks come through
         self._tasks: set[asyncio.Task] = set()
         self.migrations = Migrations(self, on_move_failed)
 
@@ -100,24 +101,24 @@ class HandoffManager:
             if receiver_cls is not None:
                 self._receiver = receiver_cls(self.options.transport_options)
                 await self._receiver.start(self)
-            if self.options.transport == "mooncake":
-                from xllm.engine.handoff.mooncake import MooncakeStore
-
-                self._store_client = await asyncio.to_thread(MooncakeStore, self.options.transport_options)
+            if self.options.transport == "mooncake" and not (self.tiers is not None and self.tiers.has_store):
+                log.warning("--kv-transfer mooncake without a cluster KV store tier (--kv-store): hand-offs to "
+                            "this instance arrive as pages")
             self.engine.engine.disagg = self
 
-    def fetch(self, keys: list[str]) -> list[bytes]:
-        """The blocks the Mooncake transport put in the store (blocking; the keys are removed)."""
-        if self._store_client is None:
-            raise TransferError("this instance is not connected to a Mooncake store (--kv-transfer mooncake)")
-        return self._store_client.take_many(keys)
+    @property
+    def tiers(self) -> LowerTiers | None:
+        """The engine's KV tiers below its memory (the store path reads and publishes through them)."""
+        return self.engine.engine.kv.lower_tiers
+
+    def fetch_from_store(self, hashes: list[int], pages: tuple[int, ...]) -> int:
+        tiers = self.tiers
+        return 0 if tiers is None else tiers.fetch(hashes, pages)
 
     async def stop(self) -> None:
         await self.migrations.stop()
         if self._receiver is not None:
             await self._receiver.stop()
-        if self._store_client is not None:
-            await asyncio.to_thread(self._store_client.close)
         for sender in self._senders.values():
             with contextlib.suppress(Exception):
                 await sender.close()
@@ -193,7 +194,7 @@ class HandoffManager:
         return Destination(transfer_id, self.store, r.pages, r.matched_tokens // self.block_size)
 
     async def end_receive(self, commit: engine_pb2.KVCommit, received_bytes: int, error: str = "",
-                          started: float | None = None, overlapped: float = 0.0) -> bool:
+                          started: float | None = None, overlapped: float = 0.0, store_blocks: int = 0) -> bool:
         rid = commit.transfer_id
         staging = self._reserved.get(rid)
         if commit.migration == engine_pb2.MIGRATION_STAGE_COPY and staging is not None and not staging.abandoned:
@@ -224,7 +225,7 @@ class HandoffManager:
             transferred_tokens=max((commit.num_tokens if commit.migration else r.num_tokens) - r.matched_tokens, 0)
             if ok else 0,
             transport=self.options.transport, recomputed=not ok, failure=error,
-            overlapped_seconds=overlapped if ok else 0.0)
+            overlapped_seconds=overlapped if ok else 0.0, store_blocks=store_blocks if ok else 0)
         await self.engine.execute(lambda e: e.install_kv(commit, received=ok))
         return ok
 
@@ -284,7 +285,8 @@ class HandoffManager:
         """This instance's sender of ``transport`` (one per transport, kept open)."""
         sender = self._senders.get(transport)
         if sender is None:
-            sender = self._senders[transport] = KV_TRANSPORTS.get(transport).sender(self.options.transport_options)
+            options = {**self.options.transport_options, TIERS_OPTION: self.tiers}
+            sender = self._senders[transport] = KV_TRANSPORTS.get(transport).sender(options)
         return sender
 
     def _streams_layers(self, transport: str) -> bool:
@@ -323,6 +325,7 @@ class HandoffManager:
         if out is None:  # not streamed: every layer is final now
             out = self._outgoing(h.request_id, h.target, h.num_tokens, h.pages)
             out.all_layers_done()
+        out.block_hashes = h.block_hashes[out.first_block:]
         out.commit_ready(engine_pb2.KVCommit(
             transfer_id=h.target.transfer_id, num_tokens=h.num_tokens, first_block=out.first_block,
             num_blocks=len(out.pages), first_token=h.first_token,
@@ -338,6 +341,8 @@ class HandoffManager:
             await asyncio.wait({sending, out.committed_future}, return_when=asyncio.FIRST_COMPLETED)
             result = await asyncio.wait_for(sending, self.options.handoff_timeout)  # from the commit on
             self.count("kv_handoffs_sent", 1)
+            self.count("kv_handoff_store_blocks", result.store_blocks)
+            self.count("kv_handoff_store_fallbacks", int(result.fallback))
             if not result.installed:
                 log.info("KV hand-off %s: the decode side did not install it (%s)", request_id, result.error)
         except TimeoutError:

@@ -1,101 +1,90 @@
-"""The ``mooncake`` transport: blocks through a Mooncake store (the xLLM paper's KV store; over
-TCP here, RDMA where deployments have it, by Mooncake's configuration).
+"""The ``mooncake`` transport: hand-offs through the cluster KV store (T3), Mooncake's own design.
 
-The prefill instance puts every block under a key of its own (one batch), then sends the commit
-(keys and CRC-32s) over the decode instance's ``TransferKV``; the decode side fetches the blocks in
-one batch, removes the keys (forced: a read leaves a lease that a plain remove respects), checks and
-writes the blocks into its reservation. Every instance using it names the store's master
-and metadata server (``--mooncake-master HOST:PORT --mooncake-metadata URL``); PyPI
-``mooncake-transfer-engine-non-cuda`` provides the client (imported only when this transport is
-used). Mooncake's own transfer endpoint binds the host's interface, not loopback.
+The store is the engines' T3 tier (``--kv-store mooncake://HOST:PORT``, :mod:`xllm.kvstore.mooncake_tier`),
+and a hand-off uses it as every tier is used: blocks keyed by their chained hashes in the namespace of
+the model and KV layout, each stored with its header and SHA-256 and checked on every read. There is
+no second client and no per-transfer key.
+
+Prefill side (:class:`StoreSender`): once the first token is out, the request's full blocks that the
+decode side lacks are published to the store (one lookup, one batch put of those the store does not
+hold already: a shared system prompt another hand-off published is not sent again); then, over the
+decode instance's ``TransferKV``, the pages of the blocks the store did not take (the prompt's last,
+partial block has no hash) and the commit naming the published blocks by hash (``store_hashes``).
+
+Decode side (:func:`xllm.engine.handoff.grpc.receive`): the named blocks are read from its KV tiers
+into the reservation (``LowerTiers.fetch``, the path a prefix load takes), the pages written, the KV
+installed. The blocks then stay in the store as ordinary T3 blocks: both instances publish them in
+their KV events (``KVCacheEvents.tiers``, scope-shared with every instance on the store), so a later
+request with the same prefix is a T3 hit wherever it is routed.
+
+Failures never give a wrong token: no store on the prefill side, a store that is down or refuses the
+blocks, and the blocks go as pages instead; a block the decode side cannot read intact from the store
+(evicted meanwhile, corrupt, the store killed) makes it answer ``resend``, and the same KV is sent again
+as pages (the existing ``grpc`` path) into the waiting reservation. Both count as a fallback
+(``EngineCounters.kv_handoff_store_fallbacks``). Only if that fails too does the decode side recompute.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import secrets
-import threading
+import logging
 
+from xllm.core.kv.lower_tiers import LowerTiers
 from xllm.core.kv.page_store import PageStore
-from xllm.engine.handoff.base import KVSender, Outgoing, TransferError, TransferResult, Transport, crc32
-from xllm.engine.handoff.grpc import TransferChannels
+from xllm.engine.handoff.base import TIERS_OPTION, KVSender, Outgoing, TransferResult, Transport
+from xllm.engine.handoff.grpc import TransferChannels, page_messages
 from xllm.proto.engine.v1 import engine_pb2
 
-
-class MooncakeStore:
-    """A Mooncake store client (blocking calls: run them in a thread)."""
-
-    def __init__(self, options: dict) -> None:
-        master, metadata = options.get("mooncake_master"), options.get("mooncake_metadata")
-        if not master or not metadata:
-            raise TransferError("the mooncake transport needs --mooncake-master and --mooncake-metadata")
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as exc:
-            raise TransferError("the mooncake transport needs PyPI mooncake-transfer-engine-non-cuda "
-                                f"(and Debian libibverbs1): {exc}") from exc
-        self._store = MooncakeDistributedStore()
-        segment = int(float(options.get("mooncake_segment_gib", 0.25)) * 2**30)
-        code = self._store.setup(options.get("mooncake_host", "127.0.0.1"), metadata, segment, segment // 4,
-                                 "tcp", "", master)
-        if code != 0:
-            raise TransferError(f"cannot join the Mooncake store at {master} (setup returned {code})")
-        self._lock = threading.Lock()
-
-    def put_many(self, keys: list[str], values: list[bytes]) -> None:
-        with self._lock:
-            code = self._store.put_batch(keys, values)
-        if code != 0:
-            raise TransferError(f"Mooncake put of {len(keys)} blocks failed ({code})")
-
-    def take_many(self, keys: list[str]) -> list[bytes]:
-        """The values of ``keys``, which are removed (each block has one reader)."""
-        with self._lock:
-            values = self._store.get_batch(keys)
-            # a read leaves a lease on the objects, which a plain remove respects (-706): force it
-            self._store.batch_remove(keys, True)
-        missing = [k for k, v in zip(keys, values) if not v]
-        if missing:
-            raise TransferError(f"Mooncake has no {missing[0]} ({len(missing)} of {len(keys)} blocks missing)")
-        return [bytes(v) for v in values]
-
-    def close(self) -> None:
-        with self._lock, contextlib.suppress(Exception):
-            self._store.close()
+log = logging.getLogger(__name__)
 
 
-class MooncakeSender(KVSender):
+class StoreSender(KVSender):
     name = "mooncake"
 
     def __init__(self, options: dict) -> None:
         super().__init__(options)
-        self._store: MooncakeStore | None = None
+        self.tiers: LowerTiers | None = options.get(TIERS_OPTION)
         self.channels = TransferChannels(options.get("security"))
 
     async def send(self, target: engine_pb2.KVTarget, store: PageStore, out: Outgoing) -> TransferResult:
-        if self._store is None:
-            self._store = await asyncio.to_thread(MooncakeStore, self.options)
         commit = await out.commit()
-        prefix = f"xllm/kv/{commit.transfer_id}/{secrets.token_hex(4)}"
-        blocks = [store.read_block(page) for page in out.pages]
-        keys = [f"{prefix}/{commit.first_block + i}" for i in range(len(blocks))]
-        if blocks:
-            await asyncio.to_thread(self._store.put_many, keys, blocks)  # one batch: one thread hop, one round trip
-        commit.store_keys.extend(keys)
-        commit.block_crc32.extend(crc32(b) for b in blocks)
-        sent = sum(len(b) for b in blocks)
+        full = list(out.block_hashes[:len(out.pages)])
+        published = 0
+        if self.tiers is not None and full:
+            try:
+                published = await asyncio.to_thread(self.tiers.publish, full, out.pages[:len(full)])
+            except Exception:  # a tier's bug: the blocks go as pages
+                log.exception("KV hand-off %s: publishing its blocks to the store failed", out.transfer_id)
+        commit.store_hashes[:] = full[:published]
+        ack, sent = await self._transfer(target, store, out, commit, published)
+        fallback = published < len(full)
+        if ack.resend:  # the decode side could not read them all from the store: the same KV as pages
+            fallback, published = True, 0
+            again = engine_pb2.KVCommit()
+            again.CopyFrom(commit)
+            del again.store_hashes[:]
+            ack, sent = await self._transfer(target, store, out, again, 0)
+        return TransferResult(ack.installed, sent if ack.installed else 0, ack.error,
+                              store_blocks=published if ack.installed else 0, fallback=fallback)
+
+    async def _transfer(self, target: engine_pb2.KVTarget, store: PageStore, out: Outgoing,
+                        commit: engine_pb2.KVCommit, from_store: int) -> tuple[engine_pb2.KVTransferAck, int]:
+        """One ``TransferKV`` call: the pages of the blocks after the first ``from_store``, then ``commit``;
+        returns the answer and the bytes moved (store blocks counted at their size)."""
+        rest = out.pages[from_store:]
+        sent = from_store * store.block_bytes + len(rest) * store.block_bytes
 
         async def messages():
+            if rest:
+                for message in page_messages(store, out.transfer_id, rest, out.first_block + from_store):
+                    yield message
             yield engine_pb2.KVTransferMessage(commit=commit)
 
         ack = await self.channels.transfer(target.address, messages(), float(self.options.get("timeout", 30.0)))
-        return TransferResult(ack.installed, sent if ack.installed else 0, ack.error)
+        return ack, sent
 
     async def close(self) -> None:
         await self.channels.close()
-        if self._store is not None:
-            await asyncio.to_thread(self._store.close)
 
 
-TRANSPORT = Transport("mooncake", MooncakeSender)
+TRANSPORT = Transport("mooncake", StoreSender)

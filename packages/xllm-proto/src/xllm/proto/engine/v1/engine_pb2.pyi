@@ -248,7 +248,7 @@ class MoveOffer(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class DisaggStats(_message.Message):
-    __slots__ = ("queue_seconds", "prefill_seconds", "transfer_seconds", "transfer_bytes", "transferred_tokens", "transport", "recomputed", "failure", "overlapped_seconds")
+    __slots__ = ("queue_seconds", "prefill_seconds", "transfer_seconds", "transfer_bytes", "transferred_tokens", "transport", "recomputed", "failure", "overlapped_seconds", "store_blocks")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class DisaggStats(_message.Message):
     RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     OVERLAPPED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     prefill_seconds: float
     transfer_seconds: float
@@ -267,10 +268,11 @@ class DisaggStats(_message.Message):
     recomputed: bool
     failure: str
     overlapped_seconds: float
-    def __init__(self, queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transferred_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., recomputed: _Optional[bool] = ..., failure: _Optional[str] = ..., overlapped_seconds: _Optional[float] = ...) -> None: ...
+    store_blocks: int
+    def __init__(self, queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transferred_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., recomputed: _Optional[bool] = ..., failure: _Optional[str] = ..., overlapped_seconds: _Optional[float] = ..., store_blocks: _Optional[int] = ...) -> None: ...
 
 class KVCommit(_message.Message):
-    __slots__ = ("transfer_id", "num_tokens", "first_block", "num_blocks", "first_token", "layout", "block_crc32", "store_keys", "migration", "appended_tokens", "sent_chars")
+    __slots__ = ("transfer_id", "num_tokens", "first_block", "num_blocks", "first_token", "layout", "block_crc32", "migration", "appended_tokens", "sent_chars", "store_hashes")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -278,10 +280,10 @@ class KVCommit(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CRC32_FIELD_NUMBER: _ClassVar[int]
-    STORE_KEYS_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_FIELD_NUMBER: _ClassVar[int]
     APPENDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SENT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    STORE_HASHES_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     num_tokens: int
     first_block: int
@@ -289,11 +291,11 @@ class KVCommit(_message.Message):
     first_token: int
     layout: str
     block_crc32: _containers.RepeatedScalarFieldContainer[int]
-    store_keys: _containers.RepeatedScalarFieldContainer[str]
     migration: MigrationStage
     appended_tokens: _containers.RepeatedScalarFieldContainer[int]
     sent_chars: int
-    def __init__(self, transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_token: _Optional[int] = ..., layout: _Optional[str] = ..., block_crc32: _Optional[_Iterable[int]] = ..., store_keys: _Optional[_Iterable[str]] = ..., migration: _Optional[_Union[MigrationStage, str]] = ..., appended_tokens: _Optional[_Iterable[int]] = ..., sent_chars: _Optional[int] = ...) -> None: ...
+    store_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., first_token: _Optional[int] = ..., layout: _Optional[str] = ..., block_crc32: _Optional[_Iterable[int]] = ..., migration: _Optional[_Union[MigrationStage, str]] = ..., appended_tokens: _Optional[_Iterable[int]] = ..., sent_chars: _Optional[int] = ..., store_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVPages(_message.Message):
     __slots__ = ("transfer_id", "range", "first_block", "data", "crc32")
@@ -330,12 +332,14 @@ class KVFdHandoff(_message.Message):
     def __init__(self, commit: _Optional[_Union[KVCommit, _Mapping]] = ..., source_pages: _Optional[_Iterable[int]] = ..., memfd_offsets: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTransferAck(_message.Message):
-    __slots__ = ("installed", "error")
+    __slots__ = ("installed", "error", "resend")
     INSTALLED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESEND_FIELD_NUMBER: _ClassVar[int]
     installed: bool
     error: str
-    def __init__(self, installed: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    resend: bool
+    def __init__(self, installed: _Optional[bool] = ..., error: _Optional[str] = ..., resend: _Optional[bool] = ...) -> None: ...
 
 class MigrateRequest(_message.Message):
     __slots__ = ("request_id", "kv_target", "num_tokens")

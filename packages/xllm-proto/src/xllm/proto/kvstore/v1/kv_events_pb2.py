@@ -24,15 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%xllm/proto/kvstore/v1/kv_events.proto\x12\x0fxllm.kvstore.v1\"\xcd\x01\n\rKVCacheEvents\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x10\n\x08snapshot\x18\x06 \x01(\x08\x12\x0e\n\x06stored\x18\x07 \x03(\x06\x12\x0f\n\x07removed\x18\x08 \x03(\x06\x12*\n\x05tiers\x18\t \x03(\x0b\x32\x1b.xllm.kvstore.v1.TierBlocks\";\n\nTierBlocks\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x03(\x06\x12\x0f\n\x07removed\x18\x03 \x03(\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%xllm/proto/kvstore/v1/kv_events.proto\x12\x0fxllm.kvstore.v1\"\xc5\x02\n\rKVCacheEvents\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x10\n\x08snapshot\x18\x06 \x01(\x08\x12\x0e\n\x06stored\x18\x07 \x03(\x06\x12\x0f\n\x07removed\x18\x08 \x03(\x06\x12*\n\x05tiers\x18\t \x03(\x0b\x32\x1b.xllm.kvstore.v1.TierBlocks\x12\x43\n\x0btier_scopes\x18\x14 \x03(\x0b\x32..xllm.kvstore.v1.KVCacheEvents.TierScopesEntry\x1a\x31\n\x0fTierScopesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\";\n\nTierBlocks\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06stored\x18\x02 \x03(\x06\x12\x0f\n\x07removed\x18\x03 \x03(\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'xllm.proto.kvstore.v1.kv_events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_KVCACHEEVENTS_TIERSCOPESENTRY']._loaded_options = None
+  _globals['_KVCACHEEVENTS_TIERSCOPESENTRY']._serialized_options = b'8\001'
   _globals['_KVCACHEEVENTS']._serialized_start=59
-  _globals['_KVCACHEEVENTS']._serialized_end=264
-  _globals['_TIERBLOCKS']._serialized_start=266
-  _globals['_TIERBLOCKS']._serialized_end=325
+  _globals['_KVCACHEEVENTS']._serialized_end=384
+  _globals['_KVCACHEEVENTS_TIERSCOPESENTRY']._serialized_start=335
+  _globals['_KVCACHEEVENTS_TIERSCOPESENTRY']._serialized_end=384
+  _globals['_TIERBLOCKS']._serialized_start=386
+  _globals['_TIERBLOCKS']._serialized_end=445
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVCacheEvents(_message.Message):
-    __slots__ = ("instance_id", "block_size", "epoch", "base_version", "version", "snapshot", "stored", "removed", "tiers")
+    __slots__ = ("instance_id", "block_size", "epoch", "base_version", "version", "snapshot", "stored", "removed", "tiers", "tier_scopes")
+    class TierScopesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +24,7 @@ class KVCacheEvents(_message.Message):
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    TIER_SCOPES_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     block_size: int
     epoch: int
@@ -26,7 +34,8 @@ class KVCacheEvents(_message.Message):
     stored: _containers.RepeatedScalarFieldContainer[int]
     removed: _containers.RepeatedScalarFieldContainer[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
-    def __init__(self, instance_id: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., base_version: _Optional[int] = ..., version: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ...) -> None: ...
+    tier_scopes: _containers.ScalarMap[str, str]
+    def __init__(self, instance_id: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., base_version: _Optional[int] = ..., version: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., tier_scopes: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TierBlocks(_message.Message):
     __slots__ = ("tier", "stored", "removed")
