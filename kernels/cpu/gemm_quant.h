@@ -105,14 +105,22 @@ ALWAYS_INLINE __m256i xq_block(const int FMT, const uint8_t *row, const uint8_t 
 
 /* ---- activation quantization ---------------------------------------------------------------- */
 
-/* x rows quantized per 32-block (int8, offset by 128 to u8 when `offset`), in quads of 4 blocks (the
- * last one zero-padded: nqt = ceil(K / 128) quads, row stride 128 * nqt bytes). Inside a quad the
- * first 16 values of its 4 blocks come first, then their last 16 (the order in which the kernel
- * unpacks a quad of weight blocks). dxv [M][nqt][16]: a quad's 4 scales dx = amax / 127, each
- * repeated 4 times (one per int32 lane of the block's 128-bit lane); sx [M][4 nqt] = dx * sum(q)
- * (before the offset); padding blocks have dx = sx = 0. */
+/* x rows quantized per 32-block to 16-bit integers (q = round(x / dx), dx = amax / XQ_QMAX: |q| <=
+ * 32512), each stored as two byte planes so that VPDPBUSD (u8 x s8) keeps the products exact:
+ * q = 256 * h + l. For the unsigned-weight (4-bit) formats the activation is the s8 operand: l in
+ * [-128, 127] (`ql`), h in [-127, 127] (`qh`). For the signed-weight formats (Q8_0, int8) it is the u8
+ * operand: l = q & 255 in [0, 255], and h + 128 in [1, 255] (the kernel subtracts 128 * sum(w) from the
+ * high plane's sums). Layout: quads of 4 blocks (the last one zero-padded: nqt = ceil(K / 128) quads,
+ * row stride 128 * nqt bytes per plane); inside a quad the first 16 values of its 4 blocks come first,
+ * then their last 16 (the order in which the kernel unpacks a quad of weight blocks). dxv [M][nqt][16]:
+ * a quad's 4 scales dx, each repeated 4 times (one per int32 lane of the block's 128-bit lane);
+ * sx [M][4 nqt] = dx * sum(q); padding blocks have dx = sx = 0.
+ * Accuracy: the step dx is amax / 32512 per 32 values (llama.cpp's Q8 activations: amax / 127), so the
+ * product is within ~5e-5 (RMS, relative) of the fp32 product of the dequantized weight: well below
+ * the rounding of bf16 activations (2^-9 per value). */
+#define XQ_QMAX 32512.0f
 typedef struct {
-    uint8_t *q;
+    uint8_t *qh, *ql;
     float *dxv, *sx;
     int64_t nqt;
 } XqAct;
@@ -121,32 +129,43 @@ ALWAYS_INLINE int64_t xq_quads(int64_t K) { return (K / 32 + 3) / 4; }
 
 ALWAYS_INLINE size_t xq_act_bytes(int64_t M, int64_t K) {
     const int64_t nqt = xq_quads(K);
-    return (size_t)(M * nqt * (128 + 64 + 16));
+    return (size_t)(M * nqt * (2 * 128 + 64 + 16));
 }
 
 ALWAYS_INLINE XqAct xq_act_view(void *buf, int64_t M, int64_t K) {
     XqAct a;
     a.nqt = xq_quads(K);
     a.dxv = (float *)buf; /* 64-byte aligned first */
-    a.q = (uint8_t *)(a.dxv + M * a.nqt * 16);
-    a.sx = (float *)(a.q + M * a.nqt * 128);
+    a.qh = (uint8_t *)(a.dxv + M * a.nqt * 16);
+    a.ql = a.qh + M * a.nqt * 128;
+    a.sx = (float *)(a.ql + M * a.nqt * 128);
     return a;
 }
 
 /* block b of row r from its 32 values v0 (0..15), v1 (16..31) */
 ALWAYS_INLINE void xq_act_block(const XqAct a, int64_t r, int64_t b, __m512 v0, __m512 v1, int offset) {
     const __m512 amax = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
-    const float d = _mm512_reduce_max_ps(amax) / 127.0f;
+    const float d = _mm512_reduce_max_ps(amax) / XQ_QMAX;
     const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-    __m128i b0 = _mm512_cvtsepi32_epi8(q0), b1 = _mm512_cvtsepi32_epi8(q1);
-    if (offset) {
-        b0 = _mm_xor_si128(b0, _mm_set1_epi8((char)0x80));
-        b1 = _mm_xor_si128(b1, _mm_set1_epi8((char)0x80));
+    __m512i l0, l1, h0, h1;
+    if (offset) { /* l = q & 255 (u8), h + 128 (u8) */
+        const __m512i m255 = _mm512_set1_epi32(255), o128 = _mm512_set1_epi32(128);
+        l0 = _mm512_and_si512(q0, m255);
+        l1 = _mm512_and_si512(q1, m255);
+        h0 = _mm512_add_epi32(_mm512_srai_epi32(q0, 8), o128);
+        h1 = _mm512_add_epi32(_mm512_srai_epi32(q1, 8), o128);
+    } else { /* l = the sign-extended low byte, h = (q - l) / 256 */
+        l0 = _mm512_srai_epi32(_mm512_slli_epi32(q0, 24), 24);
+        l1 = _mm512_srai_epi32(_mm512_slli_epi32(q1, 24), 24);
+        h0 = _mm512_srai_epi32(_mm512_sub_epi32(q0, l0), 8);
+        h1 = _mm512_srai_epi32(_mm512_sub_epi32(q1, l1), 8);
     }
-    uint8_t *lo = a.q + (r * a.nqt + b / 4) * 128 + (b % 4) * 16;
-    _mm_storeu_si128((__m128i *)lo, b0);
-    _mm_storeu_si128((__m128i *)(lo + 64), b1);
+    const int64_t at = (r * a.nqt + b / 4) * 128 + (b % 4) * 16;
+    _mm_storeu_si128((__m128i *)(a.ql + at), _mm512_cvtepi32_epi8(l0));
+    _mm_storeu_si128((__m128i *)(a.ql + at + 64), _mm512_cvtepi32_epi8(l1));
+    _mm_storeu_si128((__m128i *)(a.qh + at), _mm512_cvtepi32_epi8(h0));
+    _mm_storeu_si128((__m128i *)(a.qh + at + 64), _mm512_cvtepi32_epi8(h1));
     a.sx[r * a.nqt * 4 + b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     _mm_storeu_ps(a.dxv + (r * a.nqt + b / 4) * 16 + (b % 4) * 4, _mm_set1_ps(d));
 }
@@ -154,9 +173,11 @@ ALWAYS_INLINE void xq_act_block(const XqAct a, int64_t r, int64_t b, __m512 v0, 
 ALWAYS_INLINE void xq_act_pad(const XqAct a, int64_t M, int64_t K, int offset) {
     for (int64_t r = 0; r < M; r++)
         for (int64_t b = K / 32; b < 4 * a.nqt; b++) {
-            uint8_t *lo = a.q + (r * a.nqt + b / 4) * 128 + (b % 4) * 16;
-            memset(lo, offset ? 0x80 : 0, 16);
-            memset(lo + 64, offset ? 0x80 : 0, 16);
+            const int64_t at = (r * a.nqt + b / 4) * 128 + (b % 4) * 16;
+            memset(a.ql + at, 0, 16);
+            memset(a.ql + at + 64, 0, 16);
+            memset(a.qh + at, offset ? 0x80 : 0, 16);
+            memset(a.qh + at + 64, offset ? 0x80 : 0, 16);
             a.sx[r * a.nqt * 4 + b] = 0.0f;
             _mm_storeu_ps(a.dxv + (r * a.nqt + b / 4) * 16 + (b % 4) * 4, _mm_setzero_ps());
         }
@@ -292,22 +313,28 @@ ALWAYS_INLINE void xq_quad(const int FMT, const uint8_t *row, const uint8_t *sc,
     *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
 }
 
-/* acc[r] += the quad's products with row r of x (off[r]: the 4-bit formats' m * sx terms) */
+/* acc[r] += the quad's products with row r of x (off[r]: the 4-bit formats' m * sx terms). Per plane
+ * two VPDPBUSD give exact int32 block sums; the 16-bit sums are 256 * high + low. */
 ALWAYS_INLINE void xq_quad_rows(const int FMT, const int M, const XqAct a, int64_t q, __m512i lo, __m512i hi,
                                 __m512 dv, __m128 mv, __m512 *acc, __m128 *off) {
     __m512i base = _mm512_setzero_si512();
-    if (xq_signed(FMT)) { /* -128 * sum(w) per lane: cancels the +128 offset of the activation */
+    if (xq_signed(FMT)) { /* -128 * sum(w) per lane: cancels the +128 offset of the high plane */
         const __m512i u128 = _mm512_set1_epi8((char)0x80);
         base = _mm512_sub_epi32(base, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, u128, lo), u128, hi));
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
-        const uint8_t *xq = a.q + (r * a.nqt + q) * 128;
-        const __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64));
-        __m512i is;
-        if (xq_signed(FMT))
-            is = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, xl, lo), xh, hi);
-        else
-            is = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, lo, xl), hi, xh);
+        const uint8_t *xh = a.qh + (r * a.nqt + q) * 128, *xl = a.ql + (r * a.nqt + q) * 128;
+        const __m512i hl = _mm512_loadu_si512((const void *)xh), hh = _mm512_loadu_si512((const void *)(xh + 64));
+        const __m512i ll = _mm512_loadu_si512((const void *)xl), lh = _mm512_loadu_si512((const void *)(xl + 64));
+        __m512i H, L;
+        if (xq_signed(FMT)) {
+            H = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, hl, lo), hh, hi);
+            L = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ll, lo), lh, hi);
+        } else {
+            H = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, hl), hi, hh);
+            L = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ll), hi, lh);
+        }
+        const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(H, 8), L);
         const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(is), _mm512_loadu_ps(a.dxv + (r * a.nqt + q) * 16));
         acc[r] = FMT == XQ_INT8 ? _mm512_add_ps(acc[r], f) : _mm512_fmadd_ps(f, dv, acc[r]);
         if (!xq_signed(FMT)) off[r] = _mm_fmadd_ps(mv, _mm_loadu_ps(a.sx + (r * a.nqt + q) * 4), off[r]);
@@ -415,7 +442,7 @@ static void xq_gemv_dispatch(const XqAct a, int64_t M, int64_t K, const XllmQWei
  * cheaper than a barrier), then chunks of 16 output rows are split over the team (ends with a barrier). */
 static void xq_gemv_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
                          const void *bias, void *y, int64_t ldy, int out_bf16) {
-    uint8_t local[32768] __attribute__((aligned(64))); /* K <= 2432 at 8 rows, 19968 at 1: no allocation */
+    uint8_t local[49152] __attribute__((aligned(64))); /* K <= 2304 at 8 rows, 18688 at 1: no allocation */
     const size_t bytes = (xq_act_bytes(M, K) + 63) / 64 * 64;
     void *buf = bytes <= sizeof(local) ? (void *)local : aligned_alloc(64, bytes);
     const XqAct a = xq_act_view(buf, M, K);
