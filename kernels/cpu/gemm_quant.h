@@ -1,16 +1,18 @@
 /* Weight-only quantized products y[M,N] = x[M,K] . dequant(W)[N,K]^T (+ bias), W in a packed format
  * of xllm.kernels.quant (formats and layouts in its docstring; the XQ_* tags mirror QUANT_TAGS).
  *
- * Skinny path (M <= 8, decode): llama.cpp's scheme. Each row of x is quantized to int8 per block of
- * 32 (scale dx = amax / 127, round to nearest even). A weight row is streamed once for all M rows, a
+ * Skinny path (M <= 8, decode): integer dot products at 16-bit activation precision. Each row of x is
+ * rounded to 16-bit integers per block of 32 (scale dx = amax / 32512, nearest even) and stored as two
+ * byte planes, q = 256 h + l (llama.cpp rounds to int8 instead, ~100x coarser: that flipped SmolLM2's
+ * near-tie greedy tokens; see the activation section). A weight row is streamed once for all M rows, a
  * quad of 4 blocks at a time: the quad's values are unpacked into two zmm (lane i = block i; `lo` its
  * first 16 values, `hi` its last 16: exactly what the GGUF nibble order gives, int8 blocks shuffled
- * to match), the activation is stored in the same split order, and AVX512-VNNI VPDPBUSD (u8 x s8,
- * exact int32 sums) gives per-lane block sums that are converted to fp32 and scaled by dx (per block
- * of x) and d (per block of W). 4-bit formats are w = d * q + m (Q4_0: m = -8 d; Q4_1: stored m;
+ * to match), each activation plane is stored in the same split order, and AVX512-VNNI VPDPBUSD (u8 x
+ * s8, exact int32 sums; two per plane) gives per-lane block sums 256 * sum(w h) + sum(w l), converted to
+ * fp32 and scaled by dx (per block of x) and d (per block of W). 4-bit formats are w = d * q + m (Q4_0: m = -8 d; Q4_1: stored m;
  * int4: m = -scale * zero), so the product adds m * dx * sum(xq), accumulated apart. Signed weights
- * (Q8_0, int8) run VPDPBUSD with the activation offset by 128 (u8) and the accumulator started at
- * -128 * sum(w), which keeps the sums exact. A row's last quad may be partial (K = 576: 18 blocks),
+ * (Q8_0, int8) run VPDPBUSD with the activation planes as the u8 operand (the high plane offset by 128,
+ * its accumulator started at -128 * sum(w)), which keeps the sums exact. A row's last quad may be partial (K = 576: 18 blocks),
  * read with masked loads. The 16 partial sums of each (weight row, x row) are parked in L1 for a chunk
  * of 16 weight rows and reduced 4 rows at a time (streaming 4 rows side by side instead defeats the
  * DRAM prefetchers: Q8_0 ran at a third of the speed). Chunks of 16 output rows are split over the team.
@@ -22,9 +24,10 @@
  *
  * Contract: K % 32 == 0 (K % 128 for int4_g128); data/scales/zeros contiguous as documented;
  * x rows contiguous (stride K); y rows at stride ldy; bias optional, in x's dtype.
- * Accuracy against the fp32 product of the dequantized weight: the skinny path's int8 activations cost
- * ~0.5 % of the output's max (random data; benchmarks/gemm_quant.py measures it per shape); the large
- * path is exact in fp32 and rounds the dequantized weight to bf16 for bf16 x (~0.3 %).
+ * Accuracy against the fp32 product of the dequantized weight: the skinny path's 16-bit activations cost
+ * < 1e-4 of the output's max (fp32 out; random data with 30x outlier channels; benchmarks/gemm_quant.py
+ * measures it per shape), int8 ones cost ~1 %; the large path is exact in fp32 and rounds the
+ * dequantized weight to bf16 for bf16 x (~0.3 %).
  */
 #ifndef XLLM_CPU_GEMM_QUANT_H
 #define XLLM_CPU_GEMM_QUANT_H
