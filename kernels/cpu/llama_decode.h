@@ -181,7 +181,10 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
     {
         T *x = (T *)malloc(sizeof(T) * (size_t)(B * Hd));
         float *tmp = (float *)malloc(sizeof(float) * (size_t)Hd);
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(G * max_len + G * hd));
+        /* attention scratch: scores + accumulators; quantized KV: kvq_attend_group's scratch, fp32 queries and
+         * accumulators (kvq_group_floats) */
+        const int64_t nsc = c->kv_quant ? kvq_group_floats(G, max_len, hd, hd) : G * max_len + G * hd;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)nsc);
         const int store = omp_get_thread_num() == 0;
         T *r_cur = residual, *r_next = r_alt;
         for (int64_t l = 0; l < c->n_layers; l++) {
@@ -209,6 +212,23 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
                     }
                     if (c->qk_norm) CAT(rmsnorm_row_, SFX)(kh, (const T *)L->k_norm, hd, c->eps, kh);
                     CAT(rope_head_, SFX)(kh, cs, sn, rd);
+                    if (c->kv_quant) { /* quantized rows: encode this head's K/V, attend over the codes */
+                        const int fp8 = c->kv_quant == 2;
+                        const int64_t piece = g * (hd + KVQ_SCALE_BYTES);
+                        uint8_t *kq = (uint8_t *)L->k_cache + slots[b] * c->k_slot_stride + piece;
+                        uint8_t *vq = (uint8_t *)L->v_cache + slots[b] * c->v_slot_stride + piece;
+                        KVQ_ENCODE_ROW(kh, 1, hd, fp8, kq + pos * c->k_tok_stride);
+                        KVQ_ENCODE_ROW(vh, 1, hd, fp8, vq + pos * c->v_tok_stride);
+                        float *qf = scores, *acc = qf + G * hd, *gs = acc + G * hd;
+                        const T *qg = row + g * G * hd;
+                        const int qbf = IS_BF16 && hd % 32 == 0; /* bf16 queries as they are (the eager kernel's) */
+                        if (!qbf)
+                            for (int64_t j = 0; j < G * hd; j++) qf[j] = TOF(qg[j]);
+                        kvq_attend_group(qbf ? (const void *)qg : (const void *)qf, qbf, G, hd, kq, c->k_tok_stride,
+                                         vq, c->v_tok_stride, hd, len, c->scale, fp8, gs, acc);
+                        for (int64_t j = 0; j < G * hd; j++) attn[b * nh * hd + g * G * hd + j] = STORE(acc[j]);
+                        continue;
+                    }
                     T *kc = (T *)L->k_cache + slots[b] * c->k_slot_stride + g * hd;
                     T *vc = (T *)L->v_cache + slots[b] * c->v_slot_stride + g * hd;
                     memcpy(kc + pos * c->k_tok_stride, kh, hd * sizeof(T));
