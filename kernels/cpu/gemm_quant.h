@@ -387,28 +387,39 @@ ALWAYS_INLINE void xq_row(const int FMT, const int M, const XqAct a, int64_t K, 
     }
 }
 
-/* rows [n0, n0 + 16) of the output (masked past N), bias added, stored as bf16 or fp32. Weight rows
- * are streamed one after the other (side-by-side streams defeat the DRAM prefetchers), their partial
+/* rows [n0, n0 + 16) of the output as fp32: out[r * 16 + j] = x_r . dequant(W[n0 + j]) (0 past N). Weight
+ * rows are streamed one after the other (side-by-side streams defeat the DRAM prefetchers), their partial
  * sums parked in L1 and reduced 4 rows at a time into one 16-lane vector per row of x. */
-ALWAYS_INLINE void xq_gemv_chunk(const int FMT, const int M, const XqAct a, int64_t K, const XllmQWeight *W,
-                                 int64_t N, int64_t n0, const void *bias, int bias_bf16, void *y, int64_t ldy,
-                                 int out_bf16) {
+ALWAYS_INLINE void xq_gemv_chunk_f32(const int FMT, const int M, const XqAct a, int64_t K, const XllmQWeight *W,
+                                     int64_t N, int64_t n0, float *out) {
     __m512 part[16][XQ_MAX_M];
     const int64_t cnt = N - n0 < 16 ? N - n0 : 16;
     for (int64_t j = 0; j < cnt; j++) xq_row(FMT, M, a, K, W, n0 + j, part[j]);
     for (int64_t j = cnt; j < 16; j++)
         _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) part[j][r] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
+        __m512 v = _mm512_castps128_ps512(xq_reduce4(part[0][r], part[1][r], part[2][r], part[3][r]));
+        v = _mm512_insertf32x4(v, xq_reduce4(part[4][r], part[5][r], part[6][r], part[7][r]), 1);
+        v = _mm512_insertf32x4(v, xq_reduce4(part[8][r], part[9][r], part[10][r], part[11][r]), 2);
+        v = _mm512_insertf32x4(v, xq_reduce4(part[12][r], part[13][r], part[14][r], part[15][r]), 3);
+        _mm512_storeu_ps(out + r * 16, v);
+    }
+}
+
+/* rows [n0, n0 + 16) of the output (masked past N), bias added, stored as bf16 or fp32 */
+ALWAYS_INLINE void xq_gemv_chunk(const int FMT, const int M, const XqAct a, int64_t K, const XllmQWeight *W,
+                                 int64_t N, int64_t n0, const void *bias, int bias_bf16, void *y, int64_t ldy,
+                                 int out_bf16) {
+    float out[XQ_MAX_M * 16] __attribute__((aligned(64)));
+    xq_gemv_chunk_f32(FMT, M, a, K, W, N, n0, out);
+    const int64_t cnt = N - n0 < 16 ? N - n0 : 16;
     const __mmask16 mask = (__mmask16)(cnt >= 16 ? 0xffff : (1u << cnt) - 1);
     __m512 bv = _mm512_setzero_ps();
     if (bias)
         bv = bias_bf16 ? load_bf16x16_mask((const uint16_t *)bias + n0, mask)
                        : _mm512_maskz_loadu_ps(mask, (const float *)bias + n0);
     _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
-        __m512 v = _mm512_castps128_ps512(xq_reduce4(part[0][r], part[1][r], part[2][r], part[3][r]));
-        v = _mm512_insertf32x4(v, xq_reduce4(part[4][r], part[5][r], part[6][r], part[7][r]), 1);
-        v = _mm512_insertf32x4(v, xq_reduce4(part[8][r], part[9][r], part[10][r], part[11][r]), 2);
-        v = _mm512_insertf32x4(v, xq_reduce4(part[12][r], part[13][r], part[14][r], part[15][r]), 3);
-        v = _mm512_add_ps(v, bv);
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(out + r * 16), bv);
         if (out_bf16)
             _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
         else
@@ -440,21 +451,64 @@ static void xq_gemv_dispatch(const XqAct a, int64_t M, int64_t K, const XllmQWei
 #undef XQ_M
 }
 
+/* one chunk of 16 output rows as fp32 (xq_gemv_chunk_f32) for any format and M <= 8 */
+static void xq_chunk_f32_dispatch(const XqAct a, int64_t M, int64_t K, const XllmQWeight *W, int64_t N, int64_t n0,
+                                  float *out) {
+#define XQ_M(F, m) \
+    case m: xq_gemv_chunk_f32(F, m, a, K, W, N, n0, out); break;
+#define XQ_F(F)                                                                                          \
+    case F:                                                                                              \
+        switch (M) { XQ_M(F, 1) XQ_M(F, 2) XQ_M(F, 3) XQ_M(F, 4) XQ_M(F, 5) XQ_M(F, 6) XQ_M(F, 7) default: \
+                         XQ_M(F, 8) }                                                                    \
+        break;
+    switch (W->fmt) {
+        XQ_F(XQ_Q8_0) XQ_F(XQ_Q4_0) XQ_F(XQ_Q4_1) XQ_F(XQ_INT8) XQ_F(XQ_INT4_G32) XQ_F(XQ_INT4_G128)
+    default: break;
+    }
+#undef XQ_F
+#undef XQ_M
+}
+
+/* W's rows from n on (a view: the same format, pointers advanced) */
+ALWAYS_INLINE XllmQWeight xq_rows_from(const XllmQWeight *W, int64_t K, int64_t n) {
+    XllmQWeight v = *W;
+    const int64_t gpr = W->fmt == XQ_INT4_G128 ? K / 128 : K / 32;
+    v.data = W->data + n * xq_row_bytes(W->fmt, K);
+    if (W->fmt == XQ_INT8) v.scales = (const float *)W->scales + n;
+    if (W->fmt == XQ_INT4_G32 || W->fmt == XQ_INT4_G128) {
+        v.scales = (const uint8_t *)W->scales + 2 * n * gpr;
+        v.zeros = W->zeros + n * gpr;
+    }
+    return v;
+}
+
+/* Per-thread quantized activations of M <= 8 rows of x (bf16 when x_bf16, else fp32) for a weight of
+ * format fmt: in `local` (XQ_LOCAL_BYTES, 64-byte aligned) when they fit, else in *heap (free it). */
+#define XQ_LOCAL_BYTES 49152 /* K <= 2304 at 8 rows, 18688 at 1: no allocation */
+ALWAYS_INLINE XqAct xq_quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64_t fmt, uint8_t *local,
+                                     void **heap) {
+    const size_t bytes = (xq_act_bytes(M, K) + 63) / 64 * 64;
+    void *buf = local;
+    *heap = NULL;
+    if (bytes > XQ_LOCAL_BYTES) buf = *heap = aligned_alloc(64, bytes);
+    const XqAct a = xq_act_view(buf, M, K);
+    if (x_bf16)
+        xq_quantize_bf16((const uint16_t *)x, M, K, xq_signed((int)fmt), a);
+    else
+        xq_quantize_f32((const float *)x, M, K, xq_signed((int)fmt), a);
+    return a;
+}
+
 /* TEAM (call from every thread of a parallel region, or outside one): y = x . W^T (+ bias) for
  * M <= 8 rows of x (bf16 when x_bf16, else fp32). Each thread quantizes x privately (M x K values:
  * cheaper than a barrier), then chunks of 16 output rows are split over the team (ends with a barrier). */
 static void xq_gemv_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
                          const void *bias, void *y, int64_t ldy, int out_bf16) {
-    uint8_t local[49152] __attribute__((aligned(64))); /* K <= 2304 at 8 rows, 18688 at 1: no allocation */
-    const size_t bytes = (xq_act_bytes(M, K) + 63) / 64 * 64;
-    void *buf = bytes <= sizeof(local) ? (void *)local : aligned_alloc(64, bytes);
-    const XqAct a = xq_act_view(buf, M, K);
-    if (x_bf16)
-        xq_quantize_bf16((const uint16_t *)x, M, K, xq_signed((int)W->fmt), a);
-    else
-        xq_quantize_f32((const float *)x, M, K, xq_signed((int)W->fmt), a);
+    uint8_t local[XQ_LOCAL_BYTES] __attribute__((aligned(64)));
+    void *heap;
+    const XqAct a = xq_quantize_rows(x, x_bf16, M, K, W->fmt, local, &heap);
     xq_gemv_dispatch(a, M, K, W, N, bias, x_bf16, y, ldy, out_bf16);
-    if (buf != (void *)local) free(buf);
+    free(heap);
 }
 
 /* ---- dequantization into the packed GEMM's panels ------------------------------------------- */

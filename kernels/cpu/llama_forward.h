@@ -19,17 +19,6 @@
  * all layers (taken by thread 0 after each phase's closing barrier): the step's profile by part.
  */
 
-#ifndef FORWARD_PHASES
-#define FORWARD_PHASES 8 /* norm, qkv GEMM, rope + KV store, attention, o GEMM, norm, gate/up (+ SiLU), down */
-#define MARK(i)                                                                  \
-    do {                                                                         \
-        if (timed) {                                                             \
-            const double now_ = omp_get_wtime();                                 \
-            phase_s[i] += now_ - last;                                           \
-            last = now_;                                                         \
-        }                                                                        \
-    } while (0)
-#endif
 
 /* y[M, N] = x[M, K] . W[N, K]^T (+ bias): inside the team, ends with a barrier */
 static void CAT(linear_team_, SFX)(const T *x, int64_t M, int64_t K, const T *W, const T *Wp,
@@ -186,7 +175,11 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
             MARK(4);
             CAT(residual_norm_rows_, SFX)(hidden, residual, (const T *)L->ln2, M, Hd, c->eps, 0, x);
             MARK(5);
-            if (L->gate_up_q.fmt != XQ_NONE || (L->gate_up_wp != NULL && M >= 2)) {
+            if (L->gate_up_q.fmt != XQ_NONE && M <= XQ_CHUNKED_MAX_M) { /* the GEMV with SiLU-and-mul fused */
+                for (int64_t m0 = 0; m0 < M; m0 += MAX_B)
+                    CAT(quant_gate_up_silu_team_, SFX)(x + m0 * Hd, M - m0 < MAX_B ? M - m0 : MAX_B, Hd,
+                                                       &L->gate_up_q, I, act + m0 * I);
+            } else if (L->gate_up_q.fmt != XQ_NONE || (L->gate_up_wp != NULL && M >= 2)) {
                 CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->gate_up_w, (const T *)L->gate_up_wp, &L->gate_up_q,
                                        2 * I, NULL, gu);
                 CAT(silu_mul_rows_, SFX)(gu, M, I, act);

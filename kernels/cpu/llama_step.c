@@ -28,6 +28,16 @@
 #include "gemm_quant.h"
 
 #define MAX_B 8
+/* per-phase timers of both steps (phase_s): thread 0 adds the time since the last mark after each phase */
+#define FORWARD_PHASES 8 /* norm, qkv GEMM, rope + KV store, attention, o GEMM, norm, gate/up (+ SiLU), down */
+#define MARK(i)                                                                  \
+    do {                                                                         \
+        if (timed) {                                                             \
+            const double now_ = omp_get_wtime();                                 \
+            phase_s[i] += now_ - last;                                           \
+            last = now_;                                                         \
+        }                                                                        \
+    } while (0)
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 

@@ -89,7 +89,7 @@ class NativeLibrary:
                                            vp, vp]
         for name in ("xllm_llama_decode_bf16", "xllm_llama_decode_f32"):
             getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, vp,
-                                           vp, vp, vp, vp]
+                                           vp, vp, vp, vp, vp]
         for name in ("xllm_llama_forward_bf16", "xllm_llama_forward_f32"):
             getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, i64,
                                            vp, vp, vp, vp, vp, vp, vp, vp, vp]

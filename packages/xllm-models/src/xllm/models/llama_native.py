@@ -73,7 +73,9 @@ class FusedLlamaForward:
     def __init__(self, model, max_step_tokens: int = 8192) -> None:
         self.model = model
         self.max_step_tokens = max_step_tokens
-        self.phase_seconds: torch.Tensor | None = None  # set to zeros(len(PHASES), float64) to profile steps
+        # set to zeros(len(PHASES), float64) to profile steps: both kernels add each phase's wall time (the decode
+        # kernel counts q/k norm, RoPE and the KV store as attention)
+        self.phase_seconds: torch.Tensor | None = None
         # one binding per KV backend: engines sharing this model (PD pairs in one process) step
         # concurrently, each over its own cache and workspace
         self._bindings: weakref.WeakKeyDictionary[SlotKV, _Binding] = weakref.WeakKeyDictionary()
@@ -226,7 +228,8 @@ class FusedLlamaForward:
         positions = positions.to(torch.int64).contiguous()
         self._kernel("decode", hidden.dtype)(
             ctypes.byref(c), bound.layers, b, slots.data_ptr(), positions.data_ptr(), self._cos.data_ptr(),
-            self._sin.data_ptr(), hidden.data_ptr(), residual.data_ptr(), work.data_ptr())
+            self._sin.data_ptr(), hidden.data_ptr(), residual.data_ptr(), work.data_ptr(),
+            None if self.phase_seconds is None else self.phase_seconds.data_ptr())
         norm = m.model.norm
         out, _ = rms_norm(hidden, norm.weight, norm.eps, residual)
         return out
