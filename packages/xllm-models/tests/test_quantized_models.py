@@ -13,6 +13,7 @@ from xllm.kernels import quant_native
 from xllm.kernels.quant import FORMATS, GGUF_FORMATS, dequantize
 from xllm.models import load_model
 from xllm.models.layers import QuantEmbedding, QuantLinear
+from xllm.models.quantize import weight_format
 from xllm.models.source import gguf_file
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.models import (
@@ -75,6 +76,7 @@ def test_every_linear_is_quantized_and_matches_its_dequantized_twin(fmt, tiny_di
     model, twin = quantized(fmt, tiny_dir, tmp_path_factory)
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(quant) == 2 * 4 and all(m.qweight.fmt == fmt for m in quant)  # qkv, o, gate_up, down per layer
+    assert weight_format(model) == fmt and weight_format(twin) is None  # e.g. xllm profile's file name
     assert isinstance(model.model.embed_tokens, QuantEmbedding)  # the tied LM head reads it
     assert model.dtype == torch.float32
     # the quantization is real: the twin's weights are not the checkpoint's
