@@ -17,6 +17,9 @@
  * of 16 weight rows and reduced 4 rows at a time (streaming 4 rows side by side instead defeats the
  * DRAM prefetchers: Q8_0 ran at a third of the speed). Chunks of 16 output rows are split over the team.
  *
+ * AMX path (bf16 x, 2+ rows, where the CPU and kernel allow AMX): gemm_quant_amx.h; it replaces the paths
+ * below for those products.
+ *
  * Large path (M > 16; 9..16 rows run the skinny GEMV over chunks of 8 rows): a team member dequantizes
  * a panel of 48 weight rows (fp32 math, FMA) straight into the packed GEMM's layout (gemm_packed.h:
  * bf16 VNNI pairs or fp32) in an L2-resident buffer, transposing 16x16 dword tiles, and runs the
@@ -627,14 +630,20 @@ static void xq_gemm_team(const void *x, int x_bf16, int64_t M, int64_t K, const 
     free(panel);
 }
 
+#include "gemm_quant_amx.h"
+
 /* rows past which the panel GEMM beats the skinny GEMV run over chunks of 8 rows (measured on the Zen 4
  * EPYC, Q4_1 1536x576, one thread: M = 16 chunks 193 us vs panels 226 us; M = 32 383 vs 352 us) */
 #define XQ_CHUNKED_MAX_M 16
 
-/* TEAM: the product for any M: the skinny GEMV up to 8 rows, over chunks of 8 rows up to
- * XQ_CHUNKED_MAX_M, else the panel-dequantizing GEMM */
+/* TEAM: the product for any M: bf16 x over 2+ rows on AMX where the CPU has it (gemm_quant_amx.h), else the
+ * skinny GEMV up to 8 rows, over chunks of 8 rows up to XQ_CHUNKED_MAX_M, else the panel-dequantizing GEMM */
 static void xq_linear_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
                            const void *bias, void *y, int64_t ldy, int out_bf16) {
+    if (xq_amx_applies(x_bf16, M)) {
+        xq_amx_team((const uint16_t *)x, M, K, W, N, (const uint16_t *)bias, y, ldy, out_bf16);
+        return;
+    }
     if (M > XQ_CHUNKED_MAX_M) {
         xq_gemm_team(x, x_bf16, M, K, W, N, bias, y, ldy, out_bf16);
         return;

@@ -179,3 +179,28 @@ def test_native_paths_against_fp32_product(fmt):
                 tol = 5e-3 if path != "panels" or dtype == torch.float32 else 0.015
                 err = float((y.float() - ref).abs().max() / ref.abs().max())
                 assert err <= tol, (fmt, n, k, m, path, dtype, err)
+
+
+@pytest.mark.skipif(quant_native.library() is None or not quant_native.amx_ready(), reason="no AMX here")
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_amx_path_is_the_bf16_dequantized_product(fmt):
+    """bf16 activations over 2+ rows on AMX: the weights dequantized to bf16 (the dequantized bf16 model's
+    values), exact products, fp32 sums; shapes with groups of 16 rows cut short (N = 37, 50, 19), one and
+    several blocks of 16 rows of x, and more rows than one chunk of 256 (M = 300)."""
+    gen = torch.Generator().manual_seed(31)
+    for n, k in [(37, 128), (50, 576), (19, 1536)]:
+        if not quant.supports(fmt, k):
+            continue
+        qw = quant.quantize(torch.randn(n, k, generator=gen) * 0.05, fmt)
+        deq16 = quant.dequantize(qw).bfloat16().float()
+        for m in (1, 2, 7, 16, 17, 300):
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            b = torch.randn(n, generator=gen).bfloat16()
+            ref = F.linear(x.float(), deq16, b.float())
+            y32 = quant_native.linear(x, qw, b, torch.float32, "amx")
+            err = float((y32 - ref).abs().max() / ref.abs().max())
+            assert err <= 1e-5, (fmt, n, k, m, err)  # fp32 summation order only (measured <= 4e-7)
+            y = quant_native.linear(x, qw, b, None, "amx")
+            assert y.dtype == torch.bfloat16 and torch.equal(y, y32.bfloat16())
+            if m >= 6:  # XQ_AMX_MIN_M: the automatic path takes it
+                assert torch.equal(quant_native.linear(x, qw, b, None, "auto"), y)
