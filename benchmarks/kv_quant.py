@@ -11,13 +11,13 @@ Quality (the held-out ``benchmarks/data/romeo-and-juliet-3-1.txt``, never a benc
   against the ``auto`` cache and the share of positions whose top-1 token is unchanged;
 - greedy agreement: ``--prompts`` windows of the text, ``--greedy-len`` greedy tokens each (the decode
   path), against the ``auto`` cache: identical continuations and the mean share of tokens before the
-  first difference. ``auto-eager`` (the ``auto`` cache through the same eager modules as the quantized
-  caches, ``--no-native-decode``) shows how much of the difference any change of kernels makes.
+  first difference. ``auto-eager`` (the ``auto`` cache through the eager modules, ``--no-native-decode``)
+  shows how much of the difference any change of kernels makes.
 
 Speed: decode tok/s per sequence at a long context (``--context`` prompt tokens, ``--batch`` sequences,
 ``--decode`` tokens each), the median of the decode steps' wall time, variants run interleaved
-``--repeats`` times. ``auto`` runs the fused native decode step; quantized caches run the eager modules
-with the native quantized attention (the fused steps read model-dtype KV only).
+``--repeats`` times. ``auto``, ``int8`` and ``fp8_e4m3`` run the fused native steps (over quantized
+rows for the last two); ``auto-eager`` the eager modules.
 """
 
 from __future__ import annotations

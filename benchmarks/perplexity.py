@@ -110,7 +110,8 @@ def llamacpp_quality(path: pathlib.Path, ids: list[int], prompts: list[list[int]
     with tempfile.TemporaryDirectory() as tmp:
         req, res = pathlib.Path(tmp) / "request.json", pathlib.Path(tmp) / "result.json"
         req.write_text(json.dumps({"model": str(path), "threads": threads, "n_ctx": MAX_LEN, "text": ids,
-                                   "greedy": prompts, "max_tokens": n}))
+                                   "greedy": prompts, "max_tokens": n,
+                                   "extra_bufts": not llamacpp.amx_breaks_quantized()}))
         subprocess.run([str(v.python), str(HERE / "workers" / "llamacpp_quality.py"), str(req), str(res)],
                        check=True)
         return json.loads(res.read_text())

@@ -108,9 +108,7 @@ def _llamacpp_server(fmt: str, files: dict[str, pathlib.Path], args, logs: pathl
 
     v = llamacpp.install()
     port = free_port()
-    cmd = [v.python, "-m", "llama_cpp.server", "--model", files[fmt], "--host", "127.0.0.1", "--port", str(port),
-           "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
-           "--model_alias", SERVED]
+    cmd = llamacpp.quantized_server_command(str(v.python), files[fmt], port, args.threads, SERVED)
     return ServerProcess("llama.cpp", cmd, port, logs / f"llamacpp-{fmt}.log")
 
 

@@ -18,8 +18,9 @@ interleaving keeps slow spells from landing on one mode):
 Each repetition times one ``LLMEngine.step()`` (scheduling, forward, sampling, output processing)
 after the same setup. A ``torch.profiler`` pass over one eager step splits it by part (GEMMs,
 attention, KV stores, other ops, Python outside ops; native kernels called through ctypes are not
-torch ops and land in the last), and the fused general step's own phase timers (``phase_seconds``
-of :class:`xllm.models.llama_native.FusedLlamaForward`) split one native step. Results: ``results.json``, ``summary.md``
+torch ops and land in the last), and the fused steps' own phase timers (``phase_seconds`` of
+:class:`xllm.models.llama_native.FusedLlamaForward`; the decode kernel's and the general step's) split
+one native step. Results: ``results.json``, ``summary.md``
 and ``steps.png`` in ``--out`` (default ``benchmarks/results/steps-<timestamp>``).
 """
 
@@ -123,11 +124,11 @@ class Bench:
         return dt
 
     def native_parts(self, shape: Shape) -> dict[str, float] | None:
-        """One fused general step split by the kernel's own phase timers (ms; None where the step is
-        not a general step: a small pure decode, or no fused forward)."""
+        """One fused step (the decode kernel for a small pure decode, else the general step) split by the
+        kernel's own phase timers (ms; None without a fused forward)."""
         eng = self.prepare("native", shape)
         fused = eng.runner.fused
-        if fused is None or (shape.prompts == 0 and shape.decodes <= fused.max_batch):
+        if fused is None:
             self.finish(eng)
             return None
         fused.phase_seconds = self.torch.zeros(len(fused.PHASES), dtype=self.torch.float64)

@@ -15,6 +15,7 @@ from benchmarks.client import EndpointProfile
 from benchmarks.peers.venv import TORCH, PeerVenv, ServerProcess, cache_root, free_port
 
 NAME = "llama.cpp"
+HERE_WORKERS = pathlib.Path(__file__).resolve().parents[1] / "workers"
 VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
 GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32"}
@@ -91,6 +92,26 @@ def profile(model_dir: pathlib.Path | None = None) -> EndpointProfile:
     same tokens), has no ``ignore_eos`` but honours ``min_tokens``, sends no usage when streaming, and drops
     connections when streams overlap (its global lock), so it gets one request at a time."""
     return EndpointProfile(token_ids=False, extra_body={}, include_usage=False, min_tokens=True, max_concurrency=1)
+
+
+def amx_breaks_quantized() -> bool:
+    """Whether llama.cpp's extra buffer types must stay off for quantized GGUFs here: on a CPU that
+    advertises AMX, ggml's AMX matmul of quantized weights dies with SIGILL (``benchmarks/workers/
+    llamacpp_server.py``)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_int8" in text.split()
+
+
+def quantized_server_command(python: str, gguf: pathlib.Path, port: int, threads: int, alias: str) -> list[str]:
+    """The server command for a quantized GGUF: through the worker that turns the extra buffer types off
+    where :func:`amx_breaks_quantized`."""
+    flags = ["--no-extra-bufts"] if amx_breaks_quantized() else []
+    return [python, str(HERE_WORKERS / "llamacpp_server.py"), *flags, "--model", str(gguf), "--host", "127.0.0.1",
+            "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048",
+            "--model_alias", alias]
 
 
 def server(model_dir: pathlib.Path, dtype: str, threads: int, log_dir: pathlib.Path) -> ServerProcess:

@@ -3,7 +3,8 @@
     python llamacpp_quality.py REQUEST.json RESULT.json
 
 REQUEST: ``{"model": GGUF path, "threads": N, "n_ctx": C, "text": [ids] (scored: the logprob of every token
-after the first), "greedy": [[ids], ...] (prompts), "max_tokens": n}``. RESULT: ``{"logprobs": [...],
+after the first), "greedy": [[ids], ...] (prompts), "max_tokens": n, "extra_bufts": bool (default true; false:
+llamacpp_server.disable_extra_bufts, where ggml's AMX path dies)}``. RESULT: ``{"logprobs": [...],
 "greedy": [[ids], ...], "seconds": {...}}``. The token ids are the caller's (the same vocabulary), so llama.cpp
 scores and continues exactly the tokens the other systems see. Only the standard library, numpy and
 llama_cpp (this venv's) are imported.
@@ -12,6 +13,7 @@ llama_cpp (this venv's) are imported.
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 import time
 
@@ -28,6 +30,11 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def main(request_path: str, result_path: str) -> int:
     with open(request_path) as f:
         req = json.load(f)
+    if not req.get("extra_bufts", True):
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+        from llamacpp_server import disable_extra_bufts
+
+        disable_extra_bufts()
     start = time.perf_counter()
     llm = Llama(model_path=req["model"], n_ctx=int(req["n_ctx"]), n_threads=int(req["threads"]),
                 n_threads_batch=int(req["threads"]), n_batch=512, logits_all=True, verbose=False)

@@ -1,19 +1,24 @@
 /* Weight-only quantized products y[M,N] = x[M,K] . dequant(W)[N,K]^T (+ bias), W in a packed format
  * of xllm.kernels.quant (formats and layouts in its docstring; the XQ_* tags mirror QUANT_TAGS).
  *
- * Skinny path (M <= 8, decode): llama.cpp's scheme. Each row of x is quantized to int8 per block of
- * 32 (scale dx = amax / 127, round to nearest even). A weight row is streamed once for all M rows, a
+ * Skinny path (M <= 8, decode): integer dot products at 16-bit activation precision. Each row of x is
+ * rounded to 16-bit integers per block of 32 (scale dx = amax / 32512, nearest even) and stored as two
+ * byte planes, q = 256 h + l (llama.cpp rounds to int8 instead, ~100x coarser: that flipped SmolLM2's
+ * near-tie greedy tokens; see the activation section). A weight row is streamed once for all M rows, a
  * quad of 4 blocks at a time: the quad's values are unpacked into two zmm (lane i = block i; `lo` its
  * first 16 values, `hi` its last 16: exactly what the GGUF nibble order gives, int8 blocks shuffled
- * to match), the activation is stored in the same split order, and AVX512-VNNI VPDPBUSD (u8 x s8,
- * exact int32 sums) gives per-lane block sums that are converted to fp32 and scaled by dx (per block
- * of x) and d (per block of W). 4-bit formats are w = d * q + m (Q4_0: m = -8 d; Q4_1: stored m;
+ * to match), each activation plane is stored in the same split order, and AVX512-VNNI VPDPBUSD (u8 x
+ * s8, exact int32 sums; two per plane) gives per-lane block sums 256 * sum(w h) + sum(w l), converted to
+ * fp32 and scaled by dx (per block of x) and d (per block of W). 4-bit formats are w = d * q + m (Q4_0: m = -8 d; Q4_1: stored m;
  * int4: m = -scale * zero), so the product adds m * dx * sum(xq), accumulated apart. Signed weights
- * (Q8_0, int8) run VPDPBUSD with the activation offset by 128 (u8) and the accumulator started at
- * -128 * sum(w), which keeps the sums exact. A row's last quad may be partial (K = 576: 18 blocks),
+ * (Q8_0, int8) run VPDPBUSD with the activation planes as the u8 operand (the high plane offset by 128,
+ * its accumulator started at -128 * sum(w)), which keeps the sums exact. A row's last quad may be partial (K = 576: 18 blocks),
  * read with masked loads. The 16 partial sums of each (weight row, x row) are parked in L1 for a chunk
  * of 16 weight rows and reduced 4 rows at a time (streaming 4 rows side by side instead defeats the
  * DRAM prefetchers: Q8_0 ran at a third of the speed). Chunks of 16 output rows are split over the team.
+ *
+ * AMX path (bf16 x, 2+ rows, where the CPU and kernel allow AMX): gemm_quant_amx.h; it replaces the paths
+ * below for those products.
  *
  * Large path (M > 16; 9..16 rows run the skinny GEMV over chunks of 8 rows): a team member dequantizes
  * a panel of 48 weight rows (fp32 math, FMA) straight into the packed GEMM's layout (gemm_packed.h:
@@ -22,9 +27,10 @@
  *
  * Contract: K % 32 == 0 (K % 128 for int4_g128); data/scales/zeros contiguous as documented;
  * x rows contiguous (stride K); y rows at stride ldy; bias optional, in x's dtype.
- * Accuracy against the fp32 product of the dequantized weight: the skinny path's int8 activations cost
- * ~0.5 % of the output's max (random data; benchmarks/gemm_quant.py measures it per shape); the large
- * path is exact in fp32 and rounds the dequantized weight to bf16 for bf16 x (~0.3 %).
+ * Accuracy against the fp32 product of the dequantized weight: the skinny path's 16-bit activations cost
+ * < 1e-4 of the output's max (fp32 out; random data with 30x outlier channels; benchmarks/gemm_quant.py
+ * measures it per shape), int8 ones cost ~1 %; the large path is exact in fp32 and rounds the
+ * dequantized weight to bf16 for bf16 x (~0.3 %).
  */
 #ifndef XLLM_CPU_GEMM_QUANT_H
 #define XLLM_CPU_GEMM_QUANT_H
@@ -105,14 +111,22 @@ ALWAYS_INLINE __m256i xq_block(const int FMT, const uint8_t *row, const uint8_t 
 
 /* ---- activation quantization ---------------------------------------------------------------- */
 
-/* x rows quantized per 32-block (int8, offset by 128 to u8 when `offset`), in quads of 4 blocks (the
- * last one zero-padded: nqt = ceil(K / 128) quads, row stride 128 * nqt bytes). Inside a quad the
- * first 16 values of its 4 blocks come first, then their last 16 (the order in which the kernel
- * unpacks a quad of weight blocks). dxv [M][nqt][16]: a quad's 4 scales dx = amax / 127, each
- * repeated 4 times (one per int32 lane of the block's 128-bit lane); sx [M][4 nqt] = dx * sum(q)
- * (before the offset); padding blocks have dx = sx = 0. */
+/* x rows quantized per 32-block to 16-bit integers (q = round(x / dx), dx = amax / XQ_QMAX: |q| <=
+ * 32512), each stored as two byte planes so that VPDPBUSD (u8 x s8) keeps the products exact:
+ * q = 256 * h + l. For the unsigned-weight (4-bit) formats the activation is the s8 operand: l in
+ * [-128, 127] (`ql`), h in [-127, 127] (`qh`). For the signed-weight formats (Q8_0, int8) it is the u8
+ * operand: l = q & 255 in [0, 255], and h + 128 in [1, 255] (the kernel subtracts 128 * sum(w) from the
+ * high plane's sums). Layout: quads of 4 blocks (the last one zero-padded: nqt = ceil(K / 128) quads,
+ * row stride 128 * nqt bytes per plane); inside a quad the first 16 values of its 4 blocks come first,
+ * then their last 16 (the order in which the kernel unpacks a quad of weight blocks). dxv [M][nqt][16]:
+ * a quad's 4 scales dx, each repeated 4 times (one per int32 lane of the block's 128-bit lane);
+ * sx [M][4 nqt] = dx * sum(q); padding blocks have dx = sx = 0.
+ * Accuracy: the step dx is amax / 32512 per 32 values (llama.cpp's Q8 activations: amax / 127), so the
+ * product is within ~5e-5 (RMS, relative) of the fp32 product of the dequantized weight: well below
+ * the rounding of bf16 activations (2^-9 per value). */
+#define XQ_QMAX 32512.0f
 typedef struct {
-    uint8_t *q;
+    uint8_t *qh, *ql;
     float *dxv, *sx;
     int64_t nqt;
 } XqAct;
@@ -121,32 +135,43 @@ ALWAYS_INLINE int64_t xq_quads(int64_t K) { return (K / 32 + 3) / 4; }
 
 ALWAYS_INLINE size_t xq_act_bytes(int64_t M, int64_t K) {
     const int64_t nqt = xq_quads(K);
-    return (size_t)(M * nqt * (128 + 64 + 16));
+    return (size_t)(M * nqt * (2 * 128 + 64 + 16));
 }
 
 ALWAYS_INLINE XqAct xq_act_view(void *buf, int64_t M, int64_t K) {
     XqAct a;
     a.nqt = xq_quads(K);
     a.dxv = (float *)buf; /* 64-byte aligned first */
-    a.q = (uint8_t *)(a.dxv + M * a.nqt * 16);
-    a.sx = (float *)(a.q + M * a.nqt * 128);
+    a.qh = (uint8_t *)(a.dxv + M * a.nqt * 16);
+    a.ql = a.qh + M * a.nqt * 128;
+    a.sx = (float *)(a.ql + M * a.nqt * 128);
     return a;
 }
 
 /* block b of row r from its 32 values v0 (0..15), v1 (16..31) */
 ALWAYS_INLINE void xq_act_block(const XqAct a, int64_t r, int64_t b, __m512 v0, __m512 v1, int offset) {
     const __m512 amax = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
-    const float d = _mm512_reduce_max_ps(amax) / 127.0f;
+    const float d = _mm512_reduce_max_ps(amax) / XQ_QMAX;
     const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-    __m128i b0 = _mm512_cvtsepi32_epi8(q0), b1 = _mm512_cvtsepi32_epi8(q1);
-    if (offset) {
-        b0 = _mm_xor_si128(b0, _mm_set1_epi8((char)0x80));
-        b1 = _mm_xor_si128(b1, _mm_set1_epi8((char)0x80));
+    __m512i l0, l1, h0, h1;
+    if (offset) { /* l = q & 255 (u8), h + 128 (u8) */
+        const __m512i m255 = _mm512_set1_epi32(255), o128 = _mm512_set1_epi32(128);
+        l0 = _mm512_and_si512(q0, m255);
+        l1 = _mm512_and_si512(q1, m255);
+        h0 = _mm512_add_epi32(_mm512_srai_epi32(q0, 8), o128);
+        h1 = _mm512_add_epi32(_mm512_srai_epi32(q1, 8), o128);
+    } else { /* l = the sign-extended low byte, h = (q - l) / 256 */
+        l0 = _mm512_srai_epi32(_mm512_slli_epi32(q0, 24), 24);
+        l1 = _mm512_srai_epi32(_mm512_slli_epi32(q1, 24), 24);
+        h0 = _mm512_srai_epi32(_mm512_sub_epi32(q0, l0), 8);
+        h1 = _mm512_srai_epi32(_mm512_sub_epi32(q1, l1), 8);
     }
-    uint8_t *lo = a.q + (r * a.nqt + b / 4) * 128 + (b % 4) * 16;
-    _mm_storeu_si128((__m128i *)lo, b0);
-    _mm_storeu_si128((__m128i *)(lo + 64), b1);
+    const int64_t at = (r * a.nqt + b / 4) * 128 + (b % 4) * 16;
+    _mm_storeu_si128((__m128i *)(a.ql + at), _mm512_cvtepi32_epi8(l0));
+    _mm_storeu_si128((__m128i *)(a.ql + at + 64), _mm512_cvtepi32_epi8(l1));
+    _mm_storeu_si128((__m128i *)(a.qh + at), _mm512_cvtepi32_epi8(h0));
+    _mm_storeu_si128((__m128i *)(a.qh + at + 64), _mm512_cvtepi32_epi8(h1));
     a.sx[r * a.nqt * 4 + b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     _mm_storeu_ps(a.dxv + (r * a.nqt + b / 4) * 16 + (b % 4) * 4, _mm_set1_ps(d));
 }
@@ -154,9 +179,11 @@ ALWAYS_INLINE void xq_act_block(const XqAct a, int64_t r, int64_t b, __m512 v0, 
 ALWAYS_INLINE void xq_act_pad(const XqAct a, int64_t M, int64_t K, int offset) {
     for (int64_t r = 0; r < M; r++)
         for (int64_t b = K / 32; b < 4 * a.nqt; b++) {
-            uint8_t *lo = a.q + (r * a.nqt + b / 4) * 128 + (b % 4) * 16;
-            memset(lo, offset ? 0x80 : 0, 16);
-            memset(lo + 64, offset ? 0x80 : 0, 16);
+            const int64_t at = (r * a.nqt + b / 4) * 128 + (b % 4) * 16;
+            memset(a.ql + at, 0, 16);
+            memset(a.ql + at + 64, 0, 16);
+            memset(a.qh + at, offset ? 0x80 : 0, 16);
+            memset(a.qh + at + 64, offset ? 0x80 : 0, 16);
             a.sx[r * a.nqt * 4 + b] = 0.0f;
             _mm_storeu_ps(a.dxv + (r * a.nqt + b / 4) * 16 + (b % 4) * 4, _mm_setzero_ps());
         }
@@ -292,22 +319,28 @@ ALWAYS_INLINE void xq_quad(const int FMT, const uint8_t *row, const uint8_t *sc,
     *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
 }
 
-/* acc[r] += the quad's products with row r of x (off[r]: the 4-bit formats' m * sx terms) */
+/* acc[r] += the quad's products with row r of x (off[r]: the 4-bit formats' m * sx terms). Per plane
+ * two VPDPBUSD give exact int32 block sums; the 16-bit sums are 256 * high + low. */
 ALWAYS_INLINE void xq_quad_rows(const int FMT, const int M, const XqAct a, int64_t q, __m512i lo, __m512i hi,
                                 __m512 dv, __m128 mv, __m512 *acc, __m128 *off) {
     __m512i base = _mm512_setzero_si512();
-    if (xq_signed(FMT)) { /* -128 * sum(w) per lane: cancels the +128 offset of the activation */
+    if (xq_signed(FMT)) { /* -128 * sum(w) per lane: cancels the +128 offset of the high plane */
         const __m512i u128 = _mm512_set1_epi8((char)0x80);
         base = _mm512_sub_epi32(base, _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, u128, lo), u128, hi));
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
-        const uint8_t *xq = a.q + (r * a.nqt + q) * 128;
-        const __m512i xl = _mm512_loadu_si512((const void *)xq), xh = _mm512_loadu_si512((const void *)(xq + 64));
-        __m512i is;
-        if (xq_signed(FMT))
-            is = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, xl, lo), xh, hi);
-        else
-            is = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, lo, xl), hi, xh);
+        const uint8_t *xh = a.qh + (r * a.nqt + q) * 128, *xl = a.ql + (r * a.nqt + q) * 128;
+        const __m512i hl = _mm512_loadu_si512((const void *)xh), hh = _mm512_loadu_si512((const void *)(xh + 64));
+        const __m512i ll = _mm512_loadu_si512((const void *)xl), lh = _mm512_loadu_si512((const void *)(xl + 64));
+        __m512i H, L;
+        if (xq_signed(FMT)) {
+            H = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(base, hl, lo), hh, hi);
+            L = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ll, lo), lh, hi);
+        } else {
+            H = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, hl), hi, hh);
+            L = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ll), hi, lh);
+        }
+        const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(H, 8), L);
         const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(is), _mm512_loadu_ps(a.dxv + (r * a.nqt + q) * 16));
         acc[r] = FMT == XQ_INT8 ? _mm512_add_ps(acc[r], f) : _mm512_fmadd_ps(f, dv, acc[r]);
         if (!xq_signed(FMT)) off[r] = _mm_fmadd_ps(mv, _mm_loadu_ps(a.sx + (r * a.nqt + q) * 4), off[r]);
@@ -357,28 +390,39 @@ ALWAYS_INLINE void xq_row(const int FMT, const int M, const XqAct a, int64_t K, 
     }
 }
 
-/* rows [n0, n0 + 16) of the output (masked past N), bias added, stored as bf16 or fp32. Weight rows
- * are streamed one after the other (side-by-side streams defeat the DRAM prefetchers), their partial
+/* rows [n0, n0 + 16) of the output as fp32: out[r * 16 + j] = x_r . dequant(W[n0 + j]) (0 past N). Weight
+ * rows are streamed one after the other (side-by-side streams defeat the DRAM prefetchers), their partial
  * sums parked in L1 and reduced 4 rows at a time into one 16-lane vector per row of x. */
-ALWAYS_INLINE void xq_gemv_chunk(const int FMT, const int M, const XqAct a, int64_t K, const XllmQWeight *W,
-                                 int64_t N, int64_t n0, const void *bias, int bias_bf16, void *y, int64_t ldy,
-                                 int out_bf16) {
+ALWAYS_INLINE void xq_gemv_chunk_f32(const int FMT, const int M, const XqAct a, int64_t K, const XllmQWeight *W,
+                                     int64_t N, int64_t n0, float *out) {
     __m512 part[16][XQ_MAX_M];
     const int64_t cnt = N - n0 < 16 ? N - n0 : 16;
     for (int64_t j = 0; j < cnt; j++) xq_row(FMT, M, a, K, W, n0 + j, part[j]);
     for (int64_t j = cnt; j < 16; j++)
         _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) part[j][r] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
+        __m512 v = _mm512_castps128_ps512(xq_reduce4(part[0][r], part[1][r], part[2][r], part[3][r]));
+        v = _mm512_insertf32x4(v, xq_reduce4(part[4][r], part[5][r], part[6][r], part[7][r]), 1);
+        v = _mm512_insertf32x4(v, xq_reduce4(part[8][r], part[9][r], part[10][r], part[11][r]), 2);
+        v = _mm512_insertf32x4(v, xq_reduce4(part[12][r], part[13][r], part[14][r], part[15][r]), 3);
+        _mm512_storeu_ps(out + r * 16, v);
+    }
+}
+
+/* rows [n0, n0 + 16) of the output (masked past N), bias added, stored as bf16 or fp32 */
+ALWAYS_INLINE void xq_gemv_chunk(const int FMT, const int M, const XqAct a, int64_t K, const XllmQWeight *W,
+                                 int64_t N, int64_t n0, const void *bias, int bias_bf16, void *y, int64_t ldy,
+                                 int out_bf16) {
+    float out[XQ_MAX_M * 16] __attribute__((aligned(64)));
+    xq_gemv_chunk_f32(FMT, M, a, K, W, N, n0, out);
+    const int64_t cnt = N - n0 < 16 ? N - n0 : 16;
     const __mmask16 mask = (__mmask16)(cnt >= 16 ? 0xffff : (1u << cnt) - 1);
     __m512 bv = _mm512_setzero_ps();
     if (bias)
         bv = bias_bf16 ? load_bf16x16_mask((const uint16_t *)bias + n0, mask)
                        : _mm512_maskz_loadu_ps(mask, (const float *)bias + n0);
     _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {
-        __m512 v = _mm512_castps128_ps512(xq_reduce4(part[0][r], part[1][r], part[2][r], part[3][r]));
-        v = _mm512_insertf32x4(v, xq_reduce4(part[4][r], part[5][r], part[6][r], part[7][r]), 1);
-        v = _mm512_insertf32x4(v, xq_reduce4(part[8][r], part[9][r], part[10][r], part[11][r]), 2);
-        v = _mm512_insertf32x4(v, xq_reduce4(part[12][r], part[13][r], part[14][r], part[15][r]), 3);
-        v = _mm512_add_ps(v, bv);
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(out + r * 16), bv);
         if (out_bf16)
             _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
         else
@@ -410,21 +454,64 @@ static void xq_gemv_dispatch(const XqAct a, int64_t M, int64_t K, const XllmQWei
 #undef XQ_M
 }
 
+/* one chunk of 16 output rows as fp32 (xq_gemv_chunk_f32) for any format and M <= 8 */
+static void xq_chunk_f32_dispatch(const XqAct a, int64_t M, int64_t K, const XllmQWeight *W, int64_t N, int64_t n0,
+                                  float *out) {
+#define XQ_M(F, m) \
+    case m: xq_gemv_chunk_f32(F, m, a, K, W, N, n0, out); break;
+#define XQ_F(F)                                                                                          \
+    case F:                                                                                              \
+        switch (M) { XQ_M(F, 1) XQ_M(F, 2) XQ_M(F, 3) XQ_M(F, 4) XQ_M(F, 5) XQ_M(F, 6) XQ_M(F, 7) default: \
+                         XQ_M(F, 8) }                                                                    \
+        break;
+    switch (W->fmt) {
+        XQ_F(XQ_Q8_0) XQ_F(XQ_Q4_0) XQ_F(XQ_Q4_1) XQ_F(XQ_INT8) XQ_F(XQ_INT4_G32) XQ_F(XQ_INT4_G128)
+    default: break;
+    }
+#undef XQ_F
+#undef XQ_M
+}
+
+/* W's rows from n on (a view: the same format, pointers advanced) */
+ALWAYS_INLINE XllmQWeight xq_rows_from(const XllmQWeight *W, int64_t K, int64_t n) {
+    XllmQWeight v = *W;
+    const int64_t gpr = W->fmt == XQ_INT4_G128 ? K / 128 : K / 32;
+    v.data = W->data + n * xq_row_bytes(W->fmt, K);
+    if (W->fmt == XQ_INT8) v.scales = (const float *)W->scales + n;
+    if (W->fmt == XQ_INT4_G32 || W->fmt == XQ_INT4_G128) {
+        v.scales = (const uint8_t *)W->scales + 2 * n * gpr;
+        v.zeros = W->zeros + n * gpr;
+    }
+    return v;
+}
+
+/* Per-thread quantized activations of M <= 8 rows of x (bf16 when x_bf16, else fp32) for a weight of
+ * format fmt: in `local` (XQ_LOCAL_BYTES, 64-byte aligned) when they fit, else in *heap (free it). */
+#define XQ_LOCAL_BYTES 49152 /* K <= 2304 at 8 rows, 18688 at 1: no allocation */
+ALWAYS_INLINE XqAct xq_quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64_t fmt, uint8_t *local,
+                                     void **heap) {
+    const size_t bytes = (xq_act_bytes(M, K) + 63) / 64 * 64;
+    void *buf = local;
+    *heap = NULL;
+    if (bytes > XQ_LOCAL_BYTES) buf = *heap = aligned_alloc(64, bytes);
+    const XqAct a = xq_act_view(buf, M, K);
+    if (x_bf16)
+        xq_quantize_bf16((const uint16_t *)x, M, K, xq_signed((int)fmt), a);
+    else
+        xq_quantize_f32((const float *)x, M, K, xq_signed((int)fmt), a);
+    return a;
+}
+
 /* TEAM (call from every thread of a parallel region, or outside one): y = x . W^T (+ bias) for
  * M <= 8 rows of x (bf16 when x_bf16, else fp32). Each thread quantizes x privately (M x K values:
  * cheaper than a barrier), then chunks of 16 output rows are split over the team (ends with a barrier). */
 static void xq_gemv_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
                          const void *bias, void *y, int64_t ldy, int out_bf16) {
-    uint8_t local[32768] __attribute__((aligned(64))); /* K <= 2432 at 8 rows, 19968 at 1: no allocation */
-    const size_t bytes = (xq_act_bytes(M, K) + 63) / 64 * 64;
-    void *buf = bytes <= sizeof(local) ? (void *)local : aligned_alloc(64, bytes);
-    const XqAct a = xq_act_view(buf, M, K);
-    if (x_bf16)
-        xq_quantize_bf16((const uint16_t *)x, M, K, xq_signed((int)W->fmt), a);
-    else
-        xq_quantize_f32((const float *)x, M, K, xq_signed((int)W->fmt), a);
+    uint8_t local[XQ_LOCAL_BYTES] __attribute__((aligned(64)));
+    void *heap;
+    const XqAct a = xq_quantize_rows(x, x_bf16, M, K, W->fmt, local, &heap);
     xq_gemv_dispatch(a, M, K, W, N, bias, x_bf16, y, ldy, out_bf16);
-    if (buf != (void *)local) free(buf);
+    free(heap);
 }
 
 /* ---- dequantization into the packed GEMM's panels ------------------------------------------- */
@@ -543,14 +630,20 @@ static void xq_gemm_team(const void *x, int x_bf16, int64_t M, int64_t K, const 
     free(panel);
 }
 
+#include "gemm_quant_amx.h"
+
 /* rows past which the panel GEMM beats the skinny GEMV run over chunks of 8 rows (measured on the Zen 4
  * EPYC, Q4_1 1536x576, one thread: M = 16 chunks 193 us vs panels 226 us; M = 32 383 vs 352 us) */
 #define XQ_CHUNKED_MAX_M 16
 
-/* TEAM: the product for any M: the skinny GEMV up to 8 rows, over chunks of 8 rows up to
- * XQ_CHUNKED_MAX_M, else the panel-dequantizing GEMM */
+/* TEAM: the product for any M: bf16 x over 2+ rows on AMX where the CPU has it (gemm_quant_amx.h), else the
+ * skinny GEMV up to 8 rows, over chunks of 8 rows up to XQ_CHUNKED_MAX_M, else the panel-dequantizing GEMM */
 static void xq_linear_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
                            const void *bias, void *y, int64_t ldy, int out_bf16) {
+    if (xq_amx_applies(x_bf16, M)) {
+        xq_amx_team((const uint16_t *)x, M, K, W, N, (const uint16_t *)bias, y, ldy, out_bf16);
+        return;
+    }
     if (M > XQ_CHUNKED_MAX_M) {
         xq_gemm_team(x, x_bf16, M, K, W, N, bias, y, ldy, out_bf16);
         return;

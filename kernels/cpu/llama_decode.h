@@ -117,6 +117,40 @@ static void CAT(silu_mul_team_, SFX)(const T *gu, int64_t B, int64_t I, T *act) 
     }
 }
 
+/* act[b, i] = silu(x_b . Wq[i]) * (x_b . Wq[I + i]) for B <= 8 rows over a quantized gate/up weight, in one
+ * pass: each chunk of 16 gate rows and the matching 16 up rows through the quantized GEMV, then SiLU-and-mul
+ * with the rounding points of the unfused path (the products rounded to T, then silu_mul) (ends with a
+ * barrier). One barrier and no [B, 2I] round trip instead of the GEMV, a barrier and silu_mul_team. */
+static void CAT(quant_gate_up_silu_team_, SFX)(const T *x, int64_t B, int64_t K, const XllmQWeight *Q, int64_t I,
+                                              T *act) {
+    uint8_t local[XQ_LOCAL_BYTES] __attribute__((aligned(64)));
+    void *heap;
+    const XqAct a = xq_quantize_rows(x, IS_BF16, B, K, Q->fmt, local, &heap);
+    const XllmQWeight up = xq_rows_from(Q, K, I);
+    const int64_t chunks = (I + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t ch = 0; ch < chunks; ch++) {
+        const int64_t i0 = ch * 16, n = I - i0 < 16 ? I - i0 : 16;
+        float g[MAX_B * 16] __attribute__((aligned(64))), u[MAX_B * 16] __attribute__((aligned(64)));
+        xq_chunk_f32_dispatch(a, B, K, Q, I, i0, g);
+        xq_chunk_f32_dispatch(a, B, K, &up, I, i0, u);
+        for (int64_t b = 0; b < B; b++) {
+            if (n == 16) {
+                const __m512 gv = VRND(_mm512_load_ps(g + b * 16)), uv = VRND(_mm512_load_ps(u + b * 16));
+                const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                   exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+                VSTORE(act + b * I + i0, _mm512_mul_ps(VRND(sig), uv));
+            } else {
+                for (int64_t r = 0; r < n; r++) {
+                    const float gr = RND(g[b * 16 + r]), ur = RND(u[b * 16 + r]);
+                    act[b * I + i0 + r] = STORE(RND(gr / (1.0f + expf(-gr))) * ur);
+                }
+            }
+        }
+    }
+    free(heap);
+}
+
 /* out = rmsnorm(in) * w (HF numerics: fp32 statistics, cast, then weight multiply) */
 static void CAT(rmsnorm_row_, SFX)(const T *in, const T *w, int64_t n, float eps, T *out) {
     float ss = 0.0f;
@@ -159,9 +193,12 @@ static void CAT(residual_norm_, SFX)(const T *h, const T *r_in, T *r_out, int st
     }
 }
 
+/* phase_s: NULL, or FORWARD_PHASES doubles to which the call adds the wall time of each phase over all
+ * layers, as the general step does (llama_forward.h); here q/k norm, RoPE and the KV store are inside the
+ * attention phase (index 3) and index 2 stays 0. */
 void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *layers, int64_t B,
                                   const int64_t *slots, const int64_t *positions, const float *cos_table,
-                                  const float *sin_table, T *hidden, T *residual, T *work) {
+                                  const float *sin_table, T *hidden, T *residual, T *work, double *phase_s) {
     const int64_t Hd = c->hidden, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, I = c->inter;
     const int64_t qkv_dim = (nh + 2 * nkv) * hd, rd = c->rotary_dim, G = nh / nkv;
     T *r_alt = work, *qkv = r_alt + B * Hd, *attn = qkv + B * qkv_dim, *act = attn + B * nh * hd;
@@ -176,20 +213,28 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
     /* The residual stream ping-pongs between `residual` and `r_alt`: a phase reads one and thread 0
      * writes the other, so no thread ever reads a half-written residual. Five barriers per layer
      * (after the QKV projection, attention, O projection, gate/up projection and down projection;
-     * six with two or more rows and packed weights: the gate/up GEMM, then SiLU-and-mul). */
+     * six with two or more rows and packed float weights: the gate/up GEMM, then SiLU-and-mul; a
+     * quantized gate/up fuses SiLU-and-mul into its GEMV). */
 #pragma omp parallel
     {
         T *x = (T *)malloc(sizeof(T) * (size_t)(B * Hd));
         float *tmp = (float *)malloc(sizeof(float) * (size_t)Hd);
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(G * max_len + G * hd));
+        /* attention scratch: scores + accumulators; quantized KV: kvq_attend_group's scratch, fp32 queries and
+         * accumulators (kvq_group_floats) */
+        const int64_t nsc = c->kv_quant ? kvq_group_floats(G, max_len, hd, hd) : G * max_len + G * hd;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)nsc);
         const int store = omp_get_thread_num() == 0;
+        const int timed = phase_s != NULL && store;
+        double last = timed ? omp_get_wtime() : 0.0;
         T *r_cur = residual, *r_next = r_alt;
         for (int64_t l = 0; l < c->n_layers; l++) {
             const XllmLlamaLayer *L = layers + l;
             /* residual add + input norm (r_cur -> r_next) */
             CAT(residual_norm_, SFX)(hidden, r_cur, r_next, store, (const T *)L->ln1, B, Hd, c->eps, l == 0, x, tmp);
+            MARK(0);
             CAT(project_team_, SFX)(x, B, Hd, (const T *)L->qkv_w, (const T *)L->qkv_wp, &L->qkv_q, qkv_dim,
                                     (const T *)L->qkv_b, qkv);
+            MARK(1);
             /* per (run, kv head): q/k norm + RoPE of the group's heads, KV write, attention. A run is
              * a row and the rows after it in the same slot at the next positions (a speculative verify
              * chunk: its last known token and its drafts); one thread does a run's rows in order, so a
@@ -209,6 +254,23 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
                     }
                     if (c->qk_norm) CAT(rmsnorm_row_, SFX)(kh, (const T *)L->k_norm, hd, c->eps, kh);
                     CAT(rope_head_, SFX)(kh, cs, sn, rd);
+                    if (c->kv_quant) { /* quantized rows: encode this head's K/V, attend over the codes */
+                        const int fp8 = c->kv_quant == 2;
+                        const int64_t piece = g * (hd + KVQ_SCALE_BYTES);
+                        uint8_t *kq = (uint8_t *)L->k_cache + slots[b] * c->k_slot_stride + piece;
+                        uint8_t *vq = (uint8_t *)L->v_cache + slots[b] * c->v_slot_stride + piece;
+                        KVQ_ENCODE_ROW(kh, 1, hd, fp8, kq + pos * c->k_tok_stride);
+                        KVQ_ENCODE_ROW(vh, 1, hd, fp8, vq + pos * c->v_tok_stride);
+                        float *qf = scores, *acc = qf + G * hd, *gs = acc + G * hd;
+                        const T *qg = row + g * G * hd;
+                        const int qbf = IS_BF16 && hd % 32 == 0; /* bf16 queries as they are (the eager kernel's) */
+                        if (!qbf)
+                            for (int64_t j = 0; j < G * hd; j++) qf[j] = TOF(qg[j]);
+                        kvq_attend_group(qbf ? (const void *)qg : (const void *)qf, qbf, G, hd, kq, c->k_tok_stride,
+                                         vq, c->v_tok_stride, hd, len, c->scale, fp8, gs, acc);
+                        for (int64_t j = 0; j < G * hd; j++) attn[b * nh * hd + g * G * hd + j] = STORE(acc[j]);
+                        continue;
+                    }
                     T *kc = (T *)L->k_cache + slots[b] * c->k_slot_stride + g * hd;
                     T *vc = (T *)L->v_cache + slots[b] * c->v_slot_stride + g * hd;
                     memcpy(kc + pos * c->k_tok_stride, kh, hd * sizeof(T));
@@ -219,11 +281,16 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
                     for (int64_t j = 0; j < G * hd; j++) attn[b * nh * hd + g * G * hd + j] = STORE(acc[j]);
                 }
             }
+            MARK(3);
             CAT(project_team_, SFX)(attn, B, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, &L->o_q, Hd,
                                     (const T *)L->o_b, hidden);
+            MARK(4);
             /* residual add + post-attention norm (r_next -> r_cur) */
             CAT(residual_norm_, SFX)(hidden, r_next, r_cur, store, (const T *)L->ln2, B, Hd, c->eps, 0, x, tmp);
-            if (L->gate_up_q.fmt != XQ_NONE) {
+            MARK(5);
+            if (L->gate_up_q.fmt != XQ_NONE && !xq_amx_applies(IS_BF16, B)) {
+                CAT(quant_gate_up_silu_team_, SFX)(x, B, Hd, &L->gate_up_q, I, act);
+            } else if (L->gate_up_q.fmt != XQ_NONE) { /* AMX: the GEMM, then SiLU-and-mul */
                 xq_linear_team(x, IS_BF16, B, Hd, &L->gate_up_q, 2 * I, NULL, gu, 2 * I, IS_BF16);
                 CAT(silu_mul_team_, SFX)(gu, B, I, act);
             } else if (L->gate_up_wp != NULL && B >= 2) {
@@ -232,8 +299,10 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
             } else {
                 CAT(gate_up_silu_team_, SFX)(x, B, Hd, (const T *)L->gate_up_w, I, act);
             }
+            MARK(6);
             CAT(project_team_, SFX)(act, B, I, (const T *)L->down_w, (const T *)L->down_wp, &L->down_q, Hd, NULL,
                                     hidden);
+            MARK(7);
         }
         free(x);
         free(tmp);

@@ -19,17 +19,6 @@
  * all layers (taken by thread 0 after each phase's closing barrier): the step's profile by part.
  */
 
-#ifndef FORWARD_PHASES
-#define FORWARD_PHASES 8 /* norm, qkv GEMM, rope + KV store, attention, o GEMM, norm, gate/up (+ SiLU), down */
-#define MARK(i)                                                                  \
-    do {                                                                         \
-        if (timed) {                                                             \
-            const double now_ = omp_get_wtime();                                 \
-            phase_s[i] += now_ - last;                                           \
-            last = now_;                                                         \
-        }                                                                        \
-    } while (0)
-#endif
 
 /* y[M, N] = x[M, K] . W[N, K]^T (+ bias): inside the team, ends with a barrier */
 static void CAT(linear_team_, SFX)(const T *x, int64_t M, int64_t K, const T *W, const T *Wp,
@@ -132,6 +121,13 @@ static void CAT(rope_store_rows_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLay
             if (c->qk_norm) CAT(rmsnorm_row_, SFX)(x, (const T *)(h < nh ? L->q_norm : L->k_norm), hd, c->eps, x);
             CAT(rope_head_vec_, SFX)(x, cs, sn, rd);
         }
+        if (c->kv_quant) { /* quantized rows (kv_quant.h), as the eager path's store encodes them */
+            KVQ_ENCODE_ROW(row + nh * hd, nkv, hd, c->kv_quant == 2,
+                           (uint8_t *)L->k_cache + token_slots[m] * c->k_slot_stride + pos * c->k_tok_stride);
+            KVQ_ENCODE_ROW(row + (nh + nkv) * hd, nkv, hd, c->kv_quant == 2,
+                           (uint8_t *)L->v_cache + token_slots[m] * c->v_slot_stride + pos * c->v_tok_stride);
+            continue;
+        }
         T *kc = (T *)L->k_cache + token_slots[m] * c->k_slot_stride + pos * c->k_tok_stride;
         T *vc = (T *)L->v_cache + token_slots[m] * c->v_slot_stride + pos * c->v_tok_stride;
         memcpy(kc, row + nh * hd, nkv * hd * sizeof(T));
@@ -149,10 +145,11 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
     T *qkv = work, *attn = qkv + M * qkv_dim, *gu = attn + M * nh * hd, *act = gu + M * 2 * I, *x = act + M * I;
     int64_t max_ctx = 1;
     for (int64_t s = 0; s < S; s++) max_ctx = ctx_lens[s] > max_ctx ? ctx_lens[s] : max_ctx;
-    const size_t scratch_floats = (size_t)ATTN_SCRATCH(max_ctx, nh, nkv, hd);
+    const size_t scratch_floats = (size_t)(c->kv_quant ? kvq_varlen_scratch_floats(max_ctx, nh, nkv, hd, hd, sizeof(T))
+                                                       : ATTN_SCRATCH(max_ctx, nh, nkv, hd));
 #pragma omp parallel
     {
-        float *scratch = (float *)malloc(sizeof(float) * scratch_floats);
+        float *scratch = (float *)aligned_alloc(64, (sizeof(float) * scratch_floats + 63) / 64 * 64);
         const int timed = phase_s != NULL && omp_get_thread_num() == 0;
         double last = timed ? omp_get_wtime() : 0.0;
         for (int64_t l = 0; l < c->n_layers; l++) {
@@ -164,16 +161,26 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
             MARK(1);
             CAT(rope_store_rows_, SFX)(c, L, qkv, M, token_slots, positions, cos_table, sin_table);
             MARK(2);
-            ATTN_TEAM(qkv, qkv_dim, (const T *)L->k_cache, (const T *)L->v_cache, c->k_slot_stride, c->k_tok_stride,
-                      c->v_slot_stride, c->v_tok_stride, seq_slots, seq_starts, ctx_lens, S, nh, nkv, hd, hd,
-                      c->scale, attn, nh * hd, scratch);
+            if (c->kv_quant)
+                KVQ_ATTN_TEAM(qkv, qkv_dim, (const uint8_t *)L->k_cache, (const uint8_t *)L->v_cache, c->k_slot_stride,
+                              c->k_tok_stride, c->v_slot_stride, c->v_tok_stride, seq_slots, seq_starts, ctx_lens, S,
+                              nh, nkv, hd, hd, c->scale, c->kv_quant == 2, attn, nh * hd, scratch);
+            else
+                ATTN_TEAM(qkv, qkv_dim, (const T *)L->k_cache, (const T *)L->v_cache, c->k_slot_stride,
+                          c->k_tok_stride, c->v_slot_stride, c->v_tok_stride, seq_slots, seq_starts, ctx_lens, S, nh,
+                          nkv, hd, hd, c->scale, attn, nh * hd, scratch);
             MARK(3);
             CAT(linear_team_, SFX)(attn, M, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, &L->o_q, Hd,
                                    (const T *)L->o_b, hidden);
             MARK(4);
             CAT(residual_norm_rows_, SFX)(hidden, residual, (const T *)L->ln2, M, Hd, c->eps, 0, x);
             MARK(5);
-            if (L->gate_up_q.fmt != XQ_NONE || (L->gate_up_wp != NULL && M >= 2)) {
+            if (L->gate_up_q.fmt != XQ_NONE && M <= XQ_CHUNKED_MAX_M && !xq_amx_applies(IS_BF16, M)) {
+                /* the GEMV with SiLU-and-mul fused */
+                for (int64_t m0 = 0; m0 < M; m0 += MAX_B)
+                    CAT(quant_gate_up_silu_team_, SFX)(x + m0 * Hd, M - m0 < MAX_B ? M - m0 : MAX_B, Hd,
+                                                       &L->gate_up_q, I, act + m0 * I);
+            } else if (L->gate_up_q.fmt != XQ_NONE || (L->gate_up_wp != NULL && M >= 2)) {
                 CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->gate_up_w, (const T *)L->gate_up_wp, &L->gate_up_q,
                                        2 * I, NULL, gu);
                 CAT(silu_mul_rows_, SFX)(gu, M, I, act);

@@ -15,6 +15,11 @@
  * eager path does (each op's output), so the two follow each other closely; fp32 matches to
  * rounding. On return `hidden` holds the last layer's MLP output and `residual` the residual
  * stream: the caller applies the final norm (hidden + residual) and the LM head.
+ *
+ * KV rows: the model dtype, or quantized (cfg->kv_quant: int8 / fp8_e4m3 rows of kv_quant.h, strides in
+ * bytes). Then both steps encode each new K/V head with kvq_encode_row (bit-identical to the eager
+ * store) and attend over the codes with the eager path's kernels: kvq_attend_group for decode rows,
+ * kvq_varlen_attention_team (kv_quant_varlen.h) for the general step.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -23,6 +28,16 @@
 #include "gemm_quant.h"
 
 #define MAX_B 8
+/* per-phase timers of both steps (phase_s): thread 0 adds the time since the last mark after each phase */
+#define FORWARD_PHASES 8 /* norm, qkv GEMM, rope + KV store, attention, o GEMM, norm, gate/up (+ SiLU), down */
+#define MARK(i)                                                                  \
+    do {                                                                         \
+        if (timed) {                                                             \
+            const double now_ = omp_get_wtime();                                 \
+            phase_s[i] += now_ - last;                                           \
+            last = now_;                                                         \
+        }                                                                        \
+    } while (0)
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -31,6 +46,9 @@ typedef struct {
     int64_t k_slot_stride, k_tok_stride, v_slot_stride, v_tok_stride;
     float eps, scale;
     int32_t qk_norm, rotary_dim;
+    /* 0: K/V rows in the model dtype (strides in elements of T); 1 / 2: quantized int8 / fp8_e4m3 rows
+     * (kv_quant.h: per head head_dim codes + an fp32 scale; strides in bytes) */
+    int32_t kv_quant;
 } XllmLlamaCfg;
 
 typedef struct {
@@ -46,6 +64,7 @@ typedef struct {
 
 #include "attend_varlen.h"
 #include "gemm_packed.h"
+#include "kv_quant_varlen.h"
 
 /* acc[b] = x[b, :K] . w[:K] for b < B; w streamed once (sequentially) for all rows */
 ALWAYS_INLINE void gemv_row_bf16(const uint16_t *x, const int64_t B, int64_t K, const uint16_t *w, float *acc) {
@@ -110,6 +129,8 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #define VLOAD(p) load_bf16x16(p)
 #define GEMM_PACKED_TEAM(x, M, K, Wp, N, bias, y) gemm_packed_team_bf16(x, K, M, K, Wp, N, bias, y, N, 1)
 #define ATTN_TEAM varlen_attention_team_bf16
+#define KVQ_ATTN_TEAM kvq_varlen_attention_team_bf16
+#define KVQ_ENCODE_ROW kvq_encode_row_bf16
 #define ATTN_SCRATCH varlen_scratch_floats
 #include "llama_decode.h"
 #include "llama_forward.h"
@@ -127,6 +148,8 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #undef VLOAD
 #undef GEMM_PACKED_TEAM
 #undef ATTN_TEAM
+#undef KVQ_ATTN_TEAM
+#undef KVQ_ENCODE_ROW
 #undef ATTN_SCRATCH
 
 #define T float
@@ -143,6 +166,8 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define GEMM_PACKED_TEAM(x, M, K, Wp, N, bias, y) gemm_packed_team_f32(x, K, M, K, Wp, N, bias, y, N)
 #define ATTN_TEAM varlen_attention_team_f32
+#define KVQ_ATTN_TEAM kvq_varlen_attention_team_f32
+#define KVQ_ENCODE_ROW kvq_encode_row_f32
 #define ATTN_SCRATCH varlen_scratch_floats
 #include "llama_decode.h"
 #include "llama_forward.h"

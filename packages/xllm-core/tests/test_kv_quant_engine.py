@@ -20,9 +20,9 @@ from xllm.core.config import EngineConfig
 from xllm.core.errors import ConfigError
 from xllm.core.kv.base import build_kv_cache, quantized_block_layout
 from xllm.core.model_api import KVCacheSpec
-from xllm.kernels.kv_quant import KVQuantFormat, decode_rows, encode_rows, row_bytes
+from xllm.kernels.kv_quant import row_bytes
 from xllm.testing.engine import Collected, generate, make_engine, make_request
-from xllm.testing.reference import DenseContext
+from xllm.testing.reference import FakeQuantKVContext, recompute_greedy
 from xllm.testing.tiny import TinyLM
 
 KINDS = ("int8", "fp8_e4m3")
@@ -30,27 +30,8 @@ NEW = 10
 SMOLLM2 = KVCacheSpec(30, 3, 64, 64)
 
 
-class FakeQuantContext(DenseContext):
-    """Causal attention over one whole sequence with K/V quantized and dequantized first."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-
-    def attention(self, layer, q, k, v, scale, v_dim=None):
-        f = KVQuantFormat(self.kind, k.shape[1], k.shape[2], row_bytes(k.shape[1], k.shape[2]))
-        return super().attention(layer, q, decode_rows(encode_rows(k, f), f), decode_rows(encode_rows(v, f), f),
-                                 scale)
-
-
-@torch.inference_mode()
 def reference_greedy(model, prompt: list[int], n: int, kind: str) -> tuple[list[int], list[float]]:
-    ids, lps = list(prompt), []
-    for _ in range(n):
-        hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), FakeQuantContext(kind))
-        logprobs = model.compute_logits(hidden[-1:])[0].log_softmax(-1)
-        ids.append(int(logprobs.argmax()))
-        lps.append(float(logprobs[ids[-1]]))
-    return ids[len(prompt):], lps
+    return recompute_greedy(model, prompt, n, FakeQuantKVContext(kind))
 
 
 @pytest.fixture(scope="module")

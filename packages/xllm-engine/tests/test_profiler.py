@@ -94,3 +94,12 @@ def test_bad_grid_and_bad_profile_are_errors(tiny, tmp_path, capsys) -> None:
     assert main(["profile", "--model", str(tiny), *ENGINE, "--quick", "--profile", str(bad),
                  "-o", str(tmp_path / "x.json")]) == 2
     assert f"--profile {bad}" in capsys.readouterr().err
+
+
+def test_default_output_names_quantized_weights(monkeypatch, tmp_path) -> None:
+    from xllm.engine.profiler import default_output
+
+    monkeypatch.setenv("XLLM_CACHE_DIR", str(tmp_path))
+    assert default_output("SmolLM2-135M-Instruct", "bfloat16", 2).name == "SmolLM2-135M-Instruct-bfloat16-t2.json"
+    path = default_output("SmolLM2-135M-Instruct", "bfloat16", 2, "q4_1")
+    assert path.name == "SmolLM2-135M-Instruct-bfloat16-q4_1-t2.json" and path.parent.name == "profiles"

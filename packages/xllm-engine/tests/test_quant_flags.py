@@ -25,8 +25,7 @@ def config(*argv: str) -> EngineConfig:
 
 
 @pytest.mark.parametrize("argv, dtype, quantization", [
-    ([], torch.bfloat16, "none"),  # default: float weights (the quantized default answered worse)
-    (["--quantization", "auto"], torch.bfloat16, "auto"),  # a GGUF keeps its stored weights, bf16 activations
+    ([], torch.bfloat16, "auto"),  # a GGUF keeps its stored weights, bf16 activations
     (["--dtype", "float32"], torch.float32, "none"),  # an explicit dtype: dequantized weights in it
     (["--dtype", "bfloat16", "--quantization", "auto"], torch.bfloat16, "none"),
     (["--quantization", "none"], torch.bfloat16, "none"),
@@ -59,16 +58,13 @@ def test_unknown_quantization_exits_2(capsys):
 
 
 def test_which_gguf_is_loaded_as_stored(tmp_path):
-    auto = ("--quantization", "auto")
-    assert stored_gguf(None, config()) is None  # default: dequantized
-    assert stored_gguf(None, config(*auto)) == bundled_gguf()  # the bundled default: its Q4_1 weights
-    assert stored_gguf(None, config(*auto, "--dtype", "bfloat16")) is None  # dequantized
-    assert stored_gguf(str(tmp_path), config(*auto)) is None  # a model directory: float weights
+    assert stored_gguf(None, config()) == bundled_gguf()  # the bundled default: its Q4_1 weights
+    assert stored_gguf(None, config("--dtype", "bfloat16")) is None  # dequantized
+    assert stored_gguf(str(tmp_path), config()) is None  # a model directory: float weights
     with pytest.raises(ConfigError, match="--compile-decode"):
-        stored_gguf(None, config(*auto, "--compile-decode"))
+        stored_gguf(None, config("--compile-decode"))
     assert stored_gguf(None, config("--dtype", "float32", "--compile-decode")) is None
     # KV tiers share blocks only between engines serving the same weights
     suffixes = {weights_suffix(config(*a), stored_gguf(None, config(*a)))
-                for a in (["--quantization", "auto"], ["--dtype", "bfloat16"], ["--quantization", "int8"],
-                          ["--quantization", "int4"])}
+                for a in ([], ["--dtype", "bfloat16"], ["--quantization", "int8"], ["--quantization", "int4"])}
     assert len(suffixes) == 4

@@ -150,7 +150,7 @@ def test_defaults():
     assert (args.host, args.port, args.dtype, args.model, args.served_model_name) == ("127.0.0.1", 8000,
                                                                                      None, None, None)
     cfg = engine_config(args)
-    assert cfg.dtype == torch.bfloat16 and cfg.quantization == "none"  # float weights unless asked
+    assert cfg.dtype == torch.bfloat16 and cfg.quantization == "auto"  # a GGUF keeps its stored weights
     assert cfg.max_num_seqs == 64 and cfg.max_num_batched_tokens == 512
     assert cfg.max_model_len is None and cfg.kv_cache_memory_gib == 2.0
     assert cfg.max_waiting_requests == 4096 and cfg.num_threads is None and cfg.seed == 0

@@ -175,3 +175,23 @@ def test_engines_sharing_a_model_step_at_the_same_time(model_dir):
     for t in threads:
         t.join()
     assert together == alone
+
+
+def test_decode_phase_timers_split_the_step_and_change_nothing(model_dir):
+    """phase_seconds on decode steps: the decode kernel adds its phases' wall time (the GEMMs and attention
+    positive, the rope + KV store slot zero: those run inside attention there), outputs unchanged."""
+    model = load_model(model_dir, torch.float32, progress=False)
+    fused = model.fused_forward()
+    ps = prompts(3)
+    with decode_kernel_only(model):
+        plain = generate(model, ps, native_decode=True, n=6)[0]
+        fused.phase_seconds = torch.zeros(len(fused.PHASES), dtype=torch.float64)
+        try:
+            timed, _, steps = generate(model, ps, native_decode=True, n=6)
+            phases = dict(zip(fused.PHASES, fused.phase_seconds.tolist(), strict=False))
+        finally:
+            fused.phase_seconds = None
+    assert steps > 0 and timed == plain
+    assert fused.phase_seconds is None
+    assert all(phases[p] > 0 for p in ("qkv GEMM", "attention", "o GEMM", "down GEMM")), phases
+    assert phases["rope + KV store"] == 0

@@ -26,10 +26,10 @@ pytestmark = pytest.mark.skipif(quant_native.library() is None, reason="native q
 
 VOCAB = 512
 FLAG = {"int8": "int8", "int4_g32": "int4", "int4_g128": "int4_g128"}
-# The decode GEMV quantizes activations to int8 per 32-block (as llama.cpp does): a last-bit difference
-# of an activation between the two paths (their norms and residual adds are separate implementations) can
-# move one int8 step, so logprobs agree to ~1e-2 rather than to fp32 rounding (measured max: 0.008)
-LP_TOL = 0.03
+# The decode GEMV rounds activations to 16 bits per 32-block: a last-bit difference of an activation between
+# the two paths (their norms and residual adds are separate implementations) can move one 16-bit step, so
+# logprobs agree to ~1e-4 rather than to fp32 rounding (measured < 5e-4; with int8 activations: 0.008)
+LP_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")

@@ -77,8 +77,13 @@ class CausalLM(Protocol):
 
 
 class SlotKV(Protocol):
-    """KV memory with per-slot contiguous views: ``layer_kv(layer)`` gives ``[slots, max_len,
-    kv_heads, dim]`` K and V tensors that never move while the backend lives."""
+    """KV memory with per-slot contiguous rows that never move while the backend lives:
+    ``layer_kv(layer)`` gives ``[slots, max_len, kv_heads, dim]`` K and V tensors in the model dtype, or,
+    when ``kv_quant_kind`` names a quantized kind (``int8``, ``fp8_e4m3``), ``uint8 [slots, max_len,
+    row_bytes]`` rows of :mod:`xllm.kernels.kv_quant`'s layout (per head ``dim`` codes + an fp32 scale)."""
+
+    @property
+    def kv_quant_kind(self) -> str | None: ...
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
@@ -111,6 +116,10 @@ class FusedForward(Protocol):
 
     max_batch: int
     max_step_tokens: int
+
+    def supports(self, kv: SlotKV) -> bool:
+        """Whether the fused steps can run over ``kv``'s rows (e.g. its quantized KV format)."""
+        ...
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  kv: SlotKV) -> torch.Tensor:

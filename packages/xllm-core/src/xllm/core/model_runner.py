@@ -75,7 +75,8 @@ class ModelRunner:
     """Runs ``model`` on scheduled chunks with KV from ``kv``.
 
     Each step picks its graph mode (xLLM §4.2). With the model's fused native forward
-    (:class:`~xllm.core.model_api.SupportsFusedForward`) and a backend with slot views: a pure
+    (:class:`~xllm.core.model_api.SupportsFusedForward`) and a backend with slot rows (model-dtype or
+    quantized; ``KVAddressing.fused_steps``): a pure
     decode step of up to ``max_batch`` sequences runs the fused decode kernel ("native"), and so does a
     step of decode rows and speculative verify chunks of up to ``max_batch`` rows in all
     ("native_verify": a verify chunk's rows share its slot at consecutive positions); any
@@ -94,8 +95,9 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.fused: FusedForward | None = None
-        if native_decode and kv.addressing.slot_views and isinstance(model, SupportsFusedForward):
-            self.fused = model.fused_forward()
+        if native_decode and kv.addressing.fused_steps and isinstance(model, SupportsFusedForward):
+            fused = model.fused_forward()
+            self.fused = fused if fused is not None and fused.supports(kv) else None
         self.graph = None  # a CompiledDecode for larger decode batches (see graph_runner)
         # hears every forward's final hidden states ``[rows, hidden]`` (the ``mtp`` proposer); while
         # set, every step runs eager (the fused and compiled paths return the sampled rows only)

@@ -63,10 +63,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="precision of activations, KV cache and float weights (default: bfloat16). Given "
                         "explicitly with a GGUF model (the bundled default included) and --quantization auto, it "
                         "asks for the file's weights dequantized to this dtype")
-    p.add_argument("--quantization", default="none", choices=quantization_choices(),
-                   help="weight format of the linear layers (default none: the bundled model's Q4_1 weights as "
-                        "stored still answer worse than dequantized ones): auto (a GGUF keeps the Q8_0/Q4_0/Q4_1 "
-                        "weights it"
+    p.add_argument("--quantization", default="auto", choices=quantization_choices(),
+                   help="weight format of the linear layers: auto (a GGUF keeps the Q8_0/Q4_0/Q4_1 weights it "
                         "stores unless --dtype is given; other models stay float), none (float weights in --dtype, "
                         "a GGUF dequantized), int8 (per-channel), int4 / int4_g128 (group-wise with zero points, "
                         "groups of 32 / 128) quantized at load from the float weights. Quantized weights run on "

@@ -293,10 +293,13 @@ def grid_from_args(args) -> ProfileGrid:
     return ProfileGrid(**{**base.__dict__, **{k: v for k, v in given.items() if v is not None}})
 
 
-def default_output(model_name: str, dtype: str, threads: int) -> pathlib.Path:
+def default_output(model_name: str, dtype: str, threads: int, weights: str | None = None) -> pathlib.Path:
+    """``MODEL-DTYPE-tTHREADS.json`` under the cache's ``profiles/``; with quantized ``weights`` (their format,
+    e.g. ``q4_1``) ``MODEL-DTYPE-WEIGHTS-tTHREADS.json``: a quantized model's steps are another profile."""
     from xllm.common.paths import cache_dir
 
-    return cache_dir("profiles", f"{pathlib.Path(model_name).name}-{dtype}-t{threads}.json")
+    fmt = f"-{weights}" if weights else ""
+    return cache_dir("profiles", f"{pathlib.Path(model_name).name}-{dtype}{fmt}-t{threads}.json")
 
 
 def command(args) -> int:
@@ -309,6 +312,7 @@ def command(args) -> int:
     from xllm.engine import flags
     from xllm.engine.loader import load_engine
     from xllm.models import ModelConfigError, ModelNotFoundError, served_name
+    from xllm.models.quantize import weight_format
     from xllm.sched.latency import relative_errors
 
     try:
@@ -325,7 +329,7 @@ def command(args) -> int:
     engine = loaded.engine
     threads = loaded.compute.call(lambda: __import__("torch").get_num_threads())
     dtype = str(cfg.dtype).removeprefix("torch.")
-    output = args.output or default_output(name, dtype, threads)
+    output = args.output or default_output(name, dtype, threads, weight_format(engine.model))
     points = loaded.compute.call(plan_grid, grid, engine)
     with tqdm(total=len(points), desc="profiling steps", unit="shape", disable=args.no_progress) as bar:
         run = loaded.compute.call(run_profile, engine, grid, cfg.seed, lambda _p: bar.update())

@@ -132,8 +132,9 @@ def add_profile_parser(sub) -> None:
     flags.add_engine_flags(p)
     g = p.add_argument_group("profile", "what is measured and where it goes")
     g.add_argument("--output", "-o", default=None, metavar="FILE",
-                   help="where to write the profile (default: MODEL-DTYPE-tTHREADS.json under the cache dir's "
-                        "profiles/, $XLLM_CACHE_DIR or ~/.cache/xllm)")
+                   help="where to write the profile (default: MODEL-DTYPE-tTHREADS.json, with quantized weights "
+                        "MODEL-DTYPE-FORMAT-tTHREADS.json (e.g. -q4_1-), under the cache dir's profiles/, "
+                        "$XLLM_CACHE_DIR or ~/.cache/xllm)")
     g.add_argument("--quick", action="store_true",
                    help="a small grid (short contexts, batches 1-4, two repetitions) for tests and smoke runs")
     g.add_argument("--reps", type=flags.positive_int, default=None,

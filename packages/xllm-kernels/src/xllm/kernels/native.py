@@ -45,7 +45,10 @@ class LlamaCfg(ctypes.Structure):
         "hidden", "n_heads", "n_kv_heads", "head_dim", "inter", "n_layers",
         "k_slot_stride", "k_tok_stride", "v_slot_stride", "v_tok_stride")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("qk_norm", ctypes.c_int32),
-        ("rotary_dim", ctypes.c_int32)]
+        ("rotary_dim", ctypes.c_int32), ("kv_quant", ctypes.c_int32)]
+
+#: ``XllmLlamaCfg.kv_quant`` of each KV row format (None: the model dtype; strides then in elements)
+KV_QUANT_TAGS: dict[str | None, int] = {None: 0, "int8": 1, "fp8_e4m3": 2}
 
 
 class QWeight(ctypes.Structure):
@@ -86,7 +89,7 @@ class NativeLibrary:
                                            vp, vp]
         for name in ("xllm_llama_decode_bf16", "xllm_llama_decode_f32"):
             getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, vp,
-                                           vp, vp, vp, vp]
+                                           vp, vp, vp, vp, vp]
         for name in ("xllm_llama_forward_bf16", "xllm_llama_forward_f32"):
             getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, i64,
                                            vp, vp, vp, vp, vp, vp, vp, vp, vp]

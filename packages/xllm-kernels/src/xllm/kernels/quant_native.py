@@ -1,8 +1,10 @@
 """Native quantized products (``kernels/cpu/gemm_quant.{h,c}``) behind :func:`xllm.kernels.quant.quant_linear`.
 
-Up to 8 rows run the skinny GEMV (int8 activations per 32-block, AVX512-VNNI dot products, one pass
-over the packed weight), 9 to 16 rows the GEMV over chunks of 8 rows; more rows dequantize 48-row panels
-into the blocked bf16/fp32 GEMM's layout and run its micro-kernel (``kernels/cpu/gemm_quant.h`` has
+bf16 activations over 2+ rows run on AMX where the CPU has it (:func:`amx_ready`: weights dequantized
+to bf16 in groups of 16 rows, tile products). Otherwise up to 8 rows run the skinny GEMV (activations
+rounded to 16 bits per 32-block, AVX512-VNNI dot products, one pass over the packed weight), 9 to 16 rows
+the GEMV over chunks of 8 rows; more rows dequantize 48-row panels into the blocked bf16/fp32 GEMM's
+layout and run its micro-kernel (``kernels/cpu/gemm_quant.h`` has
 the algorithms and the measurements behind the thresholds). :func:`linear` returns None whenever the
 native library cannot run the product (no library, ``XLLM_NATIVE=0``, the CPU lacks AVX512-VNNI, under
 ``torch.compile``, an unsupported dtype or device); the caller then takes the torch path.
@@ -22,8 +24,9 @@ if TYPE_CHECKING:
 
 #: format name -> the kernels' XQ_* tag (gemm_quant.h)
 QUANT_TAGS: dict[str, int] = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "int8": 4, "int4_g32": 5, "int4_g128": 6}
-#: paths of xllm_quant_linear: automatic, skinny GEMV (<= 8 rows), panel GEMM, GEMV over chunks of 8 rows (any M)
-PATHS: dict[str, int] = {"auto": 0, "gemv": 1, "panels": 2, "gemv_chunks": 3}
+#: paths of xllm_quant_linear: automatic, skinny GEMV (<= 8 rows), panel GEMM, GEMV over chunks of 8 rows (any M),
+#: AMX (bf16 x where :func:`amx_ready`, else automatic)
+PATHS: dict[str, int] = {"auto": 0, "gemv": 1, "panels": 2, "gemv_chunks": 3, "amx": 4}
 MAX_GEMV_ROWS = 8
 _VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -53,6 +56,13 @@ def library() -> native.NativeLibrary | None:
     if lib is None or "avx512_vnni" not in native.cpu_flags():
         return None
     return lib
+
+
+def amx_ready() -> bool:
+    """Whether the AMX path (bf16 activations, 2+ rows) runs here: the CPU has AMX-TILE/AMX-BF16, the kernel
+    granted tile data to this process, ``XLLM_AMX`` is not ``0`` (``kernels/cpu/gemm_quant_amx.h``)."""
+    lib = library()
+    return lib is not None and bool(lib.fn("xllm_quant_amx_ready", [], ctypes.c_int)())
 
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None,

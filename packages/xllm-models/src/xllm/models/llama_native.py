@@ -17,6 +17,10 @@ Quantized projections (:class:`~xllm.models.layers.QuantLinear`, any format of
 the kernels run the quantized GEMV (<= 8 rows; 9-16 over chunks of 8) or the panel-dequantizing GEMM of
 ``kernels/cpu/gemm_quant.h`` for them, float ones as before.
 
+KV rows are the backend's model-dtype rows or its quantized rows (``--kv-cache-dtype int8|fp8_e4m3``:
+the kernels encode each new K/V head as the eager store does and attend over the codes with the eager
+path's quantized attention kernels, :mod:`xllm.kernels.kv_quant`).
+
 It applies only where the C kernel's layout assumptions hold; :meth:`model_supported` says so and
 the caller falls back to the eager module path otherwise. It is the
 :class:`xllm.core.model_api.FusedForward` of Llama-family models.
@@ -69,7 +73,9 @@ class FusedLlamaForward:
     def __init__(self, model, max_step_tokens: int = 8192) -> None:
         self.model = model
         self.max_step_tokens = max_step_tokens
-        self.phase_seconds: torch.Tensor | None = None  # set to zeros(len(PHASES), float64) to profile steps
+        # set to zeros(len(PHASES), float64) to profile steps: both kernels add each phase's wall time (the decode
+        # kernel counts q/k norm, RoPE and the KV store as attention)
+        self.phase_seconds: torch.Tensor | None = None
         # one binding per KV backend: engines sharing this model (PD pairs in one process) step
         # concurrently, each over its own cache and workspace
         self._bindings: weakref.WeakKeyDictionary[SlotKV, _Binding] = weakref.WeakKeyDictionary()
@@ -104,6 +110,13 @@ class FusedLlamaForward:
             and model.rotary.cos.shape[-1] == attn.head_dim
         )
 
+    def supports(self, kv: SlotKV) -> bool:
+        """Model-dtype KV, or quantized rows whose head width the quantized attention kernels take (a
+        multiple of 16)."""
+        kind = kv.kv_quant_kind
+        head_dim = self.model.model.layers[0].self_attn.head_dim
+        return kind is None or (kind in native.KV_QUANT_TAGS and head_dim % 16 == 0)
+
     def _packed_weights(self) -> list:
         """Per layer, for (qkv, o, gate_up, down): the blocked GEMM's packed weight, a quantized
         projection's kernel-ready :class:`~xllm.kernels.quant.QuantizedWeight`, or None."""
@@ -133,17 +146,24 @@ class FusedLlamaForward:
         kvs = [kv.layer_kv(i) for i in range(len(layers))]
         attn0 = layers[0].self_attn
         k0, v0 = kvs[0]
+        kind = kv.kv_quant_kind
         for k, v in kvs:
-            if k.dim() != 4 or k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride() != k0.stride():
-                raise ValueError("fused steps need [slots, max_len, kv_heads, head_dim] KV tensors")
-            if k.stride(2) != attn0.head_dim or v.stride(2) != attn0.head_dim:
-                raise ValueError("fused steps need each token's KV heads packed in one row")
+            if v is None or k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride() != k0.stride():
+                raise ValueError("fused steps need per-slot K and V rows of one layout in every layer")
+            if kind is None and (k.dim() != 4 or k.stride(2) != attn0.head_dim or v.stride(2) != attn0.head_dim):
+                raise ValueError("fused steps need [slots, max_len, kv_heads, head_dim] KV tensors, each token's "
+                                 "KV heads packed in one row")
+            if kind is not None and (k.dim() != 3 or k.dtype != torch.uint8
+                                     or min(k.shape[-1], v.shape[-1]) < attn0.num_kv_heads * (attn0.head_dim + 4)):
+                raise ValueError("fused steps over a quantized KV cache need uint8 [slots, max_len, row_bytes] rows "
+                                 "of kv_heads x (head_dim codes + fp32 scale)")
         cfg = native.LlamaCfg(
             hidden=m.cfg.hidden_size, n_heads=attn0.num_heads, n_kv_heads=attn0.num_kv_heads,
             head_dim=attn0.head_dim, inter=int(m.cfg.raw["intermediate_size"]), n_layers=len(layers),
             k_slot_stride=k0.stride(0), k_tok_stride=k0.stride(1), v_slot_stride=v0.stride(0),
             v_tok_stride=v0.stride(1), eps=float(layers[0].input_layernorm.eps), scale=float(attn0.scale),
-            qk_norm=int(attn0.q_norm is not None), rotary_dim=m.rotary.cos.shape[-1])
+            qk_norm=int(attn0.q_norm is not None), rotary_dim=m.rotary.cos.shape[-1],
+            kv_quant=native.KV_QUANT_TAGS[kind])
         packed = self._packed_weights()
         arr = (native.LlamaLayer * len(layers))()
 
@@ -208,7 +228,8 @@ class FusedLlamaForward:
         positions = positions.to(torch.int64).contiguous()
         self._kernel("decode", hidden.dtype)(
             ctypes.byref(c), bound.layers, b, slots.data_ptr(), positions.data_ptr(), self._cos.data_ptr(),
-            self._sin.data_ptr(), hidden.data_ptr(), residual.data_ptr(), work.data_ptr())
+            self._sin.data_ptr(), hidden.data_ptr(), residual.data_ptr(), work.data_ptr(),
+            None if self.phase_seconds is None else self.phase_seconds.data_ptr())
         norm = m.model.norm
         out, _ = rms_norm(hidden, norm.weight, norm.eps, residual)
         return out

@@ -47,6 +47,16 @@ def _tied_embedding_is_head(model: nn.Module) -> bool:
     return isinstance(model, LlamaForCausalLM) and model.lm_head is None
 
 
+def weight_format(model: nn.Module) -> str | None:
+    """The format most of ``model``'s quantized projections are in (e.g. ``"q4_1"`` for the bundled Q4_1
+    GGUF served as stored, whose embedding is Q8_0), None for a float model."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            counts[m.qweight.fmt] = counts.get(m.qweight.fmt, 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
 def quantize_model(model: nn.Module, fmt: str) -> list[str]:
     """Quantize ``model``'s float ``Linear`` / ``MergedLinear`` layers to ``fmt`` in place (each layer's
     float weight is dropped as soon as its quantized copy exists) and, when the LM head is tied to it, the

@@ -21,6 +21,22 @@ class DenseContext:
         return o.transpose(0, 1)
 
 
+class FakeQuantKVContext(DenseContext):
+    """:class:`DenseContext` whose K/V are quantized and dequantized first (the torch reference of
+    :mod:`xllm.kernels.kv_quant`, per token and head): the oracle of a quantized KV cache (``kind``
+    ``int8`` or ``fp8_e4m3``), since each row quantizes on its own whatever the batching or chunking."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def attention(self, layer, q, k, v, scale, v_dim=None):
+        from xllm.kernels.kv_quant import KVQuantFormat, decode_rows, encode_rows, row_bytes
+
+        f = KVQuantFormat(self.kind, k.shape[1], k.shape[2], row_bytes(k.shape[1], k.shape[2]))
+        return super().attention(layer, q, decode_rows(encode_rows(k, f), f), decode_rows(encode_rows(v, f), f),
+                                 scale)
+
+
 @torch.inference_mode()
 def full_logits(model, ids: list[int]) -> torch.Tensor:
     """Our model's float32 logits at every position of ``ids`` (one forward, no engine)."""
@@ -29,12 +45,13 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def recompute_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+def recompute_greedy(model, prompt: list[int], n: int,
+                     context: DenseContext | None = None) -> tuple[list[int], list[float]]:
     """Greedy decoding by re-running the whole sequence every step (no KV cache, no batching):
-    the generated tokens and their logprobs."""
+    the generated tokens and their logprobs. ``context``: the attention (default plain causal)."""
     ids, lps = list(prompt), []
     for _ in range(n):
-        hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), DenseContext())
+        hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), context or DenseContext())
         logprobs = model.compute_logits(hidden[-1:])[0].log_softmax(-1)
         tok = int(logprobs.argmax())
         ids.append(tok)

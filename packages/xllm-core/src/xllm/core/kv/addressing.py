@@ -7,7 +7,7 @@ addresses (:meth:`KVAddressing.pack`) and for the step's attention context
 - :class:`SlotAddressing` (xTensor, contiguous): each sequence owns a slot ``seq.slot`` and
   ``layer_kv(layer)`` returns ``[slots, max_len, kv_heads, dim]`` tensors in which the sequence's
   tokens are rows ``[slot, 0:length]``. Attention reads them in place with (slot, length); fused
-  native decode and compiled decode graphs need this view.
+  native steps and compiled decode graphs need this view (fused steps also read quantized slot rows).
 - :class:`PageAddressing` (paged): ``layer_kv(layer)`` returns page pools
   ``[num_blocks, block_size, kv_heads, dim]`` and ``seq.kv_pages`` is the block table.
 """
@@ -66,7 +66,10 @@ class KVAddressing(ABC):
     """The addressing of one backend (``kv``): packing a step's addresses and attending over them."""
 
     slot_views: ClassVar[bool] = False
-    """Whether ``layer_kv`` gives per-slot contiguous views (what fused decode and compiled graphs need)."""
+    """Whether ``layer_kv`` gives per-slot contiguous views in the model dtype (what compiled decode graphs need)."""
+    fused_steps: ClassVar[bool] = False
+    """Whether ``layer_kv`` gives per-slot contiguous rows the fused native steps read (model-dtype views or
+    quantized rows: :class:`~xllm.core.model_api.SlotKV`)."""
 
     def __init__(self, kv: LayerKV, block_size: int) -> None:
         self.kv = kv
@@ -89,6 +92,7 @@ class KVAddressing(ABC):
 
 class SlotAddressing(KVAddressing):
     slot_views = True
+    fused_steps = True
 
     def pack(self, tokens, decodes, prefills, tensor) -> SlotAddress:
         return SlotAddress(token_slots=tensor([s.slot for s, n in tokens for _ in range(n)]),

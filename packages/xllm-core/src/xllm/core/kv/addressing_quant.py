@@ -4,9 +4,11 @@ The same packing as :class:`~xllm.core.kv.addressing.SlotAddressing` and
 :class:`~xllm.core.kv.addressing.PageAddressing`; attention stores the step's K/V as quantized rows
 and reads them through :mod:`xllm.kernels.attention_quant`. ``layer_kv`` gives ``uint8`` row tensors
 (``[slots, max_len, row_bytes]`` or ``[num_blocks, block_size, row_bytes]``), not model-dtype
-``[..., kv_heads, head_dim]`` views, so quantized slot addressing reports no ``slot_views``: the
-model runner then runs no fused native step and no compiled decode graph over it (their kernels
-read model-dtype rows) and every step takes the eager modules, whose attention is native here.
+``[..., kv_heads, head_dim]`` views, so quantized slot addressing reports no ``slot_views``: no
+compiled decode graph runs over it. The fused native steps read and write the quantized rows
+themselves (``fused_steps``; ``kernels/cpu/llama_decode.h`` / ``llama_forward.h`` with
+``XllmLlamaCfg.kv_quant``); steps they do not take, and paged quantized caches, run the eager
+modules, whose attention is native here.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class QuantSlotAddressing(SlotAddressing):
     """Slot addressing over quantized rows (K rows in format ``kf``, V rows in ``vf``)."""
 
     slot_views = False
+    fused_steps = True
 
     def __init__(self, kv: LayerKV, block_size: int, kf: KVQuantFormat, vf: KVQuantFormat) -> None:
         super().__init__(kv, block_size)

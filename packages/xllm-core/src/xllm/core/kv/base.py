@@ -149,6 +149,11 @@ class KVCacheBackend(ABC):
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     @property
+    def kv_quant_kind(self) -> str | None:
+        """The quantized kind of ``layer_kv``'s rows (``int8``, ``fp8_e4m3``), None when K/V are in the model dtype."""
+        return self.layout.kv_dtype if self.layout.quantized else None
+
+    @property
     @abstractmethod
     def num_free_blocks(self) -> int: ...
 
