@@ -28,7 +28,8 @@ def test_sim_ablation_code_path(tmp_path):
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["meta"]["slo_ttft_ms"] > 0 and r["meta"]["slo_tpot_ms"] > 0  # derived from the profile
     assert r["meta"]["workload"] == "phases" and r["meta"]["pd_batch"] == 1
-    assert list(r["pd"]) == ["dynamic", "dynamic-batch", "static", "minimal-load"]
+    assert list(r["pd"]) == ["dynamic", "dynamic-no-overflow", "static-overflow", "static", "minimal-load"]
+    assert [r["pd"][c]["prefill_overflow"] for c in r["pd"]] == [True, False, True, False, False]
     for run in r["pd"].values():
         assert len(run["probes"]) >= 2 and all(p["requests"] == 80 for p in run["probes"])
         passing = [p["rate"] for p in run["probes"] if p["slo_attainment"] >= 0.9]

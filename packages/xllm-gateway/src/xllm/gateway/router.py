@@ -26,6 +26,7 @@ from xllm.gateway.registry.base import InstanceState, NoInstanceError, Registry
 from xllm.gateway.roles import LatencyTracker
 from xllm.kvstore import block_hashes
 from xllm.sched import ROUTING_POLICIES, InstanceSnapshot, PDPlacement, RouteDecision, RouteRequest, RoutingPolicy
+from xllm.sched.latency import StepTimeModel
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +70,14 @@ class Router:
     """Chooses instances with a routing policy and tracks the load it sends them."""
 
     def __init__(self, registry: Registry, policy: RoutingPolicy | str = "kv_aware", expect_ttl: float = 2.0,
-                 queued_expect_ttl: float = 120.0, metrics=None) -> None:
+                 queued_expect_ttl: float = 120.0, metrics=None, pd_slo_ttft_s: float | None = None,
+                 pd_predictor: StepTimeModel | None = None) -> None:
+        """``pd_slo_ttft_s`` (with ``pd_predictor``, optional): PD placement overflows a request onto a
+        decode instance when every prefill instance is predicted to miss this TTFT objective."""
         self.registry = registry
         self.policy = ROUTING_POLICIES.create(policy) if isinstance(policy, str) else policy
-        self.placement = PDPlacement(ROUTING_POLICIES.create(policy) if isinstance(policy, str) else None)
+        self.placement = PDPlacement(ROUTING_POLICIES.create(policy) if isinstance(policy, str) else None,
+                                     slo_ttft_s=pd_slo_ttft_s, predictor=pd_predictor)
         self.expect_ttl = expect_ttl              # after the first token: until heartbeats confirm the blocks
         self.queued_expect_ttl = queued_expect_ttl  # before it: the request may wait in the engine's queue
         self.metrics = metrics
@@ -134,7 +139,8 @@ class Router:
 
     def route_pd(self, model: str, prompt: Sequence[int], max_new_tokens: int, session: str | None = None,
                  exclude: Collection[str] = ()) -> tuple[Ticket, Ticket]:
-        """A (prefill, decode) pair for ``prompt`` (raises :class:`NoInstanceError` without one of each)."""
+        """A (prefill, decode) pair for ``prompt`` (raises :class:`NoInstanceError` without one of each);
+        one ticket twice when the placement runs it whole on a decode instance (prefill overflow)."""
         prefills, decodes = self.pd_pools(model, exclude)
         if not prefills or not decodes:
             raise NoInstanceError(f"no live prefill and decode instances serve {model!r}")
@@ -142,8 +148,10 @@ class Router:
         request = RouteRequest(len(prompt), session, max_new_tokens)
         decision = self.placement.route(request, [self._snapshot(s, match) for s in prefills],
                                         [self._snapshot(s, match) for s in decodes])
-        return (self._ticket(prefills, decision.prefill, prompt, match),
-                self._ticket(decodes, decision.decode, prompt, match))
+        decode = self._ticket(decodes, decision.decode, prompt, match)
+        if decision.local:
+            return decode, decode
+        return self._ticket(prefills, decision.prefill, prompt, match), decode
 
     def route_prefill(self, model: str, prompt: Sequence[int], session: str | None = None,
                       exclude: Collection[str] = ()) -> Ticket:
@@ -222,6 +230,8 @@ class Router:
             s.off_pending_prompt += ticket.num_prompt_tokens * num_requests
         if ticket.hashes:
             self.registry.kv_index.expect(s.instance_id, ticket.hashes, self.queued_expect_ttl)
+        if s.role != "decode":  # the prefill sizes the role policy predicts TTFT with
+            self.latency.prompt(s.instance_id, ticket.uncached_tokens)
         if self.metrics is not None:
             self.metrics.routed(s.model, s.instance_id, ticket.decision.reason, ticket.num_prompt_tokens,
                                 ticket.matched_tokens, num_requests)

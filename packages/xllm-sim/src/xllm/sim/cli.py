@@ -129,6 +129,10 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="dynamic: instances one decision may flip together, as the pressure needs and the other "
                         "side can spare (at most --pd-max-in-progress under way; default: a tenth of the "
                         "instances, at least 1, the gateway's)")
+    g.add_argument("--pd-prefill-overflow", action=argparse.BooleanOptionalAction, default=True,
+                   help="PD mode with --slo-ttft-ms: a request every prefill instance is predicted to miss the "
+                        "TTFT objective on runs whole on a decode instance that meets it (no hand-off; the "
+                        "gateway's flag of the same name) (default on)")
     g = p.add_argument_group("engine (each instance)")
     g.add_argument("--profile", type=Path, default=None,
                    help=f"step-time profile written by `xllm profile` (default: the shipped {DEFAULT_PROFILE.name})")
@@ -223,6 +227,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         pd_interval_s=args.pd_interval_s, drain_moves=args.drain_moves, pd_window_s=args.pd_flip_window,
         pd_cooldown_s=args.pd_flip_cooldown, pd_cluster_cooldown_s=args.pd_cluster_cooldown,
         pd_max_in_progress=args.pd_max_in_progress, pd_max_flips=args.pd_max_flips,
+        pd_overflow=args.pd_prefill_overflow,
         slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
         slo_tpot_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
         offline_slo_fraction=args.offline_slo_fraction)

@@ -39,7 +39,9 @@ class SimConfig:
       ``window_s``, ``cooldown_s``, ``cluster_cooldown_s``, ``max_in_progress`` and
       ``max_flips_per_decision`` as ``pd_window_s``, ``pd_cooldown_s``, ``pd_cluster_cooldown_s``,
       ``pd_max_in_progress``, ``pd_max_flips`` (the gateway's defaults; the flip limits ``None``:
-      ``xllm.sched.elastic.auto_flips``, a tenth of the PD instances).
+      ``xllm.sched.elastic.auto_flips``, a tenth of the PD instances); ``pd_overflow``: with
+      ``slo_ttft_s``, ``PDPlacement`` runs a request whole on a decode instance when every prefill
+      instance is predicted to miss the objective (the gateway's ``--pd-prefill-overflow``).
     - SLOs (seconds, ``None``: none) feed the policies that take them (role flips, co-location)
       and the SLO attainment of the report; ``offline_priority`` is the engine priority of offline
       requests (lower is more important; online requests have 0); ``offline_slo_fraction`` and
@@ -72,6 +74,7 @@ class SimConfig:
     pd_cluster_cooldown_s: float = 10.0
     pd_max_in_progress: int | None = None
     pd_max_flips: int | None = None
+    pd_overflow: bool = True
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     offline_priority: int = 1
