@@ -218,9 +218,8 @@ class ColocationPolicy:
         now = self.clock()
         running = list(queues.running)
         waiting = list(queues.waiting)
-        starved = self._track(running + waiting, now)
-        if self.slo_tpot_s is not None and self.predict is not None:
-            self._end_lives(running, waiting)
+        starved, present = self._track(running + waiting, now)
+        self._end_lives(present)
         step = _Step(queues, self.max_num_batched_tokens, {id(s) for s in starved})
         self._serve_starved(step, starved, running)
         self._online_running(step, running)
@@ -234,27 +233,29 @@ class ColocationPolicy:
             self._offline_admissions(step, cap)
         return self._finish(step, now)
 
-    def _track(self, seqs: list[SchedulableSeq], now: float) -> list[SchedulableSeq]:
+    def _track(self, seqs: list[SchedulableSeq],
+               now: float) -> tuple[list[SchedulableSeq], dict[int, SchedulableSeq]]:
         """Refresh the wait clocks of the offline sequences in the queues; the starved ones, longest
-        wait first."""
+        wait first, and the online sequences in the queues that have a life (one pass)."""
         progress: dict[int, tuple[SchedulableSeq, float]] = {}
+        present: dict[int, SchedulableSeq] = {}
+        lives = self._lives
         for seq in seqs:
             if seq.offline:
                 known = self._progress.get(id(seq))
                 progress[id(seq)] = known if known is not None and known[0] is seq else (seq, now)
+            elif id(seq) in lives:
+                present[id(seq)] = seq
         self._progress = progress
         starved = [(t, s.priority, s.arrival_time, s) for s, t in progress.values() if now - t >= self.starvation_s]
         starved.sort(key=lambda e: e[:3])
-        return [e[3] for e in starved]
+        return [e[3] for e in starved], present
 
-    def _end_lives(self, running: list[SchedulableSeq], waiting: list[SchedulableSeq]) -> None:
-        """Drop the lives of online sequences no longer in the queues; each one that decoded is an
+    def _end_lives(self, present: dict[int, SchedulableSeq]) -> None:
+        """Drop the lives of online sequences no longer in the queues (``present``: those that are,
+        running or waiting — a preempted one resumes its life); each one that decoded is an
         observation of the attainment scale (module docstring)."""
         lives = self._lives
-        if not lives:
-            return
-        present = {id(s): s for s in running if not s.offline}
-        present.update((id(s), s) for s in waiting if not s.offline and id(s) in lives)  # preempted: resumes
         for key in [k for k, life in lives.items() if present.get(k) is not life.seq]:
             life = lives.pop(key)
             if life.steps:
