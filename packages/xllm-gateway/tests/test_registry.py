@@ -98,7 +98,7 @@ def test_role_loads_carry_the_prompt_sizes_sent_to_each_prefill_instance():
     """Dynamic PD predicts a new request's TTFT from the prompts recently sent to a prefill instance
     (xllm.sched.elastic.SLORoleFlipPolicy.ttft_estimate): the router records the uncached prompt
     tokens of every placement except the decode side's, and the role controller's loads carry their
-    mean over the latency window."""
+    mean over the latency window. The decode side's accounting holds the requests, not their prefill."""
     from xllm.gateway.roles import PDRoleOptions, RoleController
 
     now = [0.0]
@@ -118,5 +118,8 @@ def test_role_loads_carry_the_prompt_sizes_sent_to_each_prefill_instance():
         router.dispatched(p_ticket, 1)
     loads = {x.instance_id: x for x in controller.loads("m")}
     assert loads["p"].recent_prompt_tokens == pytest.approx(400.0) and loads["d"].recent_prompt_tokens == 0.0
+    # the decode side of a pair queues no prefill: its prompts are computed on the prefill instance
+    assert (reg.get("p").pending_prefill, reg.get("d").pending_prefill, reg.get("d").inflight) == (800, 0, 2)
+    assert loads["d"].pending_prefill_tokens == 0
     now[0] = 12.0  # the first placement left the 10 s window
     assert {x.instance_id: x for x in controller.loads("m")}["p"].recent_prompt_tokens == pytest.approx(500.0)

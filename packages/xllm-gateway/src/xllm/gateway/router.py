@@ -60,10 +60,19 @@ class Ticket:
     first_token_pending: int = 0
     started: float = field(default_factory=time.monotonic)
     offline: bool = False  # co-location's best-effort work (accounted apart: online requests see online load)
+    # whether the instance computes the prompt: False for the decode side of a PD pair, which reserves KV
+    # and waits for the hand-off (its requests are no prefill work queued there: PD placement's overflow
+    # predicts a decode instance's TTFT from what it has to prefill itself)
+    prefills: bool = True
 
     @property
     def uncached_tokens(self) -> int:
         return max(self.num_prompt_tokens - self.matched_tokens, 0)
+
+    @property
+    def queued_prefill(self) -> tuple[int, int]:
+        """(uncached, whole) prompt tokens one of its requests queues on the instance until its first token."""
+        return (self.uncached_tokens, self.num_prompt_tokens) if self.prefills else (0, 0)
 
 
 class Router:
@@ -151,6 +160,7 @@ class Router:
         decode = self._ticket(decodes, decision.decode, prompt, match)
         if decision.local:
             return decode, decode
+        decode.prefills = False
         return self._ticket(prefills, decision.prefill, prompt, match), decode
 
     def route_prefill(self, model: str, prompt: Sequence[int], session: str | None = None,
@@ -222,12 +232,13 @@ class Router:
         ticket.requests = num_requests
         ticket.first_token_pending = num_requests
         s.inflight += num_requests
-        s.pending_prefill += ticket.uncached_tokens * num_requests
-        s.pending_prompt += ticket.num_prompt_tokens * num_requests
+        uncached, whole = ticket.queued_prefill
+        s.pending_prefill += uncached * num_requests
+        s.pending_prompt += whole * num_requests
         if ticket.offline:
             s.off_inflight += num_requests
-            s.off_pending_prefill += ticket.uncached_tokens * num_requests
-            s.off_pending_prompt += ticket.num_prompt_tokens * num_requests
+            s.off_pending_prefill += uncached * num_requests
+            s.off_pending_prompt += whole * num_requests
         if ticket.hashes:
             self.registry.kv_index.expect(s.instance_id, ticket.hashes, self.queued_expect_ttl)
         if s.role != "decode":  # the prefill sizes the role policy predicts TTFT with
@@ -243,11 +254,12 @@ class Router:
             return
         ticket.first_token_pending -= 1
         s = ticket.state
-        s.pending_prefill = max(s.pending_prefill - ticket.uncached_tokens, 0)
-        s.pending_prompt = max(s.pending_prompt - ticket.num_prompt_tokens, 0)
+        uncached, whole = ticket.queued_prefill
+        s.pending_prefill = max(s.pending_prefill - uncached, 0)
+        s.pending_prompt = max(s.pending_prompt - whole, 0)
         if ticket.offline:
-            s.off_pending_prefill = max(s.off_pending_prefill - ticket.uncached_tokens, 0)
-            s.off_pending_prompt = max(s.off_pending_prompt - ticket.num_prompt_tokens, 0)
+            s.off_pending_prefill = max(s.off_pending_prefill - uncached, 0)
+            s.off_pending_prompt = max(s.off_pending_prompt - whole, 0)
         if ticket.hashes and not s.removed:  # computed now (or abandoned): heartbeats take over shortly
             self.registry.kv_index.expect(s.instance_id, ticket.hashes, self.expect_ttl)
         if observe and self.metrics is not None:
