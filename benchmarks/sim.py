@@ -10,11 +10,15 @@ of simulated instances, step times from the engine's profile.
 (``--workload phases``) is bursty (Gamma arrivals, ``--cv``) and shifts between prefill-heavy and
 decode-heavy periods (``--phase-s``, ``--prefill-mix``, ``--decode-mix``), as the report's bursty
 traces do: dynamic PD can only gain when the prefill/decode balance of the load changes over time
-(``--workload gamma``: one fixed length mix, ``--prompt-len``/``--output-len``). Three clusters of
-``--instances`` instances, half prefill and half decode at the start: ``dynamic`` (``--pd-policy
-dynamic``, KV-aware routing, the flip knobs ``--pd-flip-window``, ``--pd-cluster-cooldown``,
-``--pd-max-in-progress``), ``static`` (the same roles fixed) and ``minimal-load`` (roles fixed,
-least-load routing of the prefill side). For each, the highest request rate whose SLO attainment
+(``--workload gamma``: one fixed length mix, ``--prompt-len``/``--output-len``). Clusters of
+``--instances`` instances, half prefill and half decode at the start (``--configs``, of
+:data:`PD_CONFIGS`): ``dynamic`` (the gateway's defaults: ``--pd-policy dynamic`` with KV-aware
+routing, up to ``--pd-batch`` flips per decision, and prefill overflow onto decode instances when
+every prefill instance would miss the TTFT objective: xLLM's SLO-aware policy), ``dynamic-no-overflow``
+(its flips alone), ``static-overflow`` (its placement alone: roles fixed), ``static`` (roles fixed,
+KV-aware routing) and ``minimal-load`` (roles fixed, least-load routing of the prefill side: the
+report's baseline); ``dynamic-one-flip`` (one flip per decision, ``--pd-max-in-progress`` under way)
+on request. For each, the highest request rate whose SLO attainment
 (TTFT ≤ ``--slo-ttft-ms`` and TPOT ≤ ``--slo-tpot-ms``) stays ≥ ``--target`` is searched on
 ``--search-requests`` requests per probe: the rate doubles (or halves) from a capacity estimate
 until it brackets the target, then ``--probes`` bisection steps. The rate found is then confirmed
@@ -50,12 +54,16 @@ from benchmarks.report import add_output_args
 
 HERE = pathlib.Path(__file__).resolve().parent
 PD_CONFIGS = {  # name -> (pd policy, routing policy, flips per decision: 1, or "batch": --pd-batch, by
-    # default a tenth of the instances as the gateway's default --pd-max-flips)
-    "dynamic": ("dynamic", "kv_aware", 1),
-    "dynamic-batch": ("dynamic", "kv_aware", "batch"),
-    "static": ("static", "kv_aware", 1),
-    "minimal-load": ("static", "least_load", 1),
+    # default a tenth of the instances as the gateway's default --pd-max-flips; prefill overflow onto
+    # decode instances: PDPlacement with the TTFT objective, the gateway's --pd-prefill-overflow)
+    "dynamic": ("dynamic", "kv_aware", "batch", True),          # the gateway's defaults
+    "dynamic-no-overflow": ("dynamic", "kv_aware", "batch", False),
+    "static-overflow": ("static", "kv_aware", 1, True),
+    "static": ("static", "kv_aware", 1, False),
+    "minimal-load": ("static", "least_load", 1, False),
+    "dynamic-one-flip": ("dynamic", "kv_aware", 1, False),     # the gateway's defaults before batched flips
 }
+DEFAULT_PD_CONFIGS = ("dynamic", "dynamic-no-overflow", "static-overflow", "static", "minimal-load")
 PARTS = ("pd", "colocation")
 WORKLOADS = ("phases", "gamma")
 
@@ -105,12 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pd-cluster-cooldown", type=float, default=10.0,
                    help="dynamic: seconds between two flip decisions of the cluster (10, the gateway's)")
     p.add_argument("--pd-max-in-progress", type=int, default=1,
-                   help="dynamic (one flip per decision): flips under way at once (default 1)")
+                   help="dynamic-one-flip: flips under way at once (default 1)")
     p.add_argument("--pd-batch", type=int, default=None,
-                   help="dynamic-batch: instances one decision may flip together, and flips under way at once "
+                   help="dynamic, dynamic-no-overflow: instances one decision may flip together, and flips under way "
+                        "at once "
                         "(default: a tenth of --instances, the gateway's default --pd-max-flips)")
-    p.add_argument("--configs", default=",".join(PD_CONFIGS),
-                   help=f"PD configurations to run, comma-separated, of {', '.join(PD_CONFIGS)} (all)")
+    p.add_argument("--configs", default=",".join(DEFAULT_PD_CONFIGS),
+                   help=f"PD configurations to run, comma-separated, of {', '.join(PD_CONFIGS)} "
+                        f"(default {','.join(DEFAULT_PD_CONFIGS)})")
     p.add_argument("--jobs", type=int, default=1,
                    help="PD configurations (and co-location runs) simulated in parallel processes (1)")
     p.add_argument("--colo-max-rate", type=float, default=None,
@@ -272,11 +282,11 @@ def confirm(name: str, run, rate: float, step: float, target: float, retries: in
 
 def pd_config(args: argparse.Namespace, model, name: str) -> dict:
     """One PD configuration: search its max rate, confirm it at full size."""
-    pd_policy, routing, flips = PD_CONFIGS[name]
+    pd_policy, routing, flips, overflow = PD_CONFIGS[name]
     half = args.instances // 2
     start = capacity_estimate(args, model, args.instances) * 0.7
     cfg = dataclasses.replace(base_config(args), prefill_instances=half, decode_instances=args.instances - half,
-                              pd_policy=pd_policy, routing=routing)
+                              pd_policy=pd_policy, routing=routing, pd_overflow=overflow)
     if flips == "batch":
         cfg = dataclasses.replace(cfg, pd_max_flips=args.pd_batch, pd_max_in_progress=args.pd_batch)
     else:
@@ -293,6 +303,7 @@ def pd_config(args: argparse.Namespace, model, name: str) -> dict:
     return {"max_rate": best, "search_rate": found, "probes": history, "confirms": confirms,
             "slo_attainment": final.get("slo_attainment"), "role_flips": final.get("role_flips"),
             "flips_by_trigger": final.get("flips_by_trigger"), "pd_policy": pd_policy, "routing": routing,
+            "prefill_overflow": overflow,
             "max_flips_per_decision": cfg.pd_max_flips, "max_in_progress": cfg.pd_max_in_progress}
 
 
@@ -390,23 +401,25 @@ def markdown(results: dict) -> str:
              f"{meta['requests']}. Dynamic PD flip knobs: window {meta.get('pd_flip_window', 5.0):g} s, cluster "
              f"cool-down {meta.get('pd_cluster_cooldown', 10.0):g} s, instance cool-down "
              f"{meta.get('pd_flip_cooldown', 30.0):g} s, {meta.get('pd_max_in_progress', 1)} flip(s) under way at "
-             f"most; `dynamic-batch` flips up to {meta.get('pd_batch')} instances per decision ({meta.get('pd_batch')} "
-             f"under way at most). Profile: {meta['profile']}"
+             f"most (`dynamic-one-flip`); `dynamic` and `dynamic-no-overflow` flip up to {meta.get('pd_batch')} "
+             f"instances per decision ({meta.get('pd_batch')} under way at most); `-overflow` and `dynamic`: prefill "
+             f"overflow onto decode instances (PDPlacement with the TTFT objective). Profile: {meta['profile']}"
              f"{' (PROVISIONAL: synthetic, not measured)' if meta['provisional'] else ''}.", ""]
     pd = results.get("pd", {})
     if pd:
         base = pd.get("minimal-load", {}).get("max_rate")
         static = pd.get("static", {}).get("max_rate")
         lines += ["## Dynamic PD vs static PD vs minimal-load", "",
-                  "| config | PD policy | routing | max rate within SLO (req/s, confirmed) | vs minimal-load | "
-                  "vs static | attainment | role flips | search probes | confirm runs | "
+                  "| config | PD policy | routing | prefill overflow | max rate within SLO (req/s, confirmed) | "
+                  "vs minimal-load | vs static | attainment | role flips | search probes | confirm runs | "
                   "wall / CPU per confirm run (s) |",
-                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for name, run in pd.items():
             confirms = run.get("confirms", [])
             att = run.get("slo_attainment")
             times = ", ".join(f"{c['wall_s']:.0f} / {c.get('cpu_s', 0):.0f}" for c in confirms) or "–"
-            lines.append(f"| {name} | {run['pd_policy']} | {run['routing']} | {run['max_rate']:.1f} | "
+            lines.append(f"| {name} | {run['pd_policy']} | {run['routing']} | "
+                         f"{'on' if run.get('prefill_overflow') else 'off'} | {run['max_rate']:.1f} | "
                          f"{_ratio(run['max_rate'], base)} | {_ratio(run['max_rate'], static)} | "
                          f"{'–' if att is None else f'{att:.1%}'} | {run.get('role_flips') or 0} | "
                          f"{len(run['probes'])} | {len(confirms)} | {times} |")

@@ -73,16 +73,17 @@ def kv_blocks(args: argparse.Namespace) -> int:
     return int(args.kv_cache_memory * (1 << 30)) // (SMOLLM2_KV_BYTES_PER_TOKEN * SMOLLM2_BLOCK_SIZE)
 
 
-def simulated(args: argparse.Namespace, specs: list, scale: float = 1.0) -> dict:
+def simulated(args: argparse.Namespace, specs: list, scale: float = 1.0, noise: float = 0.0) -> dict:
     """The trace in the simulator, as the live cluster is configured; ``scale`` multiplies every step
-    time of the profile's model (an online correction factor)."""
+    time of the profile's model (an online correction factor); ``noise``: the simulator's
+    ``step_noise``, the scatter of the live steps around the corrected model."""
     from xllm.sched.latency import StepTimeModel
     from xllm.sim import Cluster, SimConfig, load_model
 
     model, _ = load_model(args.profile)
     model = StepTimeModel(tuple(scale * c for c in model.coefficients))
     cfg = SimConfig(instances=args.instances, routing=args.routing, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, kv_blocks=kv_blocks(args))
+                    max_num_batched_tokens=args.max_num_batched_tokens, kv_blocks=kv_blocks(args), step_noise=noise)
     cluster = Cluster(cfg, model)
     cluster.run(specs)
     r = cluster.report()
@@ -121,16 +122,25 @@ def live(args: argparse.Namespace, specs: list, out: pathlib.Path) -> dict:
     summary = serving_summary(records, duration)
     summary["records"] = [r.to_dict() for r in records]
     summary["correction_factors"] = correction_factors(metrics)
+    summary["prediction_errors"] = correction_factors(metrics, "xllm:step_time_prediction_error_recent")
     return summary
 
 
-def correction_factors(metrics_text: str) -> dict[str, float]:
+def correction_factors(metrics_text: str, name: str = "xllm:step_time_correction_factor") -> dict[str, float]:
     """Each instance's online correction of its step-time model (``xllm:step_time_correction_factor``:
-    measured over predicted step time, from its load reports), by instance id."""
+    measured over predicted step time, from its load reports), or another per-instance gauge
+    (``name``: the recent mean relative error of its corrected predictions), by instance id."""
     from benchmarks.metrics import parse
 
-    samples = parse(metrics_text).get("xllm:step_time_correction_factor", [])
+    samples = parse(metrics_text).get(name, [])
     return {labels.get("instance", ""): value for labels, value in samples}
+
+
+def noise_sigma(mean_relative_error: float) -> float:
+    """The lognormal log-deviation whose mean relative deviation from 1 is ``mean_relative_error``
+    (E|X − 1| ≈ σ·√(2/π) for a small σ): the simulator's ``step_noise`` for steps that scatter that
+    much around their prediction."""
+    return mean_relative_error * math.sqrt(math.pi / 2)
 
 
 def _get(d: dict, path: tuple[str, ...]) -> float | None:
@@ -165,16 +175,23 @@ def markdown(results: dict) -> str:
         return "–" if row["error"] is None else f"{row['error']:+.1%}"
 
     corrected = results.get("comparison_corrected") or {}
+    noisy = results.get("comparison_noisy") or {}
     if corrected:
-        lines[-2:] = [f"Simulated twice: with the profile as measured, and with it scaled by the mean online "
-                      f"correction factor the live instances reported (measured over predicted step time: "
-                      f"{meta['correction_factor']:.2f}), as the gateway's predictors use it.", "",
-                      "| figure | live | simulated | error | simulated, corrected | error |",
-                      "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines[-2:] = [f"Simulated with the profile as measured, with it scaled by the mean online correction "
+                      f"factor the live instances reported (measured over predicted step time: "
+                      f"{meta['correction_factor']:.2f}), as the gateway's predictors use it"
+                      + (f", and with that plus step times scattered as the live steps were around their "
+                         f"corrected predictions (`--step-noise {meta['step_noise']:.3f}`)." if noisy else "."), "",
+                      "| figure | live | simulated | error | simulated, corrected | error |"
+                      + (" corrected + noise | error |" if noisy else ""),
+                      "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if noisy else "")]
     for name, row in results["comparison"].items():
         line = f"| {name} | {f(row['live'])} | {f(row['sim'])} | {err(row)} |"
         if corrected:
             c = corrected[name]
+            line += f" {f(c['sim'])} | {err(c)} |"
+        if noisy:
+            c = noisy[name]
             line += f" {f(c['sim'])} | {err(c)} |"
         lines.append(line)
     return "\n".join(lines) + "\n"
@@ -208,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
             meta["correction_factor"] = statistics.fmean(factors.values())
             results["sim_corrected"] = simulated(args, specs, meta["correction_factor"])
             results["comparison_corrected"] = compare(results["live"], results["sim_corrected"])
+            errors = results["live"]["prediction_errors"]
+            if errors:  # and the live steps' scatter around the corrected model
+                meta["step_noise"] = noise_sigma(statistics.fmean(errors.values()))
+                results["sim_noisy"] = simulated(args, specs, meta["correction_factor"], meta["step_noise"])
+                results["comparison_noisy"] = compare(results["live"], results["sim_noisy"])
     else:
         results["comparison"] = compare({}, sim)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float))

@@ -28,6 +28,7 @@ def test_quick_run_on_a_tiny_model(tmp_path) -> None:
     for r in results["requests"]:
         assert 8 <= r["prompt"] <= 48 and 2 <= r["output"] <= 8
         assert r["ttft"] > 0 and r["predicted_ttft"] > 0 and r["predicted_tpot"] > 0
+        assert r["predicted_tpot_life"] > 0 and r["predicted_ttft_queue"] > 0
     errors = results["step_errors"]["all"]
     assert errors["offline"]["n"] == len(results["steps"]) and errors["offline"]["p50"] >= 0
     assert (out / "profile.json").is_file() and "| all |" in (out / "summary.md").read_text()
@@ -57,10 +58,13 @@ def test_request_errors_and_quantiles() -> None:
     assert quantiles([]) == {"n": 0, "p50": None, "p90": None, "mean": None}
     q = quantiles([float(i) for i in range(10)])
     assert q["p50"] == 5.0 and q["p90"] == 9.0 and q["mean"] == 4.5
-    recs = [RequestRecord(10, 3, arrival=0.0, predicted_ttft=0.2, predicted_tpot=0.05, first=0.1, last=0.3, tokens=3)]
+    recs = [RequestRecord(10, 3, arrival=0.0, predicted_ttft=0.2, predicted_tpot=0.05, first=0.1, last=0.3, tokens=3,
+                          predicted_tpot_life=0.125, predicted_ttft_queue=0.1)]
     got = request_errors(recs)
     assert got["ttft"]["p50"] == pytest.approx(1.0) and got["ttft_bias_mean"] == pytest.approx(1.0)
     assert got["tpot"]["p50"] == pytest.approx(0.5) and got["tpot_bias_mean"] == pytest.approx(-0.5)
+    assert got["tpot_life"]["p50"] == pytest.approx(0.25) and got["tpot_life_bias_mean"] == pytest.approx(0.25)
+    assert got["ttft_queue"]["p50"] == pytest.approx(0.0)
 
 
 def test_command_line_ranges() -> None:

@@ -28,7 +28,8 @@ def test_sim_ablation_code_path(tmp_path):
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["meta"]["slo_ttft_ms"] > 0 and r["meta"]["slo_tpot_ms"] > 0  # derived from the profile
     assert r["meta"]["workload"] == "phases" and r["meta"]["pd_batch"] == 1
-    assert list(r["pd"]) == ["dynamic", "dynamic-batch", "static", "minimal-load"]
+    assert list(r["pd"]) == ["dynamic", "dynamic-no-overflow", "static-overflow", "static", "minimal-load"]
+    assert [r["pd"][c]["prefill_overflow"] for c in r["pd"]] == [True, False, True, False, False]
     for run in r["pd"].values():
         assert len(run["probes"]) >= 2 and all(p["requests"] == 80 for p in run["probes"])
         passing = [p["rate"] for p in run["probes"] if p["slo_attainment"] >= 0.9]
@@ -107,3 +108,30 @@ def test_correction_factors_and_the_corrected_simulation(tmp_path):
     base, slow = sim_validate.simulated(args, specs), sim_validate.simulated(args, specs, 2.0)
     assert slow["tpot_ms"]["p50"] == pytest.approx(2 * base["tpot_ms"]["p50"], rel=0.35)
     assert slow["tpot_ms"]["p50"] > base["tpot_ms"]["p50"]
+
+
+def test_prediction_errors_become_step_noise_and_the_report_shows_the_noisy_simulation(tmp_path):
+    """The live instances' recent prediction error (mean |predicted − measured| / measured) sets the
+    simulator's step_noise (a lognormal of that mean relative deviation); the summary then has a third
+    simulated column."""
+    import math
+    import random
+
+    text = ('xllm:step_time_prediction_error_recent{instance="engine-0",model_name="m"} 0.08\n'
+            'xllm:step_time_prediction_error_recent{instance="engine-1",model_name="m"} 0.12\n')
+    errors = sim_validate.correction_factors(text, "xllm:step_time_prediction_error_recent")
+    assert errors == {"engine-0": 0.08, "engine-1": 0.12}
+    sigma = sim_validate.noise_sigma(0.1)
+    rng = random.Random(0)
+    draws = [math.exp(rng.gauss(-sigma * sigma / 2, sigma)) for _ in range(20000)]
+    assert sum(abs(x - 1) for x in draws) / len(draws) == pytest.approx(0.1, rel=0.05)  # the oracle: sampling
+    args = sim_validate.build_parser().parse_args(["--requests", "12", "--rate", "0.2"])
+    specs = sim_validate.trace(args)
+    live = sim_validate.simulated(args, specs)
+    results = {"meta": {**vars(args), "profile": "p", "provisional": False, "correction_factor": 1.0,
+                        "step_noise": sigma},
+               "comparison": sim_validate.compare(live, live), "comparison_corrected": sim_validate.compare(live, live),
+               "comparison_noisy": sim_validate.compare(live, sim_validate.simulated(args, specs, 1.0, sigma))}
+    text = sim_validate.markdown(results)
+    assert "corrected + noise" in text and f"--step-noise {sigma:.3f}" in text
+    assert all(line.count("|") == 9 for line in text.splitlines() if line.startswith("| TTFT"))

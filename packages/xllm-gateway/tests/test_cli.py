@@ -51,7 +51,7 @@ API_FLAGS = ["--api-key", "--priority-api-key", "--allow-client-priority", "--ma
 API_FLAGS = [*API_FLAGS, "--offline-priority"]  # priority from which requests are offline
 SERVE_FLAGS = [*SERVE_FLAGS, *API_FLAGS]  # the OpenAI API's keys and limits (xllm.gateway.api_flags)
 PD_ROLE_FLAGS = ["--pd-policy", "--pd-flip-window", "--pd-flip-cooldown", "--pd-cluster-cooldown", "--pd-min-per-role",
-                 "--pd-max-flips"]
+                 "--pd-max-flips", "--pd-prefill-overflow", "--no-pd-prefill-overflow"]
 SERVE_FLAGS = [*SERVE_FLAGS, *PD_ROLE_FLAGS]  # dynamic PD roles (xllm.gateway.roles)
 
 
@@ -391,3 +391,13 @@ def test_pd_max_flips_reaches_the_role_policy():
     assert auto.max_flips_per_decision is None and auto.max_in_progress is None  # a tenth of the instances
     fixed = pd_role_options(build_parser().parse_args([*base, "--pd-max-flips", "3"])).build_policy()
     assert fixed.max_flips_per_decision == 3 and fixed.max_in_progress == 3
+
+
+def test_pd_prefill_overflow_follows_the_ttft_objective_and_its_flag():
+    from xllm.gateway.cli import pd_role_options
+
+    on = pd_role_options(build_parser().parse_args(["serve", "--slo-ttft-ms", "900"]))
+    assert on.prefill_overflow and on.overflow_slo_ttft_s == 0.9  # static roles too
+    assert pd_role_options(build_parser().parse_args(["serve"])).overflow_slo_ttft_s is None  # no objective
+    off = pd_role_options(build_parser().parse_args(["serve", "--slo-ttft-ms", "900", "--no-pd-prefill-overflow"]))
+    assert not off.prefill_overflow and off.overflow_slo_ttft_s is None

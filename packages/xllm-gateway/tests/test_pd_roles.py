@@ -32,6 +32,7 @@ from xllm.gateway.roles import PDRoleOptions, RoleController
 from xllm.gateway.router import Router
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.sched import RoleFlip
+from xllm.sched.latency import StepTimeModel
 from xllm.testing.engine import Collected, generate, make_request
 from xllm.testing.processes import until
 from xllm.testing.served import ServedEngines
@@ -70,12 +71,12 @@ def new_engine(path) -> LLMEngine:
 class Cluster:
     """The served instances, the gateway's dispatcher and its role controller, over one registry."""
 
-    def __init__(self, path, options: PDRoleOptions, moves: str = "auto") -> None:
+    def __init__(self, path, options: PDRoleOptions, moves: str = "auto", **router_kw) -> None:
         self.registry = EmbeddedRegistry()
         self.served = ServedEngines(ROLES, lambda: new_engine(path), "fd", MODEL)
         self.nodes = self.served.nodes
         self.prom = CollectorRegistry()
-        self.router = Router(self.registry, "kv_aware", metrics=RouterMetrics(self.prom))
+        self.router = Router(self.registry, "kv_aware", metrics=RouterMetrics(self.prom), **router_kw)
         mover = Mover(self.router, MoveOptions(moves), MoveMetrics(self.prom))
         self.dispatcher = Dispatcher(self.registry, MODEL, self.router, pd_metrics=PDMetrics(self.prom), mover=mover)
         self.roles = RoleController(self.registry, self.router, options, PDRoleMetrics(self.prom))
@@ -210,6 +211,31 @@ def test_a_burst_of_prompts_flips_a_decode_instance_to_prefill_and_back(case):
     assert roles == ROLES            # the instance that flipped is the one that flipped back
     assert settled == [[], [], []]   # one of each role left: nothing more can flip
     assert pools == {"prefill": 1, "decode": 2, "decode_to_prefill": 0, "prefill_to_decode": 0}
+
+
+def test_prefill_overflow_runs_a_request_whole_on_a_decode_instance(case):
+    """Every prefill instance predicted to miss the TTFT objective (5 s of prefill queued on p0, a
+    1 s objective, 1 ms per prompt token), a decode instance predicted to meet it: the request runs
+    whole there (no hand-off, counted in xllm:pd_prefill_overflows_total) and is HF's greedy choice;
+    with the queue gone the next request is prefilled on p0 and handed off again."""
+    path, _, prompts = case
+    model = StepTimeModel((0.0, 0.001, 0.0, 0.0, 0.0))
+
+    async def main():
+        async with Cluster(path, PDRoleOptions(), pd_slo_ttft_s=1.0, pd_predictor=model) as c:
+            p0 = c.registry.get("p0")
+            c.router.hold_prefill(p0, 5000)
+            first = await collect(await c.place("o1", prompts[0]))
+            during = (c.metric("xllm:pd_prefill_overflows_total"), c.nodes["p0"].server.counters().kv_handoffs_sent)
+            c.router.hold_prefill(p0, -5000)
+            second = await collect(await c.place("o2", prompts[1]))
+            after = (c.metric("xllm:pd_prefill_overflows_total"), c.nodes["p0"].server.counters().kv_handoffs_sent)
+            return first, second, during, after
+
+    first, second, during, after = run(main())
+    assert during == (1.0, 0) and after == (1.0, 1)
+    assert_hf_greedy(case, prompts[0], first, "o1")
+    assert_hf_greedy(case, prompts[1], second, "o2")
 
 
 def test_health_and_metrics_show_a_flip_under_way_and_done(smollm2_tokenizer, fake_tokens):

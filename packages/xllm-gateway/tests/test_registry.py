@@ -92,3 +92,34 @@ def test_online_requests_are_routed_on_online_load_and_offline_ones_accounted_ap
     router.first_token(offline)
     router.finished(offline)
     assert (b.inflight, b.off_inflight, b.off_pending_prefill, b.off_pending_prompt) == (0, 0, 0, 0)
+
+
+def test_role_loads_carry_the_prompt_sizes_sent_to_each_prefill_instance():
+    """Dynamic PD predicts a new request's TTFT from the prompts recently sent to a prefill instance
+    (xllm.sched.elastic.SLORoleFlipPolicy.ttft_estimate): the router records the uncached prompt
+    tokens of every placement except the decode side's, and the role controller's loads carry their
+    mean over the latency window. The decode side's accounting holds the requests, not their prefill."""
+    from xllm.gateway.roles import PDRoleOptions, RoleController
+
+    now = [0.0]
+    reg = EmbeddedRegistry()
+    for iid, role in (("p", instance_pb2.INSTANCE_ROLE_PREFILL), ("d", instance_pb2.INSTANCE_ROLE_DECODE)):
+        stub = Stub(iid, "m")
+        stub.info.role = role
+        reg.register(stub)
+    router = Router(reg, "least_load")
+    router.latency.clock = lambda: now[0]
+    controller = RoleController(reg, router, PDRoleOptions(latency_window_s=10.0), clock=lambda: now[0])
+    for n, at in ((300, 0.0), (500, 5.0)):
+        now[0] = at
+        p_ticket, d_ticket = router.route_pd("m", list(range(n)), 16)
+        assert (p_ticket.state.instance_id, d_ticket.state.instance_id) == ("p", "d")
+        router.dispatched(d_ticket, 1)
+        router.dispatched(p_ticket, 1)
+    loads = {x.instance_id: x for x in controller.loads("m")}
+    assert loads["p"].recent_prompt_tokens == pytest.approx(400.0) and loads["d"].recent_prompt_tokens == 0.0
+    # the decode side of a pair queues no prefill: its prompts are computed on the prefill instance
+    assert (reg.get("p").pending_prefill, reg.get("d").pending_prefill, reg.get("d").inflight) == (800, 0, 2)
+    assert loads["d"].pending_prefill_tokens == 0
+    now[0] = 12.0  # the first placement left the 10 s window
+    assert {x.instance_id: x for x in controller.loads("m")}["p"].recent_prompt_tokens == pytest.approx(500.0)

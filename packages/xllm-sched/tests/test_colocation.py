@@ -243,31 +243,94 @@ def test_average_cap_is_the_largest_fill_that_keeps_the_mean_within_the_target()
 def test_steps_heavy_with_online_prefill_leave_less_room_for_offline_rows():
     """The cap targets the average of the steps online decodes see: after steps whose online part
     alone ran long (prefill chunks), a decode-only step takes fewer offline rows than a fresh policy
-    gives it, and none once the recent online steps alone average above the target."""
+    gives it, and none once the recent online steps alone average above the target. (The decode rows
+    checked are new sequences and misses do not back off, so that only the window speaks, not the
+    lives of the ones that were in the heavy steps nor their misses: see the next two tests.)"""
     predict = linear_predictor(0.01)  # 10 ms per token
-    online = [decoding(f"on{i}", arrival_time=float(i)) for i in range(2)]
     offline = [decoding(f"off{i}", arrival_time=10.0 + i, offline=True) for i in range(6)]
 
-    def offline_rows(policy: ColocationPolicy) -> int:
+    def pair(tag: str) -> list[FakeSeq]:
+        return [decoding(f"{tag}{i}", arrival_time=float(i)) for i in range(2)]
+
+    def offline_rows(policy: ColocationPolicy, online: list[FakeSeq]) -> int:
         plan = run(policy, [*online, *offline], [])
         return sum(c.seq.offline for c in plan.chunks)
 
+    def heavy(policy: ColocationPolicy) -> None:  # 2 decode rows + a 6-token online prefill chunk: 80 ms
+        plan = run(policy, [*pair("h"), FakeSeq("pre", 30, 24)], [])
+        assert sum(c.num_tokens for c in plan.chunks) == 8
+
     slo = 0.0605  # a hair over 60 ms: float sums of 10 ms rows stay clear of the boundary
     fresh = ColocationPolicy(16, 64, slo_tpot_s=slo, predict=predict, slo_fraction=1.0)
-    assert offline_rows(fresh) == 4  # 2 online + 4 offline rows: 60 ms
+    assert offline_rows(fresh, pair("on")) == 4  # 2 online + 4 offline rows: 60 ms
     for heavy_steps, expected in ((1, 2), (3, 0)):
-        policy = ColocationPolicy(16, 64, slo_tpot_s=slo, predict=predict, slo_fraction=1.0, window_steps=4)
-        for _ in range(heavy_steps):  # 2 decode rows + a 6-token online prefill chunk: 80 ms of online work
-            plan = run(policy, [*online, FakeSeq("pre", 30, 24)], [])
-            assert sum(c.num_tokens for c in plan.chunks) == 8
+        policy = ColocationPolicy(16, 64, slo_tpot_s=slo, predict=predict, slo_fraction=1.0, window_steps=4,
+                                  miss_backoff=1.0)
+        for _ in range(heavy_steps):
+            heavy(policy)
         # one heavy step: mean(80, c) <= 60.5 -> c = 41 ms: 2 online + 2 offline rows; three heavy
         # ones and this step's 20 ms average 65 ms alone: no offline row fits
-        assert offline_rows(policy) == expected
-    policy = ColocationPolicy(16, 64, slo_tpot_s=slo, predict=predict, slo_fraction=1.0, window_steps=2)
+        assert offline_rows(policy, pair("on")) == expected
+    policy = ColocationPolicy(16, 64, slo_tpot_s=slo, predict=predict, slo_fraction=1.0, window_steps=2,
+                              miss_backoff=1.0)
     for _ in range(3):
-        run(policy, [*online, FakeSeq("pre", 30, 24)], [])
-    assert offline_rows(policy) == 2  # window (80, 20)
-    assert offline_rows(policy) == 4  # the heavy steps left the 2-step window: the full room is back
+        heavy(policy)
+    assert offline_rows(policy, pair("a")) == 2  # window (80, 20)
+    assert offline_rows(policy, pair("b")) == 4  # the heavy steps left the 2-step window: the full room is back
+
+
+def test_a_request_behind_its_target_decodes_without_offline_work_until_it_is_back():
+    """Each online decode row caps the step at what keeps its own running average within the target:
+    requests that decoded through steps heavy with online prefill get offline-free steps, however much
+    room the window shows, until their average is back on the target; newcomers to the same steps
+    leave the offline work out too (the step is shared)."""
+    predict = linear_predictor(0.01)  # 10 ms per token
+    offline = [decoding(f"off{i}", arrival_time=10.0 + i, offline=True) for i in range(6)]
+    hit = [decoding(f"hit{i}", arrival_time=float(i)) for i in range(2)]
+    slo = 0.0605
+    policy = ColocationPolicy(16, 64, slo_tpot_s=slo, predict=predict, slo_fraction=1.0, window_steps=1)
+    plan = run(policy, [*hit, FakeSeq("pre", 30, 24)], [])  # 2 rows + 6 prefill tokens: 80 ms
+    assert chunks(plan) == [("hit0", 1), ("hit1", 1), ("pre", 6)]
+    # the window (1 step) forgot it; the lives did not: 60.5 x 2 - 80 = 41 ms -> 2 online + 2 offline rows
+    plan = run(policy, [*hit, *offline], [])
+    assert sum(c.seq.offline for c in plan.chunks) == 2  # their average is now (80 + 40) / 2 = 60 ms
+    plan = run(policy, [*hit, *offline], [])  # 60.5 x 3 - 120 = 61.5 ms: 4 offline rows (60 ms)
+    assert sum(c.seq.offline for c in plan.chunks) == 4
+    # a step's rows share it: one request behind its target keeps the offline work out for all
+    policy = ColocationPolicy(16, 64, slo_tpot_s=slo, predict=predict, slo_fraction=1.0, window_steps=1)
+    run(policy, [hit[0], FakeSeq("big", 30, 20)], [])  # 1 row + 9 prefill tokens: 100 ms for hit0
+    plan = run(policy, [hit[0], decoding("new"), *offline], [])  # 60.5 x 2 - 100 = 21 ms: the 2 rows alone
+    assert chunks(plan) == [("hit0", 1), ("new", 1)]
+
+
+def test_online_misses_shrink_the_offline_target_and_met_requests_restore_it():
+    """When an online sequence leaves the queues, its predicted TPOT (its steps' seconds over their
+    count) is an observation: over the SLO scales the offline target by miss_backoff, within it adds
+    meet_regain back (up to 1)."""
+    predict = linear_predictor(0.01)
+    slo = 0.0605
+    policy = ColocationPolicy(16, 64, slo_tpot_s=slo, predict=predict, slo_fraction=1.0, window_steps=1,
+                              miss_backoff=0.5, meet_regain=0.25)
+    late = decoding("late")
+    run(policy, [late, FakeSeq("pre", 30, 22)], [])  # 1 row + 8 prefill tokens: 90 ms > 60.5
+    assert policy.attainment_scale == 1.0              # still running: not an observation yet
+    x = decoding("x")
+    run(policy, [x], [])                               # `late` finished (left the queues): a miss
+    assert policy.attainment_scale == 0.5
+    offline = [decoding(f"off{i}", arrival_time=10.0 + i, offline=True) for i in range(6)]
+    plan = run(policy, [x, *offline], [])              # target 30 ms: 1 online + 2 offline rows
+    assert sum(c.seq.offline for c in plan.chunks) == 2
+    z = decoding("z")
+    run(policy, [z], [])                               # x finished within the SLO (10 and 30 ms): +0.25
+    assert policy.attainment_scale == 0.75
+    run(policy, [], [])                                # and z: +0.25, up to 1
+    assert policy.attainment_scale == 1.0
+    preempted = decoding("p")
+    run(policy, [preempted, FakeSeq("pre", 30, 22)], [])
+    run(policy, [], [preempted])                       # waiting again (preempted): its life goes on
+    assert policy.attainment_scale == 1.0
+    with pytest.raises(ValueError):
+        ColocationPolicy(2, 8, miss_backoff=1.5)
 
 
 def test_online_work_is_never_capped_by_the_slo():

@@ -245,6 +245,29 @@ def test_predicted_ttft_from_the_queue_counts_before_any_request_was_measured():
     assert pol.tpot_estimate(load("d0", "decode", running=10, decode_context_tokens=1000)) == pytest.approx(0.01)
 
 
+def test_predicted_ttft_is_a_new_requests_queue_wait_plus_its_own_prefill():
+    """With the recent prompt size known, the estimate is a new request's: the queue taken as prompts
+    of that size (each one's attention its own, not one long prompt's) plus its own prefill."""
+    model = StepTimeModel((0.0, 0.001, 1e-6, 0.0, 0.0))  # 1 ms per token, 1 µs per attention pair
+    pol = policy(predictor=model)
+    one = model.prefill_seconds(1000)                      # 1.0 + 0.5 s
+    assert one == pytest.approx(1.5)
+    queued = load("p0", "prefill", pending=3000, recent_prompt_tokens=1000)
+    assert pol.ttft_estimate(queued) == pytest.approx(4 * one)  # three queued prompts and its own
+    idle = load("p0", "prefill", recent_prompt_tokens=1000)
+    assert pol.ttft_estimate(idle) == pytest.approx(one)          # no queue: its own prefill
+    assert pol.ttft_estimate(load("p0", "prefill", ttft=9.0, recent_prompt_tokens=1000)) == 9.0  # measured above
+    # unknown prompt size: the queue read as one prompt, as before (attention 3000²/2 µs)
+    assert pol.ttft_estimate(load("p0", "prefill", pending=3000)) == pytest.approx(3.0 + 4.5)
+    assert model.queue_seconds(3000, 1000) == pytest.approx(3 * one)
+    assert model.queue_seconds(2500, 1000) == pytest.approx(2 * one + model.prefill_seconds(500))
+    assert model.queue_seconds(0, 1000) == 0.0
+    assert model.ttft(1000, queued_prefill_tokens=3000, queued_prompt_tokens=1000) == pytest.approx(4 * one)
+    # without a model: the queue and the prompt over the measured speed
+    speed = load("p0", "prefill", pending=1000, recent_prompt_tokens=500, prefill_tokens_per_s=1000.0)
+    assert policy().ttft_estimate(speed) == pytest.approx(1.5)
+
+
 def test_an_instance_reported_step_model_overrides_the_cluster_predictor():
     # the profile says 1 ms per token (1500 queued tokens: 1.5 s, over the SLO); the instance itself
     # reports a corrected model 4x faster (0.375 s: within it) -> its own model decides, no flip

@@ -12,6 +12,8 @@ from xllm.sched.latency import (
     StepShape,
     StepTimeModel,
     fit_step_model,
+    lifetime_tpot,
+    prefill_share,
     relative_errors,
 )
 
@@ -56,6 +58,26 @@ def test_ttft_quadratic_and_tpot_linear() -> None:
     assert TRUE.decode_seconds(10, 5000) == pytest.approx(c0 + (c1 + c4) * 10 + c3 * 5000)
     # queued work ahead adds its own prefill time
     assert TRUE.ttft(n, queued_prefill_tokens=200) == pytest.approx(TRUE.ttft(200) + TRUE.ttft(n))
+
+
+def test_lifetime_tpot_stretches_the_decode_step_by_the_prefill_riding_along() -> None:
+    """A life of N tokens takes N decode steps plus the prompts computed meanwhile (share of the time
+    of the steps that carry decode rows): TPOT = step / (1 - share). The oracle: the time of a
+    simulated life (steps written out) over its tokens."""
+    _, c1, c2, _, c4 = TRUE.coefficients
+    decode = StepShape((500,) * 8)
+    mixed = StepShape((500,) * 8, ((0, 256),))
+    lone = StepShape((), ((0, 512),))  # nobody decodes in it: nobody's TPOT
+    riding = c1 * 256 + c2 * 256 * 128 + c4
+    # a life of 40 tokens: 30 plain decode steps and 10 carrying a 256-token prompt chunk
+    shapes = [decode] * 30 + [mixed] * 10 + [lone] * 5
+    share = prefill_share(TRUE, shapes)
+    life = 30 * TRUE.step_seconds(decode) + 10 * TRUE.step_seconds(mixed)
+    assert share == pytest.approx(10 * riding / life)
+    assert lifetime_tpot(TRUE, 8, 500, share) == pytest.approx(life / 40)
+    assert lifetime_tpot(TRUE, 8, 500) == pytest.approx(TRUE.decode_seconds(8, 4000))
+    assert prefill_share(TRUE, [lone]) == 0.0 and prefill_share(TRUE, []) == 0.0
+    assert lifetime_tpot(TRUE, 1, 10, 5.0) == pytest.approx(TRUE.decode_seconds(1, 10) / 0.1)  # share capped
 
 
 def test_profile_round_trip_and_validation(tmp_path) -> None:

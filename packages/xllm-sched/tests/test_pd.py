@@ -44,3 +44,35 @@ def test_prefill_goes_through_its_policy():
     assert sorted(picks) == ["p0", "p0", "p1", "p1"]
     with pytest.raises(ValueError):
         placement.route(RouteRequest(10), [], [snap("d0")])
+
+
+def test_prefill_overflows_onto_a_decode_instance_only_when_every_prefill_instance_would_miss():
+    """With a TTFT objective, a request every prefill candidate is predicted to miss it on runs whole
+    on the least loaded decode candidate predicted to meet it; otherwise the usual pair. Oracle: the
+    predictions written out with a 1 ms-per-token model (no attention term)."""
+    from xllm.sched.latency import StepTimeModel
+
+    model = StepTimeModel((0.0, 0.001, 0.0, 0.0, 0.0))
+    placement = PDPlacement(slo_ttft_s=1.0, predictor=model)
+    req = RouteRequest(200, max_new_tokens=50)
+    busy_p = [snap("p0", pending_prefill_tokens=1500), snap("p1", pending_prefill_tokens=900)]  # 1.7 s, 1.1 s
+    decodes = [snap("d0", num_running=9, pending_prefill_tokens=0), snap("d1", num_running=2),
+               snap("d2", num_running=1, pending_prefill_tokens=900)]  # d2: 1.1 s, misses too
+    assert placement.predicted_ttft(req, busy_p[1]) == pytest.approx(1.1)
+    decision = placement.route(req, busy_p, decodes)
+    assert decision.local and (decision.prefill.instance_id, decision.prefill.reason) == ("d1", "decode_local")
+    # its 200 tokens and, in the same step, its 2 decode rows
+    assert decision.decode == decision.prefill and decision.prefill.predicted_latency == pytest.approx(0.202)
+    # one prefill instance meets it: no overflow
+    ok_p = [*busy_p, snap("p2", pending_prefill_tokens=700)]  # 0.9 s
+    decision = placement.route(req, ok_p, decodes)
+    assert not decision.local and decision.prefill.instance_id in {"p0", "p1", "p2"}
+    # a prefill instance that cannot be predicted (no model, no measured speed): no overflow
+    plain = PDPlacement(slo_ttft_s=1.0)
+    assert not plain.route(req, [*busy_p, InstanceSnapshot("p3")], decodes).local
+    assert plain.route(req, busy_p, decodes).local  # measured speed 1000 tok/s: the same predictions
+    # no decode instance meets the objective either, or no objective at all: the usual pair
+    assert not placement.route(req, busy_p, [snap("d2", pending_prefill_tokens=900)]).local
+    assert not PDPlacement(predictor=model).route(req, busy_p, decodes).local
+    with pytest.raises(ValueError):
+        PDPlacement(slo_ttft_s=0.0)

@@ -159,3 +159,34 @@ def test_scale_20_instances_2k_requests():
     assert r["completed"] == 2000
     assert 0 < r["utilisation"]["mean"] <= 1 and r["prefix_hit_rate"] > 0
     assert all(i.kv.used == 0 for i in cluster.instances)
+
+
+def test_step_noise_scatters_step_times_around_the_model_and_the_policies_predict_the_model():
+    """With step_noise each step takes the model's time times a lognormal factor of mean 1: the log of
+    the measured-over-model ratios has the given deviation and a mean near -sigma²/2, the run is
+    deterministic, and the batch policy (co-location's predictor) still sees the model itself."""
+    import math
+    import statistics
+
+    w = Workload(rate=8, prompt="uniform:16:300", output="uniform:1:40")
+    cfg = small(step_noise=0.2, batch_policy="colocation", slo_tpot_s=0.5)
+    cluster, log = simulate(cfg, list(synthetic(w, 300, 0)))
+    by_rid = {r.spec.rid: r for r in cluster.requests}
+    ratios = []
+    for start, end, _, chunks in log:
+        tokens = sum(n for _, n in chunks)
+        ratios.append(math.log((end - start) / LINEAR.step_seconds(_shape_of(tokens, len(chunks)))))
+    assert statistics.stdev(ratios) == pytest.approx(0.2, rel=0.15)
+    assert statistics.fmean(ratios) == pytest.approx(-0.02, abs=0.03)
+    again, _ = simulate(cfg, list(synthetic(w, 300, 0)))
+    assert [r.to_dict() for r in again.requests] == [r.to_dict() for r in by_rid.values()]
+    assert cluster.instances[0].policy.predict(_shape_of(10, 1)) == LINEAR.step_seconds(_shape_of(10, 1))
+    with pytest.raises(ValueError, match="step_noise"):
+        SimConfig(step_noise=-0.1).check()
+
+
+def _shape_of(tokens: int, chunks: int):
+    """A shape with ``tokens`` tokens in ``chunks`` chunks (LINEAR reads only the token count)."""
+    from xllm.sched.latency import StepShape
+
+    return StepShape((), ((0, 1),) * (chunks - 1) + ((0, tokens - chunks + 1),))

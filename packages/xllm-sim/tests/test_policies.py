@@ -61,6 +61,25 @@ def test_dynamic_pd_flips_under_a_prefill_burst_and_drains():
     assert r["ttft_ms"]["p50"] < static["ttft_ms"]["p50"]
 
 
+def test_prefill_overflow_runs_prompts_whole_on_decode_instances_when_the_prefill_side_would_miss():
+    """1 prefill + 3 decode instances, static roles, bursts of long prompts: with the TTFT objective
+    and pd_overflow, the prompts the prefill instance would serve late run whole on decode instances
+    (prefilled and decoded there, nothing transferred); the rest go through the pair. TTFT improves,
+    every request finishes and every block comes back; without overflow none runs whole."""
+    w = Workload(arrivals="gamma", rate=4, cv=2, prompt="uniform:1500:2500", output="uniform:20:200")
+    base = dict(prefill_instances=1, decode_instances=3, slo_ttft_s=2.0, slo_tpot_s=0.1, heartbeat_s=0.25)
+    pd = run(SimConfig(pd_overflow=False, **base), w, 400)
+    over = run(SimConfig(**base), w, 400)
+    local = [q for q in over.requests if q.instance == q.decode_instance]
+    assert 0 < len(local) < 400 and all(q.transfer_bytes == 0 for q in local)
+    assert all(q.instance.startswith("e") and q.instance != "e0" for q in local)  # e0 is the prefill instance
+    assert not [q for q in pd.requests if q.instance == q.decode_instance]
+    a, b = pd.report(), over.report()
+    assert a["completed"] == b["completed"] == 400 and b["role_flips"] == 0
+    assert b["ttft_ms"]["p90"] < a["ttft_ms"]["p90"] and b["slo_attainment"] > a["slo_attainment"]
+    assert all(i.kv.used == 0 for i in over.instances)
+
+
 def test_drain_moves_migrate_and_recompute():
     """A forced flip of a busy decode instance: its decoding requests leave it, by migration (KV bytes
     counted) or recompute, and all finish elsewhere."""

@@ -77,7 +77,8 @@ async def _call(fn: Callable[[], object]) -> None:
 
 def create_app(state: GatewayState) -> FastAPI:
     """The gateway app: the OpenAI routes over a dispatcher and router, and the service routes."""
-    router = Router(state.registry, state.routing, metrics=RouterMetrics(state.metrics.registry))
+    router = Router(state.registry, state.routing, metrics=RouterMetrics(state.metrics.registry),
+                    pd_slo_ttft_s=state.pd_roles.overflow_slo_ttft_s, pd_predictor=state.pd_roles.predictor)
 
     def on_instance(event: str, st: InstanceState) -> None:
         if event == "removed":

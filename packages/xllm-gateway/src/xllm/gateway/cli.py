@@ -187,6 +187,11 @@ def add_pd_role_flags(p: argparse.ArgumentParser) -> None:
                         "none while --pd-max-flips flips are still under way)")
     p.add_argument("--pd-min-per-role", type=flags.positive_int, default=1, metavar="N",
                    help="--pd-policy dynamic: prefill and decode instances each role keeps at least")
+    p.add_argument("--pd-prefill-overflow", action=argparse.BooleanOptionalAction, default=True,
+                   help="PD mode with --slo-ttft-ms, either --pd-policy: a request that every prefill instance is "
+                        "predicted to miss the TTFT objective on runs whole on a decode instance predicted to meet "
+                        "it (prefilled beside its decodes, no hand-off): a burst of prompts is absorbed at once, "
+                        "without waiting for a role flip")
     p.add_argument("--pd-max-flips", type=flags.positive_int, default=None, metavar="N",
                    help="--pd-policy dynamic: instances one decision may flip together, and flips under way at "
                         "once (default: a tenth of the PD instances, at least 1: one for a small cluster, "
@@ -200,7 +205,7 @@ def pd_role_options(args: argparse.Namespace):
     from xllm.sched.latency import PerfProfile
 
     predictor = None
-    if args.pd_policy == "dynamic" and args.profile:
+    if (args.pd_policy == "dynamic" or args.pd_prefill_overflow) and args.profile:
         try:
             predictor = PerfProfile.load(args.profile).fit()
         except (OSError, KeyError, ValueError) as exc:
@@ -208,7 +213,8 @@ def pd_role_options(args: argparse.Namespace):
     ms = {k: (v / 1e3 if v is not None else None) for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms))}
     return PDRoleOptions(args.pd_policy, ms["ttft"], ms["tpot"], window_s=args.pd_flip_window,
                          cooldown_s=args.pd_flip_cooldown, cluster_cooldown_s=args.pd_cluster_cooldown,
-                         min_per_role=args.pd_min_per_role, max_flips=args.pd_max_flips, predictor=predictor)
+                         min_per_role=args.pd_min_per_role, max_flips=args.pd_max_flips, predictor=predictor,
+                         prefill_overflow=args.pd_prefill_overflow)
 
 
 def serve(args: argparse.Namespace) -> int:

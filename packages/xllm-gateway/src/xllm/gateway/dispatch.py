@@ -106,32 +106,42 @@ class Dispatcher:
                 if last is not None:
                     raise to_api_error(last) from last
                 raise APIError(503, str(exc), "server_unavailable") from exc
-            client = ticket.state.client
-            streams = []
-            try:
-                for r in reqs:
-                    streams.append(await client.submit(r))
-            except InstanceUnavailableError as exc:
-                self._abort_later(client, reqs[: len(streams)])
-                self.router.failed(ticket.state)
-                exclude.add(ticket.state.instance_id)
-                last = exc
+            streams = await self._submit_whole(ticket, reqs, exclude)
+            if isinstance(streams, BaseException):
+                last = streams
                 continue
-            except EngineOverloadedError as exc:  # its queue is full: another instance may have room
-                self._abort_later(client, reqs[: len(streams)])
-                exclude.add(ticket.state.instance_id)
-                last = exc
-                continue
-            except BaseException as exc:
-                self._abort_later(client, reqs[: len(streams)])
-                raise to_api_error(exc) from exc
-            self.router.dispatched(ticket, len(reqs))
             return ticket, streams
         raise to_api_error(last) from last
 
+    async def _submit_whole(self, ticket: Ticket, reqs: list[engine_pb2.GenerateRequest],
+                            exclude: set[str]) -> list | BaseException:
+        """Submit ``reqs`` whole (prefill and decode) to the ticket's instance and account them: their
+        streams, or the error to try another instance after (the instance is then in ``exclude``)."""
+        client = ticket.state.client
+        streams: list = []
+        try:
+            for r in reqs:
+                streams.append(await client.submit(r))
+        except InstanceUnavailableError as exc:
+            self._abort_later(client, reqs[: len(streams)])
+            self.router.failed(ticket.state)
+            exclude.add(ticket.state.instance_id)
+            return exc
+        except EngineOverloadedError as exc:  # its queue is full: another instance may have room
+            self._abort_later(client, reqs[: len(streams)])
+            exclude.add(ticket.state.instance_id)
+            return exc
+        except BaseException as exc:
+            self._abort_later(client, reqs[: len(streams)])
+            raise to_api_error(exc) from exc
+        self.router.dispatched(ticket, len(reqs))
+        return streams
+
     async def _place_pd(self, model: str, prompt: list[int], reqs: list[engine_pb2.GenerateRequest],
-                        session: str | None, exclude: set[str]) -> tuple[Ticket, list[PDStream]]:
-        """Reserve every choice on one decode instance, then send them to a prefill instance."""
+                        session: str | None, exclude: set[str]) -> tuple[Ticket, list]:
+        """Reserve every choice on one decode instance, then send them to a prefill instance — or, when
+        the placement overflows the prefill onto the decode instance (every prefill instance predicted
+        to miss the TTFT objective: :class:`xllm.sched.PDPlacement`), submit them whole to it."""
         last: BaseException | None = None
         for _ in range(self.max_attempts):
             try:
@@ -140,6 +150,13 @@ class Dispatcher:
                 if last is not None:
                     raise to_api_error(last) from last
                 raise APIError(503, str(exc), "server_unavailable") from exc
+            if p_ticket is d_ticket:  # prefill overflow: prefilled and decoded there, no hand-off
+                whole = await self._submit_whole(d_ticket, reqs, exclude)
+                if isinstance(whole, BaseException):
+                    last = whole
+                    continue
+                self.pd_metrics.overflowed(model)
+                return d_ticket, whole
             client, reserved = d_ticket.state.client, []
             try:
                 for r in reqs:

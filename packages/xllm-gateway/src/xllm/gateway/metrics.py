@@ -406,6 +406,13 @@ class PDMetrics:
                                      "decode side getting the KV (resumed elsewhere).", ["model_name"], registry=r)
         self.cancelled = Counter("xllm:pd_cancelled", "PD requests the client left before they finished.",
                                  ["model_name"], registry=r)
+        self.overflows = Counter("xllm:pd_prefill_overflows",
+                                 "Requests run whole on a decode instance because every prefill instance was "
+                                 "predicted to miss the TTFT objective (--pd-prefill-overflow).", ["model_name"],
+                                 registry=r)
+
+    def overflowed(self, model: str) -> None:
+        self.overflows.labels(model).inc()
 
     def handoff(self, model: str, transport: str, stats) -> None:
         if stats.recomputed:

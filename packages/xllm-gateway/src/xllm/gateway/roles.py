@@ -38,7 +38,6 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,7 +46,7 @@ from xllm.core.step_timing import predictor_from_report
 from xllm.gateway.metrics import PDRoleMetrics
 from xllm.gateway.registry.base import InstanceState, Registry, RoleTransition
 from xllm.sched import PD_POLICIES, RoleFlip, RoleLoad, RolePolicy
-from xllm.sched.elastic import PD_ROLES
+from xllm.sched.elastic import PD_ROLES, WindowMean
 from xllm.sched.latency import StepTimeModel
 
 if TYPE_CHECKING:
@@ -63,8 +62,10 @@ class PDRoleOptions:
     ``max_flips`` per decision and under way at once (``None``: :func:`xllm.sched.elastic.auto_flips`,
     a tenth of the PD instances), ``interval`` between decisions, ``latency_window_s`` of measured
     latencies, ``flip_timeout_s``
-    after which a flip completes whatever the instance still holds, and an optional step-time
-    ``predictor`` (TTFT predicted from queued prefill work)."""
+    after which a flip completes whatever the instance still holds, an optional step-time
+    ``predictor`` (TTFT predicted from queued prefill work), and ``prefill_overflow``: with
+    ``slo_ttft_s``, placement runs a request whole on a decode instance when every prefill instance
+    is predicted to miss it (:class:`xllm.sched.PDPlacement`; either policy)."""
 
     policy: str = "static"
     slo_ttft_s: float | None = None
@@ -78,6 +79,7 @@ class PDRoleOptions:
     latency_window_s: float = 10.0
     flip_timeout_s: float = 120.0
     predictor: StepTimeModel | None = None
+    prefill_overflow: bool = True
 
     def __post_init__(self) -> None:
         name = PD_POLICIES.canonical(self.policy)
@@ -89,6 +91,11 @@ class PDRoleOptions:
                 raise ValueError(f"PD role {what} must be a positive number of seconds, got {value!r}")
         self.build_policy()  # its own checks (thresholds, cool-downs, min per role), now rather than later
 
+    @property
+    def overflow_slo_ttft_s(self) -> float | None:
+        """The TTFT objective PD placement overflows prefills against (``None``: no overflow)."""
+        return self.slo_ttft_s if self.prefill_overflow else None
+
     def build_policy(self) -> RolePolicy:
         return PD_POLICIES.create(self.policy, self.slo_ttft_s, self.slo_tpot_s, window_s=self.window_s,
                                   cooldown_s=self.cooldown_s, cluster_cooldown_s=self.cluster_cooldown_s,
@@ -96,36 +103,17 @@ class PDRoleOptions:
                                   max_flips_per_decision=self.max_flips, predictor=self.predictor)
 
 
-class LatencyWindow:
-    """Samples of one latency over the last ``horizon`` seconds; their mean (0 when none)."""
-
-    def __init__(self, horizon: float) -> None:
-        self.horizon = horizon
-        self._samples: deque[tuple[float, float]] = deque()
-        self._sum = 0.0
-
-    def add(self, now: float, value: float) -> None:
-        self._samples.append((now, value))
-        self._sum += value
-
-    def mean(self, now: float) -> float:
-        while self._samples and self._samples[0][0] < now - self.horizon:
-            self._sum -= self._samples.popleft()[1]
-        if not self._samples:
-            self._sum = 0.0
-            return 0.0
-        return max(self._sum / len(self._samples), 0.0)
-
-
 class LatencyTracker:
     """What this gateway measured per instance: time to first token of the requests each one
-    prefilled, and time per output token of the chunks each one streamed (recent windows)."""
+    prefilled, time per output token of the chunks each one streamed, and the prompt tokens to compute
+    of the requests it sent each one to prefill (recent windows)."""
 
     def __init__(self, horizon: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.horizon = horizon
         self.clock = clock
-        self._ttft: dict[str, LatencyWindow] = {}
-        self._tpot: dict[str, LatencyWindow] = {}
+        self._ttft: dict[str, WindowMean] = {}
+        self._tpot: dict[str, WindowMean] = {}
+        self._prompt: dict[str, WindowMean] = {}
 
     def ttft(self, instance_id: str, seconds: float) -> None:
         self._window(self._ttft, instance_id).add(self.clock(), seconds)
@@ -133,20 +121,30 @@ class LatencyTracker:
     def tpot(self, instance_id: str, seconds: float) -> None:
         self._window(self._tpot, instance_id).add(self.clock(), seconds)
 
+    def prompt(self, instance_id: str, tokens: int) -> None:
+        """A request with ``tokens`` prompt tokens to compute was sent to ``instance_id`` to prefill."""
+        self._window(self._prompt, instance_id).add(self.clock(), tokens)
+
     def recent(self, instance_id: str) -> tuple[float, float]:
         """(mean TTFT, mean TPOT) over the window, 0 where nothing was measured."""
         now = self.clock()
         ttft, tpot = self._ttft.get(instance_id), self._tpot.get(instance_id)
         return (ttft.mean(now) if ttft else 0.0), (tpot.mean(now) if tpot else 0.0)
 
+    def recent_prompt(self, instance_id: str) -> float:
+        """Mean prompt tokens to compute of the requests sent there to prefill over the window (0: none)."""
+        window = self._prompt.get(instance_id)
+        return window.mean(self.clock()) if window else 0.0
+
     def forget(self, instance_id: str) -> None:
         self._ttft.pop(instance_id, None)
         self._tpot.pop(instance_id, None)
+        self._prompt.pop(instance_id, None)
 
-    def _window(self, table: dict[str, LatencyWindow], instance_id: str) -> LatencyWindow:
+    def _window(self, table: dict[str, WindowMean], instance_id: str) -> WindowMean:
         window = table.get(instance_id)
         if window is None:
-            window = table[instance_id] = LatencyWindow(self.horizon)
+            window = table[instance_id] = WindowMean(self.horizon)
         return window
 
 
@@ -226,7 +224,8 @@ class RoleController:
             out.append(RoleLoad(s.instance_id, s.role, snap.num_running,
                                 max(snap.num_waiting, s.inflight - snap.num_running, 0),
                                 snap.pending_prefill_tokens, ttft, tpot, flipping=s.flip is not None,
-                                prefill_tokens_per_s=snap.prefill_tokens_per_s, step_model=reported))
+                                prefill_tokens_per_s=snap.prefill_tokens_per_s, step_model=reported,
+                                recent_prompt_tokens=self.router.latency.recent_prompt(s.instance_id)))
         return out
 
     # ---- carrying flips out ------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from xllm.gateway.registry.base import InstanceState, NoInstanceError, Registry
 from xllm.gateway.roles import LatencyTracker
 from xllm.kvstore import block_hashes
 from xllm.sched import ROUTING_POLICIES, InstanceSnapshot, PDPlacement, RouteDecision, RouteRequest, RoutingPolicy
+from xllm.sched.latency import StepTimeModel
 
 log = logging.getLogger(__name__)
 
@@ -59,20 +60,33 @@ class Ticket:
     first_token_pending: int = 0
     started: float = field(default_factory=time.monotonic)
     offline: bool = False  # co-location's best-effort work (accounted apart: online requests see online load)
+    # whether the instance computes the prompt: False for the decode side of a PD pair, which reserves KV
+    # and waits for the hand-off (its requests are no prefill work queued there: PD placement's overflow
+    # predicts a decode instance's TTFT from what it has to prefill itself)
+    prefills: bool = True
 
     @property
     def uncached_tokens(self) -> int:
         return max(self.num_prompt_tokens - self.matched_tokens, 0)
+
+    @property
+    def queued_prefill(self) -> tuple[int, int]:
+        """(uncached, whole) prompt tokens one of its requests queues on the instance until its first token."""
+        return (self.uncached_tokens, self.num_prompt_tokens) if self.prefills else (0, 0)
 
 
 class Router:
     """Chooses instances with a routing policy and tracks the load it sends them."""
 
     def __init__(self, registry: Registry, policy: RoutingPolicy | str = "kv_aware", expect_ttl: float = 2.0,
-                 queued_expect_ttl: float = 120.0, metrics=None) -> None:
+                 queued_expect_ttl: float = 120.0, metrics=None, pd_slo_ttft_s: float | None = None,
+                 pd_predictor: StepTimeModel | None = None) -> None:
+        """``pd_slo_ttft_s`` (with ``pd_predictor``, optional): PD placement overflows a request onto a
+        decode instance when every prefill instance is predicted to miss this TTFT objective."""
         self.registry = registry
         self.policy = ROUTING_POLICIES.create(policy) if isinstance(policy, str) else policy
-        self.placement = PDPlacement(ROUTING_POLICIES.create(policy) if isinstance(policy, str) else None)
+        self.placement = PDPlacement(ROUTING_POLICIES.create(policy) if isinstance(policy, str) else None,
+                                     slo_ttft_s=pd_slo_ttft_s, predictor=pd_predictor)
         self.expect_ttl = expect_ttl              # after the first token: until heartbeats confirm the blocks
         self.queued_expect_ttl = queued_expect_ttl  # before it: the request may wait in the engine's queue
         self.metrics = metrics
@@ -134,7 +148,8 @@ class Router:
 
     def route_pd(self, model: str, prompt: Sequence[int], max_new_tokens: int, session: str | None = None,
                  exclude: Collection[str] = ()) -> tuple[Ticket, Ticket]:
-        """A (prefill, decode) pair for ``prompt`` (raises :class:`NoInstanceError` without one of each)."""
+        """A (prefill, decode) pair for ``prompt`` (raises :class:`NoInstanceError` without one of each);
+        one ticket twice when the placement runs it whole on a decode instance (prefill overflow)."""
         prefills, decodes = self.pd_pools(model, exclude)
         if not prefills or not decodes:
             raise NoInstanceError(f"no live prefill and decode instances serve {model!r}")
@@ -142,8 +157,11 @@ class Router:
         request = RouteRequest(len(prompt), session, max_new_tokens)
         decision = self.placement.route(request, [self._snapshot(s, match) for s in prefills],
                                         [self._snapshot(s, match) for s in decodes])
-        return (self._ticket(prefills, decision.prefill, prompt, match),
-                self._ticket(decodes, decision.decode, prompt, match))
+        decode = self._ticket(decodes, decision.decode, prompt, match)
+        if decision.local:
+            return decode, decode
+        decode.prefills = False
+        return self._ticket(prefills, decision.prefill, prompt, match), decode
 
     def route_prefill(self, model: str, prompt: Sequence[int], session: str | None = None,
                       exclude: Collection[str] = ()) -> Ticket:
@@ -214,14 +232,17 @@ class Router:
         ticket.requests = num_requests
         ticket.first_token_pending = num_requests
         s.inflight += num_requests
-        s.pending_prefill += ticket.uncached_tokens * num_requests
-        s.pending_prompt += ticket.num_prompt_tokens * num_requests
+        uncached, whole = ticket.queued_prefill
+        s.pending_prefill += uncached * num_requests
+        s.pending_prompt += whole * num_requests
         if ticket.offline:
             s.off_inflight += num_requests
-            s.off_pending_prefill += ticket.uncached_tokens * num_requests
-            s.off_pending_prompt += ticket.num_prompt_tokens * num_requests
+            s.off_pending_prefill += uncached * num_requests
+            s.off_pending_prompt += whole * num_requests
         if ticket.hashes:
             self.registry.kv_index.expect(s.instance_id, ticket.hashes, self.queued_expect_ttl)
+        if s.role != "decode":  # the prefill sizes the role policy predicts TTFT with
+            self.latency.prompt(s.instance_id, ticket.uncached_tokens)
         if self.metrics is not None:
             self.metrics.routed(s.model, s.instance_id, ticket.decision.reason, ticket.num_prompt_tokens,
                                 ticket.matched_tokens, num_requests)
@@ -233,11 +254,12 @@ class Router:
             return
         ticket.first_token_pending -= 1
         s = ticket.state
-        s.pending_prefill = max(s.pending_prefill - ticket.uncached_tokens, 0)
-        s.pending_prompt = max(s.pending_prompt - ticket.num_prompt_tokens, 0)
+        uncached, whole = ticket.queued_prefill
+        s.pending_prefill = max(s.pending_prefill - uncached, 0)
+        s.pending_prompt = max(s.pending_prompt - whole, 0)
         if ticket.offline:
-            s.off_pending_prefill = max(s.off_pending_prefill - ticket.uncached_tokens, 0)
-            s.off_pending_prompt = max(s.off_pending_prompt - ticket.num_prompt_tokens, 0)
+            s.off_pending_prefill = max(s.off_pending_prefill - uncached, 0)
+            s.off_pending_prompt = max(s.off_pending_prompt - whole, 0)
         if ticket.hashes and not s.removed:  # computed now (or abandoned): heartbeats take over shortly
             self.registry.kv_index.expect(s.instance_id, ticket.hashes, self.expect_ttl)
         if observe and self.metrics is not None:

@@ -129,11 +129,20 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="dynamic: instances one decision may flip together, as the pressure needs and the other "
                         "side can spare (at most --pd-max-in-progress under way; default: a tenth of the "
                         "instances, at least 1, the gateway's)")
+    g.add_argument("--pd-prefill-overflow", action=argparse.BooleanOptionalAction, default=True,
+                   help="PD mode with --slo-ttft-ms: a request every prefill instance is predicted to miss the "
+                        "TTFT objective on runs whole on a decode instance that meets it (no hand-off; the "
+                        "gateway's flag of the same name) (default on)")
     g = p.add_argument_group("engine (each instance)")
     g.add_argument("--profile", type=Path, default=None,
                    help=f"step-time profile written by `xllm profile` (default: the shipped {DEFAULT_PROFILE.name})")
     g.add_argument("--speed", type=_positive(float), default=1.0,
                    help="instances are this many times faster than the profile (default 1)")
+    g.add_argument("--step-noise", type=_non_negative, default=0.0, metavar="SIGMA",
+                   help="each step takes the model's time times a lognormal factor of mean 1 and log-deviation "
+                        "SIGMA (about 1.25x the mean relative error of the engine's step predictions, "
+                        "xllm:step_time_prediction_error_recent); the policies still predict the model's "
+                        "(default 0: exactly the model's)")
     g.add_argument("--max-num-seqs", type=_positive(int), default=64, help="sequences per step (default 64)")
     g.add_argument("--max-num-batched-tokens", type=_positive(int), default=512,
                    help="token budget per step (default 512, the engine's)")
@@ -219,10 +228,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         block_size=args.block_size, kv_blocks=args.kv_blocks, max_model_len=args.max_model_len,
         prefix_cache=not args.no_prefix_cache, kv_bytes_per_token=args.kv_bytes_per_token,
         kv_bandwidth=args.kv_bandwidth_gbs * 1e9, transfer_latency_s=args.transfer_latency_ms / 1e3,
-        gateway_overhead_s=args.gateway_overhead_ms / 1e3, speed=args.speed, heartbeat_s=args.heartbeat_s,
+        gateway_overhead_s=args.gateway_overhead_ms / 1e3, speed=args.speed, step_noise=args.step_noise,
+        heartbeat_s=args.heartbeat_s,
         pd_interval_s=args.pd_interval_s, drain_moves=args.drain_moves, pd_window_s=args.pd_flip_window,
         pd_cooldown_s=args.pd_flip_cooldown, pd_cluster_cooldown_s=args.pd_cluster_cooldown,
         pd_max_in_progress=args.pd_max_in_progress, pd_max_flips=args.pd_max_flips,
+        pd_overflow=args.pd_prefill_overflow,
         slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
         slo_tpot_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
         offline_slo_fraction=args.offline_slo_fraction)

@@ -7,15 +7,22 @@ decode instance reserves KV for the whole prompt first (reusing its own cached p
 steps, as the engine loop does), then the prefill instance computes the prompt and samples token 1
 (the TTFT), keeps the KV while the blocks the decode side lacks travel
 (``(prompt − decode-side cached) × kv_bytes_per_token / kv_bandwidth``, queued per receiving
-instance), and releases it; the decode instance installs it and decodes the rest.
+instance), and releases it; the decode instance installs it and decodes the rest. With
+``pd_overflow`` and a TTFT objective, ``PDPlacement`` may put a request whole on a decode instance
+instead (every prefill instance predicted to miss the objective): it queues there as a mixed
+request and runs there.
 
 Every instance steps as the engine does: when idle and given work it plans a step with its batch
-policy, the step lasts what the step-time model predicts, and at its end the next one is planned.
+policy, the step lasts what the step-time model predicts (times a random factor of mean 1 with
+``step_noise``: measured steps scatter around any model, and queueing tails grow with that
+scatter, while the policies still see the prediction), and at its end the next one is planned.
 Role flips (``pd_policy``) and the moves a flip causes live in :mod:`xllm.sim.roles`.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Callable, Iterable
 from functools import partial
 
@@ -54,6 +61,18 @@ def make_batch_policy(name: str, cfg: SimConfig, predict: Callable[[StepShape], 
         clock=clock))
 
 
+def noisy(step: Callable[[StepShape], float], sigma: float, seed: str = "step-noise") -> Callable[[StepShape], float]:
+    """``step`` times a lognormal factor of mean 1 and log-deviation ``sigma``, one draw per step from
+    a seeded generator (a run stays deterministic): what an instance takes, while its policies predict
+    ``step``."""
+    rng = random.Random(seed)
+    mu = -sigma * sigma / 2
+
+    def actual(shape: StepShape) -> float:
+        return step(shape) * math.exp(rng.gauss(mu, sigma))
+    return actual
+
+
 class Cluster:
     """Instances, gateway, clock; :meth:`run` simulates a trace and :meth:`report` sums it up."""
 
@@ -65,16 +84,19 @@ class Cluster:
         clock = self.clock
         speed = cfg.speed
         step = model.step_seconds if speed == 1 else (lambda shape: model.step_seconds(shape) / speed)
+        actual = step if cfg.step_noise <= 0 else noisy(step, cfg.step_noise)
         roles = [PREFILL] * cfg.prefill_instances + [DECODE] * cfg.decode_instances if cfg.pd else \
             [MIXED] * cfg.instances
         self.instances: list[SimInstance] = []
         for i, role in enumerate(roles):
             kv = SimKV(cfg.kv_blocks, cfg.block_size, cfg.prefix_cache, listener=partial(self._kv_event, i))
             policy = make_batch_policy(cfg.batch_policy, cfg, step, clock)
-            self.instances.append(SimInstance(f"e{i}", i, role, kv, policy, step, cfg.max_num_seqs,
+            self.instances.append(SimInstance(f"e{i}", i, role, kv, policy, actual, cfg.max_num_seqs,
                                               cfg.max_model_len))
-        self.gateway = Gateway(self.instances, ROUTING_POLICIES.create(cfg.routing),
-                               PDPlacement(ROUTING_POLICIES.create(cfg.routing)), cfg.heartbeat_s)
+        placement = PDPlacement(ROUTING_POLICIES.create(cfg.routing),
+                                slo_ttft_s=cfg.slo_ttft_s if cfg.pd_overflow else None, predictor=model,
+                                token_budget=cfg.max_num_batched_tokens)
+        self.gateway = Gateway(self.instances, ROUTING_POLICIES.create(cfg.routing), placement, cfg.heartbeat_s)
         self.requests: list[Request] = []
         self.pd: dict[int, PDRequest] = {}
         self.outstanding = 0
@@ -170,6 +192,13 @@ class Cluster:
     def _dispatch_pd(self, req: Request, prefills: list[InstanceView], decodes: list[InstanceView]) -> None:
         gw = self.gateway
         p_view, matched, d_view = gw.route_pd(req, prefills, decodes)
+        if p_view is d_view:  # prefill overflow (PDPlacement): the whole request on a decode instance
+            req.instance = req.decode_instance = d_view.inst.instance_id
+            req.matched_tokens = matched
+            gw.dispatched(d_view, req, matched)
+            d_view.inst.add(SimSeq(req))
+            self.kick(d_view.inst)
+            return
         req.instance, req.decode_instance = p_view.inst.instance_id, d_view.inst.instance_id
         req.matched_tokens = matched
         gw.dispatched(p_view, req, matched)

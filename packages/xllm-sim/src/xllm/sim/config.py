@@ -31,7 +31,9 @@ class SimConfig:
     - Costs: ``kv_bytes_per_token`` and ``kv_bandwidth`` (bytes/s per receiving instance, transfers
       to one instance queue behind each other) plus ``transfer_latency_s`` per transfer: PD
       hand-offs and migrations; ``gateway_overhead_s`` before each dispatch; ``speed`` divides
-      every step time (a faster or slower instance than the profile's).
+      every step time (a faster or slower instance than the profile's); ``step_noise``: each step
+      takes the model's time times a lognormal factor of mean 1 and this log-deviation (0: exactly
+      the model's), the policies predicting the model's.
     - Gateway view: ``heartbeat_s`` (load reports are this old at most; 0 = the policies see live
       state); ``pd_interval_s`` between role-flip decisions; ``drain_moves`` how a flipping decode
       instance's requests leave (``auto``: ``xllm.sched.move_cost`` decides migrate or recompute;
@@ -39,7 +41,9 @@ class SimConfig:
       ``window_s``, ``cooldown_s``, ``cluster_cooldown_s``, ``max_in_progress`` and
       ``max_flips_per_decision`` as ``pd_window_s``, ``pd_cooldown_s``, ``pd_cluster_cooldown_s``,
       ``pd_max_in_progress``, ``pd_max_flips`` (the gateway's defaults; the flip limits ``None``:
-      ``xllm.sched.elastic.auto_flips``, a tenth of the PD instances).
+      ``xllm.sched.elastic.auto_flips``, a tenth of the PD instances); ``pd_overflow``: with
+      ``slo_ttft_s``, ``PDPlacement`` runs a request whole on a decode instance when every prefill
+      instance is predicted to miss the objective (the gateway's ``--pd-prefill-overflow``).
     - SLOs (seconds, ``None``: none) feed the policies that take them (role flips, co-location)
       and the SLO attainment of the report; ``offline_priority`` is the engine priority of offline
       requests (lower is more important; online requests have 0); ``offline_slo_fraction`` and
@@ -64,6 +68,7 @@ class SimConfig:
     transfer_latency_s: float = 0.0
     gateway_overhead_s: float = 0.0
     speed: float = 1.0
+    step_noise: float = 0.0
     heartbeat_s: float = 0.5
     pd_interval_s: float = 0.5
     drain_moves: str = "auto"
@@ -72,6 +77,7 @@ class SimConfig:
     pd_cluster_cooldown_s: float = 10.0
     pd_max_in_progress: int | None = None
     pd_max_flips: int | None = None
+    pd_overflow: bool = True
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     offline_priority: int = 1
@@ -99,6 +105,7 @@ class SimConfig:
             if value is not None and not value > 0:  # None: the flip limits' automatic size
                 raise ValueError(f"{name} must be > 0, got {value}")
         for name, value in (("heartbeat_s", self.heartbeat_s), ("gateway_overhead_s", self.gateway_overhead_s),
+                            ("step_noise", self.step_noise),
                             ("transfer_latency_s", self.transfer_latency_s), ("max_model_len", self.max_model_len),
                             ("pd_window_s", self.pd_window_s), ("pd_cooldown_s", self.pd_cooldown_s),
                             ("pd_cluster_cooldown_s", self.pd_cluster_cooldown_s)):

@@ -19,16 +19,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from xllm.sched import InstanceSnapshot, PDPlacement, RouteRequest, RoutingPolicy
+from xllm.sched.elastic import WindowMean
 from xllm.sim.instance import DECODE, PREFILL, SimInstance
 from xllm.sim.kvcache import block_hash
 from xllm.sim.metrics import Request
+
+PROMPT_WINDOW_S = 10.0  # the live gateway's --pd latency window default (PDRoleOptions.latency_window_s)
 
 
 class InstanceView:
     """The gateway's side of one instance: its accounting and its last load report."""
 
     __slots__ = ("inflight", "inst", "off_inflight", "off_pending_prefill", "off_pending_prompt", "pending_prefill",
-                 "pending_prompt", "report", "snap")
+                 "pending_prompt", "prompts", "report", "snap")
 
     def __init__(self, inst: SimInstance) -> None:
         self.inst = inst
@@ -41,6 +44,9 @@ class InstanceView:
         self.off_pending_prompt = 0
         self.report: tuple = (0, 0, 0.0, inst.kv.num_blocks * inst.kv.block_size, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
         self.snap: InstanceSnapshot | None = None
+        # prompt tokens to compute of the requests sent here to prefill, as the live gateway's
+        # LatencyTracker keeps them for the role policy (its 10 s window)
+        self.prompts = WindowMean(PROMPT_WINDOW_S)
 
 
 def live_report(inst: SimInstance) -> tuple:
@@ -171,13 +177,15 @@ class Gateway:
 
     def route_pd(self, req: Request, prefills: Sequence[InstanceView],
                  decodes: Sequence[InstanceView]) -> tuple[InstanceView, int, InstanceView]:
-        """(prefill instance, the prompt tokens it holds, decode instance) for ``req``."""
+        """(prefill instance, the prompt tokens it holds, decode instance) for ``req``; the decode
+        instance both times when the placement overflows the prefill onto it (``PDDecision.local``)."""
         matched = self.match(req, [*prefills, *decodes])
         spec = req.spec
         decision = self.placement.route(RouteRequest(spec.prompt_len, None, spec.output_len),
                                         self.snapshots(prefills, matched), self.snapshots(decodes, matched))
-        p = self._by_id(prefills, decision.prefill.instance_id)
-        return p, matched.get(p.inst.index, 0), self._by_id(decodes, decision.decode.instance_id)
+        d = self._by_id(decodes, decision.decode.instance_id)
+        p = d if decision.local else self._by_id(prefills, decision.prefill.instance_id)
+        return p, matched.get(p.inst.index, 0), d
 
     @staticmethod
     def _by_id(views: Sequence[InstanceView], instance_id: str) -> InstanceView:
@@ -199,6 +207,8 @@ class Gateway:
             if offline:
                 view.off_pending_prefill += uncached
                 view.off_pending_prompt += spec.prompt_len
+            if view.inst.role != DECODE:
+                view.prompts.add(self.now, uncached)
             self._expect(req, view.inst.index)
         view.snap = None
 

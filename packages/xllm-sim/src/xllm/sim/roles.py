@@ -78,7 +78,8 @@ class RoleManager:
             # counts prompts still waiting for their decode instance's KV reservation, a decode-side
             # shortage that must not read as TTFT pressure on the prefill side
             out.append(RoleLoad(inst.instance_id, inst.role, running, waiting, pending, ttft, tpot,
-                                inst.flipping is not None, tps, context))
+                                inst.flipping is not None, tps, context,
+                                recent_prompt_tokens=view.prompts.mean(self.cluster.q.now)))
         return out
 
     def tick(self) -> None:
