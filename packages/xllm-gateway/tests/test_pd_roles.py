@@ -28,7 +28,7 @@ from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.metrics import MoveMetrics, PDMetrics, PDRoleMetrics, RouterMetrics
 from xllm.gateway.moves import MoveOptions, Mover
 from xllm.gateway.registry import EmbeddedRegistry
-from xllm.gateway.roles import PDRoleOptions, RoleController
+from xllm.gateway.roles import LatencyWindow, PDRoleOptions, RoleController
 from xllm.gateway.router import Router
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.sched import RoleFlip
@@ -256,3 +256,13 @@ def test_health_and_metrics_show_a_flip_under_way_and_done(smollm2_tokenizer, fa
         assert metric_value(m, "xllm:instance_role", instance="d1", role="prefill") == 1
         assert metric_value(m, "xllm:instance_role", missing_ok=True, instance="d1", role="decode") == 0
         assert metric_value(m, "xllm:pd_role_flip_seconds_count", from_role="decode", to_role="prefill") == 1
+
+
+def test_a_latency_window_nobody_reads_stays_bounded():
+    """The gateway measures every streamed chunk, also where no role controller reads the window (no PD
+    instances): samples past the horizon are dropped as new ones come, and the mean is unchanged."""
+    window = LatencyWindow(horizon=10.0)
+    for i in range(10_000):
+        window.add(i * 0.5, 1.0 if i < 9_990 else 3.0)
+    assert len(window) == 21  # t = 4990 .. 4999.5
+    assert window.mean(4999.5) == (11 * 1.0 + 10 * 3.0) / 21
