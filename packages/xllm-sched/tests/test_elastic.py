@@ -13,7 +13,7 @@ import itertools
 import pytest
 
 from xllm.sched import PD_POLICIES, RoleFlip, RoleLoad, SLORoleFlipPolicy, StaticRoles
-from xllm.sched.elastic import auto_flips
+from xllm.sched.elastic import WindowMean, auto_flips
 from xllm.sched.latency import StepTimeModel
 
 TTFT, TPOT = 1.0, 0.05  # SLOs (seconds)
@@ -357,3 +357,13 @@ def test_waiting_requests_on_a_decode_instance_count_as_tpot_pressure():
     assert pol.tpot_estimate(running) < TPOT
     full = load("d0", "decode", running=4, waiting=60, decode_context_tokens=2000)
     assert pol.tpot_estimate(full) == pytest.approx(model.decode_seconds(64, 32000)) and pol.tpot_estimate(full) > TPOT
+
+
+def test_a_latency_window_nobody_reads_stays_bounded():
+    """The gateway measures every streamed chunk, also where no role controller reads the window (no PD
+    instances): samples past the horizon are dropped as new ones come, and the mean is unchanged."""
+    window = WindowMean(horizon=10.0)
+    for i in range(10_000):
+        window.add(i * 0.5, 1.0 if i < 9_990 else 3.0)
+    assert len(window) == 21  # t = 4990 .. 4999.5
+    assert window.mean(4999.5) == (11 * 1.0 + 10 * 3.0) / 21

@@ -290,7 +290,9 @@ def _serve(args: argparse.Namespace) -> int:
     except (ConfigError, ModelNotFoundError, ModelConfigError, ValueError) as exc:
         print(f"xllm serve: error: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # loop and http "auto": uvloop and httptools (dependencies of this package) where installed; the event
+    # loop shares the engine's cores and the GIL, so its CPU per streamed chunk is on every step's path
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="auto", http="auto")
     return 0
 
 

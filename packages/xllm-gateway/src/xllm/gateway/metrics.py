@@ -253,10 +253,14 @@ class _InstanceObserver:
         gen = len(s.ttfts) + len(s.inter_token_latencies)
         if gen:
             m.generation_tokens.labels(*lb).inc(gen)
-        for v in s.ttfts:
-            m.ttft.labels(*lb).observe(v)
-        for v in s.inter_token_latencies:
-            m.itl.labels(*lb).observe(v)
+        if s.ttfts:
+            ttft = m.ttft.labels(*lb)
+            for v in s.ttfts:
+                ttft.observe(v)
+        if s.inter_token_latencies:  # one per decoding sequence a step: the series looked up once
+            itl = m.itl.labels(*lb)
+            for v in s.inter_token_latencies:
+                itl.observe(v)
         for f in s.finished:
             m.request_success.labels(*lb, f.finish_reason).inc()
             m.e2e.labels(*lb).observe(f.e2e_latency)

@@ -79,12 +79,22 @@ class WindowMean:
         self._sum = 0.0
 
     def add(self, now: float, value: float) -> None:
+        """Record a sample; samples past the horizon expire here too, so a window nobody reads (a
+        gateway without PD instances still measures each chunk) stays bounded."""
         self._samples.append((now, value))
         self._sum += value
+        self._expire(now)
 
-    def mean(self, now: float) -> float:
+    def __len__(self) -> int:
+        """Samples held (those within the horizon of the latest time seen)."""
+        return len(self._samples)
+
+    def _expire(self, now: float) -> None:
         while self._samples and self._samples[0][0] < now - self.horizon:
             self._sum -= self._samples.popleft()[1]
+
+    def mean(self, now: float) -> float:
+        self._expire(now)
         if not self._samples:
             self._sum = 0.0
             return 0.0

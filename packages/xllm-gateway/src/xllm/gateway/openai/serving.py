@@ -134,11 +134,17 @@ def engine_request(request_id: str, prompt_ids: list[int], sampling: engine_pb2.
 # Characters str.splitlines() (so httpx's aiter_lines and requests' iter_lines) breaks lines at, which
 # JSON leaves unescaped: escaped in every event, so a client splitting that way never cuts one in two.
 _LINE_BREAKS = {c: f"\\u{c:04x}" for c in (0x0B, 0x0C, 0x1C, 0x1D, 0x1E, 0x85, 0x2028, 0x2029)}
+# JSON escapes every control character below U+0020, so of those only these can occur in JSON text
+_NON_ASCII_BREAKS = ("\x85", "\u2028", "\u2029")
+# one encoder for every event (json.dumps with options builds a new one per call)
+_encode = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def sse(data: str) -> str:
     """One server-sent event carrying ``data`` (JSON text) on a single line."""
-    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
+    if not data.isascii() and any(c in data for c in _NON_ASCII_BREAKS):  # (str.translate: ~6 µs an event)
+        data = data.translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
 
 
 class StreamFormat(Protocol):
@@ -174,7 +180,7 @@ async def sse_stream(fmt: StreamFormat, rid: str, model: str, created: int, incl
                 "service_tier": service_tier}
         if include_usage:
             body["usage"] = usage
-        return sse(json.dumps(body, ensure_ascii=False))
+        return sse(_encode(body))
 
     for choice in fmt.opening():
         yield chunk([choice])
