@@ -1,0 +1,122 @@
+/* Dequantization of quantized weights into the packed GEMM's panels (gemm_packed.h) and the panel
+ * GEMM over them for any M; included by gemm_quant.h (formats and XQ_* tags there). */
+#ifndef XLLM_CPU_GEMM_QUANT_PANEL_H
+#define XLLM_CPU_GEMM_QUANT_PANEL_H
+
+/* ---- dequantization into the packed GEMM's panels ------------------------------------------- */
+
+/* elements 0..15 and 16..31 of block `blk` of weight row n, dequantized in fp32 */
+ALWAYS_INLINE void xq_dequant_block(const int FMT, const XllmQWeight *W, int64_t K, int64_t n, int64_t blk,
+                                    __m512 *lo, __m512 *hi) {
+    const int64_t gpr = FMT == XQ_INT4_G128 ? K / 128 : K / 32;
+    const uint8_t *row = W->data + n * xq_row_bytes(FMT, K);
+    const uint8_t *sc = (FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128) ? (const uint8_t *)W->scales + 2 * n * gpr : NULL;
+    const uint8_t *zp = (FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128) ? W->zeros + n * gpr : NULL;
+    float d, m;
+    const __m256i w = xq_block(FMT, row, sc, zp, blk, &d, &m);
+    __m512i q0, q1;
+    if (xq_signed(FMT)) {
+        q0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(w));
+        q1 = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(w, 1));
+    } else {
+        q0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(w));
+        q1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(w, 1));
+    }
+    if (FMT == XQ_INT8) d = ((const float *)W->scales)[n];
+    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), dv, mv);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), dv, mv);
+}
+
+/* in-register transpose of a 16x16 matrix of dwords (r[i] = row i on entry, column i on return) */
+ALWAYS_INLINE void xq_transpose16(__m512i *r) {
+    __m512i t[16], s[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        s[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        s[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        s[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        s[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* s[4b + c] lane L = column 4L + c of rows 4b..4b+3 */
+    for (int c = 0; c < 4; c++) {
+        const __m512i a = _mm512_shuffle_i32x4(s[c], s[4 + c], 0x44), b = _mm512_shuffle_i32x4(s[c], s[4 + c], 0xEE);
+        const __m512i e = _mm512_shuffle_i32x4(s[8 + c], s[12 + c], 0x44);
+        const __m512i f = _mm512_shuffle_i32x4(s[8 + c], s[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
+    }
+}
+
+/* weight rows n0 .. n0+47 (zeros past N) -> one packed panel (bf16 pairs or fp32, gemm_packed.h) */
+ALWAYS_INLINE void xq_panel(const int FMT, const XllmQWeight *W, int64_t K, int64_t N, int64_t n0, void *panel,
+                            int bf16) {
+    const int64_t nb = K / 32;
+    for (int64_t g = 0; g < GP_NV; g++) {
+        for (int64_t blk = 0; blk < nb; blk++) {
+            __m512i rl[16], rh[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t n = n0 + g * 16 + i;
+                __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+                if (n < N) xq_dequant_block(FMT, W, K, n, blk, &lo, &hi);
+                if (bf16) {
+                    rl[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+                } else {
+                    rl[i] = _mm512_castps_si512(lo);
+                    rh[i] = _mm512_castps_si512(hi);
+                }
+            }
+            xq_transpose16(rl);
+            if (bf16) { /* rl[j] = pair j (k = blk*32 + 2j, +1) of the 16 rows */
+                uint16_t *p = (uint16_t *)panel + (blk * 16) * 2 * GP_NR + g * 32;
+                for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(p + j * 2 * GP_NR), rl[j]);
+            } else {
+                xq_transpose16(rh);
+                float *p = (float *)panel + (blk * 32) * GP_NR + g * 16;
+                for (int j = 0; j < 16; j++) {
+                    _mm512_storeu_si512((void *)(p + j * GP_NR), rl[j]);
+                    _mm512_storeu_si512((void *)(p + (16 + j) * GP_NR), rh[j]);
+                }
+            }
+        }
+    }
+}
+
+static void xq_panel_dispatch(const XllmQWeight *W, int64_t K, int64_t N, int64_t n0, void *panel, int bf16) {
+    switch (W->fmt) {
+    case XQ_Q8_0: xq_panel(XQ_Q8_0, W, K, N, n0, panel, bf16); break;
+    case XQ_Q4_0: xq_panel(XQ_Q4_0, W, K, N, n0, panel, bf16); break;
+    case XQ_Q4_1: xq_panel(XQ_Q4_1, W, K, N, n0, panel, bf16); break;
+    case XQ_INT8: xq_panel(XQ_INT8, W, K, N, n0, panel, bf16); break;
+    case XQ_INT4_G32: xq_panel(XQ_INT4_G32, W, K, N, n0, panel, bf16); break;
+    case XQ_INT4_G128: xq_panel(XQ_INT4_G128, W, K, N, n0, panel, bf16); break;
+    default: break;
+    }
+}
+
+/* TEAM: y = x . W^T (+ bias) for any M through per-panel dequantization and the blocked micro-kernel
+ * (each thread dequantizes the panels of its share into a private buffer; ends with a barrier). */
+static void xq_gemm_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
+                         const void *bias, void *y, int64_t ldy, int out_bf16) {
+    const int64_t np = gp_panels(N), es = x_bf16 ? 2 : 4, oes = (x_bf16 && out_bf16) ? 2 : 4;
+    void *panel = aligned_alloc(64, (size_t)(GP_NR * K * es));
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < np; p++) {
+        const int64_t n0 = p * GP_NR, ncols = N - n0 < GP_NR ? N - n0 : GP_NR;
+        xq_panel_dispatch(W, K, N, n0, panel, x_bf16);
+        if (x_bf16)
+            gp_panel_bf16((const uint16_t *)x, K, M, K, (const uint16_t *)panel,
+                          bias ? (const uint16_t *)bias + n0 : NULL, (char *)y + n0 * oes, ldy, out_bf16, ncols);
+        else
+            gp_panel_f32((const float *)x, K, M, K, (const float *)panel, bias ? (const float *)bias + n0 : NULL,
+                         (float *)y + n0, ldy, ncols);
+    }
+    free(panel);
+}
+
+#endif
