@@ -42,7 +42,7 @@ def run(model, compile_decode: bool):
 
 @pytest.mark.slow
 def test_compiled_decode_graph_equals_eager(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))  # warm after the first run
     cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     save_random_hf_model(tmp_path / "m", cfg, seed=4)
