@@ -238,7 +238,9 @@ class TokenCheck(grpc.aio.ServerInterceptor):
 # while it sends nothing, and after 2 early ones closes the connection with GOAWAY "too_many_pings",
 # failing every call on it. A request queued for long in an overloaded engine did that (seen in
 # `benchmarks kv_tiers`' cluster runs: all streams of both engines failed with UNAVAILABLE "Too many pings").
-KEEPALIVE_PERMITS = (("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+# (gRPC core's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS is the key below; an unknown key
+# is ignored silently: a first version passed the macro's name and kept the 5-minute default)
+KEEPALIVE_PERMITS = (("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                      ("grpc.keepalive_permit_without_calls", 1))
 
 
