@@ -13,7 +13,7 @@ from xllm.core.sampler import Sampler
 from xllm.core.sampling_params import SamplingParams
 from xllm.core.sequence import Sequence
 from xllm.core.spec.ngram import NgramIndex
-from xllm.core.spec.speculator import FIRST_BACKOFF, Speculator
+from xllm.core.spec.speculator import EXPLORE_REQUESTS, FIRST_BACKOFF, MAX_BACKOFF, Speculator
 from xllm.core.spec.verify import accepted_prefix, verify
 
 
@@ -115,3 +115,35 @@ def test_adaptive_k_shrinks_and_backs_off():
     # too many decoding sequences: no speculation at all
     many = [_seq([1, 2, 3], [4], temperature=0, max_tokens=1000) for _ in range(9)]
     assert spec.draft(many, kv, budget=100, max_model_len=10_000) == {}
+
+
+def test_a_proposer_that_rarely_agrees_backs_new_requests_off_from_the_start():
+    """Once the proposer's recent drafts were nearly all rejected (over every request), a new request
+    starts backed off for MAX_BACKOFF steps instead of paying its own first drafts, except one in
+    EXPLORE_REQUESTS; a proposer that agrees leaves new requests speculating at once."""
+    from xllm.core.spec.verify import Verified
+
+    def run(accepted: int) -> list[bool]:
+        spec = Speculator(_FixedProposer([1, 2, 3, 4]), k_max=4, max_batch=8)
+        kv = _RoomyKV()
+        first_step_drafts = []
+        for _ in range(3 * EXPLORE_REQUESTS):
+            seq = _seq([1, 2, 3], [4], temperature=0, max_tokens=1000)
+            for step in range(12):
+                drafts = spec.draft([seq], kv, budget=100, max_model_len=10_000).get(seq, [])
+                if step == 0:
+                    first_step_drafts.append(bool(drafts))
+                if drafts:
+                    n = min(accepted, len(drafts))
+                    spec.land(Verified(seq, [*drafts[:n], 9], [None] * (n + 1), len(drafts)), seq.num_tokens - 1)
+                    seq.num_computed_tokens = seq.num_tokens - 1
+            spec._sweep()
+        return first_step_drafts
+
+    rejecting = run(accepted=0)
+    assert all(rejecting[:2])                          # before the proposer-wide rate is known
+    later = rejecting[EXPLORE_REQUESTS:]
+    assert 0 < sum(later) <= len(later) // EXPLORE_REQUESTS + 1   # only the exploring requests
+    assert all(run(accepted=4))                        # a proposer that agrees: every request at once
+    spec = Speculator(_FixedProposer([1]), k_max=1, max_batch=8)
+    assert spec.proposer_rate is None and MAX_BACKOFF > FIRST_BACKOFF

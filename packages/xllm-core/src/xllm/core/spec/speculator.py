@@ -28,6 +28,14 @@ seconds per drafting round, measured around each call), so a model-backed drafte
 more than the accepted tokens save stops drafting except for the periodic exploration and probes.
 Before any step was timed, ``k`` = ``k_max`` · rate / ``FULL_RATE`` (at least 1).
 A step with more than ``max_batch`` decoding sequences does not speculate at all.
+
+A proposer that rarely agrees with the model (``self`` on a model whose early layers guess badly:
+3-6 % on SmolLM2) costs every new request its first drafts and the drafter's catch-up over its
+prompt before that request's own back-off sets in: 10-14 % of batch-1 tok/s measured. So the
+speculator also keeps the proposer's acceptance over its recent verifies (decayed per-position
+counts, as each request's); while it is below ``MIN_RATE``, a new request starts backed off for
+``MAX_BACKOFF`` steps, except one in ``EXPLORE_REQUESTS``, which speculates as usual and keeps the
+estimate current.
 """
 
 from __future__ import annotations
@@ -53,6 +61,9 @@ FIRST_BACKOFF = 8  # steps
 MAX_BACKOFF = 256
 EXPLORE_EVERY = 32  # every this many speculating steps, one draft more than the cost model picks
 POS_DECAY = 0.9     # per verify, the weight the per-position acceptance counts keep
+PROPOSER_DECAY = 0.97  # per verify, the weight the proposer-wide counts keep (~30 recent verifies)
+PROPOSER_MIN_TRIES = 8.0  # proposer-wide tries before its rate is believed
+EXPLORE_REQUESTS = 8  # while the proposer-wide rate is low, one new request in this many speculates
 
 
 @dataclass
@@ -110,6 +121,24 @@ class Speculator:
         self.drafting = DraftCosts()
         self._state: dict[Sequence, SpecState] = {}
         self._speculating_steps = 0
+        self._hits = 0.0   # proposer-wide decayed per-position counts (see the module docstring)
+        self._tries = 0.0
+        self._new_requests = 0
+
+    @property
+    def proposer_rate(self) -> float | None:
+        """The proposer's recent per-position acceptance over every request (None: too few tries)."""
+        return self._hits / self._tries if self._tries >= PROPOSER_MIN_TRIES else None
+
+    def _new_state(self) -> SpecState:
+        """A new request's state: backed off from the start while the proposer rarely agrees (but for
+        one request in :data:`EXPLORE_REQUESTS`)."""
+        state = SpecState()
+        self._new_requests += 1
+        rate = self.proposer_rate
+        if rate is not None and rate < MIN_RATE and self._new_requests % EXPLORE_REQUESTS != 0:
+            state.off_steps = state.backoff = MAX_BACKOFF
+        return state
 
     def eligible(self, seq: Sequence) -> bool:
         """Whether ``seq`` may speculate at all: a plain decode (not a PD phase, not moving), no
@@ -142,7 +171,7 @@ class Speculator:
                 continue
             state = self._state.get(seq)
             if state is None:
-                state = self._state[seq] = SpecState()
+                state = self._state[seq] = self._new_state()
             if state.off_steps > 0:
                 state.off_steps -= 1
                 if state.off_steps == 0:
@@ -187,6 +216,8 @@ class Speculator:
         seq.num_computed_tokens = start + 1 + v.num_accepted
         seq.output_ids.extend(v.tokens)
         self.counters.add(v)
+        self._hits = PROPOSER_DECAY * self._hits + v.num_accepted
+        self._tries = PROPOSER_DECAY * self._tries + v.num_accepted + (v.num_accepted < v.num_drafts)
         state = self._state.get(seq)
         if state is None:
             return
