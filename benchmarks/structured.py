@@ -9,7 +9,8 @@ vLLM: :func:`benchmarks.peers.vllm.server`, eager), warmed up, then for each bat
 at most ``batch`` in flight, in three modes, interleaved ``--repeats`` times: under a JSON schema
 (``json_schema``: ``response_format`` ``json_schema``, a list of ``--records`` customer records,
 nested objects, enums, patterns; the output ends when the JSON does or at ``--output-len``), free
-text of the same length (``free_same_len``: ``ignore_eos``, as many tokens as the schema run's mean),
+text of the same lengths (``free_same_len``: ``ignore_eos``, request i as many tokens as the schema run's
+request i, so requests end, and the next ones' prefills join the decodes, at the same points),
 and free text of ``--output-len`` tokens (``free``). All are greedy. The figure of merit is TPOT: the
 grammar's overhead = TPOT(schema) / TPOT(free text) - 1 (the issue's goal: under 10 %), reported
 against both free runs. The same-length one is the fair comparison: the schema's output is shorter,
@@ -75,18 +76,20 @@ def measure(base_url: str, model: str, batch: int, requests: int, output_len: in
     (_, free), (_, constrained) = profiles(records)
     got: dict[str, tuple[list, float]] = {}
 
-    def run(mode: str, profile, length: int) -> list:
-        specs = [RequestSpec((), PROMPT, length) for _ in range(requests)]
+    def run(mode: str, profile, lengths: list[int]) -> list:
+        specs = [RequestSpec((), PROMPT, length) for length in lengths]
         recs, duration = asyncio.run(run_requests(base_url, model, specs, profile, max_concurrency=batch))
         done, seconds = got.get(mode, ([], 0.0))
         got[mode] = (done + recs, seconds + duration)
         return recs
 
     for _ in range(repeats):
-        recs = [r for r in run("json_schema", constrained, output_len) if r.success]
-        same_len = round(sum(r.output_tokens for r in recs) / len(recs)) if recs else output_len
-        run("free_same_len", free, max(same_len, 2))
-        run("free", free, output_len)
+        recs = run("json_schema", constrained, [output_len] * requests)  # in spec order
+        # request i of the free run as long as the schema's request i: the same lengths in the same
+        # order end requests (and start the next ones' prefills beside the decodes) at the same points
+        same_len = [max(r.output_tokens, 2) if r.success else output_len for r in recs]
+        run("free_same_len", free, same_len)
+        run("free", free, [output_len] * requests)
     return {mode: serving_summary(recs, seconds) for mode, (recs, seconds) in got.items()}
 
 
