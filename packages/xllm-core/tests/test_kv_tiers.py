@@ -205,6 +205,29 @@ def test_an_aborted_loading_request_gives_its_pages_back(model, prompts, expecte
         eng.close()
 
 
+def test_loads_held_by_waiting_requests_never_block_the_head_of_the_queue(model, prompts, expected, tmp_path):
+    """Two requests whose prefixes come up from the host tier at once: the head's shares two blocks
+    with a stored prompt, the next one's all of them, so the loads take pages for both and the head's
+    remaining prompt no longer fits beside the other's loaded blocks. With nothing running no step
+    frees a page: the loads the other waiting requests hold are given back (their blocks stay in
+    T0's prefix cache) and the head is admitted. Both answers equal a full recompute (seen live:
+    requests stalled until the gateway's 300 s idle timeout)."""
+    eng = tiers_engine(model, tmp_path, backend="paged", disk=False)
+    try:
+        evict_a(eng, prompts, expected)
+        assert eng.kv.pool.lookup(_hashes(eng, prompts["B"])[0]) is None  # B went down too (C holds T0)
+        rng = random.Random(9)
+        head = prompts["A"][:2 * eng.layout.block_size]
+        head = head + [rng.randrange(3, model.vocab_size) for _ in range(PROMPT_LEN - len(head))]
+        want = {"head": recompute_greedy(model, head, NEW)[0], "B": expected["B"]}
+        got = generate(eng, [make_request("head", head, max_tokens=NEW, ignore_eos=True),
+                             make_request("B", prompts["B"], max_tokens=NEW, ignore_eos=True)])
+        assert {k: got.tokens[k] for k in want} == want
+        assert eng.kv.lower.stats()["host"].hits > 0  # prefixes did come up from the host tier
+    finally:
+        eng.close()
+
+
 # ---- T3: the Mooncake store (a master on loopback, started here) -------------------------------------
 @pytest.fixture(scope="module")
 def mooncake(tmp_path_factory):

@@ -75,9 +75,26 @@ class Scheduler:
         last token is already in flight) are neither scheduled nor counted as running."""
         self._tier_loads()
         plan = self.policy.schedule(_PolicyView(self, hold))
+        if not plan and not self.running:
+            self._yield_loads()
+            if self.loading:  # an idle step: wait for a load rather than spin (the loader needs the GIL)
+                wait([j.future for j in self.loading.values()], timeout=self.IDLE_LOAD_WAIT_S,
+                     return_when=FIRST_COMPLETED)
         for seq in plan.admitted:
             seq.status = SeqStatus.RUNNING
         return plan
+
+    def _yield_loads(self) -> None:
+        """Nothing runs and nothing was admitted, so no step will free a page: give back the loaded
+        pages the waiting sequences behind the head hold (their blocks stay in the prefix cache,
+        evictable), or the head's remaining prompt may never fit beside them (seen live: requests
+        stalled until the gateway's idle timeout). They stay looked up: not loaded again while they
+        wait."""
+        if not self._loaded:
+            return
+        head = self.waiting[0] if self.waiting else None
+        for seq in [s for s in self._loaded if s is not head]:
+            self.kv.release_load(self._loaded.pop(seq))
 
     # ---- lower KV tiers ---------------------------------------------------------------------------
     MAX_TIER_CHECKS = 16  # waiting sequences (from the head) looked up in the lower tiers per step
