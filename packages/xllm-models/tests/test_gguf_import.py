@@ -3,6 +3,7 @@ weights transformers' own GGUF loader produces, plus config, tokenizer and chat 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -66,16 +67,18 @@ def fresh_conversion(tmp_path_factory):
 
 def _transformers_gguf_state_dict(auto_model) -> dict[str, torch.Tensor]:
     """transformers' own GGUF loading of the bundled file (the oracle), float32. Its Python
-    dequantization takes ~17 s, so its result is kept under the xLLM cache, keyed by the GGUF's size
-    and mtime and the transformers version (a new file or loader recomputes it)."""
+    dequantization takes ~17 s, so its result is kept under the xLLM cache, keyed by the GGUF's
+    SHA-256 and the transformers version (a new file or loader recomputes it; every fresh venv
+    installs the file anew, so not its mtime)."""
     import transformers
     from safetensors.torch import load_file, save_file
 
     from xllm.common.paths import cache_dir
 
     gguf = bundled_gguf()
-    st = gguf.stat()
-    key = f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}"
+    with gguf.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    key = f"{gguf.stem}-{digest}-tf{transformers.__version__}"
     cached = cache_dir("test-oracles", f"{key}.safetensors")
     if cached.is_file():
         return load_file(str(cached))
