@@ -104,6 +104,48 @@ async def send_one(client, url: str, model: str, spec: RequestSpec, profile: End
     return rec
 
 
+@dataclass
+class RoutedStream:
+    """One streamed completion as the routing benchmarks read it: the instance that served it (the
+    gateway's ``x-xllm-instance`` header), time to its first text, end to end (None if it failed), the
+    last ``usage`` it sent, and the error if it failed."""
+
+    instance: str | None = None
+    ttft: float | None = None
+    e2e: float | None = None
+    usage: dict = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) if self.usage else 0
+
+
+async def stream_routed(client, url: str, body: dict) -> RoutedStream:
+    """POST ``body`` (a streamed ``/v1/completions`` request) to ``url`` and read it to the end."""
+    res = RoutedStream()
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+            res.instance = resp.headers.get("x-xllm-instance")
+            async for line in resp.aiter_lines():
+                event = parse_sse_line(line)
+                if event is None:
+                    continue
+                if "error" in event:
+                    raise RuntimeError(str(event["error"])[:200])
+                if event.get("usage"):
+                    res.usage = event["usage"]
+                if res.ttft is None and any(c.get("text") for c in event.get("choices", [])):
+                    res.ttft = time.perf_counter() - start
+        res.e2e = time.perf_counter() - start
+    except Exception as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
+    return res
+
+
 async def run_requests(base_url: str, model: str, specs: Sequence[RequestSpec], profile: EndpointProfile,
                        max_concurrency: int | None = None, desc: str | None = None,
                        timeout: float = 1800.0) -> tuple[list[RequestRecord], float]:

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import pathlib
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass
 
+from benchmarks.client import stream_routed
 from benchmarks.stats import percentile
 
 POLICIES = ("kv_aware", "kv_aware_t0", "least_load")
@@ -116,28 +116,10 @@ class TurnResult:
 
 async def _turn(client, url: str, model: str, session: int, turn: int, prompt: list[int],
                 max_tokens: int) -> TurnResult:
-    res = TurnResult(session, turn, len(prompt))
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-            res.instance = resp.headers.get("x-xllm-instance")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(str(event["error"])[:200])
-                if event.get("usage"):
-                    res.cached_tokens = event["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-                if res.ttft is None and any(c.get("text") for c in event.get("choices", [])):
-                    res.ttft = time.perf_counter() - start
-    except Exception as exc:
-        res.error = f"{type(exc).__name__}: {exc}"[:300]
-    return res
+    got = await stream_routed(client, url, body)
+    return TurnResult(session, turn, len(prompt), got.cached_tokens, got.ttft, got.instance, got.error)
 
 
 async def run_chats(base_url: str, model: str, trace: list[list[list[int]]], start_gap: float, think_mean: float,

@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from benchmarks.client import stream_routed
 from benchmarks.metrics import parse, total
 from benchmarks.peers.xllm import model_dir as xllm_model_dir
 from benchmarks.peers.xllm import wait_instances
@@ -123,33 +124,15 @@ def markdown(runs: dict[str, dict], meta: dict) -> str:
 # ---- running ------------------------------------------------------------------------------------
 
 async def _send(client, url: str, model: str, req: RoutingRequest, t0: float) -> Result:
-    res = Result(req.prefix, req.user, len(req.prompt_ids))
     delay = t0 + req.arrival - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
     body = {"model": model, "prompt": list(req.prompt_ids), "max_tokens": req.output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-            res.instance = resp.headers.get("x-xllm-instance")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(str(event["error"])[:200])
-                if event.get("usage"):
-                    res.output_tokens = event["usage"]["completion_tokens"]
-                    res.cached_tokens = event["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-                if res.ttft is None and any(c.get("text") for c in event.get("choices", [])):
-                    res.ttft = time.perf_counter() - start
-        res.e2e = time.perf_counter() - start
-    except Exception as exc:
-        res.error = f"{type(exc).__name__}: {exc}"[:300]
-    return res
+    got = await stream_routed(client, url, body)
+    output = got.usage["completion_tokens"] if got.usage else 0
+    return Result(req.prefix, req.user, len(req.prompt_ids), got.cached_tokens, output, got.ttft, got.e2e,
+                  got.instance, got.error)
 
 
 async def replay(base_url: str, model: str, workload: list[RoutingRequest]) -> tuple[list[Result], float]:

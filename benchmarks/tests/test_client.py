@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from benchmarks.client import EndpointProfile, RequestSpec, parse_sse_line, request_body, send_one
+from benchmarks.client import EndpointProfile, RequestSpec, parse_sse_line, request_body, send_one, stream_routed
 
 httpx = pytest.importorskip("httpx")
 
@@ -60,3 +60,22 @@ def test_send_one_records_http_errors():
     assert not rec.success and "HTTP 400" in rec.error and "bad" in rec.error
     rec = _run(lambda req: httpx.Response(200, text=_sse([])))
     assert not rec.success and "no tokens" in rec.error
+
+
+def _routed(handler):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await stream_routed(client, "http://x/v1/completions", {"prompt": [1, 2], "stream": True})
+    return asyncio.run(go())
+
+
+def test_stream_routed_reads_instance_ttft_usage_and_errors():
+    events = [{"choices": [{"text": ""}]}, {"choices": [{"text": "a"}]},
+              {"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 32}}}]
+    got = _routed(lambda req: httpx.Response(200, text=_sse(events), headers={"x-xllm-instance": "e1"}))
+    assert not got.error and got.instance == "e1" and got.cached_tokens == 32
+    assert got.usage["completion_tokens"] == 1 and got.ttft is not None and got.e2e >= got.ttft
+    failed = _routed(lambda req: httpx.Response(200, text=_sse([{"error": {"message": "boom"}}])))
+    assert "boom" in failed.error and failed.e2e is None and failed.cached_tokens == 0
+    refused = _routed(lambda req: httpx.Response(503, text="busy"))
+    assert "HTTP 503" in refused.error and refused.instance is None
