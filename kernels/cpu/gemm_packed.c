@@ -37,6 +37,24 @@ void xllm_gemm_packed_strided_bf16(const uint16_t *x, int64_t ldx, int64_t M, in
     gemm_packed_team_bf16(x, ldx, M, K, Wp, N, bias, y, ldy, out_bf16);
 }
 
+int xllm_amx_ready(void) { return amx_ready(); }
+
+/* path: 0 automatic, 1 AVX-512, 2 AMX (returns -1 where AMX cannot run this product) */
+int xllm_gemm_packed_path_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const uint16_t *Wp, int64_t N,
+                               const uint16_t *bias, void *y, int64_t ldy, int out_bf16, int path) {
+    if (path == 2 && !(K % 32 == 0 && amx_ready())) return -1;
+#pragma omp parallel
+    {
+        if (path == 1)
+            gemm_packed_avx_team_bf16(x, ldx, M, K, Wp, N, bias, y, ldy, out_bf16);
+        else if (path == 2)
+            gemm_packed_amx_team_bf16(x, ldx, M, K, Wp, N, bias, y, ldy, out_bf16);
+        else
+            gemm_packed_team_bf16(x, ldx, M, K, Wp, N, bias, y, ldy, out_bf16);
+    }
+    return 0;
+}
+
 void xllm_gemm_packed_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *Wp, int64_t N,
                            const uint16_t *bias, void *y, int out_bf16) {
     xllm_gemm_packed_strided_bf16(x, K, M, K, Wp, N, bias, y, N, out_bf16);

@@ -112,8 +112,9 @@ static void gp_panel_bf16(const uint16_t *x, int64_t ldx, int64_t rows, int64_t 
     }
 }
 
-static void gemm_packed_team_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const uint16_t *Wp,
-                                  int64_t N, const uint16_t *bias, void *y, int64_t ldy, int out_bf16) {
+/* the AVX-512 kernel alone (gemm_packed_team_bf16 chooses between it and AMX) */
+static void gemm_packed_avx_team_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const uint16_t *Wp,
+                                      int64_t N, const uint16_t *bias, void *y, int64_t ldy, int out_bf16) {
     const int64_t np = gp_panels(N), mc = gp_mblock(M, K * 2), nmb = (M + mc - 1) / mc;
     const int64_t es = out_bf16 ? 2 : 4;
 #pragma omp for schedule(static)
@@ -124,6 +125,17 @@ static void gemm_packed_team_bf16(const uint16_t *x, int64_t ldx, int64_t M, int
         gp_panel_bf16(x + m0 * ldx, ldx, rows, K, Wp + p * GP_NR * K, bias ? bias + n0 : NULL,
                       (char *)y + (m0 * ldy + n0) * es, ldy, out_bf16, ncols);
     }
+}
+
+#include "gemm_packed_amx.h"
+
+/* bf16 entry: the AMX kernel where gpa_applies(M, K), else the AVX-512 one */
+static void gemm_packed_team_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const uint16_t *Wp,
+                                  int64_t N, const uint16_t *bias, void *y, int64_t ldy, int out_bf16) {
+    if (gpa_applies(M, K))
+        gemm_packed_amx_team_bf16(x, ldx, M, K, Wp, N, bias, y, ldy, out_bf16);
+    else
+        gemm_packed_avx_team_bf16(x, ldx, M, K, Wp, N, bias, y, ldy, out_bf16);
 }
 
 /* ---- fp32 ------------------------------------------------------------------------------------ */

@@ -5,14 +5,14 @@
  * only), else fp32; bias in x's dtype or NULL. path: 0 = automatic (xq_linear_team: the skinny VNNI GEMV
  * up to 8 rows, over chunks of 8 rows up to 16, else the panel-dequantizing blocked GEMM), 1 = the skinny
  * GEMV (M <= 8), 2 = the blocked GEMM, 3 = the skinny GEMV over chunks of 8 rows (any M), 4 = AMX (bf16 x; where
- * xllm_quant_amx_ready(), else automatic). */
+ * amx_ready() (amx.h), else automatic). */
 void xllm_quant_linear(const XllmQWeight *W, const void *x, int x_bf16, int64_t M, int64_t K, int64_t N,
                        const void *bias, void *y, int out_bf16, int path) {
     out_bf16 = out_bf16 && x_bf16;
     const int64_t xes = x_bf16 ? 2 : 4, yes = out_bf16 ? 2 : 4;
 #pragma omp parallel
     {
-        if (path == 4 && x_bf16 && xq_amx_ready())
+        if (path == 4 && x_bf16 && amx_ready())
             xq_amx_team((const uint16_t *)x, M, K, W, N, (const uint16_t *)bias, y, N, out_bf16);
         else if (path == 0 || path == 4)
             xq_linear_team(x, x_bf16, M, K, W, N, bias, y, N, out_bf16);
@@ -24,10 +24,6 @@ void xllm_quant_linear(const XllmQWeight *W, const void *x, int x_bf16, int64_t 
                              bias, (char *)y + m0 * N * yes, N, out_bf16);
     }
 }
-
-/* whether the AMX path runs in this process (CPUID AMX-TILE/AMX-BF16, the kernel's tile-data permission,
- * XLLM_AMX != 0) */
-int xllm_quant_amx_ready(void) { return xq_amx_ready(); }
 
 /* W -> fp32 [N, K] (the panel path's dequantization, row-major; FMA: may differ from the reference
  * d * q + m in the last bit) */

@@ -13,66 +13,24 @@
  * 16 x 16 x 32, so 2..16 rows cost about what one row costs the GEMV, and larger M much less than the
  * panel GEMM.
  *
- * Needs CPUID AMX-TILE and AMX-BF16 and the kernel's permission for tile data (arch_prctl
- * ARCH_REQ_XCOMP_PERM, asked once per process): xq_amx_ready(). XLLM_AMX=0 turns the path off.
- * Every thread loads the tile configuration at the start of a call and releases the tiles at its end
- * (other libraries in the process, oneDNN, use AMX with their own configurations).
+ * Runs where amx_ready() (amx.h: CPUID, the kernel's permission for tile data, XLLM_AMX not 0).
  */
 #ifndef XLLM_CPU_GEMM_QUANT_AMX_H
 #define XLLM_CPU_GEMM_QUANT_AMX_H
 
-#include <cpuid.h>
-#include <pthread.h>
-#include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
-#define XQ_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 /* rows from which the AMX path replaces the GEMV (xq_linear_team): one thread, CPU time, SmolLM2's Q4_1
  * gate/up (3072 x 576) and down (576 x 1536), a busy machine: GEMV / AMX at M = 4 256 / 675 us and 106 / 195 us,
  * M = 8 630 / 363 and 202 / 220, M = 16 1006 / 364 and 374 / 182 (AMX costs the same to 16 rows: its
  * dequantization dominates) */
 #define XQ_AMX_MIN_M 6
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} XqTileCfg;
-
-static pthread_once_t xq_amx_once = PTHREAD_ONCE_INIT;
-static int xq_amx_ok = 0; /* written once, under xq_amx_once */
-
-static void xq_amx_probe(void) {
-    const char *env = getenv("XLLM_AMX");
-    if (env != NULL && env[0] == '0') return;
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
-    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return; /* AMX-BF16, AMX-TILE */
-    /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18) */
-    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return;
-    xq_amx_ok = 1;
-}
-
-/* whether the AMX path can run in this process (probed once) */
-static inline int xq_amx_ready(void) {
-    pthread_once(&xq_amx_once, xq_amx_probe);
-    return xq_amx_ok;
-}
-
 /* whether xq_linear_team takes the AMX path for this product */
-static inline int xq_amx_applies(int x_bf16, int64_t M) { return x_bf16 && M >= XQ_AMX_MIN_M && xq_amx_ready(); }
+static inline int xq_amx_applies(int x_bf16, int64_t M) { return x_bf16 && M >= XQ_AMX_MIN_M && amx_ready(); }
 
-XQ_AMX_TARGET static inline void xq_amx_configure(void) {
-    XqTileCfg cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette_id = 1;
-    for (int t = 0; t < 3; t++) { /* tmm0 C (16 x 16 fp32), tmm1 A (16 x 32 bf16), tmm2 B (16 k-pairs x 16 x 2) */
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* tmm0 C (16 x 16 fp32), tmm1 A (16 x 32 bf16), tmm2 B (16 k-pairs x 16 x 2) */
+AMX_TARGET static inline void xq_amx_configure(void) { amx_configure_16x64(3); }
 
 /* x rows [m0, m0 + 16) (rows >= M zero) as VNNI pairs: dst[kp * 16 + i] = the bf16 pair (2kp, 2kp+1) of row m0 + i */
 static inline void xq_amx_pack_x(const uint16_t *x, int64_t M, int64_t K, int64_t m0, uint32_t *dst) {
@@ -113,9 +71,9 @@ static inline void xq_amx_dequant_group(const XllmQWeight *W, int64_t K, int64_t
 
 /* TEAM: y[M, N] = x . bf16(dequant(W))^T (+ bias, bf16) for bf16 x, M >= 1 rows, out bf16 or fp32 (ends with a
  * barrier). Rows of x go in chunks of XQ_AMX_MCHUNK (their packed pairs stay in L2; each chunk dequantizes the
- * weight groups again). Call only where xq_amx_ready(). */
+ * weight groups again). Call only where amx_ready(). */
 #define XQ_AMX_MCHUNK 256
-XQ_AMX_TARGET static void xq_amx_team(const uint16_t *x, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
+AMX_TARGET static void xq_amx_team(const uint16_t *x, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
                                       const uint16_t *bias, void *y, int64_t ldy, int out_bf16) {
     const int64_t groups = (N + 15) / 16, mch = M < XQ_AMX_MCHUNK ? M : XQ_AMX_MCHUNK;
     uint32_t *xp = (uint32_t *)aligned_alloc(64, (size_t)(((mch + 15) / 16) * (K / 2) * 16 * 4));

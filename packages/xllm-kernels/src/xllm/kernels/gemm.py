@@ -70,11 +70,25 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     return PackedWeight(out, n, k, w.dtype)
 
 
+#: kernel choices of a bf16 product (``kernels/cpu/gemm_packed.c``): automatic (AMX from a few rows where
+#: :func:`amx_ready`, else AVX-512), the AVX-512 ``vdpbf16ps`` kernel, the AMX ``tdpbf16ps`` one
+BF16_PATHS: dict[str, int] = {"auto": 0, "avx512": 1, "amx": 2}
+
+
+def amx_ready() -> bool:
+    """Whether the AMX kernels run here (``kernels/cpu/amx.h``: CPUID AMX-TILE/AMX-BF16, tile data granted
+    to this process, ``XLLM_AMX`` not ``0``)."""
+    lib = native.library()
+    return lib is not None and bool(lib.fn("xllm_amx_ready", [], _I32)())
+
+
 def packed_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, path: str = "auto") -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` given packed; ``x [..., K]`` in ``pw.dtype`` (2-D inputs may have a
     row stride), ``bias [N]`` in ``pw.dtype``. ``out_dtype=torch.float32`` returns the fp32 sums of a
-    bf16 product directly (no bf16 rounding); other ``out_dtype`` values convert the result."""
+    bf16 product directly (no bf16 rounding); other ``out_dtype`` values convert the result. ``path``
+    (bf16 only) forces a kernel of :data:`BF16_PATHS`; ``"amx"`` raises ValueError where it cannot run
+    (no AMX, or K not a multiple of 32)."""
     if x.dtype != pw.dtype or x.shape[-1] != pw.k:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match the packed weight [{pw.n}, {pw.k}] {pw.dtype}")
     if bias is not None and (bias.shape != (pw.n,) or bias.dtype != pw.dtype):
@@ -92,9 +106,11 @@ def packed_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None =
         fp32_out = out_dtype == torch.float32
         y = torch.empty(m, pw.n, dtype=torch.float32 if fp32_out else torch.bfloat16)
         if m:
-            lib.fn("xllm_gemm_packed_strided_bf16", [_VP, _I64, _I64, _I64, _VP, _I64, _VP, _VP, _I64, _I32])(
-                x2.data_ptr(), x2.stride(0), m, pw.k, pw.data_ptr(), pw.n, bias_ptr, y.data_ptr(), pw.n,
-                0 if fp32_out else 1)
+            rc = lib.fn("xllm_gemm_packed_path_bf16", [_VP, _I64, _I64, _I64, _VP, _I64, _VP, _VP, _I64, _I32, _I32],
+                        _I32)(x2.data_ptr(), x2.stride(0), m, pw.k, pw.data_ptr(), pw.n, bias_ptr, y.data_ptr(),
+                              pw.n, 0 if fp32_out else 1, BF16_PATHS[path])
+            if rc != 0:
+                raise ValueError(f"the {path} kernel cannot run [{m}, {pw.k}] x [{pw.n}, {pw.k}] here")
     else:
         y = torch.empty(m, pw.n, dtype=torch.float32)
         if m:

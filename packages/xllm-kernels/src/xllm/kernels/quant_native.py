@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from xllm.kernels import native
+from xllm.kernels import gemm, native
 
 if TYPE_CHECKING:
     from xllm.kernels.quant import QuantizedWeight
@@ -59,10 +59,9 @@ def library() -> native.NativeLibrary | None:
 
 
 def amx_ready() -> bool:
-    """Whether the AMX path (bf16 activations, 2+ rows) runs here: the CPU has AMX-TILE/AMX-BF16, the kernel
-    granted tile data to this process, ``XLLM_AMX`` is not ``0`` (``kernels/cpu/gemm_quant_amx.h``)."""
-    lib = library()
-    return lib is not None and bool(lib.fn("xllm_quant_amx_ready", [], ctypes.c_int)())
+    """Whether the AMX path (bf16 activations, 2+ rows; ``kernels/cpu/gemm_quant_amx.h``) runs here: the
+    quantized kernels run and :func:`xllm.kernels.gemm.amx_ready`."""
+    return library() is not None and gemm.amx_ready()
 
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None,

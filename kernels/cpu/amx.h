@@ -1,0 +1,64 @@
+/* AMX (Advanced Matrix Extensions) support shared by the AMX kernels (gemm_packed_amx.h, gemm_quant_amx.h):
+ * the one-time probe and the tile configuration both use.
+ *
+ * amx_ready(): CPUID has AMX-TILE and AMX-BF16, the kernel granted this process tile data (arch_prctl
+ * ARCH_REQ_XCOMP_PERM, asked once per process), and XLLM_AMX is not "0". The probe runs once
+ * (pthread_once); its result never changes afterwards.
+ * amx_configure_16x64(n): loads palette 1 with tiles 0..n-1 each 16 rows x 64 bytes (the only shape the
+ * kernels use: C 16 x 16 fp32, A 16 x 32 bf16, B 16 k-pairs x 16 x 2 bf16). A kernel loads it at the start
+ * of its call on every thread and releases the tiles at the end (oneDNN, in the same process, uses AMX
+ * with its own configurations).
+ */
+#ifndef XLLM_CPU_AMX_H
+#define XLLM_CPU_AMX_H
+
+#include <cpuid.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <immintrin.h>
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} AmxTileCfg;
+
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static int amx_ok = 0; /* written once, under amx_once */
+
+static void amx_probe(void) {
+    const char *env = getenv("XLLM_AMX");
+    if (env != NULL && env[0] == '0') return;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return; /* AMX-BF16, AMX-TILE */
+    /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18) */
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return;
+    amx_ok = 1;
+}
+
+/* whether AMX kernels can run in this process (probed once) */
+static inline int amx_ready(void) {
+    pthread_once(&amx_once, amx_probe);
+    return amx_ok;
+}
+
+AMX_TARGET static inline void amx_configure_16x64(int n_tiles) {
+    AmxTileCfg cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    for (int t = 0; t < n_tiles; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+#endif
