@@ -61,4 +61,7 @@ AMX_TARGET static inline void amx_configure_16x64(int n_tiles) {
     _tile_loadconfig(&cfg);
 }
 
+/* releases the tiles (the end of an AMX kernel's work on this thread) */
+AMX_TARGET static inline void amx_tile_release(void) { _tile_release(); }
+
 #endif

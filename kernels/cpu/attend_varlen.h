@@ -28,12 +28,14 @@
  * 16 queries) with _mm512_dpbf16_ps (bf16: a broadcast key pair times the transposed, pair-packed
  * queries) or FMA (fp32), skips tiles past the causal diagonal, updates the running max/sum per
  * lane, and accumulates P.V into fp32 rows (register blocks of 2-4 rows x up to 8 vectors of 16
- * value channels, values converted to fp32 once per tile).
+ * value channels, values converted to fp32 once per tile). bf16 chunk items run on AMX instead where
+ * varlen_amx_applies() (attend_amx.h: tile products for S and P.V, probabilities rounded to bf16).
  */
 #ifndef XLLM_CPU_ATTEND_VARLEN_H
 #define XLLM_CPU_ATTEND_VARLEN_H
 
 #include "attend.h"
+#include "attend_amx.h"
 
 #define VARLEN_KT 32       /* keys per tile */
 #define VARLEN_M_TARGET 96 /* query vectors (rows x heads of a group) per work item */
@@ -62,7 +64,9 @@ static inline int64_t varlen_scratch_floats_qk(int64_t max_ctx, int64_t H, int64
                           + d.Mpad * d.Dvp           /* output accumulators */
                           + 4 * d.Mpad + 16;         /* running max, sum, rescale, positions */
     const int64_t decode = d.G * (max_ctx > 1 ? max_ctx : 1) + d.G * Dv + 16; /* attend_group */
-    return tiled > decode ? tiled : decode;
+    const int64_t amx = varlen_amx_scratch_floats(d.Mpad, D, Dv);           /* attend_amx.h's blocks */
+    const int64_t most = tiled > decode ? tiled : decode;
+    return most > amx ? most : amx;
 }
 
 /* The same for query/key width D <= Dv (e.g. D == Dv, the usual attention); a latent cache whose
@@ -321,6 +325,8 @@ ALWAYS_INLINE void varlen_team(const int bf16, const void *q, int64_t q_row_stri
         if (n > 1) n_items += KVH * ((n + BR - 1) / BR);
     }
     int64_t cur_i = 0, cur_base = 0;
+    const int amx = n_items > 0 && varlen_amx_applies(bf16, D, Dv);
+    if (amx) amx_configure_16x64(6);
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t item = 0; item < n_items; item++) {
         if (item < cur_base) cur_i = cur_base = 0;
@@ -337,9 +343,15 @@ ALWAYS_INLINE void varlen_team(const int bf16, const void *q, int64_t q_row_stri
         const int64_t r0 = blk * BR, nr = n - r0 < BR ? n - r0 : BR;
         const char *kb = (const char *)k_cache + (slots[cur_i] * k_slot_stride + g * D) * esz;
         const char *vb = (const char *)v_cache + (slots[cur_i] * v_slot_stride + g * Dv) * esz;
-        varlen_block(bf16, q, q_row_stride, kb, k_tok_stride, vb, v_tok_stride, qstart[cur_i] + r0, nr,
-                     ctx[cur_i] - n + r0, g * G, D, Dv, scale, out, out_row_stride, &d, scratch);
+        if (amx)
+            varlen_block_amx((const uint16_t *)q, q_row_stride, (const uint16_t *)kb, k_tok_stride,
+                             (const uint16_t *)vb, v_tok_stride, qstart[cur_i] + r0, nr, ctx[cur_i] - n + r0, g * G, G,
+                             D, Dv, scale, (uint16_t *)out, out_row_stride, scratch);
+        else
+            varlen_block(bf16, q, q_row_stride, kb, k_tok_stride, vb, v_tok_stride, qstart[cur_i] + r0, nr,
+                         ctx[cur_i] - n + r0, g * G, D, Dv, scale, out, out_row_stride, &d, scratch);
     }
+    if (amx) amx_tile_release();
     /* decode rows: one item per (sequence, KV head) */
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < S * KVH; item++) {

@@ -94,4 +94,29 @@ ALWAYS_INLINE void store_bf16_ps(uint16_t *p, __m512 v) {
     _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+/* in-register transpose of a 16x16 matrix of dwords (r[i] = row i on entry, column i on return) */
+ALWAYS_INLINE void transpose16_epi32(__m512i *r) {
+    __m512i t[16], s[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        s[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        s[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        s[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        s[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* s[4b + c] lane L = column 4L + c of rows 4b..4b+3 */
+    for (int c = 0; c < 4; c++) {
+        const __m512i a = _mm512_shuffle_i32x4(s[c], s[4 + c], 0x44), b = _mm512_shuffle_i32x4(s[c], s[4 + c], 0xEE);
+        const __m512i e = _mm512_shuffle_i32x4(s[8 + c], s[12 + c], 0x44);
+        const __m512i f = _mm512_shuffle_i32x4(s[8 + c], s[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
+    }
+}
+
 #endif

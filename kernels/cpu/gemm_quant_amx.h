@@ -42,7 +42,7 @@ static inline void xq_amx_pack_x(const uint16_t *x, int64_t M, int64_t K, int64_
         for (int i = 0; i < 16; i++)
             r[i] = m0 + i < M ? _mm512_maskz_loadu_epi32(mask, (const uint32_t *)(x + (m0 + i) * K) + kp0)
                               : _mm512_setzero_si512();
-        xq_transpose16(r); /* r[j] = pair kp0 + j of the 16 rows */
+        transpose16_epi32(r); /* r[j] = pair kp0 + j of the 16 rows */
         for (int64_t j = 0; j < n; j++) _mm512_storeu_si512((void *)(dst + (kp0 + j) * 16), r[j]);
     }
 }
@@ -102,7 +102,7 @@ AMX_TARGET static void xq_amx_team(const uint16_t *x, int64_t M, int64_t K, cons
                 _tile_stored(0, c, 64); /* c[n * 16 + m] */
                 __m512i r[16];
                 for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512((const void *)(c + i * 16));
-                xq_transpose16(r); /* r[m] = outputs n0 .. n0+15 of row m */
+                transpose16_epi32(r); /* r[m] = outputs n0 .. n0+15 of row m */
                 const int64_t rows = mrows - mb * 16 < 16 ? mrows - mb * 16 : 16;
                 for (int64_t i = 0; i < rows; i++) {
                     const int64_t m = mc0 + mb * 16 + i;

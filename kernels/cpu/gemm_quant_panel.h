@@ -28,31 +28,6 @@ ALWAYS_INLINE void xq_dequant_block(const int FMT, const XllmQWeight *W, int64_t
     *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), dv, mv);
 }
 
-/* in-register transpose of a 16x16 matrix of dwords (r[i] = row i on entry, column i on return) */
-ALWAYS_INLINE void xq_transpose16(__m512i *r) {
-    __m512i t[16], s[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        s[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        s[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        s[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        s[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    /* s[4b + c] lane L = column 4L + c of rows 4b..4b+3 */
-    for (int c = 0; c < 4; c++) {
-        const __m512i a = _mm512_shuffle_i32x4(s[c], s[4 + c], 0x44), b = _mm512_shuffle_i32x4(s[c], s[4 + c], 0xEE);
-        const __m512i e = _mm512_shuffle_i32x4(s[8 + c], s[12 + c], 0x44);
-        const __m512i f = _mm512_shuffle_i32x4(s[8 + c], s[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
-        r[4 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
-        r[8 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
-    }
-}
-
 /* weight rows n0 .. n0+47 (zeros past N) -> one packed panel (bf16 pairs or fp32, gemm_packed.h) */
 ALWAYS_INLINE void xq_panel(const int FMT, const XllmQWeight *W, int64_t K, int64_t N, int64_t n0, void *panel,
                             int bf16) {
@@ -71,12 +46,12 @@ ALWAYS_INLINE void xq_panel(const int FMT, const XllmQWeight *W, int64_t K, int6
                     rh[i] = _mm512_castps_si512(hi);
                 }
             }
-            xq_transpose16(rl);
+            transpose16_epi32(rl);
             if (bf16) { /* rl[j] = pair j (k = blk*32 + 2j, +1) of the 16 rows */
                 uint16_t *p = (uint16_t *)panel + (blk * 16) * 2 * GP_NR + g * 32;
                 for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(p + j * 2 * GP_NR), rl[j]);
             } else {
-                xq_transpose16(rh);
+                transpose16_epi32(rh);
                 float *p = (float *)panel + (blk * 32) * GP_NR + g * 16;
                 for (int j = 0; j < 16; j++) {
                     _mm512_storeu_si512((void *)(p + j * GP_NR), rl[j]);
