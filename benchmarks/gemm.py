@@ -11,7 +11,9 @@ Candidates per (dtype, shape, M):
   ``xllm.kernels.linear`` used for M > 8 before the packed kernel);
 - ``torch``: plain ``F.linear``;
 - ``skinny``: the native skinny GEMV of ``kernels/cpu/gemm.c`` (M <= 8 only);
-- ``packed``: the native blocked GEMM over packed weights (``kernels/cpu/gemm_packed.{h,c}``);
+- ``packed``: the native blocked GEMM over packed weights (``kernels/cpu/gemm_packed.{h,c}``), as the
+  model runs it (bf16 from 2 rows on AMX where the CPU has it); on an AMX CPU also its two kernels forced,
+  ``packed_avx512`` (``vdpbf16ps``) and ``packed_amx`` (``gemm_packed_amx.h``, K % 32 == 0);
 - ``int8`` (bf16 only, with ``--int8``): the W8A8 VNNI prototype (``kernels/cpu/gemm_int8.c``) with
   the activation quantization included in the time.
 
@@ -42,7 +44,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 SMOLLM2_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
                   "lm_head": (49152, 576)}
 MS = (1, 4, 8, 9, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048)
-CANDIDATES = ("onednn", "torch", "skinny", "packed", "int8")
+CANDIDATES = ("onednn", "torch", "skinny", "packed", "packed_avx512", "packed_amx", "int8")
 
 
 def _shapes(text: str) -> dict[str, tuple[int, int]]:
@@ -68,6 +70,7 @@ def _candidates(dtype, w, ms_max: int, int8: bool) -> dict[str, Callable]:
     from xllm.kernels.linear import linear
 
     out: dict[str, Callable] = {}
+    k = w.shape[1]
     od = torch.ops.mkldnn._reorder_linear_weight(w, 64)
     out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, od, None, "none", [], "")
     out["torch"] = lambda x: F.linear(x, w)
@@ -76,6 +79,10 @@ def _candidates(dtype, w, ms_max: int, int8: bool) -> dict[str, Callable]:
         pw = gemm.pack(w)
         if pw is not None:
             out["packed"] = lambda x: gemm.packed_linear(x, pw)
+            if dtype == torch.bfloat16 and gemm.amx_ready():  # the two kernels behind "packed", forced
+                out["packed_avx512"] = lambda x: gemm.packed_linear(x, pw, path="avx512")
+                if k % 32 == 0:
+                    out["packed_amx"] = lambda x: gemm.packed_linear(x, pw, path="amx")
         if int8 and dtype == torch.bfloat16:
             from benchmarks.gemm_int8 import Int8Weight
 
