@@ -4,11 +4,15 @@
  * q: G rows of D; keys k[t * k_stride .. + D], values v[t * v_stride .. + Dv] for t < len;
  * out: G rows of Dv (rounded to the storage type). scratch: >= G * len floats.
  * Scores via dot products (fp32 accumulation), softmax with the vectorized exp, then values
- * accumulated 16 lanes at a time.
+ * accumulated 16 lanes at a time. bf16 decode rows on a CPU with AMX take attend_decode_amx.h instead
+ * (attend_row_bf16 below, the entry of the decode loops).
  */
 #ifndef XLLM_CPU_ATTEND_H
 #define XLLM_CPU_ATTEND_H
 
+#include <omp.h>
+
+#include "attend_decode_amx.h"
 #include "common.h"
 
 ALWAYS_INLINE void softmax_rows(float *s, int64_t G, int64_t len) {
@@ -182,6 +186,58 @@ DEFINE_VALUES_REG(f32, float, _mm512_loadu_ps)
 #define XLLM_F32_ID(x) (x)
 DEFINE_ATTEND_GROUP(bf16, uint16_t, dot_bf16, load_bf16x16, bf16_to_f32, scores16_bf16, 32)
 DEFINE_ATTEND_GROUP(f32, float, dot_f32, _mm512_loadu_ps, XLLM_F32_ID, scores16_f32, 16)
+
+/* ---- one decode row's attention, the entry of the decode loops (attention.c, llama_decode.h, attend_varlen.h) ----
+ *
+ * A loop over decode items calls attend_decode_begin() on every thread before its `omp for` (1: bf16 rows take
+ * the AMX kernel, attend_decode_amx.h, whose tiles it configures; 0: attend_group per KV head) and
+ * attend_decode_end() after it. attend_row_{bf16,f32}(amx, ..) then attends the KV heads [g0, g1) of one row:
+ * query head h at q + h * D (heads packed), KV head g's key of position t at k + t * k_stride + g * D (value:
+ * v + t * v_stride + g * Dv), t < len; out + h * Dv gets the result rounded to T once. scratch: G * len + G * Dv
+ * floats (attend_group's; the AMX kernel keeps its state on the stack).
+ * attend_heads_per_item(): KV heads per item (1 or KVH) for `rows` decode rows over the current team: whole
+ * rows (the row's K and V positions stream once, in order, and no two threads share their pages) when there
+ * are at least 4 rows per thread, else one head per item (parallelism for a few rows).
+ */
+static inline int attend_decode_begin(int bf16, int64_t G, int64_t D, int64_t Dv) {
+    if (!bf16 || !ar_applies(1, G, D, Dv)) return 0;
+    ar_configure(G, D);
+    return 1;
+}
+
+static inline void attend_decode_end(int amx) {
+    if (amx) ar_release();
+}
+
+static inline int64_t attend_heads_per_item(int64_t rows, int64_t KVH, int64_t G, int64_t D, int64_t Dv) {
+    return rows >= 4 * (int64_t)omp_get_num_threads() && ar_fits(KVH, G, D, Dv) ? KVH : 1;
+}
+
+static inline void attend_row_bf16(int amx, const uint16_t *q, int64_t g0, int64_t g1, int64_t G, int64_t D,
+                                   const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                                   int64_t Dv, int64_t len, float scale, float *scratch, uint16_t *out) {
+    if (amx) {
+        attend_rows_bf16_amx(q + g0 * G * D, g1 - g0, G, D, k + g0 * D, k_stride, v + g0 * Dv, v_stride, Dv, len,
+                             scale, out + g0 * G * Dv);
+        return;
+    }
+    float *acc = scratch + G * len;
+    for (int64_t g = g0; g < g1; g++) {
+        attend_group_bf16(q + g * G * D, G, D, k + g * D, k_stride, v + g * Dv, v_stride, Dv, len, scale, scratch, acc);
+        for (int64_t j = 0; j < G * Dv; j++) out[g * G * Dv + j] = f32_to_bf16(acc[j]);
+    }
+}
+
+static inline void attend_row_f32(int amx, const float *q, int64_t g0, int64_t g1, int64_t G, int64_t D,
+                                  const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t Dv,
+                                  int64_t len, float scale, float *scratch, float *out) {
+    (void)amx; /* fp32 rows always take attend_group */
+    float *acc = scratch + G * len;
+    for (int64_t g = g0; g < g1; g++) {
+        attend_group_f32(q + g * G * D, G, D, k + g * D, k_stride, v + g * Dv, v_stride, Dv, len, scale, scratch, acc);
+        memcpy(out + g * G * Dv, acc, sizeof(float) * (size_t)(G * Dv));
+    }
+}
 
 
 #endif

@@ -22,8 +22,9 @@
  *   KVH, Dv) when D <= Dv), max_ctx >= every ctx[i].
  *
  * Work: one item per (chunk, KV head, block of query rows) for chunks of n_i > 1 rows, handed out
- * dynamically (most expensive blocks first), then one item per (decode row, KV head) (attend.h's
- * attend_group). A block holds BR rows x G heads = M query vectors (about VARLEN_M_TARGET),
+ * dynamically (most expensive blocks first), then one item per (decode row, KV head), or per decode row
+ * with all its KV heads when there are at least 4 rows per thread (attend.h's attend_row_*: on AMX, one
+ * pass over the row's K/V positions). A block holds BR rows x G heads = M query vectors (about VARLEN_M_TARGET),
  * laid out 16 to a vector lane group; over key tiles of VARLEN_KT keys it computes S^T (keys x
  * 16 queries) with _mm512_dpbf16_ps (bf16: a broadcast key pair times the transposed, pair-packed
  * queries) or FMA (fp32), skips tiles past the causal diagonal, updates the running max/sum per
@@ -353,27 +354,27 @@ ALWAYS_INLINE void varlen_team(const int bf16, const void *q, int64_t q_row_stri
     }
     if (amx) amx_tile_release();
     /* decode rows: one item per (sequence, KV head) */
+    /* ... or per sequence with all its KV heads when there are enough rows (attend.h's attend_row_*) */
+    int64_t n_dec = 0;
+    for (int64_t i = 0; i < S; i++) n_dec += qstart[i + 1] - qstart[i] == 1;
+    const int64_t hpi = attend_heads_per_item(n_dec, KVH, G, D, Dv), per = KVH / hpi;
+    const int amx_dec = n_dec > 0 && attend_decode_begin(bf16, G, D, Dv);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < S * KVH; item++) {
-        const int64_t i = item / KVH, g = item % KVH, t = qstart[i];
+    for (int64_t item = 0; item < S * per; item++) {
+        const int64_t i = item / per, g0 = item % per * hpi, t = qstart[i];
         if (qstart[i + 1] - t != 1) continue;
-        float *sc = scratch, *acc = scratch + G * ctx[i];
-        if (bf16) {
-            attend_group_bf16((const uint16_t *)q + t * q_row_stride + g * G * D, G, D,
-                              (const uint16_t *)k_cache + slots[i] * k_slot_stride + g * D, k_tok_stride,
-                              (const uint16_t *)v_cache + slots[i] * v_slot_stride + g * Dv, v_tok_stride, Dv,
-                              ctx[i], scale, sc, acc);
-            uint16_t *o = (uint16_t *)out + t * out_row_stride + g * G * Dv;
-            for (int64_t j = 0; j < G * Dv; j++) o[j] = f32_to_bf16(acc[j]);
-        } else {
-            attend_group_f32((const float *)q + t * q_row_stride + g * G * D, G, D,
-                             (const float *)k_cache + slots[i] * k_slot_stride + g * D, k_tok_stride,
-                             (const float *)v_cache + slots[i] * v_slot_stride + g * Dv, v_tok_stride, Dv, ctx[i],
-                             scale, sc, acc);
-            float *o = (float *)out + t * out_row_stride + g * G * Dv;
-            for (int64_t j = 0; j < G * Dv; j++) o[j] = acc[j];
-        }
+        if (bf16)
+            attend_row_bf16(amx_dec, (const uint16_t *)q + t * q_row_stride, g0, g0 + hpi, G, D,
+                            (const uint16_t *)k_cache + slots[i] * k_slot_stride, k_tok_stride,
+                            (const uint16_t *)v_cache + slots[i] * v_slot_stride, v_tok_stride, Dv, ctx[i], scale,
+                            scratch, (uint16_t *)out + t * out_row_stride);
+        else
+            attend_row_f32(0, (const float *)q + t * q_row_stride, g0, g0 + hpi, G, D,
+                           (const float *)k_cache + slots[i] * k_slot_stride, k_tok_stride,
+                           (const float *)v_cache + slots[i] * v_slot_stride, v_tok_stride, Dv, ctx[i], scale, scratch,
+                           (float *)out + t * out_row_stride);
     }
+    attend_decode_end(amx_dec);
 }
 
 static inline void varlen_attention_team_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache,

@@ -2,7 +2,7 @@
  *
  * Macros: T (storage type), SFX (name suffix), TOF(x) (T -> float), RND(f) (float -> float
  * rounded to T's precision), STORE(f) (float -> T), DOT (T dot product), GEMV_ROW (one output
- * row of x[B,K] . w[K] for all B rows into float acc[B]).
+ * row of x[B,K] . w[K] for all B rows into float acc[B]), ATTEND_ROW (attend.h's attend_row_*).
  */
 
 /* y[b, n] = x[b, :] . W[n, :] (+ bias[n]), rounded to T, rows split across the team.
@@ -238,7 +238,10 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
             /* per (run, kv head): q/k norm + RoPE of the group's heads, KV write, attention. A run is
              * a row and the rows after it in the same slot at the next positions (a speculative verify
              * chunk: its last known token and its drafts); one thread does a run's rows in order, so a
-             * row attends over the K/V its predecessors just wrote. Plain decode: one row per run. */
+             * row attends over the K/V its predecessors just wrote. Plain decode: one row per run. bf16 rows
+             * attend on AMX where it applies (attend.h's attend_row_*; the tiles configured per layer, as the
+             * GEMMs configure theirs). */
+            const int amx_dec = !c->kv_quant && attend_decode_begin(IS_BF16, G, hd, hd);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < n_runs * nkv; item++) {
                 const int64_t r = item / nkv, g = item % nkv;
@@ -275,12 +278,11 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
                     T *vc = (T *)L->v_cache + slots[b] * c->v_slot_stride + g * hd;
                     memcpy(kc + pos * c->k_tok_stride, kh, hd * sizeof(T));
                     memcpy(vc + pos * c->v_tok_stride, vh, hd * sizeof(T));
-                    float *s = scores, *acc = scores + G * max_len;
-                    ATTEND(row + g * G * hd, G, hd, kc, c->k_tok_stride, vc, c->v_tok_stride, hd, len, c->scale, s,
-                           acc);
-                    for (int64_t j = 0; j < G * hd; j++) attn[b * nh * hd + g * G * hd + j] = STORE(acc[j]);
+                    ATTEND_ROW(amx_dec, row + g * G * hd, 0, 1, G, hd, kc, c->k_tok_stride, vc, c->v_tok_stride, hd,
+                               len, c->scale, scores, attn + b * nh * hd + g * G * hd);
                 }
             }
+            attend_decode_end(amx_dec);
             MARK(3);
             CAT(project_team_, SFX)(attn, B, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, &L->o_q, Hd,
                                     (const T *)L->o_b, hidden);

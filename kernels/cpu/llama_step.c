@@ -125,7 +125,7 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #define GEMV_ROW gemv_row_bf16
 #define VRND(v) round_bf16_ps(v)
 #define VSTORE(p, v) store_bf16_ps(p, v)
-#define ATTEND attend_group_bf16
+#define ATTEND_ROW attend_row_bf16
 #define VLOAD(p) load_bf16x16(p)
 #define GEMM_PACKED_TEAM(x, M, K, Wp, N, bias, y) gemm_packed_team_bf16(x, K, M, K, Wp, N, bias, y, N, 1)
 #define ATTN_TEAM varlen_attention_team_bf16
@@ -144,7 +144,7 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #undef GEMV_ROW
 #undef VRND
 #undef VSTORE
-#undef ATTEND
+#undef ATTEND_ROW
 #undef VLOAD
 #undef GEMM_PACKED_TEAM
 #undef ATTN_TEAM
@@ -162,7 +162,7 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #define GEMV_ROW gemv_row_f32
 #define VRND(v) (v)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
-#define ATTEND attend_group_f32
+#define ATTEND_ROW attend_row_f32
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define GEMM_PACKED_TEAM(x, M, K, Wp, N, bias, y) gemm_packed_team_f32(x, K, M, K, Wp, N, bias, y, N)
 #define ATTN_TEAM varlen_attention_team_f32

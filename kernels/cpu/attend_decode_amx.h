@@ -1,0 +1,305 @@
+/* Decode attention on AMX (bf16): one decode row's query heads over its contiguous context, all the row's KV
+ * heads in one pass (included by attend.h; attend_row_bf16 takes it where ar_applies()).
+ *
+ * attend_rows_bf16_amx(q, KVH, G, D, k, k_stride, v, v_stride, Dv, len, scale, out): query head h = g * G + j
+ * (g < KVH, j < G) at q + h * D attends over the keys k + t * k_stride + g * D and values v + t * v_stride +
+ * g * Dv for t < len (nothing past len is read); out + h * Dv gets softmax(q_h . K^T * scale) . V, rounded
+ * to bf16 once.
+ *
+ * The positions go in blocks of AR_KB; per block, each KV head in turn:
+ *   - scores S^T = K . Q^T on AMX: per 16 keys one C tile of 16 keys x GP fp32 (GP = G rounded up to a power
+ *     of two, so lane l of a 16-lane score vector is query l % GP and per-query reductions are lane
+ *     rotations), A = the 16 key rows as they lie in the cache (D / 32 tiles of 32 channels), B = the
+ *     head's queries as channel pairs (arranged once per call, zero columns past G);
+ *   - the online softmax step in fp32: scale, the block's max per query, the running max, exp(s - m) with
+ *     the vectorized exp, the running sum, and the rescale of the accumulators by exp(m_old - m_new) where
+ *     the max moved (the running max is subtracted exactly at every block, as varlen_block does);
+ *   - P.V with fp32 FMAs: a 32-channel piece of a value row is one 64-byte load split into its even channels
+ *     (the low halves shifted up) and odd channels (the high halves masked): two fp32 vectors without the
+ *     widening shuffle. The accumulators stay in that split order and are put back in channel order at the
+ *     end, divided by the sum.
+ * So a row's K and V position rows stream through once, in order, and every row is fetched AR_PF positions
+ * ahead. Work per key and query: two TDPBF16PS rows (D = 64), 1/4 of a vector exp, Dv/16 FMAs.
+ *
+ * Arithmetic: exact bf16 products summed in fp32 (TDPBF16PS, denormals flushed; a different summation order
+ * from VDPBF16PS), fp32 softmax and fp32 P.V (the probabilities are not rounded), one rounding of the output.
+ *
+ * Contract: ar_applies(KVH, G, D, Dv) (G <= 16, D % 32 == 0, D <= 128, Dv % 32 == 0, amx_ready(), the
+ * per-call stack buffers) and this thread's tiles configured by ar_configure(G, D); ar_release() gives them
+ * back (other AMX kernels load their own configuration).
+ */
+#ifndef XLLM_CPU_ATTEND_DECODE_AMX_H
+#define XLLM_CPU_ATTEND_DECODE_AMX_H
+
+#include "amx.h"
+#include "common.h"
+
+#define AR_KB 32        /* positions per block */
+#define AR_PF 16        /* positions of prefetch distance */
+#define AR_MAX_G 16     /* queries per KV head (C tile columns) */
+#define AR_MAX_D 128    /* D / 32 A tiles of keys per 16-key step (B tiles 4..7) */
+#define AR_MAX_HD 8192  /* KVH * GP * D / 2 and KVH * G * Dv (stack buffers of one call) */
+
+/* G rounded up to a power of two (the C tile's columns) */
+static inline int64_t ar_gp(int64_t G) {
+    int64_t gp = 1;
+    while (gp < G) gp *= 2;
+    return gp;
+}
+
+/* whether one call's stack buffers hold KVH heads */
+static inline int ar_fits(int64_t KVH, int64_t G, int64_t D, int64_t Dv) {
+    return KVH * ar_gp(G) * D / 2 <= AR_MAX_HD && KVH * G * Dv <= AR_MAX_HD;
+}
+
+static inline int ar_applies(int64_t KVH, int64_t G, int64_t D, int64_t Dv) {
+    return G >= 1 && G <= AR_MAX_G && D % 32 == 0 && D <= AR_MAX_D && Dv % 32 == 0 && ar_fits(KVH, G, D, Dv) &&
+           amx_ready();
+}
+
+/* tiles 0, 1: C (16 keys x GP fp32); 2, 3: A (16 keys x 32 bf16); 4 .. 3 + D/32: B (16 channel pairs x GP) */
+AMX_TARGET static inline void ar_configure(int64_t G, int64_t D) {
+    AmxTileCfg cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    for (int t = 0; t < 4 + D / 32; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = (uint16_t)(t == 2 || t == 3 ? 64 : 4 * ar_gp(G));
+    }
+    _tile_loadconfig(&cfg);
+}
+
+AMX_TARGET static inline void ar_release(void) { _tile_release(); }
+
+/* C tile CT = 16 key rows (kstride elements apart) . the head's queries (B tiles 4..), NB 32-channel steps */
+#define AR_SCORES16(CT, kp, kstride, NB)                 \
+    do {                                                 \
+        _tile_zero(CT);                                  \
+        _tile_loadd(2, (kp), (kstride) * 2);             \
+        _tile_dpbf16ps(CT, 2, 4);                        \
+        if (NB > 1) {                                    \
+            _tile_loadd(3, (kp) + 32, (kstride) * 2);    \
+            _tile_dpbf16ps(CT, 3, 5);                    \
+        }                                                \
+        if (NB > 2) {                                    \
+            _tile_loadd(2, (kp) + 64, (kstride) * 2);    \
+            _tile_dpbf16ps(CT, 2, 6);                    \
+        }                                                \
+        if (NB > 3) {                                    \
+            _tile_loadd(3, (kp) + 96, (kstride) * 2);    \
+            _tile_dpbf16ps(CT, 3, 7);                    \
+        }                                                \
+    } while (0)
+
+#define AR_SCORES16_NB(CT, kp, kstride, nb)                  \
+    switch (nb) {                                            \
+    case 1: AR_SCORES16(CT, kp, kstride, 1); break;          \
+    case 2: AR_SCORES16(CT, kp, kstride, 2); break;          \
+    case 3: AR_SCORES16(CT, kp, kstride, 3); break;          \
+    default: AR_SCORES16(CT, kp, kstride, 4); break;         \
+    }
+
+/* the B tiles of one head's queries (qt: [D/2 pairs][GP] dwords) */
+AMX_TARGET static inline void ar_load_queries(const uint32_t *qt, int64_t GP, int64_t D) {
+    const int64_t nb = D / 32;
+    _tile_loadd(4, qt, 4 * GP);
+    if (nb > 1) _tile_loadd(5, qt + 16 * GP, 4 * GP);
+    if (nb > 2) _tile_loadd(6, qt + 32 * GP, 4 * GP);
+    if (nb > 3) _tile_loadd(7, qt + 48 * GP, 4 * GP);
+}
+
+/* s[t * GP + j] = q_j . k_t for t < nk (unscaled), key rows k_stride apart; a last partial 16 through a
+ * zero-padded copy. Prefetches the K / V bytes [0, pkb) / [0, pvb) of rows t < npf at pk / pv (rows
+ * k_stride / v_stride apart), one 16-key step at a time. */
+AMX_TARGET static inline void ar_scores_block(const uint16_t *k, int64_t k_stride, int64_t nk, int64_t GP, int64_t D,
+                                              float *s, const char *pk, int64_t pkb, const char *pv, int64_t pvb,
+                                              int64_t v_stride, int64_t npf) {
+    const int64_t nb = D / 32;
+    for (int64_t t0 = 0; t0 < nk; t0 += 16) {
+        for (int64_t t = t0; t < t0 + 16 && t < npf; t++) {
+            for (int64_t off = 0; off < pkb; off += 64) _mm_prefetch(pk + t * k_stride * 2 + off, _MM_HINT_T0);
+            for (int64_t off = 0; off < pvb; off += 64) _mm_prefetch(pv + t * v_stride * 2 + off, _MM_HINT_T0);
+        }
+        if (t0 + 16 > nk) {
+            uint16_t kt[16 * AR_MAX_D] __attribute__((aligned(64)));
+            memset(kt, 0, sizeof(uint16_t) * (size_t)(16 * D));
+            for (int64_t t = t0; t < nk; t++) memcpy(kt + (t - t0) * D, k + t * k_stride, (size_t)(D * 2));
+            AR_SCORES16_NB(0, kt, D, nb);
+            _tile_stored(0, s + t0 * GP, 4 * GP);
+        } else if ((t0 / 16) & 1) { /* alternate C tiles: a step's products need not wait for the last store */
+            AR_SCORES16_NB(1, k + t0 * k_stride, k_stride, nb);
+            _tile_stored(1, s + t0 * GP, 4 * GP);
+        } else {
+            AR_SCORES16_NB(0, k + t0 * k_stride, k_stride, nb);
+            _tile_stored(0, s + t0 * GP, 4 * GP);
+        }
+    }
+}
+
+/* lane l of x combined (OP) with lanes l + GP, l + 2 GP, ..: every lane then holds its query's total */
+#define AR_ROT(x, n) _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(x), _mm512_castps_si512(x), n))
+#define AR_FOLD(OP, x, GP)                         \
+    do {                                           \
+        if ((GP) <= 8) x = OP(x, AR_ROT(x, 8));    \
+        if ((GP) <= 4) x = OP(x, AR_ROT(x, 4));    \
+        if ((GP) <= 2) x = OP(x, AR_ROT(x, 2));    \
+        if ((GP) <= 1) x = OP(x, AR_ROT(x, 1));    \
+    } while (0)
+
+/* online softmax step over one block's scores s[nk * GP] (unscaled, the C tiles' lane pattern):
+ * s = exp(s * scale - m_new) in place; *m, *l (running max and sum, lane patterns) updated; returns
+ * alpha = exp(m_old - m_new) (0 while m_old = -inf) as a lane pattern */
+static inline __m512 ar_softmax_block(float *s, int64_t GP, int64_t nk, float scale, __m512 *m, __m512 *l) {
+    const int64_t nv = nk * GP / 16, rem = nk * GP - 16 * nv;
+    const __m512 sc = _mm512_set1_ps(scale);
+    const __mmask16 mk = (__mmask16)((1u << rem) - 1);
+    __m512 mx = _mm512_set1_ps(-INFINITY), sm = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nv; i++) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * i), sc);
+        _mm512_storeu_ps(s + 16 * i, x);
+        mx = _mm512_max_ps(mx, x);
+    }
+    if (rem) {
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, s + 16 * nv), sc);
+        _mm512_mask_storeu_ps(s + 16 * nv, mk, x);
+        mx = _mm512_mask_max_ps(mx, mk, mx, x);
+    }
+    AR_FOLD(_mm512_max_ps, mx, GP);
+    const __m512 mo = *m, mn = _mm512_max_ps(mo, mx);
+    for (int64_t i = 0; i < nv; i++) {
+        const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * i), mn));
+        _mm512_storeu_ps(s + 16 * i, p);
+        sm = _mm512_add_ps(sm, p);
+    }
+    if (rem) {
+        const __m512 p = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + 16 * nv), mn)));
+        _mm512_mask_storeu_ps(s + 16 * nv, mk, p);
+        sm = _mm512_add_ps(sm, p);
+    }
+    AR_FOLD(_mm512_add_ps, sm, GP);
+    const __mmask16 seen = _mm512_cmp_ps_mask(mo, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m512 alpha = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(mo, mn)));
+    *l = _mm512_fmadd_ps(*l, alpha, sm);
+    *m = mn;
+    return alpha;
+}
+
+/* acc rows j0 .. j0 + J - 1 (Dv apart), channels [c0, c0 + 32 NZ) in the split order ([even 16][odd 16] per
+ * 32 channels) += sum over t < nk of p[t * GP + j] * v[t * v_stride + ..]; J, NZ compile-time per instance */
+ALWAYS_INLINE void ar_values(const float *p, int64_t GP, int64_t j0, const int J, const uint16_t *v, int64_t v_stride,
+                             int64_t c0, const int NZ, int64_t nk, float *acc, int64_t Dv) {
+    __m512 a[8][4];
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int j = 0; j < J; j++)
+        for (int c = 0; c < 2 * NZ; c++) a[j][c] = _mm512_loadu_ps(acc + (j0 + j) * Dv + c0 + 16 * c);
+    for (int64_t t = 0; t < nk; t++) {
+        const uint16_t *vt = v + t * v_stride + c0;
+        __m512 x[4];
+        for (int z = 0; z < NZ; z++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(vt + 32 * z));
+            x[2 * z] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            x[2 * z + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
+        }
+        const float *pt = p + t * GP + j0;
+        for (int j = 0; j < J; j++) {
+            const __m512 pj = _mm512_set1_ps(pt[j]);
+            for (int c = 0; c < 2 * NZ; c++) a[j][c] = _mm512_fmadd_ps(pj, x[c], a[j][c]);
+        }
+    }
+    for (int j = 0; j < J; j++)
+        for (int c = 0; c < 2 * NZ; c++) _mm512_storeu_ps(acc + (j0 + j) * Dv + c0 + 16 * c, a[j][c]);
+}
+
+/* P.V of one head's block: pieces of 64 channels (groups of up to 6 queries) and a last 32 (up to 8) */
+static inline void ar_values_block(const float *p, int64_t G, int64_t GP, const uint16_t *v, int64_t v_stride,
+                                   int64_t nk, float *acc, int64_t Dv) {
+#define AR_V(JJ, ZZ) ar_values(p, GP, j0, JJ, v, v_stride, c0, ZZ, nk, acc, Dv)
+    for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+        const int two = Dv - c0 >= 64;
+        const int64_t jg = two ? 6 : 8;
+        for (int64_t j0 = 0; j0 < G; j0 += jg) {
+            const int64_t J = G - j0 < jg ? G - j0 : jg;
+            if (two) {
+                switch (J) {
+                case 1: AR_V(1, 2); break;
+                case 2: AR_V(2, 2); break;
+                case 3: AR_V(3, 2); break;
+                case 4: AR_V(4, 2); break;
+                case 5: AR_V(5, 2); break;
+                default: AR_V(6, 2); break;
+                }
+            } else {
+                switch (J) {
+                case 1: AR_V(1, 1); break;
+                case 2: AR_V(2, 1); break;
+                case 3: AR_V(3, 1); break;
+                case 4: AR_V(4, 1); break;
+                case 5: AR_V(5, 1); break;
+                case 6: AR_V(6, 1); break;
+                case 7: AR_V(7, 1); break;
+                default: AR_V(8, 1); break;
+                }
+            }
+        }
+    }
+#undef AR_V
+}
+
+static inline void attend_rows_bf16_amx(const uint16_t *q, int64_t KVH, int64_t G, int64_t D, const uint16_t *k,
+                                        int64_t k_stride, const uint16_t *v, int64_t v_stride, int64_t Dv,
+                                        int64_t len, float scale, uint16_t *out) {
+    const int64_t GP = ar_gp(G), H = KVH * G;
+    uint32_t qt[AR_MAX_HD] __attribute__((aligned(64)));
+    float acc[AR_MAX_HD] __attribute__((aligned(64))), s[AR_KB * AR_MAX_G] __attribute__((aligned(64))), al[16];
+    __m512 m[AR_MAX_HD / 32], l[AR_MAX_HD / 32];
+    memset(qt, 0, sizeof(uint32_t) * (size_t)(KVH * D / 2 * GP));
+    for (int64_t g = 0; g < KVH; g++) {
+        for (int64_t p = 0; p < D / 2; p++)
+            for (int64_t j = 0; j < G; j++) memcpy(qt + (g * D / 2 + p) * GP + j, q + (g * G + j) * D + 2 * p, 4);
+        m[g] = _mm512_set1_ps(-INFINITY);
+        l[g] = _mm512_setzero_ps();
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(H * Dv));
+    for (int64_t t = 0; t < AR_PF && t < len; t++) { /* the first rows; the others AR_PF ahead of their use */
+        for (int64_t off = 0; off < KVH * D * 2; off += 64) _mm_prefetch((const char *)(k + t * k_stride) + off, _MM_HINT_T0);
+        for (int64_t off = 0; off < KVH * Dv * 2; off += 64) _mm_prefetch((const char *)(v + t * v_stride) + off, _MM_HINT_T0);
+    }
+    for (int64_t b0 = 0; b0 < len; b0 += AR_KB) {
+        const int64_t nk = len - b0 < AR_KB ? len - b0 : AR_KB;
+        for (int64_t g = 0; g < KVH; g++) {
+            const uint16_t *kg = k + b0 * k_stride + g * D, *vg = v + b0 * v_stride + g * Dv;
+            float *ag = acc + g * G * Dv;
+            ar_load_queries(qt + g * D / 2 * GP, GP, D);
+            ar_scores_block(kg, k_stride, nk, GP, D, s, (const char *)(kg + AR_PF * k_stride), D * 2,
+                            (const char *)(vg + AR_PF * v_stride), Dv * 2, v_stride, len - b0 - AR_PF);
+            const __m512 alpha = ar_softmax_block(s, GP, nk, scale, m + g, l + g);
+            if (b0 > 0 && (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) & ((1u << G) - 1))) {
+                _mm512_storeu_ps(al, alpha);
+                for (int64_t j = 0; j < G; j++) {
+                    const __m512 a = _mm512_set1_ps(al[j]);
+                    for (int64_t c = 0; c < Dv; c += 16)
+                        _mm512_storeu_ps(ag + j * Dv + c, _mm512_mul_ps(_mm512_loadu_ps(ag + j * Dv + c), a));
+                }
+            }
+            ar_values_block(s, G, GP, vg, v_stride, nk, ag, Dv);
+        }
+    }
+    /* back to channel order (lane i of a piece's even / odd vector is channel 2i / 2i + 1), / sum, bf16 */
+    const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int64_t g = 0; g < KVH; g++) {
+        _mm512_storeu_ps(al, l[g]);
+        for (int64_t j = 0; j < G; j++) {
+            const int64_t h = g * G + j;
+            const __m512 iv = _mm512_set1_ps(1.0f / al[j]);
+            for (int64_t c = 0; c < Dv; c += 32) {
+                const float *a = acc + h * Dv + c;
+                const __m512 ev = _mm512_loadu_ps(a), od = _mm512_loadu_ps(a + 16);
+                store_bf16_ps(out + h * Dv + c, _mm512_mul_ps(_mm512_permutex2var_ps(ev, lo_idx, od), iv));
+                store_bf16_ps(out + h * Dv + c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(ev, hi_idx, od), iv));
+            }
+        }
+    }
+}
+
+#endif
