@@ -39,6 +39,7 @@
 #define AR_MAX_G 16     /* queries per KV head (C tile columns) */
 #define AR_MAX_D 128    /* D / 32 A tiles of keys per 16-key step (B tiles 4..7) */
 #define AR_MAX_HD 8192  /* KVH * GP * D / 2 and KVH * G * Dv (stack buffers of one call) */
+#define AR_MAX_KVH 64   /* KV heads per call */
 
 /* G rounded up to a power of two (the C tile's columns) */
 static inline int64_t ar_gp(int64_t G) {
@@ -49,7 +50,7 @@ static inline int64_t ar_gp(int64_t G) {
 
 /* whether one call's stack buffers hold KVH heads */
 static inline int ar_fits(int64_t KVH, int64_t G, int64_t D, int64_t Dv) {
-    return KVH * ar_gp(G) * D / 2 <= AR_MAX_HD && KVH * G * Dv <= AR_MAX_HD;
+    return KVH <= AR_MAX_KVH && KVH * ar_gp(G) * D / 2 <= AR_MAX_HD && KVH * G * Dv <= AR_MAX_HD;
 }
 
 static inline int ar_applies(int64_t KVH, int64_t G, int64_t D, int64_t Dv) {
@@ -251,7 +252,7 @@ static inline void attend_rows_bf16_amx(const uint16_t *q, int64_t KVH, int64_t 
     const int64_t GP = ar_gp(G), H = KVH * G;
     uint32_t qt[AR_MAX_HD] __attribute__((aligned(64)));
     float acc[AR_MAX_HD] __attribute__((aligned(64))), s[AR_KB * AR_MAX_G] __attribute__((aligned(64))), al[16];
-    __m512 m[AR_MAX_HD / 32], l[AR_MAX_HD / 32];
+    __m512 m[AR_MAX_KVH], l[AR_MAX_KVH];
     memset(qt, 0, sizeof(uint32_t) * (size_t)(KVH * D / 2 * GP));
     for (int64_t g = 0; g < KVH; g++) {
         for (int64_t p = 0; p < D / 2; p++)

@@ -197,6 +197,12 @@ def _load() -> NativeLibrary | None:
         return None
 
 
+def build_from(src: pathlib.Path) -> NativeLibrary:
+    """A library built from other kernel sources (a ``kernels/cpu`` directory), cached like the default one:
+    benchmarks load it beside :func:`library` for a before/after of a kernel change in one process."""
+    return NativeLibrary(_build(src))
+
+
 def library() -> NativeLibrary | None:
     """The loaded native library, building it on first use; None means use torch."""
     with _lock:
