@@ -67,7 +67,9 @@ AMX_TARGET static inline void ar_configure(int64_t G, int64_t D) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = (uint16_t)(t == 2 || t == 3 ? 64 : 4 * ar_gp(G));
     }
-    _tile_loadconfig(&cfg);
+    /* not _tile_loadconfig: GCC 12 declares its operand as an 8-byte read, so once inlined the stores of the
+     * other 56 bytes may be dropped as dead (seen: a #GP on a garbage configuration) */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 AMX_TARGET static inline void ar_release(void) { _tile_release(); }
