@@ -50,6 +50,11 @@ static inline int amx_ready(void) {
     return amx_ok;
 }
 
+/* loads a tile configuration. Not _tile_loadconfig: GCC 12 declares its operand as an 8-byte read, so once
+ * inlined (into an OpenMP region) the stores of the other 56 bytes may be dropped as dead and ldtilecfg
+ * faults on a garbage configuration (seen in a standalone test program); this asm reads the whole struct. */
+AMX_TARGET static inline void amx_load_config(const AmxTileCfg *cfg) { __asm__ volatile("ldtilecfg %0" : : "m"(*cfg)); }
+
 AMX_TARGET static inline void amx_configure_16x64(int n_tiles) {
     AmxTileCfg cfg;
     memset(&cfg, 0, sizeof(cfg));
@@ -58,7 +63,7 @@ AMX_TARGET static inline void amx_configure_16x64(int n_tiles) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    amx_load_config(&cfg);
 }
 
 /* releases the tiles (the end of an AMX kernel's work on this thread) */

@@ -67,7 +67,7 @@ AMX_TARGET static inline void ar_configure(int64_t G, int64_t D) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = (uint16_t)(t == 2 || t == 3 ? 64 : 4 * ar_gp(G));
     }
-    _tile_loadconfig(&cfg);
+    amx_load_config(&cfg);
 }
 
 AMX_TARGET static inline void ar_release(void) { _tile_release(); }
