@@ -1,10 +1,12 @@
-/* AMX (Advanced Matrix Extensions) support shared by the AMX kernels (gemm_packed_amx.h, gemm_quant_amx.h):
- * the one-time probe and the tile configuration both use.
+/* AMX (Advanced Matrix Extensions) support shared by every AMX kernel (gemm_packed_amx.h, gemm_quant_amx.h,
+ * attend_amx.h, attend_decode_amx.h): the one-time probe, loading a tile configuration, releasing the tiles.
  *
  * amx_ready(): CPUID has AMX-TILE and AMX-BF16, the kernel granted this process tile data (arch_prctl
  * ARCH_REQ_XCOMP_PERM, asked once per process), and XLLM_AMX is not "0". The probe runs once
  * (pthread_once); its result never changes afterwards.
- * amx_configure_16x64(n): loads palette 1 with tiles 0..n-1 each 16 rows x 64 bytes (the only shape the
+ * amx_load_config(cfg): loads any configuration (attend_decode_amx.h builds its own); amx_tile_release()
+ * gives the tiles back at the end of a kernel's work on a thread.
+ * amx_configure_16x64(n): loads palette 1 with tiles 0..n-1 each 16 rows x 64 bytes (the shape the other
  * kernels use: C 16 x 16 fp32, A 16 x 32 bf16, B 16 k-pairs x 16 x 2 bf16). A kernel loads it at the start
  * of its call on every thread and releases the tiles at the end (oneDNN, in the same process, uses AMX
  * with its own configurations).

@@ -206,7 +206,7 @@ static inline int attend_decode_begin(int bf16, int64_t G, int64_t D, int64_t Dv
 }
 
 static inline void attend_decode_end(int amx) {
-    if (amx) ar_release();
+    if (amx) amx_tile_release();
 }
 
 static inline int64_t attend_heads_per_item(int64_t rows, int64_t KVH, int64_t G, int64_t D, int64_t Dv) {

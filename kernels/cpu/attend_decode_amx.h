@@ -25,7 +25,7 @@
  * from VDPBF16PS), fp32 softmax and fp32 P.V (the probabilities are not rounded), one rounding of the output.
  *
  * Contract: ar_applies(KVH, G, D, Dv) (G <= 16, D % 32 == 0, D <= 128, Dv % 32 == 0, amx_ready(), the
- * per-call stack buffers) and this thread's tiles configured by ar_configure(G, D); ar_release() gives them
+ * per-call stack buffers) and this thread's tiles configured by ar_configure(G, D); amx_tile_release() gives them
  * back (other AMX kernels load their own configuration).
  */
 #ifndef XLLM_CPU_ATTEND_DECODE_AMX_H
@@ -70,7 +70,6 @@ AMX_TARGET static inline void ar_configure(int64_t G, int64_t D) {
     amx_load_config(&cfg);
 }
 
-AMX_TARGET static inline void ar_release(void) { _tile_release(); }
 
 /* C tile CT = 16 key rows (kstride elements apart) . the head's queries (B tiles 4..), NB 32-channel steps */
 #define AR_SCORES16(CT, kp, kstride, NB)                 \

@@ -102,7 +102,7 @@ AMX_TARGET static void gemm_packed_amx_team_bf16(const uint16_t *x, int64_t ldx,
             gpa_store(c, m0 + r - s, rows - r < 16 ? rows - r : 16, bv, yp, ldy, s, out_bf16, ncols);
         }
     }
-    _tile_release();
+    amx_tile_release();
 #pragma omp barrier
     free(pad);
 }

@@ -29,9 +29,6 @@
 /* whether xq_linear_team takes the AMX path for this product */
 static inline int xq_amx_applies(int x_bf16, int64_t M) { return x_bf16 && M >= XQ_AMX_MIN_M && amx_ready(); }
 
-/* tmm0 C (16 x 16 fp32), tmm1 A (16 x 32 bf16), tmm2 B (16 k-pairs x 16 x 2) */
-AMX_TARGET static inline void xq_amx_configure(void) { amx_configure_16x64(3); }
-
 /* x rows [m0, m0 + 16) (rows >= M zero) as VNNI pairs: dst[kp * 16 + i] = the bf16 pair (2kp, 2kp+1) of row m0 + i */
 static inline void xq_amx_pack_x(const uint16_t *x, int64_t M, int64_t K, int64_t m0, uint32_t *dst) {
     const int64_t kps = K / 2;
@@ -78,7 +75,7 @@ AMX_TARGET static void xq_amx_team(const uint16_t *x, int64_t M, int64_t K, cons
     const int64_t groups = (N + 15) / 16, mch = M < XQ_AMX_MCHUNK ? M : XQ_AMX_MCHUNK;
     uint32_t *xp = (uint32_t *)aligned_alloc(64, (size_t)(((mch + 15) / 16) * (K / 2) * 16 * 4));
     uint16_t *wbuf = (uint16_t *)aligned_alloc(64, (size_t)(16 * K * 2));
-    xq_amx_configure();
+    amx_configure_16x64(3); /* tmm0 C (16 x 16 fp32), tmm1 A (16 x 32 bf16), tmm2 B (16 k-pairs x 16 x 2) */
     for (int64_t mc0 = 0; mc0 < M; mc0 += XQ_AMX_MCHUNK) {
         const int64_t mrows = M - mc0 < XQ_AMX_MCHUNK ? M - mc0 : XQ_AMX_MCHUNK, mblocks = (mrows + 15) / 16;
         const uint16_t *xc = x + mc0 * K;
@@ -115,7 +112,7 @@ AMX_TARGET static void xq_amx_team(const uint16_t *x, int64_t M, int64_t K, cons
             }
         }
     }
-    _tile_release();
+    amx_tile_release();
 #pragma omp barrier
     free(wbuf);
     free(xp);
