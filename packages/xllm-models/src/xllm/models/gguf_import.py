@@ -75,14 +75,13 @@ def convert_gguf(gguf_path: str | pathlib.Path, out_dir: str | pathlib.Path, pro
     later call with ``weights`` adds the safetensors to such a directory
     (atomically too). Returns ``out_dir``.
     """
-    import gguf
 
     gguf_path, out_dir = pathlib.Path(gguf_path), pathlib.Path(out_dir)
     if (out_dir / "config.json").is_file():  # the metadata is there: add the weights only
         if weights and not any(out_dir.glob("*.safetensors")):
-            _write_weights(gguf.GGUFReader(str(gguf_path)), gguf_path, out_dir, progress)
+            _write_weights(gguf_path, out_dir, progress)
         return out_dir
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, TokenizersBackend
 
     from xllm.models.gguf_weights import gguf_tensors
 
@@ -98,13 +97,15 @@ def convert_gguf(gguf_path: str | pathlib.Path, out_dir: str | pathlib.Path, pro
         config.architectures = ["LlamaForCausalLM"]
         config.dtype = "float32"
         config.save_pretrained(tmp)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        # the class AutoTokenizer picks for a GGUF (transformers 5 builds the backend from the file's tokenizer
+        # type), called directly: AutoTokenizer parses the metadata again for a config first (~6 s)
+        tokenizer = TokenizersBackend.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         tokenizer.save_pretrained(tmp)
         gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
                "pad_token_id": getattr(config, "pad_token_id", None)}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         if weights:
-            _write_weights(gguf.GGUFReader(str(gguf_path)), gguf_path, tmp, progress)
+            _write_weights(gguf_path, tmp, progress)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -115,16 +116,20 @@ def convert_gguf(gguf_path: str | pathlib.Path, out_dir: str | pathlib.Path, pro
     return out_dir
 
 
-def _write_weights(reader, gguf_path: pathlib.Path, out_dir: pathlib.Path, progress: bool) -> None:
+def _write_weights(gguf_path: pathlib.Path, out_dir: pathlib.Path, progress: bool) -> None:
     """``out_dir/model.safetensors``: every tensor dequantized to float32, HF names, Q/K rows un-interleaved
-    (written to a temporary name, then renamed)."""
+    (written to a temporary name, then renamed). The tensors come from gguf_weights' reader (gguf.GGUFReader
+    would first spend ~7 s building objects for the vocabulary arrays)."""
     import gguf
 
+    from xllm.models.gguf_weights import gguf_tensors
+
+    _, stored = gguf_tensors(gguf_path)
     config = json.loads((out_dir / "config.json").read_text())
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress):
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
+    for t in tqdm(stored, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress):
+        data = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.ggml_type))
         name = hf_tensor_name(t.name)
         if name.endswith("self_attn.q_proj.weight"):
             data = unpermute_rows(data, n_head)
