@@ -16,13 +16,19 @@ built from texts shipped with Python (nothing downloaded):
 For each system (``--systems``) and proposer (``--proposers``: ``off`` = no speculation, else a name of
 ``xllm.core.spec.registry.PROPOSERS``; vLLM runs ``off`` and ``ngram`` only) one server is started
 (xLLM: ``xllm serve --speculative P --num-speculative-tokens K``; vLLM: ``--speculative-config`` with
-its n-gram method), warmed up, then per workload and batch size (``--batches``) ``batch x rounds``
-greedy streamed ``/v1/completions`` requests run with at most ``batch`` in flight (no ``ignore_eos``:
-outputs end where the model ends them, at most ``--output-len`` tokens; greedy outputs are the same
-with and without speculation, so both see the same tokens). Before and after each run the server's
-``/metrics`` is scraped: the ``spec_decode_num_draft_tokens`` / ``..._accepted_tokens`` counters'
-deltas give the run's acceptance rate. A server that refuses to start (vLLM-CPU without speculation
-support) has its message recorded under ``errors``.
+its n-gram method) and warmed up; a system's servers run side by side, idle but for the one measured.
+Per workload and batch size (``--batches``) each server gets ``--passes`` passes of ``batch x rounds``
+greedy streamed ``/v1/completions`` requests with at most ``batch`` in flight, the servers taking turns
+pass by pass, in reversed order every other pass (no ``ignore_eos``: outputs end where the model ends
+them, at most ``--output-len`` tokens; greedy outputs are the same with and without speculation, so both
+see the same tokens). Interleaving is what makes a ratio of a few percent readable on a shared machine:
+this one's speed drifts by up to ~20 % over minutes (the same server's TPOT 20.6 then 25.1 ms ten
+minutes later), which one-server-after-the-other runs read as a speed-up or a loss. A run's figures pool
+its passes' requests; ``pass_tok_s`` keeps each pass's output tok/s and the speed-up table also gives the
+median of the per-pass ratios against ``off``. Before the first and after the last pass the server's
+``/metrics`` is scraped: the ``spec_decode_num_draft_tokens`` / ``..._accepted_tokens`` counters' deltas
+give the run's acceptance rate. A server that refuses to start (vLLM-CPU without speculation support)
+has its message recorded under ``errors``.
 
 Results in ``--out`` (default ``benchmarks/results/spec-<timestamp>``): ``results.json`` (every run's
 serving summary and acceptance, the commands, the machine's load before and after), ``summary.md``
@@ -35,11 +41,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import inspect
 import json
 import pathlib
 import random
+import statistics
 import sys
 
 from benchmarks.report import add_output_args
@@ -143,24 +151,53 @@ def acceptance(system: str, before: dict, after: dict) -> dict:
 
 
 def measure(base_url: str, model: str, system: str, prompts: list[tuple[int, ...]], batch: int,
-            output_len: int) -> dict:
-    """One run: ``prompts`` with at most ``batch`` in flight; its serving summary plus ``acceptance``."""
-    from benchmarks.client import EndpointProfile, RequestSpec, run_requests
-    from benchmarks.metrics import scrape
-    from benchmarks.stats import serving_summary
+            output_len: int, passes: int = 1) -> dict:
+    """One run of one server: ``prompts`` with at most ``batch`` in flight, ``passes`` times; the serving
+    summary of every pass's requests pooled, ``pass_tok_s`` and ``acceptance``."""
+    run = Run(base_url, model, system)
+    for _ in range(passes):
+        run.add_pass(prompts, batch, output_len)
+    return run.summary()
 
-    specs = [RequestSpec(p, "", output_len) for p in prompts]
-    profile = EndpointProfile(token_ids=True, extra_body={})
-    before = scrape(base_url)
-    records, duration = asyncio.run(run_requests(base_url, model, specs, profile, max_concurrency=batch))
-    summary = serving_summary(records, duration)
-    summary["acceptance"] = acceptance(system, before, scrape(base_url))
-    return summary
+
+class Run:
+    """One server's run of a workload and batch size, pass by pass (passes of several servers interleave)."""
+
+    def __init__(self, base_url: str, model: str, system: str) -> None:
+        from benchmarks.metrics import scrape
+
+        self.base_url, self.model, self.system = base_url, model, system
+        self.before = scrape(base_url)
+        self.records: list = []
+        self.duration = 0.0
+        self.pass_tok_s: list[float] = []
+
+    def add_pass(self, prompts: list[tuple[int, ...]], batch: int, output_len: int) -> None:
+        from benchmarks.client import EndpointProfile, RequestSpec, run_requests
+        from benchmarks.stats import serving_summary
+
+        specs = [RequestSpec(p, "", output_len) for p in prompts]
+        profile = EndpointProfile(token_ids=True, extra_body={})
+        records, duration = asyncio.run(run_requests(self.base_url, self.model, specs, profile,
+                                                     max_concurrency=batch))
+        self.records += records
+        self.duration += duration
+        self.pass_tok_s.append(serving_summary(records, duration)["output_throughput"])
+
+    def summary(self) -> dict:
+        from benchmarks.metrics import scrape
+        from benchmarks.stats import serving_summary
+
+        summary = serving_summary(self.records, self.duration)
+        summary["pass_tok_s"] = self.pass_tok_s
+        summary["acceptance"] = acceptance(self.system, self.before, scrape(self.base_url))
+        return summary
 
 
 def speedups(results: dict) -> list[dict]:
     """Per system, proposer (not ``off``), workload and batch: output tok/s and TPOT p50 against the
-    same system's ``off`` run (``tok_s``: ratio of output throughputs, ``tpot``: off's TPOT over this one's)."""
+    same system's ``off`` run (``tok_s``: ratio of output throughputs, ``tok_s_paired``: the median of the
+    ratios pass by pass, ``tpot``: off's TPOT over this one's)."""
     rows = []
     for system, by_prop in results["runs"].items():
         base = by_prop.get("off", {})
@@ -174,9 +211,11 @@ def speedups(results: dict) -> list[dict]:
                         continue
                     tok = s["output_throughput"] / b["output_throughput"] if b["output_throughput"] else None
                     tp, btp = s["tpot_ms"].get("p50"), b["tpot_ms"].get("p50")
+                    paired = [x / y for x, y in zip(s.get("pass_tok_s", []), b.get("pass_tok_s", []), strict=False)
+                              if y]
                     rows.append({"system": system, "proposer": proposer, "workload": workload, "batch": int(batch),
-                                 "tok_s": tok, "tpot": btp / tp if tp and btp else None,
-                                 "acceptance": s["acceptance"]["rate"]})
+                                 "tok_s": tok, "tok_s_paired": statistics.median(paired) if paired else None,
+                                 "tpot": btp / tp if tp and btp else None, "acceptance": s["acceptance"]["rate"]})
     return rows
 
 
@@ -191,8 +230,8 @@ def markdown(results: dict) -> str:
              f"CPU busy with other work before/after: {_fmt(results.get('cpu_busy_before'), '.0%')} / "
              f"{_fmt(results.get('cpu_busy_after'), '.0%')}.", "",
              "| system | proposer | workload | batch | output tok/s | TTFT p50 ms | TPOT p50 ms | TPOT p90 ms "
-             "| tokens/request | acceptance | speed-up (tok/s) | speed-up (TPOT) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| tokens/request | acceptance | speed-up (tok/s) | per-pass median | speed-up (TPOT) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     ups = {(r["system"], r["proposer"], r["workload"], r["batch"]): r for r in speedups(results)}
     for system, by_prop in results["runs"].items():
         for proposer, by_work in by_prop.items():
@@ -205,7 +244,7 @@ def markdown(results: dict) -> str:
                         f"{_fmt(s.get('ttft_ms', {}).get('p50'), '.0f')} | {_fmt(s['tpot_ms'].get('p50'), '.1f')} | "
                         f"{_fmt(s['tpot_ms'].get('p90'), '.1f')} | "
                         f"{s['output_tokens'] / n:.0f} | {_fmt(s['acceptance']['rate'], '.0%')} | "
-                        f"{_fmt(up.get('tok_s'))} | {_fmt(up.get('tpot'))} |")
+                        f"{_fmt(up.get('tok_s'))} | {_fmt(up.get('tok_s_paired'))} | {_fmt(up.get('tpot'))} |")
     for key, message in results.get("errors", {}).items():
         lines.append(f"\n{key} failed: {message}")
     return "\n".join(lines) + "\n"
@@ -259,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--batches", default="1,16", help="concurrent requests, comma-separated (1,16)")
     p.add_argument("--rounds", type=int, default=None,
-                   help="requests per batch size = batch x rounds (default: 4 at batch 1, else 1)")
+                   help="requests per pass = batch x rounds (default: 2 at batch 1, else 1)")
+    p.add_argument("--passes", type=int, default=2,
+                   help="passes per server, workload and batch, the servers taking turns (2: each goes first once)")
     p.add_argument("--output-len", type=int, default=192, help="max tokens per request (192)")
     p.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
                    help="most drafts per sequence and step (5: the engine prices fewer where they do not pay)")
@@ -305,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.quick:
         args.systems, args.proposers, args.workloads, args.batches = "xllm", "off,ngram", "code,chat", "1"
-        args.rounds, args.output_len = 1, 24
+        args.rounds, args.output_len, args.passes = 1, 24, 1
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     proposers = [s.strip() for s in (args.proposers or default_proposers()).split(",") if s.strip()]
     workloads = [s.strip() for s in args.workloads.split(",") if s.strip()]
@@ -324,11 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or HERE / "results" / f"spec-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
-    rounds = {b: args.rounds or (4 if b == 1 else 1) for b in batches}
+    rounds = {b: args.rounds or (2 if b == 1 else 1) for b in batches}
     prompts = {(w, b): prompt_ids(tokenizer, w, b * rounds[b], args.seed) for w in workloads for b in batches}
     results = {"argv": sys.argv if argv is None else argv, "model": model_dir.name, "output_len": args.output_len,
                "num_speculative_tokens": args.num_speculative_tokens, "threads": args.threads, "dtype": args.dtype,
                "workloads": workloads, "batches": batches, "rounds": {str(b): r for b, r in rounds.items()},
+               "passes": args.passes,
                "prompt_tokens": {f"{w}/{b}": [len(p) for p in ps] for (w, b), ps in prompts.items()},
                "runs": {}, "servers": {}, "errors": {}, "cpu_busy_before": cpu_busy_fraction()}
 
@@ -338,31 +380,36 @@ def main(argv: list[str] | None = None) -> int:
 
     warm = prompt_ids(tokenizer, "chat", 1, args.seed + 1)
     for system in systems:
-        for proposer in proposers:
-            key = f"{system}/{proposer}"
-            if system == "vllm" and proposer not in VLLM_PROPOSERS:
-                continue
-            server = _server(system, proposer, args, model_dir, out / "logs" / system)
-            results["servers"][key] = {"command": server.cmd}
-            try:
-                with server:
+        keys = {p: f"{system}/{p}" for p in proposers if system == "xllm" or p in VLLM_PROPOSERS}
+        with contextlib.ExitStack() as stack:
+            up: dict[str, object] = {}  # proposer -> its started server
+            for proposer, key in keys.items():
+                server = _server(system, proposer, args, model_dir, out / "logs" / system)
+                results["servers"][key] = {"command": server.cmd}
+                try:
+                    stack.enter_context(server)
                     if system == "xllm":
                         xllm.wait_instances(server.base_url, 1)
                     results["servers"][key]["startup_s"] = server.startup_seconds
                     measure(server.base_url, model_dir.name, system, warm, 1, 8)  # warm-up
-                    for w in workloads:
-                        for b in batches:
-                            s = measure(server.base_url, model_dir.name, system, prompts[(w, b)], b, args.output_len)
-                            results["runs"].setdefault(system, {}).setdefault(proposer, {}).setdefault(w, {})[
-                                str(b)] = s
-                            rate = s["acceptance"]["rate"]
-                            print(f"[spec] {key} {w} batch {b}: {s['output_throughput']:.1f} tok/s, TPOT p50 "
-                                  f"{_fmt(s['tpot_ms'].get('p50'), '.1f')} ms, acceptance {_fmt(rate, '.0%')}",
-                                  flush=True)
-                            save()
-            except Exception as exc:  # record it (a refusal to speculate included), go on
-                results["errors"][key] = f"{type(exc).__name__}: {exc}"[:3000]
-                print(f"[spec] {key} failed: {str(exc)[:400]}", flush=True)
+                    up[proposer] = server
+                except Exception as exc:  # record it (a refusal to speculate included), go on
+                    results["errors"][key] = f"{type(exc).__name__}: {exc}"[:3000]
+                    print(f"[spec] {key} failed: {str(exc)[:400]}", flush=True)
+            for w in workloads:
+                for b in batches:
+                    runs = {p: Run(srv.base_url, model_dir.name, system) for p, srv in up.items()}
+                    order = list(runs)
+                    for i in range(args.passes):  # turns, reversed every other pass
+                        for proposer in order if i % 2 == 0 else order[::-1]:
+                            runs[proposer].add_pass(prompts[(w, b)], b, args.output_len)
+                    for proposer, run in runs.items():
+                        s = run.summary()
+                        results["runs"].setdefault(system, {}).setdefault(proposer, {}).setdefault(w, {})[str(b)] = s
+                        rate = s["acceptance"]["rate"]
+                        print(f"[spec] {keys[proposer]} {w} batch {b}: {s['output_throughput']:.1f} tok/s, TPOT p50 "
+                              f"{_fmt(s['tpot_ms'].get('p50'), '.1f')} ms, acceptance {_fmt(rate, '.0%')}", flush=True)
+                    save()
             save()
     results["cpu_busy_after"] = cpu_busy_fraction()
     results["speedups"] = speedups(results)

@@ -43,21 +43,24 @@ def test_acceptance_is_the_counters_delta():
     assert spec.acceptance("xllm", parse(""), parse(""))["rate"] is None
 
 
-def _summary(tok_s: float, tpot: float, rate=None) -> dict:
+def _summary(tok_s: float, tpot: float, rate=None, passes=()) -> dict:
     return {"output_throughput": tok_s, "tpot_ms": {"p50": tpot, "p90": tpot}, "completed": 2, "output_tokens": 40,
-            "acceptance": {"rate": rate}}
+            "acceptance": {"rate": rate}, "pass_tok_s": list(passes)}
 
 
 def test_speedups_and_summary():
     results = {"num_speculative_tokens": 3, "output_len": 20, "threads": 2,
-               "runs": {"xllm": {"off": {"code": {"1": _summary(50, 20)}, "chat": {"1": _summary(60, 16)}},
+               "runs": {"xllm": {"off": {"code": {"1": _summary(50, 20)},
+                                         "chat": {"1": _summary(60, 16, passes=(50, 70, 60))}},
                                  "ngram": {"code": {"1": _summary(80, 10, 0.75)},
-                                           "chat": {"1": _summary(59, 16.5, 0.0)}}}}}
+                                           "chat": {"1": _summary(59, 16.5, 0.0, passes=(55, 63, 60))}}}}}
     ups = {(r["workload"], r["batch"]): r for r in spec.speedups(results)}
     assert ups[("code", 1)]["tok_s"] == pytest.approx(1.6) and ups[("code", 1)]["tpot"] == pytest.approx(2.0)
     assert ups[("chat", 1)]["tok_s"] == pytest.approx(59 / 60)
+    # paired pass by pass (1.1, 0.9, 1.0): their median, not the ratio of the pooled rates
+    assert ups[("chat", 1)]["tok_s_paired"] == pytest.approx(1.0) and ups[("code", 1)]["tok_s_paired"] is None
     md = spec.markdown(results)
-    assert "| xllm | ngram | code | 1 | 80.0 | – | 10.0 | 10.0 | 20 | 75% | 1.60 | 2.00 |" in md
+    assert "| xllm | ngram | code | 1 | 80.0 | – | 10.0 | 10.0 | 20 | 75% | 1.60 | – | 2.00 |" in md
 
 
 @pytest.mark.real_model
