@@ -17,8 +17,9 @@ behind a global lock, so it has no concurrent figure), ``--prompt-len`` prompt t
 percentiles; batch-1 decode tok/s = 1 / TPOT p50; the server's resident memory (RSS of its process tree after
 the runs). Each format's bandwidth ceiling: the bytes one decode step streams (every projection's packed
 weight with its scales, the LM head, the norms; the KV cache of a short context is left out) against
-``--bandwidth-gbs`` (~31 GB/s read on this machine's 2 threads, docs/ENVIRONMENT); the issue's goals are
-batch-1 decode above llama.cpp on the same file and >= 85 % of the ceiling.
+the machine's read bandwidth, measured at the start of the run on ``--threads`` threads
+(:func:`benchmarks.roofline.read_bandwidth_gbs`; ``--bandwidth-gbs`` gives a figure instead); the issue's goals
+are batch-1 decode above llama.cpp on the same file and >= 85 % of the ceiling.
 
 Quality (unless ``--no-quality``): :mod:`benchmarks.perplexity` (perplexity of a held-out public-domain text
 with prompt logprobs, greedy agreement with the bf16 model) for the same formats and llama.cpp's files.
@@ -218,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128, help="greedy tokens per request (128)")
     p.add_argument("--rounds", type=int, default=4, help="batch-1 requests (4)")
     p.add_argument("--concurrency", type=int, default=16, help="requests at once in the concurrent run (16)")
-    p.add_argument("--bandwidth-gbs", type=float, default=31.0, help="memory read bandwidth for the ceiling (31)")
+    p.add_argument("--bandwidth-gbs", type=float, default=None,
+                   help="memory read bandwidth for the ceiling (default: measured at the start on --threads threads)")
     p.add_argument("--quick", action="store_true", help="a smoke run: xLLM q4_1 only, short requests, no "
                                                         "llama.cpp, no quality")
     add_output_args(p, "quant", report=False)
@@ -248,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {"warm": bank.prompts([args.prompt_len], seed=99),
                "batch1": bank.prompts([args.prompt_len] * args.rounds, seed=1),
                "concurrent": bank.prompts([args.prompt_len] * args.concurrency, seed=2)}
+    if args.bandwidth_gbs is None:
+        from benchmarks.roofline import read_bandwidth_gbs
+
+        args.bandwidth_gbs = round(read_bandwidth_gbs(args.threads), 1)
+        print(f"[quant] memory read bandwidth on {args.threads} threads: {args.bandwidth_gbs} GB/s", flush=True)
     results: dict = {"argv": sys.argv if argv is None else argv, "threads": args.threads,
                      "prompt_len": args.prompt_len, "output_len": args.output_len, "rounds": args.rounds,
                      "concurrency": args.concurrency, "bandwidth_gbs": args.bandwidth_gbs,

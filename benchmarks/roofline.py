@@ -136,10 +136,7 @@ def probe(threads: int = 2, bandwidth_mib: int = 256, matmul_size: int = 2048, r
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
-            x = torch.ones(bandwidth_mib * 2**20 // 4, dtype=torch.float32)
-            best = _best(lambda x=x: x.sum().item(), repeats * 4)
-            bandwidth = x.numel() * 4 / best / 1e9
-            del x
+            bandwidth = read_bandwidth_gbs(threads, bandwidth_mib, repeats * 4)
             matmul = {}
             for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
                 a = torch.randn(matmul_size, matmul_size).to(dt)
@@ -155,6 +152,21 @@ def probe(threads: int = 2, bandwidth_mib: int = 256, matmul_size: int = 2048, r
     finally:
         torch.set_num_threads(old)
     return MachineLimits(threads, bandwidth, matmul, gemv, matmul_size, bandwidth_mib)
+
+
+def read_bandwidth_gbs(threads: int = 2, mib: int = 256, repeats: int = 20) -> float:
+    """Memory read bandwidth in GB/s: the best of ``repeats`` ``sum()`` over a ``mib`` MiB fp32 tensor on
+    ``threads`` threads (what a bandwidth-bound decode step can stream at most)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+            return x.numel() * 4 / _best(lambda: x.sum().item(), repeats) / 1e9
+    finally:
+        torch.set_num_threads(old)
 
 
 def _best(fn, repeats: int) -> float:
