@@ -65,6 +65,24 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def qk_heads(name: str, num_heads: int, num_kv_heads: int) -> int | None:
+    """The head count whose rows llama.cpp interleaved in HF tensor ``name`` (Q or K projection), else None."""
+    if name.endswith("self_attn.q_proj.weight"):
+        return num_heads
+    return num_kv_heads if name.endswith("self_attn.k_proj.weight") else None
+
+
+def dequantize_float32(data: np.ndarray, ggml_type: int, heads: int | None = None) -> torch.Tensor:
+    """A GGUF tensor's stored bytes dequantized by ``gguf``'s reference code to a float32 tensor (exact for
+    every GGML format), its rows un-interleaved per :func:`qk_heads` when ``heads`` is given."""
+    import gguf
+
+    out = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(ggml_type))
+    if heads is not None:
+        out = unpermute_rows(out, heads)
+    return torch.from_numpy(np.array(out, dtype=np.float32, order="C", copy=True))
+
+
 def convert_gguf(gguf_path: str | pathlib.Path, out_dir: str | pathlib.Path, progress: bool = True,
                  weights: bool = True) -> pathlib.Path:
     """Write a HF model directory for ``gguf_path`` at ``out_dir`` (atomically).
@@ -120,8 +138,6 @@ def _write_weights(gguf_path: pathlib.Path, out_dir: pathlib.Path, progress: boo
     """``out_dir/model.safetensors``: every tensor dequantized to float32, HF names, Q/K rows un-interleaved
     (written to a temporary name, then renamed). The tensors come from gguf_weights' reader (gguf.GGUFReader
     would first spend ~7 s building objects for the vocabulary arrays)."""
-    import gguf
-
     from xllm.models.gguf_weights import gguf_tensors
 
     _, stored = gguf_tensors(gguf_path)
@@ -129,13 +145,8 @@ def _write_weights(gguf_path: pathlib.Path, out_dir: pathlib.Path, progress: boo
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(stored, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress):
-        data = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.ggml_type))
         name = hf_tensor_name(t.name)
-        if name.endswith("self_attn.q_proj.weight"):
-            data = unpermute_rows(data, n_head)
-        elif name.endswith("self_attn.k_proj.weight"):
-            data = unpermute_rows(data, n_kv)
-        tensors[name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
+        tensors[name] = dequantize_float32(t.data, t.ggml_type, qk_heads(name, n_head, n_kv))
     tmp = out_dir / f".model.safetensors.tmp-{os.getpid()}"
     save_file(tensors, str(tmp), metadata={"format": "pt", "source": gguf_path.name})
     tmp.rename(out_dir / "model.safetensors")

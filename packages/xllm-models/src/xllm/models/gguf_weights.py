@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from xllm.kernels.quant import GGUF_FORMATS, QuantizedWeight, from_gguf
-from xllm.models.gguf_import import GGUFImportError, hf_tensor_name, unpermute_rows
+from xllm.models.gguf_import import GGUFImportError, dequantize_float32, hf_tensor_name, qk_heads, unpermute_rows
 
 
 @dataclass
@@ -138,15 +138,11 @@ def read_gguf_weights(gguf_path: str | pathlib.Path, num_heads: int, num_kv_head
         name = hf_tensor_name(t.name)
         kind = gguf.GGMLQuantizationType(t.ggml_type)
         out.formats[kind.name] = out.formats.get(kind.name, 0) + 1
-        heads = num_heads if name.endswith("self_attn.q_proj.weight") else \
-            num_kv_heads if name.endswith("self_attn.k_proj.weight") else None
+        heads = qk_heads(name, num_heads, num_kv_heads)
         if kind.name.lower() in GGUF_FORMATS and len(t.shape) == 2:
             n, k = t.shape
             qw = from_gguf(t.data, kind.name, n, k)
             out.quantized[name] = qw if heads is None else qw.rows(row_unpermutation(n, heads))
         else:
-            data = gguf.quants.dequantize(t.data, kind)
-            if heads is not None:
-                data = unpermute_rows(data, heads)
-            out.floats[name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
+            out.floats[name] = dequantize_float32(t.data, t.ggml_type, heads)
     return out
