@@ -75,5 +75,5 @@ def test_kill_9_with_32_greedy_and_seeded_streams_loses_and_repeats_nothing(clus
     ties = assert_same_streams(results, reference, [i % 2 == 0 for i in range(STREAMS)])
     seeded = sum(1 for i, r in enumerate(results) if r.instance == victim and i % 2)
     print(f"kill -9: {len(moved)} of {STREAMS} streams moved ({seeded} "
-          f"seeded), all identical to the uninterrupted run ({ties} greedy near-ties); last stream ended "
+          f"seeded), all identical to the uninterrupted run ({ties} parted at a float near-tie); last stream ended "
           f"{recovered:.1f} s after the kill")
