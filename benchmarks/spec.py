@@ -150,16 +150,6 @@ def acceptance(system: str, before: dict, after: dict) -> dict:
             "accepted_per_position": per_pos}
 
 
-def measure(base_url: str, model: str, system: str, prompts: list[tuple[int, ...]], batch: int,
-            output_len: int, passes: int = 1) -> dict:
-    """One run of one server: ``prompts`` with at most ``batch`` in flight, ``passes`` times; the serving
-    summary of every pass's requests pooled, ``pass_tok_s`` and ``acceptance``."""
-    run = Run(base_url, model, system)
-    for _ in range(passes):
-        run.add_pass(prompts, batch, output_len)
-    return run.summary()
-
-
 class Run:
     """One server's run of a workload and batch size, pass by pass (passes of several servers interleave)."""
 
@@ -391,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                     if system == "xllm":
                         xllm.wait_instances(server.base_url, 1)
                     results["servers"][key]["startup_s"] = server.startup_seconds
-                    measure(server.base_url, model_dir.name, system, warm, 1, 8)  # warm-up
+                    Run(server.base_url, model_dir.name, system).add_pass(warm, 1, 8)  # warm-up
                     up[proposer] = server
                 except Exception as exc:  # record it (a refusal to speculate included), go on
                     results["errors"][key] = f"{type(exc).__name__}: {exc}"[:3000]

@@ -70,7 +70,6 @@ AMX_TARGET static inline void ar_configure(int64_t G, int64_t D) {
     amx_load_config(&cfg);
 }
 
-
 /* C tile CT = 16 key rows (kstride elements apart) . the head's queries (B tiles 4..), NB 32-channel steps */
 #define AR_SCORES16(CT, kp, kstride, NB)                 \
     do {                                                 \

@@ -93,7 +93,6 @@ def convert_gguf(gguf_path: str | pathlib.Path, out_dir: str | pathlib.Path, pro
     later call with ``weights`` adds the safetensors to such a directory
     (atomically too). Returns ``out_dir``.
     """
-
     gguf_path, out_dir = pathlib.Path(gguf_path), pathlib.Path(out_dir)
     if (out_dir / "config.json").is_file():  # the metadata is there: add the weights only
         if weights and not any(out_dir.glob("*.safetensors")):

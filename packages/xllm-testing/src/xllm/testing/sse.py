@@ -161,11 +161,16 @@ def busiest_instance(streams: list[CompletionStream]) -> str:
     return max(sorted(set(where)), key=where.count)
 
 
+def parting(got: CompletionStream, ref: CompletionStream) -> int | None:
+    """The first token position where ``got`` and ``ref`` differ (None: one is a prefix of the other)."""
+    return next((k for k, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b), None)
+
+
 def near_tie(got: CompletionStream, ref: CompletionStream, max_gap: float = 1e-3) -> bool:
     """Whether ``got`` parts from ``ref`` (the uninterrupted run, read with ``logprobs`` >= 2) at a
     token where the reference's top two logprobs are within ``max_gap``: the only way a greedy
     stream continued elsewhere (recomputed logits) may legitimately differ."""
-    j = next((k for k, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b), None)
+    j = parting(got, ref)
     if j is None or j >= len(ref.top):
         return False
     best = sorted(ref.top[j].values(), reverse=True)
@@ -176,7 +181,7 @@ def same_distributions_before_parting(got: CompletionStream, ref: CompletionStre
     """Whether ``got`` parts from ``ref`` at a position before which both runs gave every token they both
     list in their top logprobs the same logprob within ``max_diff`` (read with ``logprobs`` >= 2): the two
     computed the same distributions up to float rounding, so the parting is a draw that rounding flipped."""
-    j = next((k for k, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b), None)
+    j = parting(got, ref)
     if j is None or j >= min(len(got.top), len(ref.top)):
         return False
     return all(abs(a[t] - b[t]) <= max_diff for a, b in zip(got.top[:j + 1], ref.top[:j + 1]) for t in a if t in b)
