@@ -2,8 +2,8 @@
 ``xllm-sim`` with the same policies, and the error of the simulation on throughput, TTFT p50/p99
 and TPOT p50 (Vidur reports under 9 %).
 
-    xllm profile --threads 1 --out prof.json                  # measure the engine as the cluster runs it
-    python -m benchmarks sim-validate --profile prof.json     # 60 requests, Poisson 0.4 req/s, 2 instances
+    python -m benchmarks sim-validate                         # 60 requests, Poisson 0.4 req/s, 2 instances
+    python -m benchmarks sim-validate --profile prof.json     # with a profile measured before
     python -m benchmarks sim-validate --sim-only --profile prof.json   # the simulated half only
 
 The trace: ``--requests`` requests at Poisson arrivals of ``--rate`` req/s, prompt and output lengths
@@ -14,8 +14,17 @@ corpus at exactly those lengths, every request generating exactly its output len
 process, as the profile must be measured), warmed up, then the trace, streamed, recorded per request.
 Simulated: the same requests on N mixed instances with the same routing policy, batch policy, token
 budget, ``--max-num-seqs`` and KV capacity (``--kv-cache-memory`` GiB of SmolLM2 bf16), step times
-from ``--profile`` (default: xllm-sim's shipped profile). Results: ``results.json`` and
-``summary.md`` in ``--out`` (default ``benchmarks/results/sim-validate-<timestamp>``).
+from the profile: ``--profile``, which must have been measured on an engine like the live ones (dtype,
+float weights, 1 thread: a Q4_1 profile, ``xllm profile``'s default on the bundled GGUF, predicts the
+bf16 engines' decode steps at 0.6x), or else one measured first with ``xllm profile`` on the live
+engines' model and flags (about a minute; ``profile.json`` in ``--out``). ``--sim-only`` without
+``--profile``: xllm-sim's shipped profile. Three simulations: the profile as measured; scaled by the
+measured over predicted step time of the live engines over the trace (the increments of their
+``xllm:step_time_measured_seconds`` and ``..._predicted_seconds``: the machine's speed during the run,
+which drifts by up to ~20 % over minutes here, and the contention of two engines, the gateway and the
+client on its cores); and that plus lognormal step noise as wide as the live steps' scatter around
+their corrected predictions. Results: ``results.json`` and ``summary.md`` in ``--out`` (default
+``benchmarks/results/sim-validate-<timestamp>``).
 """
 
 from __future__ import annotations
@@ -50,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget, both sides (512)")
     p.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB", help="KV per instance (1.0)")
     p.add_argument("--profile", type=pathlib.Path, default=None,
-                   help="the step-time profile of one engine of the cluster (`xllm profile --threads 1`); "
-                        "default: xllm-sim's shipped one")
+                   help="the step-time profile of one engine of the cluster (`xllm profile --threads 1 --model "
+                        "DIR` on the live engines' model and dtype); default: measure one first (with "
+                        "--sim-only: xllm-sim's shipped one)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--model", default=None, help="HF model dir (default: the bundled SmolLM2)")
     p.add_argument("--sim-only", action="store_true", help="skip the live run (needs no model or server)")
@@ -91,6 +101,33 @@ def simulated(args: argparse.Namespace, specs: list, scale: float = 1.0, noise: 
     return r
 
 
+def measure_profile(args: argparse.Namespace, out: pathlib.Path) -> pathlib.Path:
+    """``xllm profile`` on the live engines' model, dtype, budget and batch limit, 1 thread: ``out/profile.json``."""
+    import subprocess
+
+    from benchmarks.peers import xllm
+
+    path = out / "profile.json"
+    cmd = [sys.executable, "-m", "xllm.gateway", "profile", "--model", str(xllm.model_dir(args.model)),
+           "--dtype", args.dtype, "--threads", "1", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--max-num-seqs", str(args.max_num_seqs), "--output", str(path), "--no-progress", "--log-level", "warning"]
+    print("measuring the engines' profile:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return path
+
+
+def check_profile(path: pathlib.Path, dtype: str) -> None:
+    """Refuse a profile measured on another kind of engine than the live ones (float ``dtype`` weights,
+    1 thread): the simulation would be off by step shape, not by a factor."""
+    from xllm.sched.latency import PerfProfile
+
+    differences = PerfProfile.load(path).mismatches(dtype, "", 1)
+    if differences:
+        raise SystemExit(f"sim-validate: --profile {path} was measured on another engine than the live ones "
+                         f"({', '.join(differences)}); measure one with `xllm profile --threads 1 --model DIR "
+                         f"--dtype {dtype}`, or leave --profile out to have one measured")
+
+
 def live(args: argparse.Namespace, specs: list, out: pathlib.Path) -> dict:
     """The trace against ``xllm serve --instances N``: its serving summary and records."""
     import asyncio
@@ -117,13 +154,35 @@ def live(args: argparse.Namespace, specs: list, out: pathlib.Path) -> dict:
         import httpx
         model = httpx.get(server.base_url + "/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
         asyncio.run(run_requests(server.base_url, model, warmup, profile))
+        before = httpx.get(server.base_url + "/metrics", timeout=10, trust_env=False).text
         records, duration = asyncio.run(run_requests(server.base_url, model, requests, profile, desc="live"))
         metrics = httpx.get(server.base_url + "/metrics", timeout=10, trust_env=False).text
     summary = serving_summary(records, duration)
     summary["records"] = [r.to_dict() for r in records]
     summary["correction_factors"] = correction_factors(metrics)
     summary["prediction_errors"] = correction_factors(metrics, "xllm:step_time_prediction_error_recent")
+    summary["step_seconds"] = step_seconds(before, metrics)
     return summary
+
+
+def step_seconds(before: str, after: str) -> dict[str, dict[str, float]]:
+    """Per instance, the measured and predicted seconds of its steps between two scrapes of /metrics
+    (``xllm:step_time_measured_seconds`` / ``..._predicted_seconds``)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, name in (("measured", "xllm:step_time_measured_seconds_total"),
+                      ("predicted", "xllm:step_time_predicted_seconds_total")):
+        start = correction_factors(before, name)
+        for instance, value in correction_factors(after, name).items():
+            out.setdefault(instance, {})[key] = value - start.get(instance, 0.0)
+    return out
+
+
+def run_ratio(seconds: dict[str, dict[str, float]]) -> float | None:
+    """Measured over predicted step time over the trace, all instances' steps together (None: no
+    prediction made)."""
+    measured = sum(v.get("measured", 0.0) for v in seconds.values())
+    predicted = sum(v.get("predicted", 0.0) for v in seconds.values())
+    return measured / predicted if predicted > 0 else None
 
 
 def correction_factors(metrics_text: str, name: str = "xllm:step_time_correction_factor") -> dict[str, float]:
@@ -177,9 +236,8 @@ def markdown(results: dict) -> str:
     corrected = results.get("comparison_corrected") or {}
     noisy = results.get("comparison_noisy") or {}
     if corrected:
-        lines[-2:] = [f"Simulated with the profile as measured, with it scaled by the mean online correction "
-                      f"factor the live instances reported (measured over predicted step time: "
-                      f"{meta['correction_factor']:.2f}), as the gateway's predictors use it"
+        lines[-2:] = [f"Simulated with the profile as measured, and with it scaled by the live engines' "
+                      f"measured over predicted step time over the trace ({meta['correction_factor']:.2f})"
                       + (f", and with that plus step times scattered as the live steps were around their "
                          f"corrected predictions (`--step-noise {meta['step_noise']:.3f}`)." if noisy else "."), "",
                       "| figure | live | simulated | error | simulated, corrected | error |"
@@ -207,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     specs = trace(args)
     (out / "trace.csv").write_text("arrival,prompt_len,output_len\n" + "".join(
         f"{s.arrival:.6f},{s.prompt_len},{s.output_len}\n" for s in specs))
+    if args.profile is not None:
+        check_profile(args.profile, args.dtype)
+    elif not args.sim_only:
+        args.profile = measure_profile(args, out)
     meta = {**{k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
             "timestamp": stamp, "argv": sys.argv, "profile": str(args.profile or DEFAULT_PROFILE),
             "provisional": is_provisional(args.profile)}
@@ -220,9 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         results["live"] = live(args, specs, out)
         meta["cpu_busy_after"] = cpu_busy_fraction()
         results["comparison"] = compare(results["live"], sim)
-        factors = results["live"]["correction_factors"]
-        if factors:  # the simulator calibrated as the gateway's predictors are: profile x online correction
-            meta["correction_factor"] = statistics.fmean(factors.values())
+        ratio = run_ratio(results["live"]["step_seconds"])
+        if ratio is not None:  # the profile scaled to the live engines' steps over the trace
+            meta["correction_factor"] = ratio
             results["sim_corrected"] = simulated(args, specs, meta["correction_factor"])
             results["comparison_corrected"] = compare(results["live"], results["sim_corrected"])
             errors = results["live"]["prediction_errors"]

@@ -135,3 +135,34 @@ def test_prediction_errors_become_step_noise_and_the_report_shows_the_noisy_simu
     text = sim_validate.markdown(results)
     assert "corrected + noise" in text and f"--step-noise {sigma:.3f}" in text
     assert all(line.count("|") == 9 for line in text.splitlines() if line.startswith("| TTFT"))
+
+
+def test_the_correction_is_the_traces_measured_over_predicted_step_time():
+    """Between the scrapes before and after the trace: each instance's increments of measured and
+    predicted step seconds; the correction is their ratio over all instances' steps."""
+    def scrape(m0, p0, m1, p1):
+        return (f'xllm:step_time_measured_seconds_total{{instance="engine-0",model_name="m"}} {m0}\n'
+                f'xllm:step_time_predicted_seconds_total{{instance="engine-0",model_name="m"}} {p0}\n'
+                f'xllm:step_time_measured_seconds_total{{instance="engine-1",model_name="m"}} {m1}\n'
+                f'xllm:step_time_predicted_seconds_total{{instance="engine-1",model_name="m"}} {p1}\n')
+
+    seconds = sim_validate.step_seconds(scrape(2.0, 1.0, 1.0, 1.0), scrape(14.0, 11.0, 31.0, 26.0))
+    assert seconds == {"engine-0": {"measured": 12.0, "predicted": 10.0},
+                       "engine-1": {"measured": 30.0, "predicted": 25.0}}
+    assert sim_validate.run_ratio(seconds) == pytest.approx(42.0 / 35.0)
+    assert sim_validate.run_ratio({}) is None
+
+
+def test_a_profile_of_another_engine_is_refused(tmp_path):
+    from xllm.sched.latency import PerfProfile, StepSample, StepShape
+
+    samples = [StepSample(StepShape((100,)), 0.02), StepSample(StepShape((), ((0, 64),)), 0.05)]
+    path = tmp_path / "p.json"
+    PerfProfile("m", "bfloat16", 1, "x", 512, samples, weights="q4_1").save(path)
+    with pytest.raises(SystemExit, match=r"weights float \(profile: q4_1\)"):
+        sim_validate.check_profile(path, "bfloat16")
+    PerfProfile("m", "bfloat16", 1, "x", 512, samples, weights="").save(path)
+    sim_validate.check_profile(path, "bfloat16")
+    with pytest.raises(SystemExit, match="dtype float32"):
+        sim_validate.check_profile(path, "float32")
+    assert PerfProfile.load(path).weights == ""

@@ -267,13 +267,16 @@ def test_engine_counters_and_load_report(new_engine, tiny_model):
     eng = new_engine(tiny_model)
     eng.add_request(make_request("a", [1, 2, 3], max_tokens=4, ignore_eos=True))
     report = eng.load_report()
-    assert report.num_waiting == 1 and report.num_running == 0
+    assert report.num_waiting == 1 and report.num_running == 0 and report.decode_context_tokens == 0
     got = run_to_completion(eng)
     c = eng.counters
     assert c.steps == 4 and c.prompt_tokens == 3 and c.generation_tokens == 4 and c.finished_requests == 1
     assert c.recent_ttft > 0 and c.recent_tpot > 0
     assert len(got.tokens["a"]) == 4
     assert eng.load_report().kv_usage == 0.0
+    eng.add_request(make_request("b", [1, 2, 3], max_tokens=4, ignore_eos=True))
+    eng.step()  # the prompt's 3 tokens computed, one sampled: 4 tokens of context
+    assert eng.load_report().decode_context_tokens == 4
 
 
 def test_identical_prompts_in_one_batch_match_solo(new_engine, tiny_model, kv_backend, scheduling):

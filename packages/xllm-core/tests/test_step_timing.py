@@ -87,6 +87,7 @@ def test_engine_observes_every_step_with_its_shape(new_engine, scheduling, tiny_
     assert eng.counters.steps == len(seen) and eng.step_timing.observed == len(seen)
     assert all(s.seconds > 0 for s in seen)
     report = eng.load_report().step_predictor
+    assert report.token_budget == 16  # the chunking its predictions of a prefill assume
     assert report.profiled and report.correction == pytest.approx(eng.step_timing.factor)
     assert list(report.coefficients) == pytest.approx(TRUE.coefficients, rel=1e-4)
     assert report.prediction_error > 0
@@ -122,3 +123,19 @@ def test_profiled_prediction_follows_a_slower_instance() -> None:
     assert timing.factor == pytest.approx(2.0, rel=1e-3)
     assert timing.step_seconds(shape) == pytest.approx(2 * TRUE.step_seconds(shape), rel=1e-3)
     assert timing.model is not None and timing.model.coefficients == TRUE.coefficients  # the profile stays
+
+
+def test_totals_of_measured_and_predicted_seconds() -> None:
+    """The report's totals count the steps that had a prediction, each with the uncorrected model's
+    prediction: their ratio over a window is that window's correction (what `benchmarks sim-validate`
+    scales a simulation by), not the correction's recent EWMA, nor 1 as the corrected predictions,
+    which follow the measurements, would make it."""
+    timing = StepTiming(TRUE, alpha=0.5)
+    a, b = StepShape((128,) * 16), StepShape((), ((0, 256),))
+    for shape, slowdown in ((a, 1.0), (b, 3.0), (a, 1.0), (a, 2.0)):
+        timing.observe(shape, slowdown * TRUE.step_seconds(shape))
+    report = timing.report()
+    measured = 4 * TRUE.step_seconds(a) + 3 * TRUE.step_seconds(b)  # a: 1 + 1 + 2 times its model's time
+    assert report.measured_seconds == pytest.approx(measured)
+    assert report.predicted_seconds == pytest.approx(3 * TRUE.step_seconds(a) + TRUE.step_seconds(b))
+    assert StepTiming().report().measured_seconds == 0.0  # no model: no prediction, nothing counted

@@ -48,6 +48,7 @@ def test_profile_writes_the_grid_and_a_fit(profiled) -> None:
     path, _ = profiled
     profile = PerfProfile.load(path)
     assert profile.dtype == "float32" and profile.threads == 1 and profile.token_budget == 64
+    assert profile.weights == ""  # float weights (a quantized engine's profile names their format)
     points = _expected_points(QUICK_GRID, 8, 64)
     assert len(profile.samples) == len(points)
     for point, sample in zip(points, profile.samples, strict=True):
@@ -65,7 +66,7 @@ def test_profile_writes_the_grid_and_a_fit(profiled) -> None:
     assert errors[len(errors) // 2] < 1.0  # loose: millisecond steps on a shared machine
 
 
-def test_engine_uses_the_profile(profiled) -> None:
+def test_engine_uses_the_profile(profiled, caplog) -> None:
     from xllm.core.step_timing import load_step_model
     from xllm.engine.flags import engine_config
     from xllm.engine.loader import load_engine
@@ -79,9 +80,20 @@ def test_engine_uses_the_profile(profiled) -> None:
         assert timing.profiled and timing.model == load_step_model(path)
         assert list(loaded.engine.load_report().step_predictor.coefficients) == pytest.approx(
             timing.model.coefficients)
+        assert "measured on another engine" not in caplog.text
     finally:
         loaded.compute.call(loaded.engine.close)
         loaded.compute.shutdown()
+    # a profile of another kind of engine is used, with a warning naming the difference
+    other = PerfProfile.load(path)
+    other.weights, other.threads = "q4_1", 2
+    other.save(path.parent / "other.json")
+    args = build_parser().parse_args(["engine", "--model", model_dir, *ENGINE, "--profile",
+                                      str(path.parent / "other.json")])
+    loaded = load_engine(args.model, "tiny", engine_config(args), "e1", progress=False)
+    loaded.compute.call(loaded.engine.close)
+    loaded.compute.shutdown()
+    assert "weights float (profile: q4_1), threads 1 (profile: 2)" in caplog.text
 
 
 def test_bad_grid_and_bad_profile_are_errors(tiny, tmp_path, capsys) -> None:

@@ -123,3 +123,32 @@ def test_role_loads_carry_the_prompt_sizes_sent_to_each_prefill_instance():
     assert loads["d"].pending_prefill_tokens == 0
     now[0] = 12.0  # the first placement left the 10 s window
     assert {x.instance_id: x for x in controller.loads("m")}["p"].recent_prompt_tokens == pytest.approx(500.0)
+
+
+def test_kv_aware_routes_on_the_reported_step_models():
+    """What a heartbeat carries for latency prediction reaches the policy (step model times its
+    correction, token budget, decode context; xllm.sched.routing): an idle engine whose measured
+    prefill rate is low (it only ever saw short prompts) gets the request over a busy one of the same
+    model, where the measured rates alone pick the busy one. The role loads carry the decode context."""
+    from xllm.gateway.roles import PDRoleOptions, RoleController
+
+    reg = EmbeddedRegistry()
+    for s in (Stub("a", "m"), Stub("b", "m")):
+        reg.register(s)
+    router = Router(reg, "kv_aware")
+    coefficients = [0.02, 5.6e-4, 3e-7, 2.1e-6, 1.6e-4]
+    predictor = instance_pb2.StepTimePredictor(coefficients=coefficients, correction=1.5, token_budget=512)
+    reg.get("a").load = instance_pb2.LoadReport(instance_id="a", num_running=3, decode_context_tokens=1500,
+                                                prefill_tokens_per_s=3000)
+    reg.get("b").load = instance_pb2.LoadReport(instance_id="b", prefill_tokens_per_s=300)
+    assert router.route("m", list(range(220))).state.instance_id == "a"  # no models: the rates decide
+    reg.get("a").load.step_predictor.CopyFrom(predictor)
+    reg.get("b").load.step_predictor.CopyFrom(predictor)
+    snap = router.snapshot(reg.get("a"), 0)
+    assert snap.step_model.coefficients == pytest.approx([1.5 * c for c in coefficients])
+    assert (snap.token_budget, snap.decode_context_tokens) == (512, 1500)
+    assert router.route("m", list(range(220))).state.instance_id == "b"
+    for s in ("a", "b"):
+        reg.get(s).info.role = instance_pb2.INSTANCE_ROLE_DECODE
+    loads = {x.instance_id: x for x in RoleController(reg, router, PDRoleOptions()).loads("m")}
+    assert loads["a"].decode_context_tokens == 1500 and loads["a"].step_model == snap.step_model

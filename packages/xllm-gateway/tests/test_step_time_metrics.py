@@ -45,3 +45,17 @@ def test_load_report_sets_correction_and_recent_error_once_a_model_exists() -> N
     assert abs(s[("xllm:step_time_prediction_error_recent", LABELS)] - 0.08) < 1e-7
     m.forget("m", "i0")
     assert ("xllm:step_time_correction_factor", LABELS) not in _samples(m)
+
+
+def test_measured_and_predicted_step_seconds_are_counters_across_restarts() -> None:
+    m = EngineMetrics()
+
+    def report(measured: float, predicted: float) -> instance_pb2.LoadReport:
+        return instance_pb2.LoadReport(step_predictor=instance_pb2.StepTimePredictor(
+            coefficients=[0.004, 6e-4, 2e-7, 3e-6, 1e-4], measured_seconds=measured, predicted_seconds=predicted))
+
+    for measured, predicted in ((2.0, 1.0), (5.0, 3.0), (1.0, 0.5)):  # the last: the instance restarted
+        m.set_load("m", "i0", report(measured, predicted))
+    s = _samples(m)
+    assert s[("xllm:step_time_measured_seconds_total", LABELS)] == 6.0
+    assert s[("xllm:step_time_predicted_seconds_total", LABELS)] == 3.5

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -17,6 +18,7 @@ from xllm.sched import (
     RoundRobinPolicy,
     RouteRequest,
 )
+from xllm.sched.latency import StepTimeModel, mean_model
 
 
 def snap(iid: str, **kw) -> InstanceSnapshot:
@@ -235,3 +237,48 @@ def test_kv_aware_lower_tier_hits_stop_at_the_first_unmeasured_tier_and_leave_th
     assert p.lower_tier_plan(c, 1000, 1000.0)[0] == 300  # the store's speed is unknown: stop there
     full = snap("f", lower_matched=(("host", 1000),), tier_load_tokens_per_s=(("host", 10_000.0),))
     assert p.lower_tier_plan(full, 1000, 1000.0)[0] == 999
+
+
+# ---- latency from the instances' step-time models ---------------------------------------------------
+PROFILE = StepTimeModel((0.02, 5.6e-4, 3e-7, 2.1e-6, 1.6e-4))  # const, tokens, prefill attn, decode ctx, seqs
+
+
+def test_kv_aware_predicts_from_the_step_model_not_the_measured_rate():
+    """The defect the live sim-validate run showed: engine-1, warmed up on 32-token prompts, measured
+    a slow prefill rate and, never sent work again to measure it anew, lost every request to engine-0,
+    which had a request decoding. Same model: the idle instance is the faster one."""
+    busy = snap("engine-0", num_running=1, decode_context_tokens=400, prefill_tokens_per_s=3000.0,
+                step_model=PROFILE, token_budget=512)
+    idle = snap("engine-1", prefill_tokens_per_s=400.0, step_model=PROFILE, token_budget=512)
+    p = KVCacheAwarePolicy()
+    d = p.route(RouteRequest(220), [busy, idle])
+    assert d.instance_id == "engine-1"
+    assert d.predicted_latency == pytest.approx(PROFILE.prefill_seconds(220, 0, 512))
+    # the rates alone would have sent it to the busy one
+    blind = [replace(busy, step_model=None), replace(idle, step_model=None)]
+    assert p.route(RouteRequest(220), blind).instance_id == "engine-0"
+
+
+def test_kv_aware_model_latency_counts_the_queue_the_chunks_and_the_decode_rows():
+    p = KVCacheAwarePolicy()
+    c = snap("a", num_running=4, decode_context_tokens=2000, pending_prefill_tokens=1000, matched_tokens=64,
+             step_model=PROFILE, token_budget=256)
+    expected = (PROFILE.queue_seconds(1000, 600, 256, 4, 2000)
+                + PROFILE.prefill_seconds(600 - 64, 64, 256, 4, 2000))
+    assert p.predicted_latency(c, 600, 1.0, PROFILE) == pytest.approx(expected)
+    # more decode rows sharing the chunks, or a longer context, is a later first token
+    assert p.predicted_latency(replace(c, num_running=16), 600, 1.0, PROFILE) > expected
+    assert p.predicted_latency(replace(c, decode_context_tokens=20000), 600, 1.0, PROFILE) > expected
+
+
+def test_kv_aware_instance_without_a_model_borrows_its_peers_mean():
+    slow = StepTimeModel(tuple(2 * x for x in PROFILE.coefficients))
+    a = snap("a", step_model=PROFILE, token_budget=512, num_running=2, decode_context_tokens=300)
+    b = snap("b", step_model=slow, token_budget=512, num_running=2, decode_context_tokens=300)
+    new = snap("c", prefill_tokens_per_s=0.0, token_budget=512, num_running=2, decode_context_tokens=300)
+    d = KVCacheAwarePolicy().route(RouteRequest(300), [a, b, new])
+    mean = mean_model([PROFILE, slow])
+    assert d.instance_id == "a"
+    assert d.scores["c"] < d.scores["a"] and d.scores["c"] > d.scores["b"]
+    assert KVCacheAwarePolicy().predicted_latency(new, 300, 1.0, mean) == pytest.approx(
+        mean.prefill_seconds(300, 0, 512, 2, 300))

@@ -505,7 +505,9 @@ class LLMEngine(EngineMoves, EngineBeams):
             instance_id=self.instance_id, num_running=len(self.scheduler.running) + len(self.beams.groups),
             num_waiting=len(self.scheduler.waiting), kv_usage=self.kv.usage, kv_free_tokens=self.kv.free_tokens,
             recent_ttft=self.counters.recent_ttft, recent_tpot=self.counters.recent_tpot, timestamp=time.time(),
-            step_predictor=self.step_timing.report(), offline_longest_wait=self.counters.offline_longest_wait,
+            decode_context_tokens=sum(seq.num_tokens for seq in self.scheduler.running),
+            step_predictor=self.step_timing.report(self.config.max_num_batched_tokens),
+            offline_longest_wait=self.counters.offline_longest_wait,
             offline_running=sum(s.offline for s in self.scheduler.running),
             offline_waiting=sum(s.offline for s in self.scheduler.waiting),
             tier_load_tokens_per_s=tier_load_rates(self.kv.tier_stats(), self.layout.block_size))

@@ -71,6 +71,9 @@ class StepTiming:
         self.last: StepSample | None = None
         self.error = 0.0              # EWMA of the relative error of the predictions made (0: none yet)
         self.errors_seen = 0
+        # totals over the steps that had a prediction: measured and predicted seconds
+        self.measured_seconds = 0.0
+        self.predicted_seconds = 0.0
         self.listeners: list[Callable[[StepSample], None]] = []  # hear every observed step (xllm profile)
 
     @property
@@ -96,6 +99,8 @@ class StepTiming:
         predicted = self.step_seconds(shape)
         err = abs(predicted - seconds) / seconds if predicted is not None else None
         if err is not None:
+            self.measured_seconds += seconds
+            self.predicted_seconds += self.correction.model.step_seconds(shape)  # uncorrected
             self.errors_seen += 1
             self.error += (err - self.error) / min(self.errors_seen, round(1 / self._alpha))
         if self.correction is not None:
@@ -113,12 +118,14 @@ class StepTiming:
         """Predicted seconds of a step of ``shape``; ``None`` while no model exists yet."""
         return self.correction.step_seconds(shape) if self.correction is not None else None
 
-    def report(self) -> instance_pb2.StepTimePredictor:
-        """The predictor as the instance's load report carries it (coefficients empty: no model yet)."""
+    def report(self, token_budget: int = 0) -> instance_pb2.StepTimePredictor:
+        """The predictor as the instance's load report carries it (coefficients empty: no model yet), with
+        the ``token_budget`` its prefills are chunked by."""
         model = self.model
         return instance_pb2.StepTimePredictor(
             coefficients=list(model.coefficients) if model is not None else [], correction=self.factor,
-            profiled=self.profiled, prediction_error=self.error)
+            profiled=self.profiled, prediction_error=self.error, token_budget=token_budget,
+            measured_seconds=self.measured_seconds, predicted_seconds=self.predicted_seconds)
 
 
 def predictor_from_report(report: instance_pb2.StepTimePredictor) -> StepTimeModel | None:

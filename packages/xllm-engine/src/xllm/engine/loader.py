@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import time
 from dataclasses import dataclass
+
+import torch
 
 from xllm.core import ComputeThread, EngineConfig, LLMEngine, StatsObserver
 from xllm.core.errors import ConfigError
 from xllm.core.grammar import Grammars
 from xllm.kvstore.tier import model_identity
 from xllm.models import Tokenizer, load_model, resolve_model
+from xllm.models.quantize import weight_format
 from xllm.models.source import gguf_file
 from xllm.proto.registry.v1 import instance_pb2
+from xllm.sched.latency import PerfProfile
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,12 +57,27 @@ def load_engine(model: str | None, name: str, cfg: EngineConfig | None, instance
     engine = compute.call(LLMEngine, weights, tokenizer, cfg, observers=observers, instance_id=instance_id,
                           forward_executor=compute, grammars=load_grammars(model_dir, tokenizer, weights.vocab_size),
                           draft_model=draft)
+    if cfg.profile_path:
+        warn_profile_mismatch(cfg, weights, compute)
     info = instance_pb2.InstanceInfo(
         instance_id=instance_id, role=instance_pb2.INSTANCE_ROLE_MIXED, start_time=time.time(),
         model=instance_pb2.ModelInfo(served_name=name, max_model_len=engine.max_model_len,
                                      dtype=str(cfg.dtype).removeprefix("torch."),
                                      block_size=engine.layout.block_size))
     return LoadedEngine(engine, tokenizer, info, compute)
+
+
+def warn_profile_mismatch(cfg: EngineConfig, weights, compute: ComputeThread) -> None:
+    """Log a warning when ``cfg.profile_path`` was measured on another kind of engine (dtype, quantized
+    weights, threads): its predictions are then wrong by step shape, not by one factor the online
+    correction absorbs. The engine has already loaded the profile (a bad file fails there)."""
+    profile = PerfProfile.load(cfg.profile_path)
+    threads = compute.call(torch.get_num_threads)
+    differences = profile.mismatches(str(cfg.dtype).removeprefix("torch."), weight_format(weights) or "", threads)
+    if differences:
+        log.warning("--profile %s was measured on another engine than this one: %s; its step-time predictions "
+                    "will be off by step shape (measure this engine with `xllm profile` and the same flags)",
+                    cfg.profile_path, ", ".join(differences))
 
 
 def stored_gguf(model: str | None, cfg: EngineConfig) -> pathlib.Path | None:

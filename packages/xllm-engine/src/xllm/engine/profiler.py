@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from xllm.core import LLMEngine
+from xllm.models.quantize import weight_format
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.sched.latency import PerfProfile, StepSample
 
@@ -280,8 +281,7 @@ def make_profile(engine: LLMEngine, run: ProfileRun, model_name: str, threads: i
     """The :class:`PerfProfile` of a run on ``engine``."""
     return PerfProfile(model=model_name, dtype=str(engine.config.dtype).removeprefix("torch."), threads=threads,
                        machine=machine_name(), token_budget=engine.config.max_num_batched_tokens,
-                       samples=list(run.samples), created=time.time())
-
+                       samples=list(run.samples), created=time.time(), weights=weight_format(engine.model) or "")
 
 
 def grid_from_args(args) -> ProfileGrid:
@@ -312,7 +312,6 @@ def command(args) -> int:
     from xllm.engine import flags
     from xllm.engine.loader import load_engine
     from xllm.models import ModelConfigError, ModelNotFoundError, served_name
-    from xllm.models.quantize import weight_format
     from xllm.sched.latency import relative_errors
 
     try:

@@ -78,6 +78,13 @@ class EngineMetrics:
         self.step_time_correction = Gauge(
             "xllm:step_time_correction_factor", "Measured over predicted step time of the instance's step-time "
             "model (online correction; 1 = none).", labels, registry=r)
+        self.step_measured_seconds = Counter(
+            "xllm:step_time_measured_seconds", "Measured seconds of the steps the instance had a step-time "
+            "prediction for (divide its increase by xllm:step_time_predicted_seconds' over the same window: "
+            "measured over predicted step time of that window).", labels, registry=r)
+        self.step_predicted_seconds = Counter(
+            "xllm:step_time_predicted_seconds", "Seconds the instance's uncorrected step-time model (profile or "
+            "self-fit) predicted for those steps.", labels, registry=r)
 
         self.instance_role = Gauge("xllm:instance_role", "1 for the role each instance serves (mixed, prefill, "
                                    "decode).", [*labels, "role"], registry=r)
@@ -134,6 +141,7 @@ class EngineMetrics:
             "xllm:beam_early_terminations", "Beam searches that ended before max_tokens (early_stopping, or no "
             "running beam could beat the finished ones).", labels, registry=r)
         self._last_counters: dict[tuple[str, str], instance_pb2.EngineCounters] = {}
+        self._last_step_totals: dict[tuple[str, str], tuple[float, float]] = {}  # StepTimePredictor's totals
         cl = ["model_name"]
         self.cluster_instances = Gauge("xllm:cluster_instances", "Live engine instances.", cl, registry=r)
         self.cluster_running = Gauge("xllm:cluster_num_requests_running", "Running requests, all instances.", cl,
@@ -160,9 +168,19 @@ class EngineMetrics:
         self.waiting.labels(*lb).set(report.num_waiting)
         self.kv_usage.labels(*lb).set(report.kv_usage)
         self.offline_longest_wait.labels(*lb).set(report.offline_longest_wait)
-        if report.step_predictor.coefficients:  # the instance has a step-time model
-            self.step_time_correction.labels(*lb).set(report.step_predictor.correction)
-            self.step_prediction_error_recent.labels(*lb).set(report.step_predictor.prediction_error)
+        predictor = report.step_predictor
+        if predictor.coefficients:  # the instance has a step-time model
+            self.step_time_correction.labels(*lb).set(predictor.correction)
+            self.step_prediction_error_recent.labels(*lb).set(predictor.prediction_error)
+        totals = (predictor.measured_seconds, predictor.predicted_seconds)
+        last = self._last_step_totals.get(lb, (0.0, 0.0))
+        if totals[0] < last[0] or totals[1] < last[1]:  # the instance restarted
+            last = (0.0, 0.0)
+        for counter, now, before in ((self.step_measured_seconds, totals[0], last[0]),
+                                     (self.step_predicted_seconds, totals[1], last[1])):
+            if now > before:
+                counter.labels(*lb).inc(now - before)
+        self._last_step_totals[lb] = totals
 
     def set_counters(self, model_name: str, instance: str, counters: instance_pb2.EngineCounters) -> None:
         """Advance the counters of a remote instance to its reported cumulative totals."""
@@ -226,6 +244,7 @@ class EngineMetrics:
             with contextlib.suppress(KeyError):
                 self.instance_role.remove(*lb, role)
         self._last_counters.pop(lb, None)
+        self._last_step_totals.pop(lb, None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

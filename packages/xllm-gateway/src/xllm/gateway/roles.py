@@ -42,7 +42,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from xllm.core.step_timing import predictor_from_report
 from xllm.gateway.metrics import PDRoleMetrics
 from xllm.gateway.registry.base import InstanceState, Registry, RoleTransition
 from xllm.sched import PD_POLICIES, RoleFlip, RoleLoad, RolePolicy
@@ -220,11 +219,11 @@ class RoleController:
                 continue
             snap = self.router.snapshot(s, 0)
             ttft, tpot = self.router.latency.recent(s.instance_id)
-            reported = predictor_from_report(s.load.step_predictor) if s.load is not None else None
             out.append(RoleLoad(s.instance_id, s.role, snap.num_running,
                                 max(snap.num_waiting, s.inflight - snap.num_running, 0),
                                 snap.pending_prefill_tokens, ttft, tpot, flipping=s.flip is not None,
-                                prefill_tokens_per_s=snap.prefill_tokens_per_s, step_model=reported,
+                                prefill_tokens_per_s=snap.prefill_tokens_per_s,
+                                decode_context_tokens=snap.decode_context_tokens, step_model=snap.step_model,
                                 recent_prompt_tokens=self.router.latency.recent_prompt(s.instance_id)))
         return out
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from xllm.core.step_timing import predictor_from_report
 from xllm.gateway.registry.base import InstanceState, NoInstanceError, Registry
 from xllm.gateway.roles import LatencyTracker
 from xllm.kvstore import block_hashes
@@ -223,7 +224,10 @@ class Router:
             offline_running=load.offline_running if load is not None else 0,
             offline_waiting=load.offline_waiting if load is not None else 0, offline_inflight=s.off_inflight,
             offline_pending_prefill_tokens=s.off_pending_prefill + max(
-                (load.offline_pending_prefill_tokens if load is not None else 0) - s.off_pending_prompt, 0))
+                (load.offline_pending_prefill_tokens if load is not None else 0) - s.off_pending_prompt, 0),
+            step_model=predictor_from_report(load.step_predictor) if load is not None else None,
+            token_budget=load.step_predictor.token_budget if load is not None else 0,
+            decode_context_tokens=load.decode_context_tokens if load is not None else 0)
 
     # ---- accounting ----------------------------------------------------------------------------
     def dispatched(self, ticket: Ticket, num_requests: int) -> None:

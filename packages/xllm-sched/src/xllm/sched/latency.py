@@ -195,6 +195,14 @@ class StepTimeModel:
         return cls(tuple(float(d[name]) for name in FEATURES))
 
 
+def mean_model(models: Sequence[StepTimeModel]) -> StepTimeModel:
+    """The coefficient-wise mean of ``models`` (not empty): the step time of an instance that has no
+    model of its own yet, predicted from its peers' (instances serving one model run alike)."""
+    if len(models) == 1:
+        return models[0]
+    return StepTimeModel(tuple(sum(c) / len(models) for c in zip(*(m.coefficients for m in models), strict=True)))
+
+
 def prefill_share(model: StepTimeModel, shapes: Iterable[StepShape]) -> float:
     """The share of the time of the steps with decode rows among ``shapes`` that their prefill chunks
     take (predicted by ``model``; 0 when none has decode rows): how much a decoding request's steps are
@@ -294,9 +302,26 @@ class PerfProfile:
     samples: list[StepSample] = field(default_factory=list)
     created: float = 0.0
     version: int = PROFILE_VERSION
+    # the format of the quantized weights the engine served ("" float weights; None: not recorded, a
+    # profile from before the field): a Q4_1 model's decode steps take ~0.6x a bf16 one's
+    weights: str | None = None
 
     def fit(self) -> StepTimeModel:
         return fit_step_model(self.samples)
+
+    def mismatches(self, dtype: str, weights: str, threads: int) -> list[str]:
+        """How an engine of ``dtype``, quantized ``weights`` ("" float) and ``threads`` differs from the one
+        this profile measured (empty: alike, or not recorded). Its step model then mispredicts by shape,
+        which one online correction factor cannot undo: bf16 engines predicted from a Q4_1 profile ran
+        decode steps 1.7x and prefill chunks 1.3x their predictions."""
+        out = []
+        if dtype != self.dtype:
+            out.append(f"dtype {dtype} (profile: {self.dtype})")
+        if self.weights is not None and weights != self.weights:
+            out.append(f"weights {weights or 'float'} (profile: {self.weights or 'float'})")
+        if threads != self.threads:
+            out.append(f"threads {threads} (profile: {self.threads})")
+        return out
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -313,7 +338,8 @@ class PerfProfile:
             raise ValueError(f"unsupported profile version {d.get('version')!r} (this build reads {PROFILE_VERSION})")
         return cls(model=str(d["model"]), dtype=str(d["dtype"]), threads=int(d["threads"]),
                    machine=str(d["machine"]), token_budget=int(d["token_budget"]),
-                   samples=[StepSample.from_dict(s) for s in d["samples"]], created=float(d.get("created", 0.0)))
+                   samples=[StepSample.from_dict(s) for s in d["samples"]], created=float(d.get("created", 0.0)),
+                   weights=None if d.get("weights") is None else str(d["weights"]))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())

@@ -14,10 +14,18 @@ Policies (by name through :data:`xllm.sched.ROUTING_POLICIES`):
 
       score(w) = α · match_len(w) / len  −  γ · predicted_latency(w) / max_latency
 
-  where ``predicted_latency`` is the time to the request's first token on ``w`` from a simple
-  performance model (queued prefill work, plus this request's uncached tokens, plus decode
-  interference, over ``w``'s measured prefill speed). Blocks ``w`` can load from its lower KV
-  tiers (host DRAM, disk, the cluster store) beyond its in-memory match count as the load time at
+  where ``predicted_latency`` is the time to the request's first token on ``w`` (xLLM §3.1: every
+  placement against a latency prediction): the prefill work queued there, then this request's
+  uncached tokens, in chunks of ``w``'s token budget that share each step with its decode rows, timed
+  by the step-time model ``w`` reports (its profile or self-fit, corrected by its measured steps;
+  an instance without one yet borrows the mean of the candidates' models, the instances of one model
+  being alike). Without any model it falls back to ``w``'s measured prefill speed (tokens/s of its
+  recent prefill steps, with ``decode_weight`` prompt tokens of work per running request). That speed
+  depends on the chunk sizes the instance happened to get (a 32-token chunk runs at a fraction of a
+  512-token one's tokens/s): an instance warmed up on short prompts looked slow for good and, with
+  nothing sent there to measure it again, got nothing while the other queued every request. Blocks
+  ``w`` can load from its lower KV tiers (host DRAM, disk, the cluster store) beyond its in-memory
+  match count as the load time at
   the tier's measured speed instead of their recompute time, and in ``match_len`` only for the
   share of the recompute time loading saves: a deep hit in a tier slower than recomputing is
   worth nothing, and a shallow hit in memory beats it (RTP-LLM's cache-aware balancing). A tier
@@ -32,11 +40,14 @@ Policies (by name through :data:`xllm.sched.ROUTING_POLICIES`):
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+
+from xllm.sched.latency import StepTimeModel, mean_model
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,12 @@ class InstanceSnapshot:
     # simulator's positional construction stays valid.
     lower_matched: tuple[tuple[str, int], ...] = ()
     tier_load_tokens_per_s: tuple[tuple[str, float], ...] = ()
+    # the instance's step-time model as it reports it (corrected online; None: it has none yet), the
+    # token budget its prefills are chunked by (0: unknown, one chunk) and the context its running
+    # requests attend to (the decode rows every prefill chunk shares a step with)
+    step_model: StepTimeModel | None = None
+    token_budget: int = 0
+    decode_context_tokens: int = 0
 
     @property
     def outstanding(self) -> int:
@@ -221,11 +238,34 @@ class KVCacheAwarePolicy(RoutingPolicy):
             saved += max(take / rate - take / speed, 0.0)
         return loaded, seconds, saved
 
-    def predicted_latency(self, c: InstanceSnapshot, num_prompt_tokens: int, rate: float) -> float:
-        """Seconds to ``c``'s first token for a request of ``num_prompt_tokens``."""
+    @staticmethod
+    def _running(c: InstanceSnapshot) -> int:
+        return max(c.num_running, c.inflight - c.num_waiting)  # a heartbeat is up to an interval old
+
+    @classmethod
+    def model_rate(cls, c: InstanceSnapshot, num_prompt_tokens: int, model: StepTimeModel) -> float:
+        """Prefill tokens/s ``model`` predicts on ``c`` for a whole prompt of ``num_prompt_tokens`` (what
+        recomputing a prompt's tokens costs there, per token)."""
+        n = max(num_prompt_tokens, 1)
+        seconds = model.prefill_seconds(n, 0, c.token_budget, cls._running(c), c.decode_context_tokens)
+        return n / seconds if seconds > 0 else math.inf
+
+    def predicted_latency(self, c: InstanceSnapshot, num_prompt_tokens: int, rate: float,
+                          model: StepTimeModel | None = None) -> float:
+        """Seconds to ``c``'s first token for a request of ``num_prompt_tokens``: with a step-time
+        ``model``, the queued prefill work (taken as prompts of this one's size) and then this prompt's
+        uncached tokens, chunked by ``c``'s token budget beside its decode rows; without one, that work
+        plus ``decode_weight`` tokens per running request over ``rate`` (tokens/s). ``rate`` also prices
+        the tokens a lower tier would load instead."""
         loaded, load_seconds, _ = self.lower_tier_plan(c, num_prompt_tokens, rate)
-        uncached = max(num_prompt_tokens - c.matched_tokens - loaded, 1)
-        running = max(c.num_running, c.inflight - c.num_waiting)  # a heartbeat is up to an interval old
+        cached = c.matched_tokens + loaded
+        uncached = max(num_prompt_tokens - cached, 1)
+        running = self._running(c)
+        if model is not None:
+            budget, context = c.token_budget, c.decode_context_tokens
+            return (model.queue_seconds(c.pending_prefill_tokens, num_prompt_tokens, budget, running, context)
+                    + model.prefill_seconds(uncached, min(cached, num_prompt_tokens - 1), budget, running, context)
+                    + load_seconds)
         work = c.pending_prefill_tokens + uncached + self.decode_weight * running
         return work / rate + load_seconds
 
@@ -268,9 +308,15 @@ class KVCacheAwarePolicy(RoutingPolicy):
         _check(candidates)
         ordered = sorted(load_as_seen_by(request, candidates), key=lambda c: c.instance_id)
         length = max(request.num_prompt_tokens, 1)
+        reported = [c.step_model for c in ordered if c.step_model is not None]
+        shared = mean_model(reported) if reported else None  # for an instance without a model yet
+        models = {c.instance_id: c.step_model or shared for c in ordered}
         measured = [c.prefill_tokens_per_s for c in ordered if c.prefill_tokens_per_s > 0]
         fallback_rate = sum(measured) / len(measured) if measured else self.default_prefill_rate
-        latency = {c.instance_id: self.predicted_latency(c, length, self._rate(c, fallback_rate)) for c in ordered}
+        rates = {c.instance_id: self.model_rate(c, length, m) if (m := models[c.instance_id]) is not None
+                 else self._rate(c, fallback_rate) for c in ordered}
+        latency = {c.instance_id: self.predicted_latency(c, length, rates[c.instance_id], models[c.instance_id])
+                   for c in ordered}
         pool = [c for c in ordered if not self.overloaded(c)] or ordered
         max_latency = max(latency[c.instance_id] for c in pool) or 1.0
         fastest = min(pool, key=lambda c: (latency[c.instance_id], c.outstanding))
@@ -279,7 +325,7 @@ class KVCacheAwarePolicy(RoutingPolicy):
         def acceptable(instance_id: str) -> bool:
             return latency[instance_id] <= limit
 
-        reuse = {c.instance_id: self.reuse(c, length, self._rate(c, fallback_rate)) for c in ordered}
+        reuse = {c.instance_id: self.reuse(c, length, rates[c.instance_id]) for c in ordered}
         scores = {c.instance_id: self.alpha * reuse[c.instance_id] / length
                   - self.gamma * latency[c.instance_id] / max_latency for c in pool}
         sticky = self._session_instance(request.session_id)

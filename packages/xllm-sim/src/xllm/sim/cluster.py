@@ -83,7 +83,8 @@ class Cluster:
         self.q = EventQueue()
         clock = self.clock
         speed = cfg.speed
-        step = model.step_seconds if speed == 1 else (lambda shape: model.step_seconds(shape) / speed)
+        reported = model if speed == 1 else StepTimeModel(tuple(c / speed for c in model.coefficients))
+        step = reported.step_seconds
         actual = step if cfg.step_noise <= 0 else noisy(step, cfg.step_noise)
         roles = [PREFILL] * cfg.prefill_instances + [DECODE] * cfg.decode_instances if cfg.pd else \
             [MIXED] * cfg.instances
@@ -92,7 +93,7 @@ class Cluster:
             kv = SimKV(cfg.kv_blocks, cfg.block_size, cfg.prefix_cache, listener=partial(self._kv_event, i))
             policy = make_batch_policy(cfg.batch_policy, cfg, step, clock)
             self.instances.append(SimInstance(f"e{i}", i, role, kv, policy, actual, cfg.max_num_seqs,
-                                              cfg.max_model_len))
+                                              cfg.max_model_len, reported, cfg.max_num_batched_tokens))
         placement = PDPlacement(ROUTING_POLICIES.create(cfg.routing),
                                 slo_ttft_s=cfg.slo_ttft_s if cfg.pd_overflow else None, predictor=model,
                                 token_budget=cfg.max_num_batched_tokens)

@@ -42,7 +42,7 @@ class InstanceView:
         self.off_inflight = 0
         self.off_pending_prefill = 0
         self.off_pending_prompt = 0
-        self.report: tuple = (0, 0, 0.0, inst.kv.num_blocks * inst.kv.block_size, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
+        self.report: tuple = (0, 0, 0.0, inst.kv.num_blocks * inst.kv.block_size, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0)
         self.snap: InstanceSnapshot | None = None
         # prompt tokens to compute of the requests sent here to prefill, as the live gateway's
         # LatencyTracker keeps them for the role policy (its 10 s window)
@@ -51,13 +51,13 @@ class InstanceView:
 
 def live_report(inst: SimInstance) -> tuple:
     """What the instance's heartbeat carries: (running, waiting, KV usage, KV free tokens, pending
-    prefill tokens, prefill tokens/s, recent TTFT, recent TPOT, cached blocks, and the offline share
-    of running, waiting and pending prefill tokens)."""
+    prefill tokens, prefill tokens/s, recent TTFT, recent TPOT, cached blocks, the offline share
+    of running, waiting and pending prefill tokens, and the context the running requests attend to)."""
     kv = inst.kv
     pending, off_pending, off_running, off_waiting = inst.load_counts()
     return (len(inst.running), len(inst.waiting) + len(inst.reserving), kv.usage, kv.available * kv.block_size,
             pending, inst.prefill_tps, inst.recent_ttft, inst.recent_tpot, len(kv.refs),
-            off_running, off_waiting, off_pending)
+            off_running, off_waiting, off_pending, sum(s.num_tokens for s in inst.running))
 
 
 class Gateway:
@@ -106,13 +106,16 @@ class Gateway:
         """The candidate as the policies see it (matched tokens 0)."""
         if view.snap is not None and not self.live:
             return view.snap
-        running, waiting, usage, free, pending, tps, ttft, tpot, cached, off_run, off_wait, off_pending = \
+        running, waiting, usage, free, pending, tps, ttft, tpot, cached, off_run, off_wait, off_pending, context = \
             self.snapshot_report(view)
         others = max(pending - view.pending_prompt, 0)  # queued work of requests this gateway did not send
         off_others = max(off_pending - view.off_pending_prompt, 0)
-        view.snap = InstanceSnapshot(view.inst.instance_id, running, waiting, usage, view.pending_prefill + others,
+        inst = view.inst
+        view.snap = InstanceSnapshot(inst.instance_id, running, waiting, usage, view.pending_prefill + others,
                                      tps, ttft, tpot, view.inflight, 0, cached, free, off_run, off_wait,
-                                     view.off_inflight, view.off_pending_prefill + off_others)
+                                     view.off_inflight, view.off_pending_prefill + off_others,
+                                     step_model=inst.predictor, token_budget=inst.token_budget,
+                                     decode_context_tokens=context)
         return view.snap
 
     def snapshots(self, views: Sequence[InstanceView], matched: dict[int, int]) -> list[InstanceSnapshot]:
@@ -125,7 +128,9 @@ class Gateway:
                                         snap.pending_prefill_tokens, snap.prefill_tokens_per_s, snap.recent_ttft,
                                         snap.recent_tpot, snap.inflight, m, snap.cached_blocks, snap.kv_free_tokens,
                                         snap.offline_running, snap.offline_waiting, snap.offline_inflight,
-                                        snap.offline_pending_prefill_tokens)
+                                        snap.offline_pending_prefill_tokens, step_model=snap.step_model,
+                                        token_budget=snap.token_budget,
+                                        decode_context_tokens=snap.decode_context_tokens)
             out.append(snap)
         return out
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from xllm.sched import BatchPolicy, ScheduledChunk
-from xllm.sched.latency import StepShape
+from xllm.sched.latency import StepShape, StepTimeModel
 from xllm.sim.kvcache import KVSeq, SimKV
 
 MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"  # a sequence's phase on an instance, and instance roles
@@ -78,8 +78,11 @@ class SimInstance:
     duration (a ``StepTimeModel``'s ``step_seconds``, possibly scaled)."""
 
     def __init__(self, instance_id: str, index: int, role: str, kv: SimKV, policy: BatchPolicy,
-                 step_seconds: Callable[[StepShape], float], max_num_seqs: int, max_model_len: int = 0) -> None:
+                 step_seconds: Callable[[StepShape], float], max_num_seqs: int, max_model_len: int = 0,
+                 predictor: StepTimeModel | None = None, token_budget: int = 0) -> None:
         self.instance_id, self.index, self.role = instance_id, index, role
+        # the step-time model and token budget its load reports carry (xllm.core.step_timing.StepTiming.report)
+        self.predictor, self.token_budget = predictor, token_budget
         self.kv = kv
         self.policy = policy
         self.step_seconds = step_seconds

@@ -72,8 +72,9 @@ class RoleManager:
             inst = view.inst
             if inst.role not in (PREFILL, DECODE):
                 continue
-            running, waiting, _, _, pending, tps, ttft, tpot = gw.snapshot_report(view)[:8]
-            context = sum(s.num_tokens for s in inst.running) if inst.role == DECODE else 0
+            report = gw.snapshot_report(view)
+            running, waiting, _, _, pending, tps, ttft, tpot = report[:8]
+            context = report[12] if inst.role == DECODE else 0
             # the prefill queue the instance reports: the gateway's own pending-prefill accounting also
             # counts prompts still waiting for their decode instance's KV reservation, a decode-side
             # shortage that must not read as TTFT pressure on the prefill side

@@ -46,7 +46,7 @@ class InstanceInfo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., start_time: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_usage", "kv_free_tokens", "recent_ttft", "recent_tpot", "timestamp", "pending_prefill_tokens", "prefill_tokens_per_s", "step_predictor", "offline_longest_wait", "offline_running", "offline_waiting", "offline_pending_prefill_tokens", "tier_load_tokens_per_s")
+    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_usage", "kv_free_tokens", "recent_ttft", "recent_tpot", "timestamp", "pending_prefill_tokens", "prefill_tokens_per_s", "decode_context_tokens", "step_predictor", "offline_longest_wait", "offline_running", "offline_waiting", "offline_pending_prefill_tokens", "tier_load_tokens_per_s")
     class TierLoadTokensPerSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class LoadReport(_message.Message):
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_PREDICTOR_FIELD_NUMBER: _ClassVar[int]
     OFFLINE_LONGEST_WAIT_FIELD_NUMBER: _ClassVar[int]
     OFFLINE_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -80,25 +81,32 @@ class LoadReport(_message.Message):
     timestamp: float
     pending_prefill_tokens: int
     prefill_tokens_per_s: float
+    decode_context_tokens: int
     step_predictor: StepTimePredictor
     offline_longest_wait: float
     offline_running: int
     offline_waiting: int
     offline_pending_prefill_tokens: int
     tier_load_tokens_per_s: _containers.ScalarMap[str, float]
-    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., recent_ttft: _Optional[float] = ..., recent_tpot: _Optional[float] = ..., timestamp: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., step_predictor: _Optional[_Union[StepTimePredictor, _Mapping]] = ..., offline_longest_wait: _Optional[float] = ..., offline_running: _Optional[int] = ..., offline_waiting: _Optional[int] = ..., offline_pending_prefill_tokens: _Optional[int] = ..., tier_load_tokens_per_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., recent_ttft: _Optional[float] = ..., recent_tpot: _Optional[float] = ..., timestamp: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_context_tokens: _Optional[int] = ..., step_predictor: _Optional[_Union[StepTimePredictor, _Mapping]] = ..., offline_longest_wait: _Optional[float] = ..., offline_running: _Optional[int] = ..., offline_waiting: _Optional[int] = ..., offline_pending_prefill_tokens: _Optional[int] = ..., tier_load_tokens_per_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class StepTimePredictor(_message.Message):
-    __slots__ = ("coefficients", "correction", "profiled", "prediction_error")
+    __slots__ = ("coefficients", "correction", "profiled", "prediction_error", "token_budget", "measured_seconds", "predicted_seconds")
     COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
     CORRECTION_FIELD_NUMBER: _ClassVar[int]
     PROFILED_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     coefficients: _containers.RepeatedScalarFieldContainer[float]
     correction: float
     profiled: bool
     prediction_error: float
-    def __init__(self, coefficients: _Optional[_Iterable[float]] = ..., correction: _Optional[float] = ..., profiled: _Optional[bool] = ..., prediction_error: _Optional[float] = ...) -> None: ...
+    token_budget: int
+    measured_seconds: float
+    predicted_seconds: float
+    def __init__(self, coefficients: _Optional[_Iterable[float]] = ..., correction: _Optional[float] = ..., profiled: _Optional[bool] = ..., prediction_error: _Optional[float] = ..., token_budget: _Optional[int] = ..., measured_seconds: _Optional[float] = ..., predicted_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineCounters(_message.Message):
     __slots__ = ("prompt_tokens", "generation_tokens", "finished_requests", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "steps", "kv_handoffs_sent", "kv_handoffs_installed", "kv_handoff_failures", "kv_transfer_bytes", "kv_handoff_timeouts", "kv_reservations_expired", "kv_migrations_sent", "kv_migrations_installed", "kv_migration_failures", "offline_requests", "offline_prompt_tokens", "offline_generation_tokens", "offline_preemptions_kv", "offline_preemptions_batch_full", "offline_preemptions_slo", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "beam_steps", "beam_rows", "beam_candidates_scanned", "beam_early_terminations", "kv_handoff_store_blocks", "kv_handoff_store_fallbacks")
