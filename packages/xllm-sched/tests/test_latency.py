@@ -128,3 +128,23 @@ def test_with_chunk_builds_the_shape_step_shape_reads() -> None:
         shape = shape.with_chunk(seq, n)
     assert shape == step_shape(chunks)
     assert shape.decode_contexts == (10, 5) and shape.prefill_chunks == ((0, 16), (20, 1), (0, 1), (32, 8))
+
+
+def test_prefill_seconds_is_the_sum_of_its_chunk_steps():
+    """The closed form equals timing each chunk's step with step_seconds: the chunk after what is
+    cached and computed so far, beside decode_batch rows of decode_context // decode_batch tokens."""
+    import random
+
+    model = StepTimeModel((0.02, 5.6e-4, 3e-7, 2.1e-6, 1.6e-4))
+    rng = random.Random(0)
+    for _ in range(2000):
+        n, cached, budget = rng.randint(0, 3000), rng.randint(0, 2000), rng.choice([0, 64, 512, 2048])
+        rows, context = rng.randint(0, 70), rng.randint(0, 50000)
+        per_step = max(budget - rows if budget else n, 1)
+        expected, done = 0.0, 0
+        while done < n:
+            k = min(per_step, n - done)
+            decodes = (context // rows,) * rows if rows else ()
+            expected += model.step_seconds(StepShape(decodes, ((cached + done, k),)))
+            done += k
+        assert model.prefill_seconds(n, cached, budget, rows, context) == pytest.approx(expected, rel=1e-12, abs=1e-15)

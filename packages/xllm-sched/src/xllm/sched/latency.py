@@ -154,13 +154,20 @@ class StepTimeModel:
             return 0.0
         per_step = token_budget - decode_batch if token_budget > 0 else num_tokens
         per_step = max(per_step, 1)
-        total, done = 0.0, 0
-        while done < num_tokens:
+        # each chunk's step is StepShape(decode_batch rows of decode_context // decode_batch tokens, the
+        # chunk): its features summed in closed form over the chunks (routing asks this per candidate)
+        c0, c_tok, c_attn, c_ctx, c_seq = self.coefficients
+        rows = max(decode_batch, 0)
+        context = (decode_context // rows) * rows if rows else 0
+        steps = -(-num_tokens // per_step)
+        attention = 0.0
+        done = 0
+        for _ in range(steps):
             n = min(per_step, num_tokens - done)
-            decodes = (decode_context // decode_batch,) * decode_batch if decode_batch else ()
-            total += self.step_seconds(StepShape(decodes, ((cached_tokens + done, n),)))
+            attention += n * (cached_tokens + done + n / 2.0)
             done += n
-        return total
+        return (steps * (c0 + c_tok * rows + c_ctx * context + c_seq * (rows + 1))
+                + c_tok * num_tokens + c_attn * attention)
 
     def queue_seconds(self, queued_tokens: int, prompt_tokens: float = 0, token_budget: int = 0,
                       decode_batch: int = 0, decode_context: int = 0) -> float:

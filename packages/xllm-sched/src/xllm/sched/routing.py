@@ -223,7 +223,7 @@ class KVCacheAwarePolicy(RoutingPolicy):
         last prompt token, which is always computed): ``(tokens loaded, seconds loading them, seconds of
         recompute they save net of the load)``. Loading stops at the first tier without a measured speed
         (predicted as recomputed: the conservative side). Nothing for a policy that is not ``tier_aware``."""
-        if not self.tier_aware:
+        if not self.tier_aware or not c.lower_matched:
             return 0, 0.0, 0.0
         speeds = dict(c.tier_load_tokens_per_s)
         room = max(num_prompt_tokens - 1 - c.matched_tokens, 0)
@@ -308,13 +308,16 @@ class KVCacheAwarePolicy(RoutingPolicy):
         _check(candidates)
         ordered = sorted(load_as_seen_by(request, candidates), key=lambda c: c.instance_id)
         length = max(request.num_prompt_tokens, 1)
-        reported = [c.step_model for c in ordered if c.step_model is not None]
-        shared = mean_model(reported) if reported else None  # for an instance without a model yet
+        shared = None  # the model of an instance without one yet: its peers' mean
+        if any(c.step_model is None for c in ordered):
+            reported = [c.step_model for c in ordered if c.step_model is not None]
+            shared = mean_model(reported) if reported else None
         models = {c.instance_id: c.step_model or shared for c in ordered}
         measured = [c.prefill_tokens_per_s for c in ordered if c.prefill_tokens_per_s > 0]
         fallback_rate = sum(measured) / len(measured) if measured else self.default_prefill_rate
-        rates = {c.instance_id: self.model_rate(c, length, m) if (m := models[c.instance_id]) is not None
-                 else self._rate(c, fallback_rate) for c in ordered}
+        # a model's rate prices lower-tier loads only (a candidate with none: nothing to price)
+        rates = {c.instance_id: (self.model_rate(c, length, m) if c.lower_matched else 0.0)
+                 if (m := models[c.instance_id]) is not None else self._rate(c, fallback_rate) for c in ordered}
         latency = {c.instance_id: self.predicted_latency(c, length, rates[c.instance_id], models[c.instance_id])
                    for c in ordered}
         pool = [c for c in ordered if not self.overloaded(c)] or ordered
