@@ -76,3 +76,21 @@ def test_prefill_overflows_onto_a_decode_instance_only_when_every_prefill_instan
     assert not PDPlacement(predictor=model).route(req, busy_p, decodes).local
     with pytest.raises(ValueError):
         PDPlacement(slo_ttft_s=0.0)
+
+
+def test_predicted_ttft_takes_the_instances_own_model_and_budget():
+    from xllm.sched.latency import StepTimeModel
+
+    cluster = StepTimeModel((0.01, 1e-3, 0.0, 0.0, 0.0))
+    own = StepTimeModel((0.02, 2e-3, 0.0, 1e-6, 1e-4))
+    placement = PDPlacement(predictor=cluster, token_budget=512)
+    req = RouteRequest(600)
+    plain = snap("d0", num_running=3, pending_prefill_tokens=300)
+    assert placement.predicted_ttft(req, plain) == pytest.approx(
+        cluster.queue_seconds(300, 600, 512) + cluster.prefill_seconds(600, 0, 512, 3))
+    reported = snap("d1", num_running=3, pending_prefill_tokens=300, step_model=own, token_budget=256,
+                    decode_context_tokens=900)
+    assert placement.predicted_ttft(req, reported) == pytest.approx(
+        own.queue_seconds(300, 600, 256) + own.prefill_seconds(600, 0, 256, 3, 900))
+    assert PDPlacement().predicted_ttft(req, reported) == pytest.approx(
+        own.queue_seconds(300, 600, 256) + own.prefill_seconds(600, 0, 256, 3, 900))

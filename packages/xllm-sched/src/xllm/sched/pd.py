@@ -90,13 +90,16 @@ class PDPlacement:
 
     def predicted_ttft(self, request: RouteRequest, c: InstanceSnapshot) -> float | None:
         """Seconds to ``request``'s first token on ``c`` (``None``: not predictable: no model and no
-        measured prefill speed)."""
+        measured prefill speed), from the step model ``c`` reports (with its token budget), else the
+        placement's ``predictor``, else ``c``'s measured prefill speed."""
         prompt = max(request.num_prompt_tokens, 1)
         cached = min(c.matched_tokens, prompt - 1)
-        if self.predictor is not None:
-            model, budget = self.predictor, self.token_budget
+        model = c.step_model or self.predictor
+        if model is not None:
+            budget = c.token_budget if c.step_model is not None and c.token_budget else self.token_budget
             return (model.queue_seconds(c.pending_prefill_tokens, prompt, budget)
-                    + model.prefill_seconds(prompt - cached, cached, budget, decode_batch=c.num_running))
+                    + model.prefill_seconds(prompt - cached, cached, budget, decode_batch=c.num_running,
+                                            decode_context=c.decode_context_tokens))
         if c.prefill_tokens_per_s > 0:
             return (c.pending_prefill_tokens + prompt - cached) / c.prefill_tokens_per_s
         return None
