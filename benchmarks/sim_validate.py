@@ -159,8 +159,8 @@ def live(args: argparse.Namespace, specs: list, out: pathlib.Path) -> dict:
         metrics = httpx.get(server.base_url + "/metrics", timeout=10, trust_env=False).text
     summary = serving_summary(records, duration)
     summary["records"] = [r.to_dict() for r in records]
-    summary["correction_factors"] = correction_factors(metrics)
-    summary["prediction_errors"] = correction_factors(metrics, "xllm:step_time_prediction_error_recent")
+    summary["correction_factors"] = per_instance(metrics, "xllm:step_time_correction_factor")
+    summary["prediction_errors"] = per_instance(metrics, "xllm:step_time_prediction_error_recent")
     summary["step_seconds"] = step_seconds(before, metrics)
     return summary
 
@@ -171,8 +171,8 @@ def step_seconds(before: str, after: str) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for key, name in (("measured", "xllm:step_time_measured_seconds_total"),
                       ("predicted", "xllm:step_time_predicted_seconds_total")):
-        start = correction_factors(before, name)
-        for instance, value in correction_factors(after, name).items():
+        start = per_instance(before, name)
+        for instance, value in per_instance(after, name).items():
             out.setdefault(instance, {})[key] = value - start.get(instance, 0.0)
     return out
 
@@ -185,10 +185,9 @@ def run_ratio(seconds: dict[str, dict[str, float]]) -> float | None:
     return measured / predicted if predicted > 0 else None
 
 
-def correction_factors(metrics_text: str, name: str = "xllm:step_time_correction_factor") -> dict[str, float]:
-    """Each instance's online correction of its step-time model (``xllm:step_time_correction_factor``:
-    measured over predicted step time, from its load reports), or another per-instance gauge
-    (``name``: the recent mean relative error of its corrected predictions), by instance id."""
+def per_instance(metrics_text: str, name: str) -> dict[str, float]:
+    """A per-instance series of the gateway's /metrics (``name``, e.g. ``xllm:step_time_correction_factor``)
+    by instance id."""
     from benchmarks.metrics import parse
 
     samples = parse(metrics_text).get(name, [])

@@ -102,7 +102,7 @@ def test_correction_factors_and_the_corrected_simulation(tmp_path):
             'xllm:step_time_correction_factor{instance="engine-0",model_name="m"} 1.5\n'
             'xllm:step_time_correction_factor{instance="engine-1",model_name="m"} 2.5\n'
             'xllm:other{instance="engine-0"} 9\n')
-    assert sim_validate.correction_factors(text) == {"engine-0": 1.5, "engine-1": 2.5}
+    assert sim_validate.per_instance(text, "xllm:step_time_correction_factor") == {"engine-0": 1.5, "engine-1": 2.5}
     args = sim_validate.build_parser().parse_args(["--requests", "12", "--rate", "0.2"])
     specs = sim_validate.trace(args)
     base, slow = sim_validate.simulated(args, specs), sim_validate.simulated(args, specs, 2.0)
@@ -119,7 +119,7 @@ def test_prediction_errors_become_step_noise_and_the_report_shows_the_noisy_simu
 
     text = ('xllm:step_time_prediction_error_recent{instance="engine-0",model_name="m"} 0.08\n'
             'xllm:step_time_prediction_error_recent{instance="engine-1",model_name="m"} 0.12\n')
-    errors = sim_validate.correction_factors(text, "xllm:step_time_prediction_error_recent")
+    errors = sim_validate.per_instance(text, "xllm:step_time_prediction_error_recent")
     assert errors == {"engine-0": 0.08, "engine-1": 0.12}
     sigma = sim_validate.noise_sigma(0.1)
     rng = random.Random(0)
