@@ -116,9 +116,13 @@ def test_pd_equals_hf_and_one_engine(case, oracle, transport, request):
         assert got.final[rid].finish_reason == oracle.final[rid].finish_reason == engine_pb2.FINISH_REASON_LENGTH
         assert stats.transport == transport and not stats.recomputed, stats.failure
         assert stats.transferred_tokens == len(prompts[i]) - reservation.matched_tokens
-        # the store path: every full block sent went through the store, the partial last one as pages
-        assert stats.store_blocks == ((len(prompts[i]) - reservation.matched_tokens) // bs
-                                      if transport == "mooncake" else 0)
+        # the store path: every full block sent went through the store, the partial last one as pages; or,
+        # where the store did not take the put (it drops what its pool cannot take, and a worker that does
+        # not answer in time is down: seen once in CI under load), all of them as pages, the fallback
+        full = (len(prompts[i]) - reservation.matched_tokens) // bs
+        assert stats.store_blocks in ((full, 0) if transport == "mooncake" else (0,))
+    if transport == "mooncake":  # but the store path was taken
+        assert any(stats.store_blocks > 0 for _, _, stats in results)
     (_, first, s1), (_, second, s2) = results
     assert first.matched_tokens == 0 and second.matched_tokens == shared // bs * bs > 0
     assert 0 < s2.transfer_bytes < s1.transfer_bytes
