@@ -80,8 +80,8 @@ class EngineMetrics:
             "model (online correction; 1 = none).", labels, registry=r)
         self.step_measured_seconds = Counter(
             "xllm:step_time_measured_seconds", "Measured seconds of the steps the instance had a step-time "
-            "prediction for (divide its increase by xllm:step_time_predicted_seconds' over the same window: "
-            "measured over predicted step time of that window).", labels, registry=r)
+            "prediction for (its increase over xllm:step_time_predicted_seconds' in the same window: the window's "
+            "correction factor).", labels, registry=r)
         self.step_predicted_seconds = Counter(
             "xllm:step_time_predicted_seconds", "Seconds the instance's uncorrected step-time model (profile or "
             "self-fit) predicted for those steps.", labels, registry=r)

@@ -262,10 +262,9 @@ class KVCacheAwarePolicy(RoutingPolicy):
         uncached = max(num_prompt_tokens - cached, 1)
         running = self._running(c)
         if model is not None:
-            budget, context = c.token_budget, c.decode_context_tokens
-            return (model.queue_seconds(c.pending_prefill_tokens, num_prompt_tokens, budget, running, context)
-                    + model.prefill_seconds(uncached, min(cached, num_prompt_tokens - 1), budget, running, context)
-                    + load_seconds)
+            return model.ttft(num_prompt_tokens, c.pending_prefill_tokens, min(cached, num_prompt_tokens - 1),
+                              c.token_budget, running, c.decode_context_tokens,
+                              queued_prompt_tokens=num_prompt_tokens) + load_seconds
         work = c.pending_prefill_tokens + uncached + self.decode_weight * running
         return work / rate + load_seconds
 
