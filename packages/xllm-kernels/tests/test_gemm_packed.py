@@ -80,7 +80,8 @@ def test_strides_and_team_entry(dtype):
 def test_bf16_kernels_match_oracle(path, n, k):
     """Each bf16 kernel forced (the automatic choice takes AMX from 2 rows where it runs): the row counts
     around its 16-row blocks (a padded block below 16 rows, a last block shifted back above), the M-blocks
-    of a long x (600 rows of K 1536 are three), a row-strided x, fp32 and bf16 outputs."""
+    of a long x (600 rows of K 1536 are two with a 2 MB L2, three at the 256 KB floor), the next panel's
+    prefetch across them, a row-strided x, fp32 and bf16 outputs."""
     if path == "amx" and not gemm.amx_ready():
         pytest.skip("no AMX here")
     gen = torch.Generator().manual_seed(n + k)
