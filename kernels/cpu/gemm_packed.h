@@ -19,8 +19,8 @@
  * Contract: K even (bf16) / K >= 1 (fp32); x rows at stride ldx, y rows at stride ldy (elements);
  * N arbitrary (the stores of the last panel are masked); bias optional (NULL), in x's dtype.
  * Output: fp32 accumulation (the bias, widened to fp32, is the accumulators' initial value), then
- * (bf16, out_bf16 != 0) one rounding to nearest-even, like gemm.c and torch; out_bf16 == 0 stores
- * the fp32 value. bf16 products go through VDPBF16PS (denormal inputs/outputs flushed to zero).
+ * (bf16, out_bf16 == GP_OUT_BF16) one rounding to nearest-even, like gemm.c and torch; GP_OUT_F32 stores
+ * the fp32 value, GP_OUT_WIDENED the bf16-rounded value as fp32. bf16 products go through VDPBF16PS (denormal inputs/outputs flushed to zero).
  *
  * TEAM functions: gemm_packed_team_bf16 / gemm_packed_team_f32 must be called by every thread of
  * an enclosing `#pragma omp parallel` region (an orphaned `omp for`, ending with its implicit
@@ -38,6 +38,17 @@
 #define GP_MR 8            /* max rows per register tile (GP_MR * GP_NV accumulators) */
 #define GP_PF_BYTES 4096   /* software prefetch distance inside a panel (first row tile only) */
 #define GP_XBLOCK_BYTES (192 * 1024) /* target size of an M-block of x (L2 is 1 MB per core) */
+
+/* output modes (the out_bf16 argument): fp32 sums, bf16 (rounded once), or the bf16 value widened back to
+ * fp32 (what torch's `.float()` of the bf16 output holds, written once: an LM head's logits) */
+#define GP_OUT_F32 0
+#define GP_OUT_BF16 1
+#define GP_OUT_WIDENED 2
+
+/* v rounded to bf16 (nearest even, as VCVTNEPS2BF16) and widened back to fp32 */
+ALWAYS_INLINE __m512 gp_bf16_round(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
 
 ALWAYS_INLINE int64_t gp_panels(int64_t N) { return (N + GP_NR - 1) / GP_NR; }
 
@@ -80,10 +91,11 @@ ALWAYS_INLINE void gp_tile_bf16(const uint16_t *x, int64_t ldx, int64_t K, const
     for (int r = 0; r < MR; r++) {
         for (int v = 0; v < GP_NV; v++) {
             const __mmask16 m = gp_mask(ncols, v);
-            if (out_bf16)
+            if (out_bf16 == GP_OUT_BF16)
                 _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + 16 * v, m, (__m256i)_mm512_cvtneps_pbh(acc[r][v]));
             else
-                _mm512_mask_storeu_ps((float *)y + r * ldy + 16 * v, m, acc[r][v]);
+                _mm512_mask_storeu_ps((float *)y + r * ldy + 16 * v, m,
+                                      out_bf16 == GP_OUT_WIDENED ? gp_bf16_round(acc[r][v]) : acc[r][v]);
         }
     }
 }
@@ -94,7 +106,7 @@ static void gp_panel_bf16(const uint16_t *x, int64_t ldx, int64_t rows, int64_t 
     __m512 bv[GP_NV];
     for (int v = 0; v < GP_NV; v++)
         bv[v] = bias ? load_bf16x16_mask(bias + 16 * v, gp_mask(ncols, v)) : _mm512_setzero_ps();
-    const int64_t es = out_bf16 ? 2 : 4;
+    const int64_t es = out_bf16 == GP_OUT_BF16 ? 2 : 4;
     const int64_t nt = (rows + GP_MR - 1) / GP_MR;
     int64_t r0 = 0;
     for (int64_t t = 0; t < nt; t++) {
@@ -116,7 +128,7 @@ static void gp_panel_bf16(const uint16_t *x, int64_t ldx, int64_t rows, int64_t 
 static void gemm_packed_avx_team_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const uint16_t *Wp,
                                       int64_t N, const uint16_t *bias, void *y, int64_t ldy, int out_bf16) {
     const int64_t np = gp_panels(N), mc = gp_mblock(M, K * 2), nmb = (M + mc - 1) / mc;
-    const int64_t es = out_bf16 ? 2 : 4;
+    const int64_t es = out_bf16 == GP_OUT_BF16 ? 2 : 4;
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < nmb * np; it++) {
         const int64_t mb = it / np, p = it % np, m0 = mb * mc;

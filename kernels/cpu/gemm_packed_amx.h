@@ -84,10 +84,11 @@ static inline void gpa_store(const float *c, int64_t first, int64_t n, const __m
         for (int v = 0; v < GP_NV; v++) {
             const __mmask16 m = gp_mask(ncols, v);
             const __m512 a = _mm512_add_ps(_mm512_load_ps(c + i * GP_NR + 16 * v), bias[v]);
-            if (out_bf16)
+            if (out_bf16 == GP_OUT_BF16)
                 _mm256_mask_storeu_epi16((uint16_t *)y + (y0 + i) * ldy + 16 * v, m, (__m256i)_mm512_cvtneps_pbh(a));
             else
-                _mm512_mask_storeu_ps((float *)y + (y0 + i) * ldy + 16 * v, m, a);
+                _mm512_mask_storeu_ps((float *)y + (y0 + i) * ldy + 16 * v, m,
+                                      out_bf16 == GP_OUT_WIDENED ? gp_bf16_round(a) : a);
         }
     }
 }
@@ -117,7 +118,7 @@ AMX_TARGET static void gemm_packed_amx_team_bf16(const uint16_t *x, int64_t ldx,
         __m512 bv[GP_NV];
         for (int v = 0; v < GP_NV; v++)
             bv[v] = bias ? load_bf16x16_mask(bias + n0 + 16 * v, gp_mask(ncols, v)) : _mm512_setzero_ps();
-        char *yp = (char *)y + n0 * (out_bf16 ? 2 : 4);
+        char *yp = (char *)y + n0 * (out_bf16 == GP_OUT_BF16 ? 2 : 4);
         if (pad != NULL) {
             gpa_block(pad, K, K, wp, c, &pf, pf_step);
             gpa_store(c, 0, M, bv, yp, ldy, 0, out_bf16, ncols);

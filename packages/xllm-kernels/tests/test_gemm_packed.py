@@ -93,6 +93,10 @@ def test_bf16_kernels_match_oracle(path, n, k):
         x = xs[:, 16:16 + k]
         _check(gemm.packed_linear(x, pw, b, out_dtype=torch.float32, path=path), _oracle(x, w, b), False, k)
         _check(gemm.packed_linear(x, pw, None, path=path), _oracle(x, w, None), True)
+        # widen: the bf16 output's float32 widening, written by the kernel (bit for bit)
+        wide = gemm.packed_linear(x, pw, b, path=path, widen=True)
+        assert wide.dtype == torch.float32
+        assert torch.equal(wide, gemm.packed_linear(x, pw, b, path=path).float())
 
 
 def test_amx_contract():
@@ -157,3 +161,27 @@ def test_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert again.native_faster == (True, False) and again.use_native(9) and not again.use_native(4096)
     monkeypatch.setenv(gemm_choice.FORCE_ENV, "onednn")
     assert not gemm_choice.choose(w).any_native
+
+
+@pytest.mark.parametrize("native_choice", [True, False])
+def test_linear_widen_is_float_of_output(native_choice):
+    """``linear(..., widen=True)`` (an LM head's logits) equals ``linear(...).float()`` bit for bit on every
+    route a bf16 product takes: the skinny GEMV (1 row), the native packed GEMM (2-8 rows, and more where
+    the choice says native, writing the widened values itself), oneDNN's copy (more rows, choice says
+    oneDNN); with ``out_dtype`` it is refused."""
+    from xllm.kernels.linear import pack_weight
+
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(200, 64, generator=gen).bfloat16()
+    kw = {"native_packed": gemm.pack(w), "packed": pack_weight(w), "choice": gemm_choice.forced(native_choice)}
+    for m in (1, 4, 40):
+        x = torch.randn(m, 64, generator=gen).bfloat16()
+        wide = linear(x, w, widen=True, **kw)
+        assert wide.dtype == torch.float32
+        assert torch.equal(wide, linear(x, w, **kw).float()), m
+    with pytest.raises(ValueError, match="widen"):
+        linear(x, w, out_dtype=torch.float32, widen=True)
+    # the choice's slack: oneDNN measured ahead by less than the conversion it leaves to do
+    close = gemm_choice.GemmChoice((16, 64), (True, False), (0.8, 1.1))
+    assert not close.use_native(40) and close.use_native(40, 1.2) and close.use_native(9)
+    assert not gemm_choice.GemmChoice((16,), (False,), (None,)).use_native(9, 1.2)

@@ -82,13 +82,20 @@ def amx_ready() -> bool:
     return lib is not None and bool(lib.fn("xllm_amx_ready", [], _I32)())
 
 
+#: output modes of the bf16 kernels (``GP_OUT_*`` in ``kernels/cpu/gemm_packed.h``)
+_OUT_F32, _OUT_BF16, _OUT_WIDENED = 0, 1, 2
+
+
 def packed_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None, path: str = "auto") -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, path: str = "auto", widen: bool = False) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` given packed; ``x [..., K]`` in ``pw.dtype`` (2-D inputs may have a
     row stride), ``bias [N]`` in ``pw.dtype``. ``out_dtype=torch.float32`` returns the fp32 sums of a
     bf16 product directly (no bf16 rounding); other ``out_dtype`` values convert the result. ``path``
     (bf16 only) forces a kernel of :data:`BF16_PATHS`; ``"amx"`` raises ValueError where it cannot run
-    (no AMX, or K not a multiple of 32)."""
+    (no AMX, or K not a multiple of 32). ``widen`` (bf16 only, no ``out_dtype``) returns the bf16 result as
+    float32, bit for bit ``packed_linear(x, pw, bias).float()``, written once (an LM head's logits)."""
+    if widen and (pw.dtype != torch.bfloat16 or out_dtype is not None):
+        raise ValueError("widen applies to a bf16 product without out_dtype")
     if x.dtype != pw.dtype or x.shape[-1] != pw.k:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match the packed weight [{pw.n}, {pw.k}] {pw.dtype}")
     if bias is not None and (bias.shape != (pw.n,) or bias.dtype != pw.dtype):
@@ -103,12 +110,12 @@ def packed_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None =
     m = x2.shape[0]
     bias_ptr = None if bias is None else bias.contiguous().data_ptr()
     if pw.dtype == torch.bfloat16:
-        fp32_out = out_dtype == torch.float32
-        y = torch.empty(m, pw.n, dtype=torch.float32 if fp32_out else torch.bfloat16)
+        mode = _OUT_WIDENED if widen else _OUT_F32 if out_dtype == torch.float32 else _OUT_BF16
+        y = torch.empty(m, pw.n, dtype=torch.bfloat16 if mode == _OUT_BF16 else torch.float32)
         if m:
             rc = lib.fn("xllm_gemm_packed_path_bf16", [_VP, _I64, _I64, _I64, _VP, _I64, _VP, _VP, _I64, _I32, _I32],
                         _I32)(x2.data_ptr(), x2.stride(0), m, pw.k, pw.data_ptr(), pw.n, bias_ptr, y.data_ptr(),
-                              pw.n, 0 if fp32_out else 1, BF16_PATHS[path])
+                              pw.n, mode, BF16_PATHS[path])
             if rc != 0:
                 raise ValueError(f"the {path} kernel cannot run [{m}, {pw.k}] x [{pw.n}, {pw.k}] here")
     else:

@@ -57,10 +57,13 @@ class GemmChoice:
     native_faster: tuple[bool, ...]
     ratios: tuple[float | None, ...] = ()
 
-    def use_native(self, m: int) -> bool:
-        """Whether ``m`` rows should take the native kernel (the first bucket >= m, else the last)."""
+    def use_native(self, m: int, slack: float = 1.0) -> bool:
+        """Whether ``m`` rows should take the native kernel (the first bucket >= m, else the last). ``slack``
+        > 1 credits the native kernel with work the other route adds after the product (its measured
+        native/oneDNN ratio need only be below ``slack``; an unmeasured bucket keeps its winner)."""
         i = min(bisect.bisect_left(self.buckets, m), len(self.buckets) - 1)
-        return self.native_faster[i]
+        ratio = self.ratios[i] if i < len(self.ratios) else None
+        return self.native_faster[i] or (slack > 1.0 and ratio is not None and ratio < slack)
 
     @property
     def any_native(self) -> bool:

@@ -37,6 +37,12 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | No
         return None
 
 
+#: how much slower than oneDNN the native packed GEMM may measure and still take a ``widen`` product: it
+#: writes the float32 logits itself, where oneDNN's bf16 output is then converted (SmolLM2's head at 64 rows:
+#: the GEMM ~5 ms, the conversion ~1 ms, this Xeon, 2 threads)
+WIDEN_SLACK = 1.2
+
+
 def _native_packed_ok(x: torch.Tensor, pw: PackedWeight | None, bias: torch.Tensor | None) -> bool:
     return (pw is not None and x.dim() == 2 and x.device.type == "cpu" and x.dtype == pw.dtype
             and x.shape[1] == pw.k and (bias is None or (bias.dtype == pw.dtype and bias.device.type == "cpu")))
@@ -44,7 +50,8 @@ def _native_packed_ok(x: torch.Tensor, pw: PackedWeight | None, bias: torch.Tens
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, packed: torch.Tensor | None = None,
-           native_packed: PackedWeight | None = None, choice: GemmChoice | None = None) -> torch.Tensor:
+           native_packed: PackedWeight | None = None, choice: GemmChoice | None = None,
+           widen: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` (``[M, K] x [N, K]``).
 
     Up to 8 rows in bf16/fp32 on a CPU with AVX-512 BF16 run the native GEMV, which
@@ -56,26 +63,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     and either ``choice`` says it measured faster than oneDNN at this row count or
     there is no oneDNN copy; else ``packed`` (see :func:`pack_weight`: oneDNN's
     blocked layout, no per-call weight reorder) when given, else ``F.linear``.
-    ``out_dtype=torch.float32`` returns fp32 directly from a bf16 product.
+    ``out_dtype=torch.float32`` returns fp32 directly from a bf16 product; ``widen`` (no ``out_dtype``)
+    returns ``linear(...).float()`` exactly, which the native packed GEMM writes in one pass (logits).
     Under ``torch.compile`` it is a plain ``F.linear`` (Inductor packs weights itself).
     """
+    if widen and out_dtype is not None:
+        raise ValueError("linear: widen returns float32 itself, without out_dtype")
+    if widen:
+        out_dtype = torch.float32 if x.dtype != torch.bfloat16 else None
     if torch.compiler.is_compiling():
         y = F.linear(x, weight, bias)
-        return y if out_dtype is None else y.to(out_dtype)
+        return _cast(y, out_dtype, widen)
     if (native_packed is not None and x.dim() == 2 and 2 <= x.shape[0] <= MAX_NATIVE_ROWS
             and _native_packed_ok(x, native_packed, bias)):
         # 2-8 rows: the packed GEMM streams the weights once too, without the GEMV's per-row
         # reductions (the GEMV turns compute-bound from ~4 rows); the fused steps do the same
-        return packed_linear(x, native_packed, bias, out_dtype)
+        return packed_linear(x, native_packed, bias, out_dtype, widen=widen and x.dtype == torch.bfloat16)
     if not native_linear_ok(x, weight) or (bias is not None and not bias.is_contiguous()):
         if _native_packed_ok(x, native_packed, bias) and (
-                packed is None or choice is None or choice.use_native(x.shape[0])):
-            return packed_linear(x, native_packed, bias, out_dtype)
+                packed is None or choice is None or choice.use_native(x.shape[0], WIDEN_SLACK if widen else 1.0)):
+            return packed_linear(x, native_packed, bias, out_dtype, widen=widen and x.dtype == torch.bfloat16)
         if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
             y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         else:
             y = F.linear(x, weight, bias)
-        return y if out_dtype is None else y.to(out_dtype)
+        return _cast(y, out_dtype, widen)
     lib = native.library().lib
     m, k = x.shape
     n = weight.shape[0]
@@ -84,7 +96,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         fp32_out = out_dtype == torch.float32
         y = torch.empty(m, n, dtype=torch.float32 if fp32_out else torch.bfloat16)
         lib.xllm_gemm_bf16(x.data_ptr(), m, k, weight.data_ptr(), n, bias_ptr, y.data_ptr(), 0 if fp32_out else 1)
-        return y
+        return _cast(y, None, widen)
     y = torch.empty(m, n, dtype=torch.float32)
     lib.xllm_gemm_f32(x.data_ptr(), m, k, weight.data_ptr(), n, bias_ptr, y.data_ptr())
+    return _cast(y, out_dtype, widen)
+
+
+def _cast(y: torch.Tensor, out_dtype: torch.dtype | None, widen: bool) -> torch.Tensor:
+    """``y`` as :func:`linear` returns it: in ``out_dtype`` if given, float32 with ``widen``."""
+    if widen:
+        return y.float()
     return y if out_dtype is None else y.to(out_dtype)

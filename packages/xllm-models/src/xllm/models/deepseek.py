@@ -228,8 +228,8 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return linear(hidden, self.model.embed_tokens.weight).float()
+            return self.lm_head.logits(hidden)
+        return linear(hidden, self.model.embed_tokens.weight, widen=True)
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the parameters; every parameter must be set.

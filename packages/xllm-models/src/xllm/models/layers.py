@@ -72,6 +72,11 @@ class Linear(_PackOnDemand, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, **self._packed_for(x))
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x).float()`` exactly (an LM head's logits), which the native packed GEMM writes in one
+        pass instead of a bf16 output and its conversion."""
+        return linear(x, self.weight, self.bias, widen=True, **self._packed_for(x))
+
 
 class TiedLMHead(_PackOnDemand):
     """The LM head of a model whose head shares the input embedding's weight, packed like
@@ -84,6 +89,12 @@ class TiedLMHead(_PackOnDemand):
         if torch.compiler.is_compiling():
             return linear(x, self.weight)
         return linear(x, self.weight, **self._packed_for(x))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x).float()`` exactly, written in one pass where the native packed GEMM runs."""
+        if torch.compiler.is_compiling():
+            return linear(x, self.weight).float()
+        return linear(x, self.weight, widen=True, **self._packed_for(x))
 
 
 class QuantLinear(nn.Module):
@@ -101,6 +112,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self.qweight, self.bias)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x).float()`` (an LM head's logits)."""
+        return self(x).float()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.qweight.fmt}"
@@ -134,6 +149,10 @@ class QuantTiedHead:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self.qweight)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x).float()`` (an LM head's logits)."""
+        return self(x).float()
 
 
 def tied_lm_head(embedding: nn.Module) -> TiedLMHead | QuantTiedHead:

@@ -167,10 +167,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            return self.lm_head.logits(hidden)
         if self._tied_head is None:
             self._tied_head = tied_lm_head(self.model.embed_tokens)
-        return self._tied_head(hidden).float()
+        return self._tied_head.logits(hidden)
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the parameters; every parameter must be set."""
