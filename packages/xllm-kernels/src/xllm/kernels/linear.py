@@ -69,8 +69,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if widen and out_dtype is not None:
         raise ValueError("linear: widen returns float32 itself, without out_dtype")
-    if widen:
-        out_dtype = torch.float32 if x.dtype != torch.bfloat16 else None
+    wide_bf16 = widen and x.dtype == torch.bfloat16  # the packed GEMM writes these widened itself
+    if widen and not wide_bf16:
+        out_dtype = torch.float32
     if torch.compiler.is_compiling():
         y = F.linear(x, weight, bias)
         return _cast(y, out_dtype, widen)
@@ -78,11 +79,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and _native_packed_ok(x, native_packed, bias)):
         # 2-8 rows: the packed GEMM streams the weights once too, without the GEMV's per-row
         # reductions (the GEMV turns compute-bound from ~4 rows); the fused steps do the same
-        return packed_linear(x, native_packed, bias, out_dtype, widen=widen and x.dtype == torch.bfloat16)
+        return packed_linear(x, native_packed, bias, out_dtype, widen=wide_bf16)
     if not native_linear_ok(x, weight) or (bias is not None and not bias.is_contiguous()):
         if _native_packed_ok(x, native_packed, bias) and (
                 packed is None or choice is None or choice.use_native(x.shape[0], WIDEN_SLACK if widen else 1.0)):
-            return packed_linear(x, native_packed, bias, out_dtype, widen=widen and x.dtype == torch.bfloat16)
+            return packed_linear(x, native_packed, bias, out_dtype, widen=wide_bf16)
         if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
             y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         else:
