@@ -179,6 +179,10 @@ def test_linear_widen_is_float_of_output(native_choice):
         wide = linear(x, w, widen=True, **kw)
         assert wide.dtype == torch.float32
         assert torch.equal(wide, linear(x, w, **kw).float()), m
+        # float32 inputs: the product is float32 already, on the GEMV and the packed route alike
+        x32, w32 = x.float(), w.float()
+        wide32 = linear(x32, w32, widen=True, native_packed=gemm.pack(w32))
+        assert wide32.dtype == torch.float32 and torch.equal(wide32, linear(x32, w32, native_packed=gemm.pack(w32)))
     with pytest.raises(ValueError, match="widen"):
         linear(x, w, out_dtype=torch.float32, widen=True)
     # the choice's slack: oneDNN measured ahead by less than the conversion it leaves to do

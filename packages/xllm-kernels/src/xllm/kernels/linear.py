@@ -70,8 +70,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if widen and out_dtype is not None:
         raise ValueError("linear: widen returns float32 itself, without out_dtype")
     wide_bf16 = widen and x.dtype == torch.bfloat16  # the packed GEMM writes these widened itself
-    if widen and not wide_bf16:
-        out_dtype = torch.float32
     if torch.compiler.is_compiling():
         y = F.linear(x, weight, bias)
         return _cast(y, out_dtype, widen)
