@@ -32,14 +32,12 @@ def _healthy(gw) -> set[str]:
 
 
 async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, first: asyncio.Event | None = None,
-                  session: str | None = None) -> CompletionStream:
+                  out: CompletionStream | None = None) -> CompletionStream:
     """One streaming greedy completion; returns the instance that took it, the text, its tokens with
-    their top-2 logprobs, usage, finish reasons and errors."""
+    their top-2 logprobs, usage, finish reasons and errors (filled into ``out`` as it goes)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "logprobs": 2}
-    if session:
-        body["session_id"] = session
-    return await stream_completion(client, body, first)
+    return await stream_completion(client, body, first, out)
 
 
 def _index_blocks(gw) -> float:
@@ -67,14 +65,27 @@ async def _uninterrupted(gw, prompts: list[str], max_tokens: int) -> list[Comple
 
 
 async def _traffic_with(gw, action, prompts: list[str], max_tokens: int) -> tuple[list[CompletionStream], object]:
-    """Start one stream per prompt, wait until each has its first chunk, run ``action()``, then wait
-    for every stream to finish."""
+    """Start one stream per prompt, wait until each has its first chunk, run ``action(instances)``
+    with the set of instances that took the streams, then wait for every stream to finish."""
     async with httpx.AsyncClient(base_url=gw.url, timeout=180, trust_env=False) as client:
         firsts = [asyncio.Event() for _ in prompts]
-        tasks = [asyncio.ensure_future(_stream(client, p, max_tokens, firsts[i])) for i, p in enumerate(prompts)]
+        outs = [CompletionStream() for _ in prompts]
+        tasks = [asyncio.ensure_future(_stream(client, p, max_tokens, firsts[i], outs[i]))
+                 for i, p in enumerate(prompts)]
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
-        acted = action()
+        acted = action({o.instance for o in outs})
         return list(await asyncio.gather(*tasks)), acted
+
+
+def _pick_victim(instances: set[str]) -> str:
+    """The instance to stop: one that holds streams (the router decides where they go), ``e1`` when
+    it holds any."""
+    assert instances <= {"e0", "e1"}, instances
+    return "e1" if "e1" in instances else "e0"
+
+
+def _other(name: str) -> str:
+    return "e0" if name == "e1" else "e1"
 
 
 def _assert_same_as_uninterrupted(results: list[CompletionStream], reference: list[CompletionStream]) -> None:
@@ -184,55 +195,64 @@ def test_requests_are_served_and_routed_by_cached_prefix(cluster):
 
 
 def test_instances_leave_cleanly_or_crash_and_join_again(cluster, engines):
-    gw, common = cluster["gw"], cluster["common"]
+    gw, common, running = cluster["gw"], cluster["common"], cluster["engines"]
     max_tokens = 400
 
-    # 1) clean stop (SIGTERM) with requests in flight: it deregisters at once, drains for 1 s and hands the
-    #    rest back; the gateway resumes them on the other instance: no request is lost
+    # 1) clean stop (SIGTERM) of an instance with requests in flight: it deregisters at once, drains
+    #    for 1 s and hands the rest back; the gateway resumes them on the other instance: no request
+    #    is lost
     prompts = _prompts()
     reference = asyncio.run(_uninterrupted(gw, prompts, max_tokens))
-    victim = cluster["engines"]["e1"]
-    results, _ = asyncio.run(_traffic_with(gw, victim.terminate, prompts, max_tokens))
+
+    def terminate(instances: set[str]) -> str:
+        name = _pick_victim(instances)
+        running[name].terminate()
+        return name
+
+    results, name = asyncio.run(_traffic_with(gw, terminate, prompts, max_tokens))
     _assert_same_as_uninterrupted(results, reference)
-    assert any(r.instance == "e1" for r in results)  # it had requests in flight
+    assert any(r.instance == name for r in results)  # it had requests in flight
+    victim, survivor = running[name], _other(name)
     assert victim.wait(60) == 0
     assert "handed back" in victim.log_tail(80) or "deregistered" in victim.log_tail(80)
-    wait_for(lambda: set(_instances(gw)) == {"e0"}, 2 * LEASE_TTL, "the stopped instance to leave")
+    wait_for(lambda: set(_instances(gw)) == {survivor}, 2 * LEASE_TTL, "the stopped instance to leave")
     for i in range(4):  # traffic moves to the live instance
         r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": f"after stop {i}", "max_tokens": 3},
                        timeout=60, trust_env=False)
-        assert r.status_code == 200 and r.headers["x-xllm-instance"] == "e0"
+        assert r.status_code == 200 and r.headers["x-xllm-instance"] == survivor
 
     # 2) it joins again and gets traffic
-    cluster["engines"]["e1"] = engines("e1", *common)
+    running[name] = engines(name, *common)
     wait_for(lambda: _healthy(gw) == {"e0", "e1"}, 120, "the restarted instance to join")
 
-    def reaches_e1() -> bool:
+    def reaches_rejoined() -> bool:
         async def burst():
             async with httpx.AsyncClient(base_url=gw.url, timeout=60, trust_env=False) as client:
                 return await asyncio.gather(*(_stream(client, f"join {uuid.uuid4().hex}", 20) for _ in range(4)))
-        return any(r.instance == "e1" for r in asyncio.run(burst()))
+        return any(r.instance == name for r in asyncio.run(burst()))
 
-    wait_for(reaches_e1, 60, "traffic on the rejoined instance", interval=0)
+    wait_for(reaches_rejoined, 60, "traffic on the rejoined instance", interval=0)
 
-    # 3) kill -9 with requests in flight: the streams on it are resumed elsewhere; its lease expires
-    #    within the TTL and it leaves the registry
-    victim = cluster["engines"]["e1"]
+    # 3) kill -9 of an instance with requests in flight: the streams on it are resumed elsewhere; its
+    #    lease expires within the TTL and it leaves the registry
     killed_at: list[float] = []
 
-    def kill():
-        victim.kill()
+    def kill(instances: set[str]) -> str:
+        name = _pick_victim(instances)
+        running[name].kill()
         killed_at.append(time.monotonic())
+        return name
 
     prompts = _prompts()
     reference = asyncio.run(_uninterrupted(gw, prompts, max_tokens))
-    results, _ = asyncio.run(_traffic_with(gw, kill, prompts, max_tokens))
+    results, name = asyncio.run(_traffic_with(gw, kill, prompts, max_tokens))
     _assert_same_as_uninterrupted(results, reference)
-    assert any(r.instance == "e1" for r in results)
-    wait_for(lambda: set(_instances(gw)) == {"e0"}, LEASE_TTL + 7, "the killed instance's lease to expire")
-    print(f"killed instance left the registry {time.monotonic() - killed_at[0]:.1f} s after kill -9 "
+    assert any(r.instance == name for r in results)
+    survivor = _other(name)
+    wait_for(lambda: set(_instances(gw)) == {survivor}, LEASE_TTL + 7, "the killed instance's lease to expire")
+    print(f"killed instance {name} left the registry {time.monotonic() - killed_at[0]:.1f} s after kill -9 "
           f"(lease TTL {LEASE_TTL:.0f} s)")
     for i in range(3):
         r = httpx.post(f"{gw.url}/v1/completions", json={"model": MODEL, "prompt": f"after kill {i}", "max_tokens": 3},
                        timeout=60, trust_env=False)
-        assert r.status_code == 200 and r.headers["x-xllm-instance"] == "e0"
+        assert r.status_code == 200 and r.headers["x-xllm-instance"] == survivor
