@@ -91,6 +91,9 @@ def test_sequence_view_is_contiguous_while_its_pages_are_not():
     a.num_computed_tokens = 8
     assert kv.allocate(a, 12)  # a's second and third blocks come after b's pages
     assert a.kv_pages == [0, 4, 5] and b.kv_pages == [1, 2, 3]  # physically interleaved
+    # a run of neighbouring blocks on consecutive pages is one mmap per range (2 layers x K/V): b's three
+    # blocks in one, a's blocks 1-2 in one
+    assert kv.map_stats.maps == 3 * 4
     k, _ = kv.layer_kv(0)
     rows = torch.arange(20 * 2 * 64, dtype=torch.float32).view(20, 2, 64)
     k[a.slot, :20] = rows
@@ -124,7 +127,7 @@ def test_finished_pages_are_reused_in_place_without_mapping():
     a = seq("a", list(range(16)))
     assert kv.admit(a, 16) == 16
     maps = kv.map_stats.maps
-    assert maps == 2 * 4  # 2 blocks x 4 ranges (2 layers x K/V)
+    assert maps == 4  # 2 blocks on consecutive pages: one mmap per range (2 layers x K/V)
     pages = list(a.kv_pages)
     kv.free(a)
     assert all(kv.pool.pages[p].status == PageStatus.REUSABLE for p in pages)

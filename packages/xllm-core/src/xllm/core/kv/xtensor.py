@@ -13,6 +13,9 @@ attention reads it with (slot, length) — no block table.
   sequence in that slot takes them in place with no mmap at all.
 - Pages a decode step will need next are mapped ahead on a helper thread while
   the current step computes (:meth:`prefetch`).
+- The pages an admission or a prefill chunk places are mapped together before
+  the step computes: a run of neighbouring blocks on consecutive pages is one
+  mmap per range (a 512-token chunk on fresh pages: 2 calls per layer, not 32).
 - Every mapped (slot, block) position costs one memory mapping per range (two
   per layer), and Linux caps a process's mappings (``vm.max_map_count``, 65,530
   by default). The backend keeps the positions mapped at once within that cap
@@ -121,6 +124,8 @@ class XTensorKVCache(PrefixCachingBackend):
         # not rescanned on every allocation attempt
         self._no_room_for: int | None = None
         self._pending: dict[tuple[int, int], Future] = {}
+        # positions placed but not mapped yet -> page: mapped by _flush, in runs, before anything reads them
+        self._unflushed: dict[tuple[int, int], int] = {}
         self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xtensor-map")
 
     # ---- slots -----------------------------------------------------------------
@@ -171,6 +176,7 @@ class XTensorKVCache(PrefixCachingBackend):
 
     def _unmap(self, slot: int, block: int) -> None:
         self._wait_mapped(slot, block)
+        self._unflushed.pop((slot, block), None)
         page_id = self._slot_pages[slot][block]
         if page_id is not None:
             self.pool.pages[page_id].mapped_at.discard((slot, block))
@@ -181,7 +187,9 @@ class XTensorKVCache(PrefixCachingBackend):
 
     def _place(self, slot: int, block: int, page_id: int, sync: bool = True) -> bool:
         """Make ``page_id`` the page mapped at (slot, block) in every range; False (nothing changed) when
-        the position is new and the map budget has no room left."""
+        the position is new and the map budget has no room left. ``sync``: mapped by the next
+        :meth:`_flush` (which every caller reaches before the position is read); otherwise on the
+        mapper thread."""
         row = self._slot_pages[slot]
         old = row[block]
         if old == page_id and (slot, block) in self.pool.pages[page_id].mapped_at:
@@ -194,15 +202,32 @@ class XTensorKVCache(PrefixCachingBackend):
         row[block] = page_id
         self.pool.pages[page_id].mapped_at.add((slot, block))
         if sync:
-            self._map_now(slot, block, page_id)
+            self._unflushed[(slot, block)] = page_id
         else:
             self._pending[(slot, block)] = self._mapper.submit(self._map_now, slot, block, page_id)
         return True
 
-    def _map_now(self, slot: int, block: int, page_id: int) -> None:
+    def _map_now(self, slot: int, block: int, page_id: int, run: int = 1) -> None:
+        """Map pages ``page_id ..`` at blocks ``block ..`` of ``slot`` (``run`` of them) in every range."""
         for base, page_bytes, fd_base in self._ranges:
             addr = base + (slot * self.blocks_per_slot + block) * page_bytes
-            self.vm.map_fixed(addr, page_bytes, self.fd, fd_base + page_id * page_bytes)
+            self.vm.map_fixed(addr, run * page_bytes, self.fd, fd_base + page_id * page_bytes)
+
+    def _flush(self) -> None:
+        """Map every placed position not mapped yet: neighbouring blocks of a slot on consecutive pages
+        in one call per range."""
+        if not self._unflushed:
+            return
+        items = sorted(self._unflushed.items())
+        self._unflushed.clear()
+        i = 0
+        while i < len(items):
+            (slot, block), page_id = items[i]
+            run = 1
+            while i + run < len(items) and items[i + run] == ((slot, block + run), page_id + run):
+                run += 1
+            self._map_now(slot, block, page_id, run)
+            i += run
 
     def _retarget(self, page_id: int) -> None:
         """A page taken for a new owner is no longer valid where it was mapped before."""
@@ -235,14 +260,17 @@ class XTensorKVCache(PrefixCachingBackend):
         seq.slot = slot
         for block, page_id in enumerate(hit_pages):
             if not self._place(slot, block, page_id):
+                self._flush()
                 self._release_slot(slot)  # no room to map the hit now: not admitted this step
                 seq.slot = None
                 return False
+        self._flush()
         return True
 
     def _detach(self, seq) -> None:
         if seq.slot is None:
             return
+        self._flush()  # positions stay valid for in-place reuse: they must hold their pages
         for block in range(len(seq.kv_pages)):
             self._wait_mapped(seq.slot, block)
         self._release_slot(seq.slot)
@@ -265,6 +293,7 @@ class XTensorKVCache(PrefixCachingBackend):
         return page.page_id
 
     def _before_compute(self, seq, first_block: int, last_block: int) -> None:
+        self._flush()
         for block in range(first_block, last_block + 1):
             self._wait_mapped(seq.slot, block)
 
