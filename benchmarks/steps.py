@@ -175,12 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=160, help="tokens of context of each decoding sequence")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--model", type=pathlib.Path, default=None, help="model dir (default: the bundled SmolLM2)")
+    p.add_argument("--stored", action="store_true",
+                   help="the bundled SmolLM2's GGUF weights as stored (Q4_1), as `xllm serve` runs them by default "
+                        "(default: its dequantized weights in --dtype)")
     add_output_args(p, "steps", report=False)
     args = p.parse_args(argv)
     import torch
 
     from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
     from xllm.models import Tokenizer, load_model, resolve_model
+    from xllm.models.source import bundled_gguf
 
     torch.set_num_threads(2)
     shapes = [Shape.parse(s) for s in args.shapes.split(",") if s]
@@ -188,12 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or HERE / "results" / f"steps-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
+    if args.stored and args.model is not None:
+        p.error("--stored runs the bundled GGUF; leave out --model")
     path = args.model or resolve_model()
     dtype = getattr(torch, args.dtype)
-    model = load_model(path, dtype=dtype, progress=False)
+    model = load_model(path, dtype=dtype, progress=False, gguf_file=bundled_gguf() if args.stored else None)
     bench = Bench(model, Tokenizer(path), dtype, args.context)
     meta = {"timestamp": stamp, "argv": sys.argv, "commit": git_commit(str(HERE.parent)), "model": path.name,
-            "dtype": args.dtype, "context": args.context, "reps": args.reps, "machine": machine_info(),
+            "dtype": args.dtype, "weights": "stored GGUF" if args.stored else args.dtype, "context": args.context,
+            "reps": args.reps, "machine": machine_info(),
             "cpu_busy_before": cpu_busy_fraction()}
     rows = []
     for shape in shapes:
@@ -226,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
 def summary(results: dict) -> str:
     meta, rows = results["meta"], results["rows"]
     modes = [m for m in MODES if m in rows[0]["ms"]] if rows else []
-    lines = [f"# Step profile ({meta['model']}, {meta['dtype']}, commit {meta['commit']})", "",
+    weights = meta.get("weights", meta["dtype"])
+    lines = [f"# Step profile ({meta['model']}, {weights} weights, {meta['dtype']} activations, "
+             f"commit {meta['commit']})", "",
              f"Median of {meta['reps']} steps per cell, modes interleaved; decoders have {meta['context']}-token "
              f"contexts. CPU busy before/after: {meta['cpu_busy_before']:.0%} / {meta['cpu_busy_after']:.0%}.", "",
              "| step shape | tokens | " + " | ".join(f"{m} ms" for m in modes)
