@@ -76,12 +76,12 @@ def test_strides_and_team_entry(dtype):
 
 
 @pytest.mark.parametrize("path", ["avx512", "amx"])
-@pytest.mark.parametrize("n,k", [(100, 64), (49, 32), (200, 1536)])
+@pytest.mark.parametrize("n,k", [(100, 64), (49, 32), (60, 576), (200, 1536)])
 def test_bf16_kernels_match_oracle(path, n, k):
     """Each bf16 kernel forced (the automatic choice takes AMX from 2 rows where it runs): the row counts
     around its 16-row blocks (a padded block below 16 rows, a last block shifted back above), the M-blocks
     of a long x (600 rows of K 1536 are two with a 2 MB L2, three at the 256 KB floor), the next panel's
-    prefetch across them, a row-strided x, fp32 and bf16 outputs."""
+    prefetch across them, the model's K of 576, a row-strided x, fp32 and bf16 outputs."""
     if path == "amx" and not gemm.amx_ready():
         pytest.skip("no AMX here")
     gen = torch.Generator().manual_seed(n + k)
