@@ -233,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 def summary(results: dict) -> str:
     meta, rows = results["meta"], results["rows"]
     modes = [m for m in MODES if m in rows[0]["ms"]] if rows else []
-    weights = meta.get("weights", meta["dtype"])
-    lines = [f"# Step profile ({meta['model']}, {weights} weights, {meta['dtype']} activations, "
+    lines = [f"# Step profile ({meta['model']}, {meta['weights']} weights, {meta['dtype']} activations, "
              f"commit {meta['commit']})", "",
              f"Median of {meta['reps']} steps per cell, modes interleaved; decoders have {meta['context']}-token "
              f"contexts. CPU busy before/after: {meta['cpu_busy_before']:.0%} / {meta['cpu_busy_after']:.0%}.", "",

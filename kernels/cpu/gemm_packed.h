@@ -20,7 +20,8 @@
  * N arbitrary (the stores of the last panel are masked); bias optional (NULL), in x's dtype.
  * Output: fp32 accumulation (the bias, widened to fp32, is the accumulators' initial value), then
  * (bf16, out_bf16 == GP_OUT_BF16) one rounding to nearest-even, like gemm.c and torch; GP_OUT_F32 stores
- * the fp32 value, GP_OUT_WIDENED the bf16-rounded value as fp32. bf16 products go through VDPBF16PS (denormal inputs/outputs flushed to zero).
+ * the fp32 value, GP_OUT_WIDENED the bf16-rounded value as fp32. bf16 products go through VDPBF16PS
+ * (denormal inputs/outputs flushed to zero).
  *
  * TEAM functions: gemm_packed_team_bf16 / gemm_packed_team_f32 must be called by every thread of
  * an enclosing `#pragma omp parallel` region (an orphaned `omp for`, ending with its implicit
