@@ -56,8 +56,8 @@ def decode_kernel_only(model):
 
 
 def generate(model, prompts, native_decode: bool, n: int = 20, modes: dict | None = None, **config):
-    eng = LLMEngine(model, IdTok(), EngineConfig(dtype=model.dtype, native_decode=native_decode, num_threads=1,
-                                                 max_model_len=256, **config))
+    config = {"num_threads": 1, "max_model_len": 256, **config}
+    eng = LLMEngine(model, IdTok(), EngineConfig(dtype=model.dtype, native_decode=native_decode, **config))
     for i, p in enumerate(prompts):
         eng.add_request(engine_pb2.GenerateRequest(
             request_id=f"r{i}", prompt_token_ids=p,
@@ -195,3 +195,33 @@ def test_decode_phase_timers_split_the_step_and_change_nothing(model_dir):
     assert fused.phase_seconds is None
     assert all(phases[p] > 0 for p in ("qkv GEMM", "attention", "o GEMM", "down GEMM")), phases
     assert phases["rope + KV store"] == 0
+
+
+@pytest.fixture(scope="module")
+def long_context_dir(tmp_path_factory):
+    """A Llama with 3 KV heads (SmolLM2's count: two threads share them 2:1) of head_dim 64 (the AMX decode
+    attention's) and room for contexts of 1024 positions."""
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=3, head_dim=64,
+                                   max_position_embeddings=1024)
+    path = tmp_path_factory.mktemp("llama-long")
+    save_random_hf_model(path, cfg, seed=11)
+    return path
+
+
+def test_bf16_batch1_long_context_decode_equals_eager_on_any_thread_count(long_context_dir):
+    """A batch-1 decode at 600-630 positions (the module's other tests stay under 256): the fused decode's
+    attention items are (row, KV head), three of them over one or two threads, each attending its head's
+    whole context as the eager path does, so the tokens and logprobs are equal bit for bit."""
+    model = load_model(long_context_dir, torch.bfloat16, progress=False)
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(0, 1000, (600,), generator=g).tolist()]
+    eager, eager_lp, _ = generate(model, ps, native_decode=False, n=30, max_model_len=1024)
+    runs = {}
+    with decode_kernel_only(model):
+        for threads in (1, 2):
+            runs[threads] = generate(model, ps, native_decode=True, n=30, max_model_len=1024, num_threads=threads)
+    for toks, lps, steps in runs.values():
+        assert steps > 0
+        assert toks == eager
+        assert lps == eager_lp
