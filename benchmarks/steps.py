@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: its dequantized weights in --dtype)")
     add_output_args(p, "steps", report=False)
     args = p.parse_args(argv)
+    if args.stored and args.model is not None:
+        p.error("--stored runs the bundled GGUF; leave out --model")
     import torch
 
     from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
@@ -192,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or HERE / "results" / f"steps-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
-    if args.stored and args.model is not None:
-        p.error("--stored runs the bundled GGUF; leave out --model")
     path = args.model or resolve_model()
     dtype = getattr(torch, args.dtype)
     model = load_model(path, dtype=dtype, progress=False, gguf_file=bundled_gguf() if args.stored else None)

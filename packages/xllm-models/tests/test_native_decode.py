@@ -217,11 +217,9 @@ def test_bf16_batch1_long_context_decode_equals_eager_on_any_thread_count(long_c
     g = torch.Generator().manual_seed(3)
     ps = [torch.randint(0, 1000, (600,), generator=g).tolist()]
     eager, eager_lp, _ = generate(model, ps, native_decode=False, n=30, max_model_len=1024)
-    runs = {}
     with decode_kernel_only(model):
         for threads in (1, 2):
-            runs[threads] = generate(model, ps, native_decode=True, n=30, max_model_len=1024, num_threads=threads)
-    for toks, lps, steps in runs.values():
-        assert steps > 0
-        assert toks == eager
-        assert lps == eager_lp
+            toks, lps, steps = generate(model, ps, native_decode=True, n=30, max_model_len=1024, num_threads=threads)
+            assert steps > 0, threads
+            assert toks == eager, threads
+            assert lps == eager_lp, threads
