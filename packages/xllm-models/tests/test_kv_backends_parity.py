@@ -37,6 +37,9 @@ def run(model, tokenizer, waves: list[list[list[int]]], n: int = NEW, **config):
     """Submit each wave after the previous one finished; returns tokens, logprobs, engine."""
     config.setdefault("max_model_len", 256)
     config.setdefault("num_threads", 1)
+    # test-sized KV: with the 2 GiB default, xTensor picks blocks long enough for the memory to fit the
+    # mapping limit (32 tokens for fp32 SmolLM2), longer than the shared system prompt's blocks here
+    config.setdefault("kv_cache_memory_gib", 0.25)
     eng = LLMEngine(model, tokenizer, EngineConfig(dtype=torch.float32, **config))
     tokens: dict[str, list[int]] = {}
     lps: dict[str, list[float]] = {}

@@ -1,9 +1,9 @@
 """The simulated cluster's settings, with the engine's and gateway's defaults.
 
 KV defaults are SmolLM2-135M in bf16 (the model ``xllm`` serves on this machine): 30 layers × 3 KV
-heads × 64 dims × K and V × 2 bytes = 23,040 bytes per token; xTensor's block for it is 32 tokens
-(the smallest multiple of 16 whose per-layer K block is a whole number of 4 KiB pages); the engine's
-default 2 GiB of KV is 2,912 such blocks.
+heads × 64 dims × K and V × 2 bytes = 23,040 bytes per token; xTensor's default block for it is 128
+tokens (:func:`xllm.core.kv.xtensor.default_block_size`: whole 4 KiB pages per layer's K block, and few
+enough blocks for Linux's default mapping limit); the engine's default 2 GiB of KV is 728 such blocks.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
 
 SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
-SMOLLM2_BLOCK_SIZE = 32
+SMOLLM2_BLOCK_SIZE = 128
 DEFAULT_KV_BLOCKS = (2 << 30) // (SMOLLM2_KV_BYTES_PER_TOKEN * SMOLLM2_BLOCK_SIZE)
 
 

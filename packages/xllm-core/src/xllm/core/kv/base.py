@@ -280,8 +280,9 @@ def build_kv_cache(backend: str, spec: KVCacheSpec, dtype: torch.dtype, device: 
 
     ``"xtensor"`` falls back to ``"paged"`` where virtual memory control is
     unavailable (non-Linux, or a device other than the CPU for now). The block
-    size defaults to 16 tokens (xTensor: rounded up so a block is whole OS pages;
-    quantized: :func:`quantized_block_layout`). ``kv_dtype`` ``"auto"`` stores K/V in ``dtype``;
+    size defaults to 16 tokens (xTensor: :func:`~xllm.core.kv.xtensor.default_block_size`, whole OS
+    pages and enough tokens for the memory to fit the mapping limit; quantized:
+    :func:`quantized_block_layout`). ``kv_dtype`` ``"auto"`` stores K/V in ``dtype``;
     ``"int8"``/``"fp8_e4m3"`` stores quantized rows (about half the bytes of bf16, so about twice
     the tokens in ``memory_gib``). Raises ``ValueError`` when the memory cannot hold one block, the
     backend is unknown, or the KV dtype does not apply (latent caches, head widths not divisible by 4).
@@ -307,10 +308,16 @@ def build_kv_cache(backend: str, spec: KVCacheSpec, dtype: torch.dtype, device: 
     row_align = 1
     if quantized and backend == "xtensor":
         block_size, row_align = quantized_block_layout(spec, block_size)
+    default_xtensor = block_size is None and backend == "xtensor"
     if block_size is None:
         block_size = page_aligned_block_size(spec, dtype) if backend == "xtensor" else 16
     layout = KVCacheLayout(spec, dtype, device, max_num_seqs, max_model_len, block_size, 1,
                            enable_prefix_cache and backend != "contiguous", kv_dtype, row_align)
+    if default_xtensor:
+        from xllm.core.kv.xtensor import default_block_size
+
+        block_size = default_block_size(layout, int(memory_gib * 2**30))
+        layout = dataclasses.replace(layout, block_size=block_size)
     per_block = layout.bytes_per_token * block_size
     num_blocks = int(memory_gib * 2**30 // per_block)
     if num_blocks < 1:

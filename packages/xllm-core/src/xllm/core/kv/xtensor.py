@@ -51,6 +51,30 @@ def _ranges_of(layout: KVCacheLayout) -> int:
     return layout.spec.num_layers * (2 if layout.spec.v_head_dim else 1)
 
 
+def _map_budget(layout: KVCacheLayout, free: int) -> int:
+    """How many (slot, block) positions fit ``free`` more memory mappings: one per range each, less a
+    run's worth per slot."""
+    ranges = _ranges_of(layout)
+    return max(1, (free - layout.max_num_seqs * ranges) // ranges)
+
+
+def default_block_size(layout: KVCacheLayout, memory_bytes: int) -> int:
+    """xTensor's block size when none is asked for, ``layout.block_size`` being the page-aligned unit
+    (:func:`~xllm.core.kv.base.page_aligned_block_size`): the least multiple of the unit whose blocks can all
+    be mapped at once within the process's mapping limit for ``memory_bytes`` of KV, or for every sequence
+    slot at ``max_model_len`` if that is less (more pages could only hold cached prefixes). SmolLM2 with 2 GiB
+    and 64 slots: 128-token blocks, where 32-token ones capped the pool at ~28k of its 93k tokens. Larger
+    blocks also mean fewer mappings as sequences grow, and a coarser prefix cache."""
+    unit = layout.block_size
+    free = free_map_slots()
+    if free is None:
+        return unit
+    longest = -(-layout.max_model_len // unit) * unit
+    tokens = min(memory_bytes // layout.bytes_per_token, layout.max_num_seqs * longest)
+    per_block = -(-tokens // _map_budget(layout, free))
+    return max(unit, min(longest, -(-per_block // unit) * unit))
+
+
 class XTensorKVCache(PrefixCachingBackend):
     """The xTensor KV backend (Linux; needs ``memfd_create``).
 
@@ -64,9 +88,7 @@ class XTensorKVCache(PrefixCachingBackend):
         free = None
         if map_budget is None:
             free = free_map_slots()
-            ranges = _ranges_of(layout)
-            map_budget = layout.num_blocks if free is None else \
-                max(1, (free - layout.max_num_seqs * ranges) // ranges)
+            map_budget = layout.num_blocks if free is None else _map_budget(layout, free)
         if layout.num_blocks > map_budget:
             log.warning("xTensor: room for %d mapped blocks of %d tokens (%s more memory mappings allowed by "
                         "vm.max_map_count): KV capacity capped from %d to %d tokens (raise vm.max_map_count "
