@@ -185,7 +185,10 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
-TINY_ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "0.05", "--threads", "1", "--max-num-seqs", "16")
+# --block-size: the tiny Llama's smallest page-aligned block (2 KV heads x 16 x fp32), not xTensor's 128-token default,
+# so that the tests' prompts of tens of tokens span several blocks (prefix routing, hand-offs)
+TINY_ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "0.05", "--threads", "1", "--max-num-seqs", "16",
+                     "--block-size", "32")
 
 
 @dataclass

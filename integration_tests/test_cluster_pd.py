@@ -38,8 +38,10 @@ SYSTEM = ("You are the help desk of a city library. Answer in two sentences, nam
 
 @pytest.fixture(scope="module")
 def pd(launch_server):
+    # --block-size 16: fp32 SmolLM2's smallest page-aligned block, so that the short shared system prompt
+    # fills whole blocks (the 128-token default would leave it in a partial one, never shared)
     gw = launch_server("--prefill-instances", "2", "--decode-instances", "1", "--dtype", "float32",
-                       "--threads", "1", "--kv-cache-memory", "0.2")
+                       "--threads", "1", "--kv-cache-memory", "0.2", "--block-size", "16")
     try:
         def all_up():
             body = httpx.get(f"{gw.url}/health", timeout=10, trust_env=False).json()

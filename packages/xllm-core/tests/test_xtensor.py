@@ -305,30 +305,22 @@ def test_map_budget_from_the_process_limit_caps_capacity(monkeypatch):
     kv.close()
 
 
-def test_default_block_size_lets_the_kv_memory_fit_the_mapping_limit(monkeypatch):
-    from xllm.core.kv import xtensor
+def test_default_block_size_is_128_tokens_in_whole_os_pages_whatever_the_memory():
     from xllm.core.kv.base import build_kv_cache
+    from xllm.core.kv.xtensor import default_block_size
 
-    smol = KVCacheSpec(30, 3, 64, 64)  # 23,040 B/token in bf16 over 60 ranges; 32-token unit
+    def block(spec: KVCacheSpec, dtype: torch.dtype, max_len: int = 8192) -> int:
+        unit = KVCacheLayout(spec, dtype, torch.device("cpu"), 64, max_len, page_aligned_block_size(spec, dtype), 0)
+        return default_block_size(unit)
 
-    def block(free: int | None, memory_gib: float, max_num_seqs: int = 64, max_len: int = 8192) -> int:
-        monkeypatch.setattr(xtensor, "free_map_slots", lambda: free)
-        unit = KVCacheLayout(smol, torch.bfloat16, torch.device("cpu"), max_num_seqs, max_len, 32, 0)
-        return xtensor.default_block_size(unit, int(memory_gib * 2**30))
-
-    # Linux's default limit less a margin and the process's own: 55,000 mappings are 852 positions after
-    # 64 slots' runs; 2 GiB is 93,206 tokens, 110 a block -> 128 (32-token blocks would cap it at 27,264)
-    assert block(55_000, 2.0) == 128
-    assert block(55_000, 0.5) == 32  # 23,301 tokens fit 852 blocks of the unit
-    assert block(4 * 55_000, 2.0) == 32  # a raised vm.max_map_count keeps the unit
-    assert block(None, 2.0) == 32  # limit unknown: the unit
-    # no more than every slot at full length needs mapping: 8 x 256 tokens fit whatever the memory
-    assert block(55_000, 64.0, max_num_seqs=8, max_len=256) == 32
-    # 4 positions for 8 slots of 100 tokens would want 256-token blocks: never past max_model_len (rounded up)
-    assert block(8 * 60 + 4 * 60, 64.0, max_num_seqs=8, max_len=100) == 128
-    # the engine's builder takes it when no block size is given, and keeps one that is
-    monkeypatch.setattr(xtensor, "free_map_slots", lambda: 55_000)
-    for given, expected in ((None, 128), (64, 64)):
-        kv = build_kv_cache("xtensor", smol, torch.bfloat16, torch.device("cpu"), 64, 8192, 2.0, block_size=given)
+    smol = KVCacheSpec(30, 3, 64, 64)
+    assert block(smol, torch.bfloat16) == 128  # 4 of its 32-token units
+    assert block(KVCacheSpec(2, 1, 8, 8), torch.bfloat16) == 256  # 16 B rows: one OS page is 256 tokens
+    assert block(smol, torch.bfloat16, max_len=100) == 128  # max_model_len rounded up to the 32-token unit
+    assert block(smol, torch.bfloat16, max_len=40) == 64
+    # the engine's builder takes it when no block size is given, and keeps one that is; the memory does not
+    # change it (a prefill and a decode instance with different memory must share a layout)
+    for memory, given, expected in ((0.05, None, 128), (4.0, None, 128), (0.05, 64, 64)):
+        kv = build_kv_cache("xtensor", smol, torch.bfloat16, torch.device("cpu"), 64, 8192, memory, block_size=given)
         assert kv.layout.block_size == expected
         kv.close()

@@ -17,7 +17,7 @@ import torch
 from xllm.core import EngineConfig, LLMEngine
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.engine import generate, make_request
+from xllm.testing.engine import generate, make_request, unit_block_size
 from xllm.testing.served import ServedEngine, pd_generate
 
 transformers = pytest.importorskip("transformers")
@@ -72,7 +72,8 @@ def case(request, tmp_path_factory):
 
 def new_engine(model, tokenizer, name: str, **tiers) -> LLMEngine:
     return LLMEngine(model, tokenizer, EngineConfig(dtype=torch.float32, kv_cache_memory_gib=0.05, max_model_len=512,
-                                                    max_num_seqs=4, num_threads=1, **tiers), instance_id=name)
+                                                    max_num_seqs=4, num_threads=1, block_size=unit_block_size(model),
+                                                    **tiers), instance_id=name)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.registry import EmbeddedRegistry
 from xllm.gateway.router import Router
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.engine import unit_block_size
 from xllm.testing.processes import until
 from xllm.testing.served import ServedEngine
 
@@ -25,7 +26,7 @@ MODEL = "smol"
 def node(model, tokenizer, instance_id: str, **cfg) -> ServedEngine:
     """One engine instance served over gRPC in this process."""
     cfg = {"dtype": torch.float32, "kv_cache_memory_gib": 0.05, "max_model_len": 512, "max_num_seqs": 4,
-           "num_threads": 1, **cfg}
+           "num_threads": 1, "block_size": unit_block_size(model), **cfg}
     return ServedEngine(LLMEngine(model, tokenizer, EngineConfig(**cfg), instance_id=instance_id), model=MODEL)
 
 

@@ -130,7 +130,7 @@ def test_preemption_under_a_tiny_kv_pool_keeps_the_outputs(smollm2_fp32, smollm2
     per_block = spec.bytes_per_token(torch.float32) * 16
     blocks = -(-(max(len(prompts[i]) for i in picked) + n) // 16) + 1  # the longest fits alone, not with all
     run = run_engine(smollm2_fp32, smollm2_tokenizer, [prompts[i] for i in picked], n,
-                          kv_cache_memory_gib=blocks * per_block / 2**30)
+                          kv_cache_memory_gib=blocks * per_block / 2**30, block_size=16)
     assert run.counters.num_preemptions > 0
     for j, i in enumerate(picked):
         assert run.tokens[f"p{j}"] == fp32_run.tokens[f"p{i}"][:n], f"prompt {i}"

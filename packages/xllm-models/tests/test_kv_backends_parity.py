@@ -10,6 +10,7 @@ import torch
 from xllm.core import EngineConfig, LLMEngine
 from xllm.models import load_model
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.engine import unit_block_size
 from xllm.testing.models import IdTokenizer, save_random_hf_model, tiny_qwen3_config
 
 transformers = pytest.importorskip("transformers")
@@ -37,9 +38,7 @@ def run(model, tokenizer, waves: list[list[list[int]]], n: int = NEW, **config):
     """Submit each wave after the previous one finished; returns tokens, logprobs, engine."""
     config.setdefault("max_model_len", 256)
     config.setdefault("num_threads", 1)
-    # test-sized KV: with the 2 GiB default, xTensor picks blocks long enough for the memory to fit the
-    # mapping limit (32 tokens for fp32 SmolLM2), longer than the shared system prompt's blocks here
-    config.setdefault("kv_cache_memory_gib", 0.25)
+    config.setdefault("block_size", unit_block_size(model))
     eng = LLMEngine(model, tokenizer, EngineConfig(dtype=torch.float32, **config))
     tokens: dict[str, list[int]] = {}
     lps: dict[str, list[float]] = {}
@@ -114,7 +113,7 @@ def test_prefix_cache_hits(case, backend):
 def test_forced_preemption(case, backend):
     model, tok, hf, prompts = case
     probe = LLMEngine(model, tok, EngineConfig(dtype=torch.float32, kv_cache_backend=backend, max_model_len=256,
-                                               num_threads=1))
+                                               num_threads=1, block_size=unit_block_size(model)))
     bs = probe.layout.block_size
     n = bs + 4  # every sequence grows past a block boundary while decoding
     per_block = model.kv_cache_spec().bytes_per_token(torch.float32) * bs

@@ -11,6 +11,7 @@ from xllm.core import EngineConfig, LLMEngine
 from xllm.kvstore import block_hashes
 from xllm.kvstore.tier import model_identity
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.engine import unit_block_size
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.real_model
@@ -24,12 +25,13 @@ OTHER = ("You are a terse librarian. Recommend exactly one book per question, gi
 
 def engine(model, tokenizer, tmp_path, identity, host: bool, longest: int) -> LLMEngine:
     probe = LLMEngine(model, tokenizer, EngineConfig(dtype=torch.float32, max_model_len=256, num_threads=1,
-                                                     kv_cache_memory_gib=0.01))
+                                                     kv_cache_memory_gib=0.01, block_size=unit_block_size(model)))
     bs, per_block = probe.layout.block_size, probe.kv.page_store().block_bytes
     probe.close()
     blocks = -(-(longest + NEW) // bs) + 1  # room for one conversation: the next one evicts the last
     return LLMEngine(model, tokenizer, EngineConfig(
         dtype=torch.float32, max_model_len=256, num_threads=1, kv_cache_memory_gib=blocks * per_block / 2**30,
+        block_size=bs,
         kv_model_identity=identity, kv_host_memory_gib=0.05 if host else None, kv_host_dir=str(tmp_path / "host"),
         kv_disk_dir=str(tmp_path / "disk"), kv_disk_size_gib=0.1))
 

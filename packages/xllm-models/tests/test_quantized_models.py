@@ -16,6 +16,7 @@ from xllm.models.layers import QuantEmbedding, QuantLinear
 from xllm.models.quantize import weight_format
 from xllm.models.source import gguf_file
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.engine import unit_block_size
 from xllm.testing.models import (
     IdTokenizer,
     run_engine,
@@ -118,11 +119,12 @@ def test_engine_quantized_through_chunking_prefix_hits_and_preemption(fmt, tiny_
     the dequantized twin's no-cache greedy tokens, logprobs within 1e-3."""
     model, twin = quantized(fmt, tiny_dir, tmp_path_factory)
     prompts, n = prompts_with_shared_prefix(), 20
+    bs = unit_block_size(model)
     want = [recompute_greedy(twin, p, n) for p in prompts]
 
     def run(waves, **config):
         eng = LLMEngine(model, IdTokenizer(), EngineConfig(dtype=torch.float32, max_model_len=256, num_threads=1,
-                                                           native_decode=False, **config))
+                                                           native_decode=False, block_size=bs, **config))
         tokens: dict[str, list[int]] = {}
         lps: dict[str, list[float]] = {}
         for wave in waves:
@@ -143,8 +145,8 @@ def test_engine_quantized_through_chunking_prefix_hits_and_preemption(fmt, tiny_
     eng = run([indexed[:1], indexed[1:]], max_num_batched_tokens=8)  # chunked prefill + prefix hits
     assert eng.kv.prefix_stats.hits > 0
     assert eng.counters.steps > sum(len(p) for p in prompts[1:]) // 8
-    probe = LLMEngine(model, IdTokenizer(), EngineConfig(dtype=torch.float32, max_model_len=256, num_threads=1))
-    bs = probe.layout.block_size
+    probe = LLMEngine(model, IdTokenizer(), EngineConfig(dtype=torch.float32, max_model_len=256, num_threads=1,
+                                                         block_size=bs))
     per_block = model.kv_cache_spec().bytes_per_token(torch.float32) * bs
     blocks = sum(probe.layout.blocks_for(len(p)) for p in prompts)  # the prompts fill the pool: decodes preempt
     eng = run([indexed], enable_prefix_cache=False, kv_cache_memory_gib=blocks * per_block / 2**30)

@@ -31,8 +31,8 @@ class EngineConfig:
     ``max_model_len`` of ``None`` takes the model's context length.
     ``kv_cache_memory_gib`` bounds the physical KV memory; the token capacity
     is that divided by the model's KV bytes per token. ``block_size`` of
-    ``None`` picks the backend's natural size (xTensor: the fewest tokens that make a layer's K/V
-    block whole OS pages and let the KV memory be mapped within the process's mapping limit). ``kv_cache_backend``
+    ``None`` picks the backend's natural size (xTensor: 128 tokens, rounded up so a layer's K/V
+    block is whole OS pages). ``kv_cache_backend``
     is ``"xtensor"`` (virtual-contiguous, Linux), ``"paged"`` (block tables) or
     ``"contiguous"`` (max-length reservation per slot, no prefix cache).
     ``native_decode`` runs steps through a model's fused native forward when it

@@ -89,9 +89,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "tokens in --kv-cache-memory; steps run the eager modules with native quantized "
                         "attention, not the fused native steps)")
     p.add_argument("--block-size", type=positive_int, default=None,
-                   help="tokens per KV block/page, the prefix-cache granularity (default: 16; xtensor: the "
-                        "fewest tokens that make a block whole OS pages and let --kv-cache-memory be mapped "
-                        "within vm.max_map_count, e.g. 128 for SmolLM2 with 2 GiB)")
+                   help="tokens per KV block/page, the prefix-cache granularity (default: 16; xtensor: 128 "
+                        "rounded up so a block is whole OS pages, at most --max-model-len)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="disable reuse of cached prompt prefixes between requests")
     p.add_argument("--max-waiting", type=positive_int, default=4096,

@@ -2,8 +2,8 @@
 
 KV defaults are SmolLM2-135M in bf16 (the model ``xllm`` serves on this machine): 30 layers × 3 KV
 heads × 64 dims × K and V × 2 bytes = 23,040 bytes per token; xTensor's default block for it is 128
-tokens (:func:`xllm.core.kv.xtensor.default_block_size`: whole 4 KiB pages per layer's K block, and few
-enough blocks for Linux's default mapping limit); the engine's default 2 GiB of KV is 728 such blocks.
+tokens (:func:`xllm.core.kv.xtensor.default_block_size`: 128, rounded up to whole 4 KiB pages per layer's
+K block); the engine's default 2 GiB of KV is 728 such blocks.
 """
 
 from __future__ import annotations

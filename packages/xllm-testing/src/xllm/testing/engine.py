@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from xllm.core import EngineConfig, LLMEngine
+from xllm.core.config import parse_dtype
+from xllm.core.kv.base import page_aligned_block_size
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.tiny import TinyLM, tiny_tokenizer
 
@@ -26,19 +28,29 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+def unit_block_size(model, dtype: torch.dtype | str = torch.float32) -> int:
+    """xTensor's smallest block for ``model`` (whole OS pages per layer's K/V), for tests whose prompts are tens
+    of tokens: with the 128-token default they would not span several blocks."""
+    return page_aligned_block_size(model.kv_cache_spec(), parse_dtype(dtype))
+
+
 def make_engine(model=None, *, kv_backend: str = "xtensor", async_scheduling: bool = False, tokenizer=None,
                 **config) -> LLMEngine:
     """An engine over ``model`` (default: a fresh :class:`TinyLM`) with test-sized defaults: fp32,
-    8 sequences, 256 MiB of KV memory, one torch thread (tests share 2 cores with other processes; an oversubscribed
-    OpenMP thread makes every op wait, 10x slowdowns seen). ``config`` overrides any setting."""
+    8 sequences, 256 MiB of KV memory, xTensor's smallest page-aligned block, one torch thread (tests
+    share 2 cores with other processes; an oversubscribed OpenMP thread makes every op wait, 10x slowdowns
+    seen). ``config`` overrides any setting."""
     config.setdefault("dtype", torch.float32)
     config.setdefault("max_num_seqs", 8)
     config.setdefault("num_threads", 1)
     # 256 MiB of KV is room for every test's sequences; the engine's 2 GiB default took 0.4 s to map
     # (xtensor) and 3.5 s to allocate (paged) per engine, and suites build hundreds of engines
     config.setdefault("kv_cache_memory_gib", 0.25)
+    model = model if model is not None else TinyLM()
+    if config.get("kv_cache_backend", kv_backend) == "xtensor" and config.get("kv_cache_dtype", "auto") == "auto":
+        config.setdefault("block_size", unit_block_size(model, config["dtype"]))
     config = {"kv_cache_backend": kv_backend, "async_scheduling": async_scheduling, **config}
-    return LLMEngine(model if model is not None else TinyLM(), tokenizer or tiny_tokenizer(), EngineConfig(**config))
+    return LLMEngine(model, tokenizer or tiny_tokenizer(), EngineConfig(**config))
 
 
 def make_request(rid: str, prompt: list[int], priority: int = 0, arrival_time: float = 0.0,

@@ -280,9 +280,9 @@ def build_kv_cache(backend: str, spec: KVCacheSpec, dtype: torch.dtype, device: 
 
     ``"xtensor"`` falls back to ``"paged"`` where virtual memory control is
     unavailable (non-Linux, or a device other than the CPU for now). The block
-    size defaults to 16 tokens (xTensor: :func:`~xllm.core.kv.xtensor.default_block_size`, whole OS
-    pages and enough tokens for the memory to fit the mapping limit; quantized:
-    :func:`quantized_block_layout`). ``kv_dtype`` ``"auto"`` stores K/V in ``dtype``;
+    size defaults to 16 tokens (xTensor: :func:`~xllm.core.kv.xtensor.default_block_size`, 128 tokens
+    rounded up to whole OS pages; quantized: :func:`quantized_block_layout`). ``kv_dtype`` ``"auto"``
+    stores K/V in ``dtype``;
     ``"int8"``/``"fp8_e4m3"`` stores quantized rows (about half the bytes of bf16, so about twice
     the tokens in ``memory_gib``). Raises ``ValueError`` when the memory cannot hold one block, the
     backend is unknown, or the KV dtype does not apply (latent caches, head widths not divisible by 4).
@@ -316,7 +316,7 @@ def build_kv_cache(backend: str, spec: KVCacheSpec, dtype: torch.dtype, device: 
     if default_xtensor:
         from xllm.core.kv.xtensor import default_block_size
 
-        block_size = default_block_size(layout, int(memory_gib * 2**30))
+        block_size = default_block_size(layout)
         layout = dataclasses.replace(layout, block_size=block_size)
     per_block = layout.bytes_per_token * block_size
     num_blocks = int(memory_gib * 2**30 // per_block)

@@ -47,32 +47,26 @@ from xllm.core.kv.vmm import OS_PAGE, VirtualMemory, VMMError, free_map_slots
 log = logging.getLogger(__name__)
 
 
+# xTensor's default block (vLLM-CPU's default too). Each mapped (slot, block) costs a memory mapping per layer
+# and K/V: SmolLM2's 2 GiB of KV in 32-token blocks needed ~3x what Linux's default vm.max_map_count allows, so
+# the pool was capped at ~28k of its 93k tokens, and a 64-sequence decode step spent 3-6 ms of the mapper's time
+# remapping pages it could have reused in place (docs/performance.md, "xTensor's block size")
+DEFAULT_BLOCK_TOKENS = 128
+
+
 def _ranges_of(layout: KVCacheLayout) -> int:
     return layout.spec.num_layers * (2 if layout.spec.v_head_dim else 1)
 
 
-def _map_budget(layout: KVCacheLayout, free: int) -> int:
-    """How many (slot, block) positions fit ``free`` more memory mappings: one per range each, less a
-    run's worth per slot."""
-    ranges = _ranges_of(layout)
-    return max(1, (free - layout.max_num_seqs * ranges) // ranges)
-
-
-def default_block_size(layout: KVCacheLayout, memory_bytes: int) -> int:
+def default_block_size(layout: KVCacheLayout) -> int:
     """xTensor's block size when none is asked for, ``layout.block_size`` being the page-aligned unit
-    (:func:`~xllm.core.kv.base.page_aligned_block_size`): the least multiple of the unit whose blocks can all
-    be mapped at once within the process's mapping limit for ``memory_bytes`` of KV, or for every sequence
-    slot at ``max_model_len`` if that is less (more pages could only hold cached prefixes). SmolLM2 with 2 GiB
-    and 64 slots: 128-token blocks, where 32-token ones capped the pool at ~28k of its 93k tokens. Larger
-    blocks also mean fewer mappings as sequences grow, and a coarser prefix cache."""
+    (:func:`~xllm.core.kv.base.page_aligned_block_size`): the least multiple of the unit of at least
+    :data:`DEFAULT_BLOCK_TOKENS`, but not past ``max_model_len`` rounded up to the unit (a longer block could
+    not be filled). It depends on the model and ``max_model_len`` only, so the instances of a cluster agree
+    on it (KV hand-offs and shared tiers need one layout) whatever memory each has."""
     unit = layout.block_size
-    free = free_map_slots()
-    if free is None:
-        return unit
     longest = -(-layout.max_model_len // unit) * unit
-    tokens = min(memory_bytes // layout.bytes_per_token, layout.max_num_seqs * longest)
-    per_block = -(-tokens // _map_budget(layout, free))
-    return max(unit, min(longest, -(-per_block // unit) * unit))
+    return max(unit, min(longest, -(-DEFAULT_BLOCK_TOKENS // unit) * unit))
 
 
 class XTensorKVCache(PrefixCachingBackend):
@@ -88,11 +82,13 @@ class XTensorKVCache(PrefixCachingBackend):
         free = None
         if map_budget is None:
             free = free_map_slots()
-            map_budget = layout.num_blocks if free is None else _map_budget(layout, free)
+            ranges = _ranges_of(layout)
+            map_budget = layout.num_blocks if free is None else \
+                max(1, (free - layout.max_num_seqs * ranges) // ranges)
         if layout.num_blocks > map_budget:
             log.warning("xTensor: room for %d mapped blocks of %d tokens (%s more memory mappings allowed by "
                         "vm.max_map_count): KV capacity capped from %d to %d tokens (raise vm.max_map_count "
-                        "with sysctl for more)", map_budget, layout.block_size,
+                        "with sysctl, or --block-size, for more)", map_budget, layout.block_size,
                         "?" if free is None else free, layout.capacity_tokens, map_budget * layout.block_size)
             layout = dataclasses.replace(layout, num_blocks=map_budget)
         super().__init__(layout)
