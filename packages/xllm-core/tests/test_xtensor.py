@@ -310,8 +310,7 @@ def test_default_block_size_is_128_tokens_in_whole_os_pages_whatever_the_memory(
     from xllm.core.kv.xtensor import default_block_size
 
     def block(spec: KVCacheSpec, dtype: torch.dtype, max_len: int = 8192) -> int:
-        unit = KVCacheLayout(spec, dtype, torch.device("cpu"), 64, max_len, page_aligned_block_size(spec, dtype), 0)
-        return default_block_size(unit)
+        return default_block_size(page_aligned_block_size(spec, dtype), max_len)
 
     smol = KVCacheSpec(30, 3, 64, 64)
     assert block(smol, torch.bfloat16) == 128  # 4 of its 32-token units

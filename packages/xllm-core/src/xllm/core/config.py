@@ -31,10 +31,10 @@ class EngineConfig:
     ``max_model_len`` of ``None`` takes the model's context length.
     ``kv_cache_memory_gib`` bounds the physical KV memory; the token capacity
     is that divided by the model's KV bytes per token. ``block_size`` of
-    ``None`` picks the backend's natural size (xTensor: 128 tokens, rounded up so a layer's K/V
-    block is whole OS pages). ``kv_cache_backend``
-    is ``"xtensor"`` (virtual-contiguous, Linux), ``"paged"`` (block tables) or
-    ``"contiguous"`` (max-length reservation per slot, no prefix cache).
+    ``None`` picks the backend's natural size (xTensor: 128 tokens, rounded up so a layer's
+    K/V block is whole OS pages; paged: 16). ``kv_cache_backend`` is ``"xtensor"``
+    (virtual-contiguous, Linux), ``"paged"`` (block tables) or ``"contiguous"`` (max-length
+    reservation per slot, no prefix cache).
     ``native_decode`` runs steps through a model's fused native forward when it
     has one (slot-addressed KV only): pure decode steps of up to 8 sequences
     through its decode kernel, every other step through its general step.

@@ -308,16 +308,14 @@ def build_kv_cache(backend: str, spec: KVCacheSpec, dtype: torch.dtype, device: 
     row_align = 1
     if quantized and backend == "xtensor":
         block_size, row_align = quantized_block_layout(spec, block_size)
-    default_xtensor = block_size is None and backend == "xtensor"
-    if block_size is None:
-        block_size = page_aligned_block_size(spec, dtype) if backend == "xtensor" else 16
-    layout = KVCacheLayout(spec, dtype, device, max_num_seqs, max_model_len, block_size, 1,
-                           enable_prefix_cache and backend != "contiguous", kv_dtype, row_align)
-    if default_xtensor:
+    if block_size is None and backend == "xtensor":
         from xllm.core.kv.xtensor import default_block_size
 
-        block_size = default_block_size(layout)
-        layout = dataclasses.replace(layout, block_size=block_size)
+        block_size = default_block_size(page_aligned_block_size(spec, dtype), max_model_len)
+    elif block_size is None:
+        block_size = 16
+    layout = KVCacheLayout(spec, dtype, device, max_num_seqs, max_model_len, block_size, 1,
+                           enable_prefix_cache and backend != "contiguous", kv_dtype, row_align)
     per_block = layout.bytes_per_token * block_size
     num_blocks = int(memory_gib * 2**30 // per_block)
     if num_blocks < 1:

@@ -58,14 +58,13 @@ def _ranges_of(layout: KVCacheLayout) -> int:
     return layout.spec.num_layers * (2 if layout.spec.v_head_dim else 1)
 
 
-def default_block_size(layout: KVCacheLayout) -> int:
-    """xTensor's block size when none is asked for, ``layout.block_size`` being the page-aligned unit
-    (:func:`~xllm.core.kv.base.page_aligned_block_size`): the least multiple of the unit of at least
-    :data:`DEFAULT_BLOCK_TOKENS`, but not past ``max_model_len`` rounded up to the unit (a longer block could
-    not be filled). It depends on the model and ``max_model_len`` only, so the instances of a cluster agree
-    on it (KV hand-offs and shared tiers need one layout) whatever memory each has."""
-    unit = layout.block_size
-    longest = -(-layout.max_model_len // unit) * unit
+def default_block_size(unit: int, max_model_len: int) -> int:
+    """xTensor's block size when none is asked for: the least multiple of ``unit`` (the page-aligned size,
+    :func:`~xllm.core.kv.base.page_aligned_block_size`) of at least :data:`DEFAULT_BLOCK_TOKENS`, but not past
+    ``max_model_len`` rounded up to the unit (a longer block could not be filled). It depends on the model and
+    ``max_model_len`` only, so the instances of a cluster agree on it (KV hand-offs and shared tiers need one
+    layout) whatever memory each has."""
+    longest = -(-max_model_len // unit) * unit
     return max(unit, min(longest, -(-DEFAULT_BLOCK_TOKENS // unit) * unit))
 
 
