@@ -17,6 +17,7 @@ import pytest
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.kvstore import GlobalKVIndex, block_hashes
 from xllm.testing.engine import generate, make_engine, make_request
+from xllm.testing.processes import wait_for
 from xllm.testing.served import ServedEngine, pd_generate
 from xllm.testing.tiny import TinyLM
 
@@ -124,7 +125,8 @@ def test_a_block_missing_or_corrupt_in_the_store_comes_as_pages(mooncake, monkey
         n = real_publish(self, hashes, pages)
         tier = next(t for t in self.store.tiers if t.name == "store")
         value = tier.raw_get(tier.key(second))
-        assert tier.evict(second)
+        # a forced remove failed once under CI load (the store logs transient RPC failures): try again
+        wait_for(lambda: tier.evict(second), 10, "the second block removed from the store")
         if damage == "bad":
             damaged = bytearray(value)
             damaged[-1] ^= 0x01
