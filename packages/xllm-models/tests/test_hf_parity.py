@@ -13,6 +13,7 @@ import torch
 
 from xllm.kernels import native
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.engine import unit_block_size
 from xllm.testing.models import run_engine
 
 pytestmark = pytest.mark.real_model
@@ -126,11 +127,11 @@ def test_preemption_under_a_tiny_kv_pool_keeps_the_outputs(smollm2_fp32, smollm2
     of the (HF-checked) 32-token run, however often the sequences were preempted and recomputed."""
     n = 16
     picked = [0, 4, 5, 6]  # prompt lengths 31, 1, 10 and 7 keep the recomputation cheap
-    spec = smollm2_fp32.kv_cache_spec()
-    per_block = spec.bytes_per_token(torch.float32) * 16
-    blocks = -(-(max(len(prompts[i]) for i in picked) + n) // 16) + 1  # the longest fits alone, not with all
+    bs = unit_block_size(smollm2_fp32)  # 16 tokens in fp32
+    per_block = smollm2_fp32.kv_cache_spec().bytes_per_token(torch.float32) * bs
+    blocks = -(-(max(len(prompts[i]) for i in picked) + n) // bs) + 1  # the longest fits alone, not with all
     run = run_engine(smollm2_fp32, smollm2_tokenizer, [prompts[i] for i in picked], n,
-                          kv_cache_memory_gib=blocks * per_block / 2**30, block_size=16)
+                     kv_cache_memory_gib=blocks * per_block / 2**30, block_size=bs)
     assert run.counters.num_preemptions > 0
     for j, i in enumerate(picked):
         assert run.tokens[f"p{j}"] == fp32_run.tokens[f"p{i}"][:n], f"prompt {i}"
