@@ -29,7 +29,7 @@ import pytest
 from xllm.engine.registration.etcd_client import EtcdClient, EtcdWatchTimeout
 from xllm.testing.metrics import metric_value, parse_metrics
 from xllm.testing.processes import EtcdServer, ensure_etcd, wait_for
-from xllm.testing.sse import CompletionStream, stream_completion
+from xllm.testing.sse import CompletionStream, assert_same_streams, stream_completion
 
 MODEL = "tiny"
 PREFIX = "/xllm-cp"
@@ -143,10 +143,10 @@ def _registered(endpoint: str) -> dict[str, int]:
 
 async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int,
                   first: asyncio.Event | None = None) -> CompletionStream:
-    """One streaming greedy completion: its instance, text, tokens, finish reasons and errors (an
-    HTTP error of the connection itself is recorded, not raised)."""
+    """One streaming greedy completion: its instance, text, tokens, top-two logprobs, finish reasons
+    and errors (an HTTP error of the connection itself is recorded, not raised)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "logprobs": 1}
+            "stream": True, "logprobs": 2}
     return await stream_completion(client, body, first, record_http_errors=True)
 
 
@@ -365,10 +365,10 @@ def test_a_gateway_killed_mid_stream_and_restarted_loses_only_its_own_streams(pl
     reference = asyncio.run(uninterrupted())
     got_a, got_b = asyncio.run(with_b_killed())
     gb.proc.wait(30)
-    for got, ref in zip(got_a, reference, strict=True):  # the other gateway's streams: as if nothing happened
-        assert ref.status == 200 and not ref.errors and len(ref.tokens) == max_tokens
-        assert got.status == 200 and not got.errors, got.errors
-        assert (got.text, got.tokens, got.finish) == (ref.text, ref.tokens, ref.finish)
+    # the other gateway's streams: as if nothing happened (their batches were composed differently
+    # from the reference run's, so a greedy stream may part from it at a float near-tie, nowhere else)
+    assert all(ref.complete(max_tokens) and len(ref.tokens) == max_tokens for ref in reference)
+    assert_same_streams(got_a, reference, greedy=[True] * len(prompts))
     assert all(r.errors and not r.finish for r in got_b)  # the killed gateway's own streams broke
     # the engines let go of the dead gateway's requests (their load, as heartbeats report it, drops to 0)
     wait_for(lambda: metric_value(_metrics(ga), "xllm:cluster_num_requests_running") == 0, 30,

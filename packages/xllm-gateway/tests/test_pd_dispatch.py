@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -80,6 +81,13 @@ def reference(rid: str, prompt: list[int], n: int = 1, **sampling) -> Collected:
     return generate(make_engine(LM), [make_request(f"{rid}-{i}", prompt, **sampling) for i in range(n)])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _kernels_built():
+    """One engine run before any timed run: the first build of the native kernels on a fresh cache
+    (about a minute on two cores, at the first step) must not count against a test's ``TIMEOUT``."""
+    reference("warm", PROMPT, n=2, max_tokens=2)
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
 
@@ -124,13 +132,31 @@ def test_the_decode_instance_holding_the_prefix_is_chosen_and_receives_only_the_
     assert got.tokens["b-0"] == reference("b", second, **GREEDY).tokens["b-0"]
 
 
-def _die_on_first_request(node: ServedEngine, loop: asyncio.AbstractEventLoop, died: list[str]) -> None:
-    """Make ``node`` stop serving when a request reaches its engine, before any token of it."""
+def _die_on_first_request(node: ServedEngine, loop: asyncio.AbstractEventLoop, died: list[str], when: str) -> None:
+    """Make ``node`` stop serving on the first request it gets, before any token of it: ``"submit"``
+    while the call is being accepted (the client's submit fails), ``"accepted"`` once the call was
+    accepted and the request reached the engine (the client's stream fails)."""
+    if when == "submit":
+        submit = node.aeng.submit_async
+
+        async def submit_async(req):
+            if died:
+                return await submit(req)
+            died.append(node.instance_id)
+            stopping = asyncio.ensure_future(node.server.stop(0))
+            await asyncio.Event().wait()  # cancelled with the call, by ``stopping``
+            del stopping
+
+        node.aeng.submit_async = submit_async
+        return
     add = node.engine.add_request
 
-    def add_request(req):
+    def add_request(req):  # on the engine thread
         if not died:
             died.append(node.instance_id)
+            deadline = time.monotonic() + 10
+            while not node.server.num_inflight and time.monotonic() < deadline:
+                time.sleep(0.001)  # the server accepts the call on its loop right after queueing the request
             asyncio.run_coroutine_threadsafe(node.server.stop(0), loop).result()
             return None  # the request dies with the instance
         return add(req)
@@ -138,12 +164,15 @@ def _die_on_first_request(node: ServedEngine, loop: asyncio.AbstractEventLoop, d
     node.engine.add_request = add_request
 
 
-def test_a_prefill_instance_dying_before_the_first_token_is_replaced():
+@pytest.mark.parametrize("when", ["submit", "accepted"])
+def test_a_prefill_instance_dying_before_the_first_token_is_replaced(when):
+    """Either way the instance dies, the request is prefilled by the other one, the retry counts
+    once, and the stream equals one engine's."""
     async def main():
         async with Cluster({"p1": "prefill", "p2": "prefill", "d": "decode"}) as c:
             died: list[str] = []
             for iid in ("p1", "p2"):
-                _die_on_first_request(c.nodes[iid], asyncio.get_running_loop(), died)
+                _die_on_first_request(c.nodes[iid], asyncio.get_running_loop(), died, when)
             got, (stream,) = await c.generate("r", PROMPT, **SEEDED)
             pd = stream._stream
             return got, died, pd, stream.resumes, c.metric("xllm:pd_prefill_retries_total", instance=died[0])

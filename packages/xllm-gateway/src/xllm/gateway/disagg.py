@@ -67,7 +67,9 @@ class PDStream:
 
     def __init__(self, dispatcher: Dispatcher, model: str, req: engine_pb2.GenerateRequest, prefill: Ticket,
                  prefill_stream, decode: Ticket, decode_iter: AsyncIterator, target: engine_pb2.KVTarget,
-                 session: str | None = None, handoff_grace: float = 5.0) -> None:
+                 session: str | None = None, handoff_grace: float = 5.0, prefill_attempts: int = 1) -> None:
+        """``prefill_attempts``: the prefill instances already tried to send ``prefill_stream``
+        (:meth:`Dispatcher.submit_prefill`'s count)."""
         self._d = dispatcher
         self._model = model
         self._req = req
@@ -79,7 +81,7 @@ class PDStream:
         self._session = session
         self._grace = handoff_grace
         self.times = PDTimes()
-        self.prefill_attempts = 1
+        self.prefill_attempts = prefill_attempts
         self._prefill_done = False  # the current prefill instance's part is accounted with the router
         self.decoding = False       # the decode instance streams (its first chunk came): it runs the request
 
@@ -188,12 +190,12 @@ class PDStream:
         failed = self.prefill.state.instance_id
         if self.prefill_attempts >= MAX_PREFILL_ATTEMPTS:
             raise InstanceUnavailableError(f"prefill failed on {self.prefill_attempts} instances", failed)
-        self.prefill_attempts += 1
         self._d.pd_metrics.prefill_retry(self._model, failed)
         log.warning("request %s: prefill instance %s failed before the first token; retrying on another",
                     self._req.request_id, failed)
-        self.prefill, self._p_stream = await self._d.submit_prefill(
+        self.prefill, self._p_stream, attempts = await self._d.submit_prefill(
             self._model, self._req, self.target, self._session, exclude={failed})
+        self.prefill_attempts += attempts
         self._prefill_done = False
         self._d.router.dispatched(self.prefill, 1)
 

@@ -181,12 +181,13 @@ class Dispatcher:
             try:
                 for i, (r, it, target) in enumerate(reserved):
                     if i == 0:
-                        p_ticket, p_stream = await self.submit_prefill(model, r, target, session, exclude, p_ticket)
+                        p_ticket, p_stream, attempts = await self.submit_prefill(model, r, target, session,
+                                                                                 exclude, p_ticket)
                     else:  # the other choices follow the first to its prefill instance
-                        p_stream = await p_ticket.state.client.submit(
-                            phase_request(r, engine_pb2.DISAGG_PHASE_PREFILL, target))
+                        p_stream, attempts = await p_ticket.state.client.submit(
+                            phase_request(r, engine_pb2.DISAGG_PHASE_PREFILL, target)), 1
                     streams.append(PDStream(self, model, r, p_ticket, p_stream, d_ticket, it, target, session,
-                                           self.handoff_grace))
+                                           self.handoff_grace, attempts))
             except BaseException as exc:
                 await self._close_all([it for _, it, _ in reserved])
                 raise to_api_error(exc) from exc
@@ -196,12 +197,14 @@ class Dispatcher:
 
     async def submit_prefill(self, model: str, req: engine_pb2.GenerateRequest, target: engine_pb2.KVTarget,
                              session: str | None, exclude: set[str],
-                             ticket: Ticket | None = None) -> tuple[Ticket, object]:
+                             ticket: Ticket | None = None) -> tuple[Ticket, object, int]:
         """Send the prefill phase of ``req`` (its decode side reserved as ``target``) to a prefill
-        instance, trying others while they are unavailable (the caller accounts the dispatch)."""
+        instance, trying others while they are unavailable (the caller accounts the dispatch).
+        Returns the ticket, its stream and the instances tried (1 + the failed ones; each failure
+        counts as a prefill retry, as one after the call was accepted does in :class:`PDStream`)."""
         tried = set(exclude)
         last: BaseException | None = None
-        for _ in range(self.max_attempts):
+        for attempt in range(1, self.max_attempts + 1):
             if ticket is None:
                 try:
                     ticket = self.router.route_prefill(model, list(req.prompt_token_ids), session, tried)
@@ -212,9 +215,10 @@ class Dispatcher:
             except InstanceUnavailableError as exc:
                 self.router.failed(ticket.state)
                 tried.add(ticket.state.instance_id)
+                self.pd_metrics.prefill_retry(model, ticket.state.instance_id)
                 ticket, last = None, exc
                 continue
-            return ticket, stream
+            return ticket, stream, attempt
         raise InstanceUnavailableError(f"no prefill instance could take it ({last})")
 
     @staticmethod
