@@ -86,11 +86,12 @@ def test_predicted_ttft_takes_the_instances_own_model_and_budget():
     placement = PDPlacement(predictor=cluster, token_budget=512)
     req = RouteRequest(600)
     plain = snap("d0", num_running=3, pending_prefill_tokens=300)
+    # the queued prefills share their steps with the instance's decodes, as the request's own does
     assert placement.predicted_ttft(req, plain) == pytest.approx(
-        cluster.queue_seconds(300, 600, 512) + cluster.prefill_seconds(600, 0, 512, 3))
+        cluster.queue_seconds(300, 600, 512, 3) + cluster.prefill_seconds(600, 0, 512, 3))
     reported = snap("d1", num_running=3, pending_prefill_tokens=300, step_model=own, token_budget=256,
                     decode_context_tokens=900)
     assert placement.predicted_ttft(req, reported) == pytest.approx(
-        own.queue_seconds(300, 600, 256) + own.prefill_seconds(600, 0, 256, 3, 900))
+        own.queue_seconds(300, 600, 256, 3, 900) + own.prefill_seconds(600, 0, 256, 3, 900))
     assert PDPlacement().predicted_ttft(req, reported) == pytest.approx(
-        own.queue_seconds(300, 600, 256) + own.prefill_seconds(600, 0, 256, 3, 900))
+        own.queue_seconds(300, 600, 256, 3, 900) + own.prefill_seconds(600, 0, 256, 3, 900))

@@ -95,11 +95,10 @@ class PDPlacement:
         prompt = max(request.num_prompt_tokens, 1)
         cached = min(c.matched_tokens, prompt - 1)
         model = c.step_model or self.predictor
-        if model is not None:
+        if model is not None:  # the queue taken as prompts like this one, every step with c's decodes
             budget = c.token_budget if c.step_model is not None and c.token_budget else self.token_budget
-            return (model.queue_seconds(c.pending_prefill_tokens, prompt, budget)
-                    + model.prefill_seconds(prompt - cached, cached, budget, decode_batch=c.num_running,
-                                            decode_context=c.decode_context_tokens))
+            return model.ttft(prompt, c.pending_prefill_tokens, cached, budget, c.num_running,
+                              c.decode_context_tokens, queued_prompt_tokens=prompt)
         if c.prefill_tokens_per_s > 0:
             return (c.pending_prefill_tokens + prompt - cached) / c.prefill_tokens_per_s
         return None
