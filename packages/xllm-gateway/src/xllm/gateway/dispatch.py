@@ -184,8 +184,8 @@ class Dispatcher:
                         p_ticket, p_stream, attempts = await self.submit_prefill(model, r, target, session,
                                                                                  exclude, p_ticket)
                     else:  # the other choices follow the first to its prefill instance
-                        p_stream, attempts = await p_ticket.state.client.submit(
-                            phase_request(r, engine_pb2.DISAGG_PHASE_PREFILL, target)), 1
+                        p_stream = await p_ticket.state.client.submit(
+                            phase_request(r, engine_pb2.DISAGG_PHASE_PREFILL, target))
                     streams.append(PDStream(self, model, r, p_ticket, p_stream, d_ticket, it, target, session,
                                            self.handoff_grace, attempts))
             except BaseException as exc:
