@@ -54,10 +54,6 @@ log = logging.getLogger(__name__)
 DEFAULT_BLOCK_TOKENS = 128
 
 
-def _ranges_of(layout: KVCacheLayout) -> int:
-    return layout.spec.num_layers * (2 if layout.spec.v_head_dim else 1)
-
-
 def default_block_size(unit: int, max_model_len: int) -> int:
     """xTensor's block size when none is asked for: the least multiple of ``unit`` (the page-aligned size,
     :func:`~xllm.core.kv.base.page_aligned_block_size`) of at least :data:`DEFAULT_BLOCK_TOKENS`, but not past
@@ -78,12 +74,17 @@ class XTensorKVCache(PrefixCachingBackend):
     """
 
     def __init__(self, layout: KVCacheLayout, map_budget: int | None = None) -> None:
+        spec, bs = layout.spec, layout.block_size
+        dims = []  # (layer, kind, head_dim) for every range that exists
+        for layer in range(spec.num_layers):
+            dims.append((layer, 0, spec.head_dim))
+            if spec.v_head_dim:
+                dims.append((layer, 1, spec.v_head_dim))
         free = None
         if map_budget is None:
             free = free_map_slots()
-            ranges = _ranges_of(layout)
             map_budget = layout.num_blocks if free is None else \
-                max(1, (free - layout.max_num_seqs * ranges) // ranges)
+                max(1, (free - layout.max_num_seqs * len(dims)) // len(dims))
         if layout.num_blocks > map_budget:
             log.warning("xTensor: room for %d mapped blocks of %d tokens (%s more memory mappings allowed by "
                         "vm.max_map_count): KV capacity capped from %d to %d tokens (raise vm.max_map_count "
@@ -94,12 +95,6 @@ class XTensorKVCache(PrefixCachingBackend):
         self.map_budget = map_budget
         self._mapped: dict[tuple[int, int], None] = {}  # positions mapped now, oldest first
         self.addressing = slot_addressing(self, layout)
-        spec, bs = layout.spec, layout.block_size
-        dims = []  # (layer, kind, head_dim) for every range that exists
-        for layer in range(spec.num_layers):
-            dims.append((layer, 0, spec.head_dim))
-            if spec.v_head_dim:
-                dims.append((layer, 1, spec.v_head_dim))
         self.vm = VirtualMemory()
         self.blocks_per_slot = math.ceil(layout.max_model_len / bs)
         self._ranges: list[tuple[int, int, int]] = []  # (virtual base, page bytes, memfd base)
