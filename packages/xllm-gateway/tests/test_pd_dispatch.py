@@ -132,10 +132,12 @@ def test_the_decode_instance_holding_the_prefix_is_chosen_and_receives_only_the_
     assert got.tokens["b-0"] == reference("b", second, **GREEDY).tokens["b-0"]
 
 
-def _die_on_first_request(node: ServedEngine, loop: asyncio.AbstractEventLoop, died: list[str], when: str) -> None:
+def _die_on_first_request(node: ServedEngine, loop: asyncio.AbstractEventLoop, died: list[str], when: str,
+                          accepted: list[bool]) -> None:
     """Make ``node`` stop serving on the first request it gets, before any token of it: ``"submit"``
     while the call is being accepted (the client's submit fails), ``"accepted"`` once the call was
-    accepted and the request reached the engine (the client's stream fails)."""
+    accepted and the request reached the engine (the client's stream fails; ``accepted`` gets whether
+    the server had registered the call when it stopped)."""
     if when == "submit":
         submit = node.aeng.submit_async
 
@@ -157,6 +159,7 @@ def _die_on_first_request(node: ServedEngine, loop: asyncio.AbstractEventLoop, d
             deadline = time.monotonic() + 10
             while not node.server.num_inflight and time.monotonic() < deadline:
                 time.sleep(0.001)  # the server accepts the call on its loop right after queueing the request
+            accepted.append(node.server.num_inflight > 0)
             asyncio.run_coroutine_threadsafe(node.server.stop(0), loop).result()
             return None  # the request dies with the instance
         return add(req)
@@ -171,13 +174,16 @@ def test_a_prefill_instance_dying_before_the_first_token_is_replaced(when):
     async def main():
         async with Cluster({"p1": "prefill", "p2": "prefill", "d": "decode"}) as c:
             died: list[str] = []
+            accepted: list[bool] = []
             for iid in ("p1", "p2"):
-                _die_on_first_request(c.nodes[iid], asyncio.get_running_loop(), died, when)
+                _die_on_first_request(c.nodes[iid], asyncio.get_running_loop(), died, when, accepted)
             got, (stream,) = await c.generate("r", PROMPT, **SEEDED)
             pd = stream._stream
-            return got, died, pd, stream.resumes, c.metric("xllm:pd_prefill_retries_total", instance=died[0])
+            return got, died, accepted, pd, stream.resumes, \
+                c.metric("xllm:pd_prefill_retries_total", instance=died[0])
 
-    got, died, pd, resumes, retries = run(main())
+    got, died, accepted, pd, resumes, retries = run(main())
+    assert accepted == ([True] if when == "accepted" else [])  # the instance died where the case says
     assert len(died) == 1 and pd.prefill.state.instance_id != died[0] and pd.prefill_attempts == 2
     assert retries == 1 and resumes == 0  # the reservation waited: no resume needed
     ref = reference("r", PROMPT, **SEEDED)
