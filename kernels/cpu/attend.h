@@ -4,8 +4,13 @@
  * q: G rows of D; keys k[t * k_stride .. + D], values v[t * v_stride .. + Dv] for t < len;
  * out: G rows of Dv (rounded to the storage type). scratch: >= G * len floats.
  * Scores via dot products (fp32 accumulation), softmax with the vectorized exp, then values
- * accumulated 16 lanes at a time. bf16 decode rows on a CPU with AMX take attend_decode_amx.h instead
- * (attend_row_bf16 below, the entry of the decode loops).
+ * accumulated 16 lanes at a time. bf16 decode rows take attend_decode_amx.h on a CPU with AMX and
+ * attend_decode_avx.h elsewhere (attend_row_bf16 below, the entry of the decode loops), where their
+ * shapes apply; attend_group is the rest (fp32 rows, other shapes).
+ *
+ * Software prefetches of the context go into the L2 (T1), not the L1: a T0 prefetch holds one of the
+ * L1's few miss buffers until its line arrives from DRAM, which capped the KV read at ~13 GB/s on the
+ * AMD build machine (T1: ~18-20; docs/performance.md, "Decode attention: prefetching into the L2").
  */
 #ifndef XLLM_CPU_ATTEND_H
 #define XLLM_CPU_ATTEND_H
@@ -149,10 +154,10 @@ DEFINE_VALUES_REG(f32, float, _mm512_loadu_ps)
         if (D % DMULT == 0) {                                                                                     \
             const __m512 sc = _mm512_set1_ps(scale);                                                              \
             for (; t0 + 16 <= len; t0 += 16) {                                                                    \
-                /* the context comes from DRAM: ask for the next block's keys and this block's values early */  \
+                /* the context comes from DRAM: the next block's keys and this block's values into the L2 */ \
                 for (int64_t t = t0 + 16; t < t0 + 32 && t < len; t++)                                            \
                     for (int64_t off = 0; off < D * (int64_t)sizeof(T); off += 64)                                \
-                        _mm_prefetch((const char *)(k + t * k_stride) + off, _MM_HINT_T0);                        \
+                        _mm_prefetch((const char *)(k + t * k_stride) + off, _MM_HINT_T1);                        \
                 for (int64_t t = t0; t < t0 + 16; t++)                                                            \
                     for (int64_t off = 0; off < Dv * (int64_t)sizeof(T); off += 64)                               \
                         _mm_prefetch((const char *)(v + t * v_stride) + off, _MM_HINT_T1);                        \
@@ -187,6 +192,8 @@ DEFINE_VALUES_REG(f32, float, _mm512_loadu_ps)
 DEFINE_ATTEND_GROUP(bf16, uint16_t, dot_bf16, load_bf16x16, bf16_to_f32, scores16_bf16, 32)
 DEFINE_ATTEND_GROUP(f32, float, dot_f32, _mm512_loadu_ps, XLLM_F32_ID, scores16_f32, 16)
 
+#include "attend_decode_avx.h" /* after scores16_bf16, which it uses */
+
 /* ---- one decode row's attention, the entry of the decode loops (attention.c, llama_decode.h, attend_varlen.h) ----
  *
  * A loop over decode items calls attend_decode_begin() on every thread before its `omp for` (1: bf16 rows take
@@ -218,6 +225,11 @@ static inline void attend_row_bf16(int amx, const uint16_t *q, int64_t g0, int64
                                    int64_t Dv, int64_t len, float scale, float *scratch, uint16_t *out) {
     if (amx) {
         attend_rows_bf16_amx(q + g0 * G * D, g1 - g0, G, D, k + g0 * D, k_stride, v + g0 * Dv, v_stride, Dv, len,
+                             scale, out + g0 * G * Dv);
+        return;
+    }
+    if (av_applies(g1 - g0, G, D, Dv)) {
+        attend_rows_bf16_avx(q + g0 * G * D, g1 - g0, G, D, k + g0 * D, k_stride, v + g0 * Dv, v_stride, Dv, len,
                              scale, out + g0 * G * Dv);
         return;
     }

@@ -117,7 +117,7 @@ ALWAYS_INLINE void kvq_values_reg(const float *s, int64_t len, const uint8_t *v,
         for (int c = 0; c < NC; c++) a[j][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
         const uint8_t *vt = v + t * v_stride;
-        if (t + 8 < len) _mm_prefetch((const char *)(vt + 8 * v_stride), _MM_HINT_T0);
+        if (t + 8 < len) _mm_prefetch((const char *)(vt + 8 * v_stride), _MM_HINT_T1);
         float scale;
         memcpy(&scale, vt + NC * 16, 4);
         scale *= kvq_unit(fp8);
@@ -177,7 +177,7 @@ static inline void kvq_attend_group(const void *q, int bf16, int64_t G, int64_t 
         const int64_t n = len - t0 < 16 ? len - t0 : 16;
         const uint8_t *kt = k + t0 * k_stride;
         if (t0 + 16 < len)
-            for (int64_t t = 16; t < 32 && t0 + t < len; t++) _mm_prefetch((const char *)(kt + t * k_stride), _MM_HINT_T0);
+            for (int64_t t = 16; t < 32 && t0 + t < len; t++) _mm_prefetch((const char *)(kt + t * k_stride), _MM_HINT_T1);
         kvq_codes_tile(kt, k_stride, n, D, fp8, bf16, ktile, scales);
         const __m512 ks = _mm512_mul_ps(_mm512_loadu_ps(scales), sc);
         const __mmask16 m = (__mmask16)((1u << n) - 1);
