@@ -97,32 +97,37 @@ class XTensorKVCache(PrefixCachingBackend):
         self.addressing = slot_addressing(self, layout)
         self.vm = VirtualMemory()
         self.blocks_per_slot = math.ceil(layout.max_model_len / bs)
-        self._ranges: list[tuple[int, int, int]] = []  # (virtual base, page bytes, memfd base)
+        self._ranges: list[tuple[int, int, int]] = []  # (virtual base of slot 0, page bytes, memfd base)
         self._range_layers: list[int] = []
         self._mapper: ThreadPoolExecutor | None = None
         self._file_map: mmap.mmap | None = None  # the whole memfd, mapped once for page_store()
-        self._buffers = []
+        self._reserved: tuple[int, int] | None = None  # (address, bytes) of the one virtual reservation
         self.k: list[torch.Tensor] = [None] * spec.num_layers  # type: ignore[list-item]
         self.v: list[torch.Tensor | None] = [None] * spec.num_layers
         self.fd = os.memfd_create("xllm-kv", os.MFD_CLOEXEC)
-        fd_offset = 0
         try:
-            for layer, kind, head_dim in dims:
-                page_bytes = bs * layout.row_bytes(head_dim)
+            page_sizes = [bs * layout.row_bytes(head_dim) for _, _, head_dim in dims]
+            for page_bytes in page_sizes:
                 if page_bytes % OS_PAGE:
                     raise VMMError(
                         f"a {bs}-token block of layer K/V is {page_bytes} bytes, not a multiple of the OS page "
                         f"({OS_PAGE}); pick a block size that makes it one (see EngineConfig.block_size)")
-                slot_bytes = self.blocks_per_slot * page_bytes
-                base = self.vm.reserve(layout.max_num_seqs * slot_bytes)
-                self._ranges.append((base, page_bytes, fd_offset))
+            # Slot-major: one reservation in which a slot's regions of every range lie side by side
+            # ([slot][range][block]), so the pages live sequences use are close together in the address
+            # space. Range-major reservations (one per range, [range][slot][block]) spread them over
+            # ranges as long as max_num_seqs regions each, and the decode attention read KV ~1.4x slower
+            # from them on the AMD build machine (docs/performance.md, "xTensor's reservation").
+            self.slot_stride = self.blocks_per_slot * sum(page_sizes)
+            total = layout.max_num_seqs * self.slot_stride
+            addr = self.vm.reserve(total)
+            self._reserved = (addr, total)
+            offset = fd_offset = 0
+            for (layer, kind, head_dim), page_bytes in zip(dims, page_sizes):
+                self._ranges.append((addr + offset, page_bytes, fd_offset))
                 self._range_layers.append(layer)
                 fd_offset += layout.num_blocks * page_bytes
-                buf = (ctypes.c_uint8 * (layout.max_num_seqs * slot_bytes)).from_address(base)
-                self._buffers.append(buf)
-                view = torch.frombuffer(buf, dtype=layout.cache_dtype).view(
-                    layout.max_num_seqs, self.blocks_per_slot * bs, *layout.row_shape(head_dim))
-                (self.k if kind == 0 else self.v)[layer] = view
+                (self.k if kind == 0 else self.v)[layer] = self._range_view(addr + offset, page_bytes, head_dim)
+                offset += self.blocks_per_slot * page_bytes
             os.ftruncate(self.fd, fd_offset)
         except BaseException:
             self.close()
@@ -139,6 +144,18 @@ class XTensorKVCache(PrefixCachingBackend):
         # positions placed but not mapped yet -> page: mapped by _flush, in runs, before anything reads them
         self._unflushed: dict[tuple[int, int], int] = {}
         self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xtensor-map")
+
+    def _range_view(self, base: int, page_bytes: int, head_dim: int) -> torch.Tensor:
+        """``[max_num_seqs, max_len, *row]`` over one range's regions (slot ``s``'s at ``base + s *
+        slot_stride``). Each range gets a buffer of its own (from its slot 0 to its last slot's end): tensors
+        of one storage with different bases are aliased inputs torch.compile refuses."""
+        layout = self.layout
+        span = (layout.max_num_seqs - 1) * self.slot_stride + self.blocks_per_slot * page_bytes
+        raw = torch.frombuffer((ctypes.c_uint8 * span).from_address(base), dtype=torch.uint8)
+        elems = raw.view(layout.cache_dtype)
+        shape = (layout.max_num_seqs, self.blocks_per_slot * layout.block_size, *layout.row_shape(head_dim))
+        inner = torch.empty(shape[1:], device="meta").stride()  # a slot's region: row-major
+        return elems.as_strided(shape, (self.slot_stride // elems.element_size(), *inner))
 
     # ---- slots -----------------------------------------------------------------
     def _acquire_slot(self, seq, hit_pages: list[int]) -> int | None:
@@ -194,7 +211,7 @@ class XTensorKVCache(PrefixCachingBackend):
             self.pool.pages[page_id].mapped_at.discard((slot, block))
             self._slot_pages[slot][block] = None
         for base, page_bytes, _ in self._ranges:
-            self.vm.unmap_to_reserve(base + (slot * self.blocks_per_slot + block) * page_bytes, page_bytes)
+            self.vm.unmap_to_reserve(base + slot * self.slot_stride + block * page_bytes, page_bytes)
         del self._mapped[(slot, block)]
 
     def _place(self, slot: int, block: int, page_id: int, sync: bool = True) -> bool:
@@ -222,7 +239,7 @@ class XTensorKVCache(PrefixCachingBackend):
     def _map_now(self, slot: int, block: int, page_id: int, run: int = 1) -> None:
         """Map pages ``page_id ..`` at blocks ``block ..`` of ``slot`` (``run`` of them) in every range."""
         for base, page_bytes, fd_base in self._ranges:
-            addr = base + (slot * self.blocks_per_slot + block) * page_bytes
+            addr = base + slot * self.slot_stride + block * page_bytes
             self.vm.map_fixed(addr, run * page_bytes, self.fd, fd_base + page_id * page_bytes)
 
     def _flush(self) -> None:
@@ -344,9 +361,10 @@ class XTensorKVCache(PrefixCachingBackend):
         if self._mapper is not None:
             self._mapper.shutdown(wait=True)
             self._mapper = None
-        for base, page_bytes, _ in self._ranges:
-            self.vm.release(base, self.layout.max_num_seqs * self.blocks_per_slot * page_bytes)
         self._ranges = []
+        if self._reserved is not None:
+            self.vm.release(*self._reserved)
+            self._reserved = None
         if self._file_map is not None:
             with contextlib.suppress(BufferError):  # views still alive: unmapped when they go
                 self._file_map.close()
