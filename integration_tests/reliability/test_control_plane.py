@@ -356,7 +356,10 @@ def test_a_gateway_killed_mid_stream_and_restarted_loses_only_its_own_streams(pl
                     httpx.AsyncClient(base_url=gb.url, timeout=180, trust_env=False) as cb):
             firsts = [asyncio.Event() for _ in range(2 * len(prompts))]
             on_a = [asyncio.ensure_future(_stream(ca, p, max_tokens, firsts[i])) for i, p in enumerate(prompts)]
-            on_b = [asyncio.ensure_future(_stream(cb, f"other {p}", max_tokens, firsts[len(prompts) + i]))
+            # B's streams are long enough (the tiny model has 2,048 positions) that none can end before the
+            # kill, however long the last stream's first token took on a busy machine: 300 tokens of the
+            # tiny model take a second or two, and a B stream did end before the kill in CI once
+            on_b = [asyncio.ensure_future(_stream(cb, f"other {p}", 1800, firsts[len(prompts) + i]))
                     for i, p in enumerate(prompts)]
             await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
             os.killpg(gb.proc.pid, signal.SIGKILL)
@@ -369,7 +372,8 @@ def test_a_gateway_killed_mid_stream_and_restarted_loses_only_its_own_streams(pl
     # from the reference run's, so a greedy stream may part from it at a float near-tie, nowhere else)
     assert all(ref.complete(max_tokens) and len(ref.tokens) == max_tokens for ref in reference)
     assert_same_streams(got_a, reference, greedy=[True] * len(prompts))
-    assert all(r.errors and not r.finish for r in got_b)  # the killed gateway's own streams broke
+    # the killed gateway's own streams broke
+    assert all(r.errors and not r.finish for r in got_b), [(len(r.tokens), r.finish, r.errors) for r in got_b]
     # the engines let go of the dead gateway's requests (their load, as heartbeats report it, drops to 0)
     wait_for(lambda: metric_value(_metrics(ga), "xllm:cluster_num_requests_running") == 0, 30,
              "the engines to abort the dead gateway's requests")
