@@ -110,6 +110,21 @@ def test_sequence_view_is_contiguous_while_its_pages_are_not():
     kv.close()
 
 
+def test_a_slots_regions_of_every_layer_lie_side_by_side():
+    """Slot-major reservation: slot s's K and V regions of every layer are adjacent ([slot][layer, K|V]
+    [block]), every layer's tensor steps slot to slot by the same stride, and each tensor has a storage of
+    its own (torch.compile refuses views of one storage with different bases)."""
+    kv = XTensorKVCache(layout(num_blocks=4))
+    region = 128 * 2 * 64 * 4  # max_model_len tokens of 2 heads x 64 fp32
+    tensors = [t for layer in range(SPEC.num_layers) for t in kv.layer_kv(layer)]
+    for slot in range(3):
+        addrs = [t[slot].data_ptr() for t in tensors]
+        assert addrs == [addrs[0] + i * region for i in range(len(tensors))]
+    assert {t.stride(0) * 4 for t in tensors} == {len(tensors) * region} == {kv.slot_stride}
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
+    kv.close()
+
+
 def test_reads_past_the_mapped_length_do_not_fault():
     kv = XTensorKVCache(layout(num_blocks=4))
     a = seq("a", list(range(5)))

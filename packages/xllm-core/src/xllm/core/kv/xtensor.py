@@ -157,6 +157,10 @@ class XTensorKVCache(PrefixCachingBackend):
         inner = torch.empty(shape[1:], device="meta").stride()  # a slot's region: row-major
         return elems.as_strided(shape, (self.slot_stride // elems.element_size(), *inner))
 
+    def _address(self, base: int, page_bytes: int, slot: int, block: int) -> int:
+        """Where (slot, block) of the range at ``base`` (of ``page_bytes`` pages) lies."""
+        return base + slot * self.slot_stride + block * page_bytes
+
     # ---- slots -----------------------------------------------------------------
     def _acquire_slot(self, seq, hit_pages: list[int]) -> int | None:
         """The free slot that already has the most of ``hit_pages`` (then most
@@ -211,7 +215,7 @@ class XTensorKVCache(PrefixCachingBackend):
             self.pool.pages[page_id].mapped_at.discard((slot, block))
             self._slot_pages[slot][block] = None
         for base, page_bytes, _ in self._ranges:
-            self.vm.unmap_to_reserve(base + slot * self.slot_stride + block * page_bytes, page_bytes)
+            self.vm.unmap_to_reserve(self._address(base, page_bytes, slot, block), page_bytes)
         del self._mapped[(slot, block)]
 
     def _place(self, slot: int, block: int, page_id: int, sync: bool = True) -> bool:
@@ -239,8 +243,8 @@ class XTensorKVCache(PrefixCachingBackend):
     def _map_now(self, slot: int, block: int, page_id: int, run: int = 1) -> None:
         """Map pages ``page_id ..`` at blocks ``block ..`` of ``slot`` (``run`` of them) in every range."""
         for base, page_bytes, fd_base in self._ranges:
-            addr = base + slot * self.slot_stride + block * page_bytes
-            self.vm.map_fixed(addr, run * page_bytes, self.fd, fd_base + page_id * page_bytes)
+            self.vm.map_fixed(self._address(base, page_bytes, slot, block), run * page_bytes, self.fd,
+                              fd_base + page_id * page_bytes)
 
     def _flush(self) -> None:
         """Map every placed position not mapped yet: neighbouring blocks of a slot on consecutive pages
