@@ -120,18 +120,15 @@ AMX_TARGET static inline void ar_scores_block(const uint16_t *k, int64_t k_strid
 static inline void attend_rows_bf16_amx(const uint16_t *q, int64_t KVH, int64_t G, int64_t D, const uint16_t *k,
                                         int64_t k_stride, const uint16_t *v, int64_t v_stride, int64_t Dv,
                                         int64_t len, float scale, uint16_t *out) {
-    const int64_t GP = ar_gp(G), H = KVH * G;
+    const int64_t GP = ar_gp(G);
     uint32_t qt[AR_MAX_HD] __attribute__((aligned(64)));
-    float acc[AR_MAX_HD] __attribute__((aligned(64))), s[AR_KB * AR_MAX_G] __attribute__((aligned(64))), al[16];
+    float acc[AR_MAX_HD] __attribute__((aligned(64))), s[AR_KB * AR_MAX_G] __attribute__((aligned(64)));
     __m512 m[AR_MAX_KVH], l[AR_MAX_KVH];
     memset(qt, 0, sizeof(uint32_t) * (size_t)(KVH * D / 2 * GP));
-    for (int64_t g = 0; g < KVH; g++) {
+    for (int64_t g = 0; g < KVH; g++)
         for (int64_t p = 0; p < D / 2; p++)
             for (int64_t j = 0; j < G; j++) memcpy(qt + (g * D / 2 + p) * GP + j, q + (g * G + j) * D + 2 * p, 4);
-        m[g] = _mm512_set1_ps(-INFINITY);
-        l[g] = _mm512_setzero_ps();
-    }
-    memset(acc, 0, sizeof(float) * (size_t)(H * Dv));
+    ar_state_init(KVH, G, Dv, m, l, acc);
     for (int64_t t = 0; t < AR_PF && t < len; t++) { /* the first rows; the others AR_PF ahead of their use */
         for (int64_t off = 0; off < KVH * D * 2; off += 64) _mm_prefetch((const char *)(k + t * k_stride) + off, _MM_HINT_T0);
         for (int64_t off = 0; off < KVH * Dv * 2; off += 64) _mm_prefetch((const char *)(v + t * v_stride) + off, _MM_HINT_T0);
@@ -144,16 +141,7 @@ static inline void attend_rows_bf16_amx(const uint16_t *q, int64_t KVH, int64_t 
             ar_load_queries(qt + g * D / 2 * GP, GP, D);
             ar_scores_block(kg, k_stride, nk, GP, D, s, (const char *)(kg + AR_PF * k_stride), D * 2,
                             (const char *)(vg + AR_PF * v_stride), Dv * 2, v_stride, len - b0 - AR_PF);
-            const __m512 alpha = ar_softmax_block(s, GP, nk, scale, m + g, l + g);
-            if (b0 > 0 && (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) & ((1u << G) - 1))) {
-                _mm512_storeu_ps(al, alpha);
-                for (int64_t j = 0; j < G; j++) {
-                    const __m512 a = _mm512_set1_ps(al[j]);
-                    for (int64_t c = 0; c < Dv; c += 16)
-                        _mm512_storeu_ps(ag + j * Dv + c, _mm512_mul_ps(_mm512_loadu_ps(ag + j * Dv + c), a));
-                }
-            }
-            ar_values_block(s, G, GP, vg, v_stride, nk, ag, Dv);
+            ar_block_step(s, G, GP, nk, scale, b0, m + g, l + g, vg, v_stride, ag, Dv);
         }
     }
     ar_store_rows(acc, l, KVH, G, Dv, out);

@@ -137,6 +137,33 @@ static inline void ar_values_block(const float *p, int64_t G, int64_t GP, const 
 #undef AR_V
 }
 
+/* A row's online state before its first block: m[g] = -inf, l[g] = 0 for g < KVH, acc (KVH * G rows of Dv) 0 */
+static inline void ar_state_init(int64_t KVH, int64_t G, int64_t Dv, __m512 *m, __m512 *l, float *acc) {
+    for (int64_t g = 0; g < KVH; g++) {
+        m[g] = _mm512_set1_ps(-INFINITY);
+        l[g] = _mm512_setzero_ps();
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(KVH * G * Dv));
+}
+
+/* One head's block after its scores s (unscaled, the C tile's lane order): the online softmax step
+ * (ar_softmax_block), the head's accumulators ag (G rows of Dv) rescaled where its max moved (never on the
+ * row's first block, b0 == 0), then P.V of the block's values vg (ar_values_block) */
+static inline void ar_block_step(float *s, int64_t G, int64_t GP, int64_t nk, float scale, int64_t b0, __m512 *m,
+                                 __m512 *l, const uint16_t *vg, int64_t v_stride, float *ag, int64_t Dv) {
+    const __m512 alpha = ar_softmax_block(s, GP, nk, scale, m, l);
+    if (b0 > 0 && (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) & ((1u << G) - 1))) {
+        float al[16];
+        _mm512_storeu_ps(al, alpha);
+        for (int64_t j = 0; j < G; j++) {
+            const __m512 a = _mm512_set1_ps(al[j]);
+            for (int64_t c = 0; c < Dv; c += 16)
+                _mm512_storeu_ps(ag + j * Dv + c, _mm512_mul_ps(_mm512_loadu_ps(ag + j * Dv + c), a));
+        }
+    }
+    ar_values_block(s, G, GP, vg, v_stride, nk, ag, Dv);
+}
+
 /* out + h * Dv = acc row h (the split order of ar_values) / its query's sum, in channel order, rounded to bf16 */
 static inline void ar_store_rows(const float *acc, const __m512 *l, int64_t KVH, int64_t G, int64_t Dv, uint16_t *out) {
     float al[16];
