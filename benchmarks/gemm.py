@@ -14,7 +14,7 @@ Candidates per (dtype, shape, M):
 - ``packed``: the native blocked GEMM over packed weights (``kernels/cpu/gemm_packed.{h,c}``), as the
   model runs it (bf16 from 2 rows on AMX where the CPU has it); on an AMX CPU also its two kernels forced,
   ``packed_avx512`` (``vdpbf16ps``) and ``packed_amx`` (``gemm_packed_amx.h``, K % 32 == 0);
-- ``int8`` (bf16 only, with ``--int8``): the W8A8 VNNI prototype (``kernels/cpu/gemm_int8.c``) with
+- ``int8`` (bf16 only, with ``--int8``): the ``w8a8`` format's VNNI int8 GEMM (``kernels/cpu/gemm_w8a8.h``) with
   the activation quantization included in the time.
 
 Each repetition runs every candidate once, in an order rotated per repetition (the machine is shared
@@ -84,11 +84,11 @@ def _candidates(dtype, w, ms_max: int, int8: bool) -> dict[str, Callable]:
                 if k % 32 == 0:
                     out["packed_amx"] = lambda x: gemm.packed_linear(x, pw, path="amx")
         if int8 and dtype == torch.bfloat16:
-            from benchmarks.gemm_int8 import Int8Weight
+            from benchmarks.gemm_int8 import w8a8_linear
 
-            qw = Int8Weight.quantize(w)
-            if qw is not None:
-                out["int8"] = qw.linear
+            fn = w8a8_linear(w)
+            if fn is not None:
+                out["int8"] = fn
     return out
 
 
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads (2)")
     p.add_argument("--budget", type=float, default=0.3, metavar="SECONDS",
                    help="time per (dtype, shape, M) cell: sets the repetitions (5..200; default 0.3)")
-    p.add_argument("--int8", action="store_true", help="add the W8A8 VNNI prototype (bf16 only)")
+    p.add_argument("--int8", action="store_true", help="add the w8a8 format's VNNI int8 GEMM (bf16 only)")
     add_output_args(p, "gemm")
     return p
 

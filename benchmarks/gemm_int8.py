@@ -1,64 +1,26 @@
-"""The W8A8 VNNI GEMM prototype (``kernels/cpu/gemm_int8.c``) for the GEMM benchmark: a quantized
-weight with its ``linear`` (activation quantization included), and an accuracy check on SmolLM2's
-real layer inputs. Not used by the model path.
+"""The "w8a8" format's int8 GEMM (``kernels/cpu/gemm_w8a8.h``, ``--quantization w8a8``) for the GEMM
+benchmark (:func:`w8a8_linear`), and an accuracy check of it on SmolLM2's real layer inputs.
 
     python -m benchmarks.gemm_int8          # accuracy: relative error vs the bf16 GEMM per layer kind
 """
 
 from __future__ import annotations
 
-import ctypes
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-VP, I64 = ctypes.c_void_p, ctypes.c_int64
 
+def w8a8_linear(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``x -> x . W^T`` through the "w8a8" format's int8 GEMM (activation quantization included) for a
+    bf16 weight, or None without the native kernels."""
+    from xllm.kernels import quant, quant_native
 
-def _lib():
-    from xllm.kernels import native
-
-    return native.library()
-
-
-@dataclass(frozen=True)
-class Int8Weight:
-    """Per-output-channel symmetric int8 weight in VNNI panels, its scales and u8-offset compensation."""
-
-    data: torch.Tensor
-    scales: torch.Tensor
-    comp: torch.Tensor
-    n: int
-    k: int
-
-    @classmethod
-    def quantize(cls, w: torch.Tensor) -> Int8Weight | None:
-        lib = _lib()
-        n, k = w.shape
-        if lib is None or w.dtype != torch.bfloat16 or k % 16:
-            return None
-        numel = lib.fn("xllm_gemm_int8_numel", [I64, I64], I64)(n, k)
-        data, scales = torch.empty(numel, dtype=torch.int8), torch.empty(n, dtype=torch.float32)
-        comp = torch.empty(n, dtype=torch.int32)
-        w = w.contiguous()
-        lib.fn("xllm_gemm_pack_int8", [VP, I64, I64, VP, VP, VP])(w.data_ptr(), n, k, data.data_ptr(),
-                                                                  scales.data_ptr(), comp.data_ptr())
-        return cls(data, scales, comp, n, k)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """bf16 ``x [M, K]`` -> bf16 ``[M, N]``: per-row dynamic quantization, then the int8 GEMM."""
-        lib = _lib()
-        x = x.contiguous()
-        m = x.shape[0]
-        xu, sx = torch.empty(m, self.k, dtype=torch.uint8), torch.empty(m, dtype=torch.float32)
-        lib.fn("xllm_quant_rows_bf16_u8", [VP, I64, I64, VP, VP])(x.data_ptr(), m, self.k, xu.data_ptr(),
-                                                                  sx.data_ptr())
-        y = torch.empty(m, self.n, dtype=torch.bfloat16)
-        lib.fn("xllm_gemm_int8_bf16out", [VP, VP, I64, I64, VP, VP, VP, I64, VP])(
-            xu.data_ptr(), sx.data_ptr(), m, self.k, self.data.data_ptr(), self.scales.data_ptr(),
-            self.comp.data_ptr(), self.n, y.data_ptr())
-        return y
+    if quant_native.library() is None or w.dtype != torch.bfloat16 or not quant.supports("w8a8", w.shape[1]):
+        return None
+    qw = quant_native.kernel_ready(quant.quantize(w, "w8a8"))
+    return lambda x: quant_native.linear(x, qw, None, None, path="w8a8")
 
 
 def accuracy(text: str = "The quick brown fox jumps over the lazy dog. " * 8) -> dict[str, dict[str, float]]:
@@ -89,7 +51,7 @@ def accuracy(text: str = "The quick brown fox jumps over the lazy dog. " * 8) ->
         for x, w in pairs:
             x2 = x.reshape(-1, x.shape[-1])
             ref = x2.float() @ w.float().T
-            y = Int8Weight.quantize(w).linear(x2).float()
+            y = w8a8_linear(w)(x2).float()
             y16 = (x2 @ w.T).float()
             e, d = (y - ref).norm().item() ** 2, ref.norm().item() ** 2
             num, den, num16 = num + e, den + d, num16 + (y16 - ref).norm().item() ** 2

@@ -20,8 +20,9 @@ Q4_1 weights (``--dtype bfloat16 --quantization none``): the share of prompts wh
 and the mean share of tokens before the first difference.
 
 Variants: ``bf16`` (dequantized), ``q4_1`` (the bundled GGUF as stored), ``q8_0`` / ``q4_0`` (GGUFs requantized
-from it, :mod:`benchmarks.quant_files`), ``int8`` / ``int4`` / ``int4_g128`` (``--quantization`` at load from the
-dequantized weights). All with bfloat16 activations (what ``xllm serve`` runs).
+from it, :mod:`benchmarks.quant_files`), ``int8`` / ``int4`` / ``int4_g128`` / ``w8a8`` (``--quantization`` at load
+from the dequantized weights; ``w8a8`` rounds activations to int8 per row as well). All with bfloat16
+activations (what ``xllm serve`` runs).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 TEXT = HERE / "data" / "romeo-and-juliet-3-1.txt"
 GGUF_VARIANTS = {"q4_1": "Q4_1", "q8_0": "Q8_0", "q4_0": "Q4_0"}  # variant -> GGUF file type
-LOAD_VARIANTS = {"bf16": "none", "int8": "int8", "int4": "int4", "int4_g128": "int4_g128"}  # -> --quantization
-VARIANTS = ("bf16", "q4_1", "q8_0", "q4_0", "int8", "int4", "int4_g128")
+LOAD_VARIANTS = {"bf16": "none", "int8": "int8", "int4": "int4", "int4_g128": "int4_g128",
+                 "w8a8": "w8a8"}  # -> --quantization
+VARIANTS = ("bf16", "q4_1", "q8_0", "q4_0", "int8", "int4", "int4_g128", "w8a8")
 MAX_LEN = 4096
 
 

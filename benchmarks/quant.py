@@ -6,7 +6,7 @@
 
 Formats (``--formats``): ``bf16`` (the bundled Q4_1 GGUF dequantized: ``xllm serve --dtype bfloat16``),
 ``q4_1`` (the bundled GGUF as stored: ``xllm serve``), ``q8_0`` / ``q4_0`` (GGUFs requantized from it with
-``gguf``'s writer, :mod:`benchmarks.quant_files`, served as stored), ``int8`` / ``int4`` / ``int4_g128``
+``gguf``'s writer, :mod:`benchmarks.quant_files`, served as stored), ``int8`` / ``int4`` / ``int4_g128`` / ``w8a8``
 (``--quantization`` at load from the dequantized weights). llama.cpp (llama-cpp-python, its own venv, see
 ``benchmarks/peers/llamacpp.py``) serves the GGUF formats from the very same files (``--llamacpp``).
 

@@ -178,10 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stored", action="store_true",
                    help="the bundled SmolLM2's GGUF weights as stored (Q4_1), as `xllm serve` runs them by default "
                         "(default: its dequantized weights in --dtype)")
+    p.add_argument("--quantization", default="none",
+                   help="quantize the float weights at load, as `xllm serve --quantization` does (int8, int4, "
+                        "w8a8, ...; default none)")
     add_output_args(p, "steps", report=False)
     args = p.parse_args(argv)
     if args.stored and args.model is not None:
         p.error("--stored runs the bundled GGUF; leave out --model")
+    if args.stored and args.quantization != "none":
+        p.error("--stored serves the GGUF's own formats; leave out --quantization")
     import torch
 
     from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
@@ -196,10 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = args.model or resolve_model()
     dtype = getattr(torch, args.dtype)
-    model = load_model(path, dtype=dtype, progress=False, gguf_file=bundled_gguf() if args.stored else None)
+    model = load_model(path, dtype=dtype, progress=False, gguf_file=bundled_gguf() if args.stored else None,
+                       quantization=args.quantization)
     bench = Bench(model, Tokenizer(path), dtype, args.context)
     meta = {"timestamp": stamp, "argv": sys.argv, "commit": git_commit(str(HERE.parent)), "model": path.name,
-            "dtype": args.dtype, "weights": "stored GGUF" if args.stored else args.dtype, "context": args.context,
+            "dtype": args.dtype, "weights": "stored GGUF" if args.stored else (
+                args.dtype if args.quantization == "none" else args.quantization), "context": args.context,
             "reps": args.reps, "machine": machine_info(),
             "cpu_busy_before": cpu_busy_fraction()}
     rows = []

@@ -40,7 +40,8 @@
 #include "common.h"
 #include "gemm_packed.h"
 
-enum { XQ_NONE = 0, XQ_Q8_0 = 1, XQ_Q4_0 = 2, XQ_Q4_1 = 3, XQ_INT8 = 4, XQ_INT4_G32 = 5, XQ_INT4_G128 = 6 };
+enum { XQ_NONE = 0, XQ_Q8_0 = 1, XQ_Q4_0 = 2, XQ_Q4_1 = 3, XQ_INT8 = 4, XQ_INT4_G32 = 5, XQ_INT4_G128 = 6,
+       XQ_W8A8 = 7 /* int8's layout; gemm_w8a8.h from XW_MIN_M rows, the int8 paths below that */ };
 #define XQ_MAX_M 8
 
 typedef struct {
@@ -48,6 +49,7 @@ typedef struct {
     const uint8_t *data;   /* [N, row_bytes] */
     const void *scales;    /* int8: float [N]; int4: fp16 [N, K / group]; else NULL */
     const uint8_t *zeros;  /* int4: uint8 [N, K / group]; else NULL */
+    const uint8_t *packed; /* w8a8: the VNNI panels and their offset sums (gemm_w8a8.h), or NULL; else NULL */
 } XllmQWeight;
 
 ALWAYS_INLINE int64_t xq_row_bytes(int64_t fmt, int64_t K) {
@@ -55,12 +57,12 @@ ALWAYS_INLINE int64_t xq_row_bytes(int64_t fmt, int64_t K) {
     case XQ_Q8_0: return K / 32 * 34;
     case XQ_Q4_0: return K / 32 * 18;
     case XQ_Q4_1: return K / 32 * 20;
-    case XQ_INT8: return K;
+    case XQ_INT8: case XQ_W8A8: return K;
     default: return K / 2;
     }
 }
 
-ALWAYS_INLINE int xq_signed(int fmt) { return fmt == XQ_Q8_0 || fmt == XQ_INT8; }
+ALWAYS_INLINE int xq_signed(int fmt) { return fmt == XQ_Q8_0 || fmt == XQ_INT8 || fmt == XQ_W8A8; }
 
 ALWAYS_INLINE float xq_h2f(const uint8_t *p) {
     uint16_t h;
@@ -459,7 +461,7 @@ static void xq_gemv_dispatch(const XqAct a, int64_t M, int64_t K, const XllmQWei
                          XQ_M(F, 8) }                                                                    \
         break;
     switch (W->fmt) {
-        XQ_F(XQ_Q8_0) XQ_F(XQ_Q4_0) XQ_F(XQ_Q4_1) XQ_F(XQ_INT8) XQ_F(XQ_INT4_G32) XQ_F(XQ_INT4_G128)
+        XQ_F(XQ_Q8_0) XQ_F(XQ_Q4_0) XQ_F(XQ_Q4_1) case XQ_W8A8: XQ_F(XQ_INT8) XQ_F(XQ_INT4_G32) XQ_F(XQ_INT4_G128)
     default: break;
     }
 #undef XQ_F
@@ -477,7 +479,7 @@ static void xq_chunk_f32_dispatch(const XqAct a, int64_t M, int64_t K, const Xll
                          XQ_M(F, 8) }                                                                    \
         break;
     switch (W->fmt) {
-        XQ_F(XQ_Q8_0) XQ_F(XQ_Q4_0) XQ_F(XQ_Q4_1) XQ_F(XQ_INT8) XQ_F(XQ_INT4_G32) XQ_F(XQ_INT4_G128)
+        XQ_F(XQ_Q8_0) XQ_F(XQ_Q4_0) XQ_F(XQ_Q4_1) case XQ_W8A8: XQ_F(XQ_INT8) XQ_F(XQ_INT4_G32) XQ_F(XQ_INT4_G128)
     default: break;
     }
 #undef XQ_F
@@ -489,7 +491,8 @@ ALWAYS_INLINE XllmQWeight xq_rows_from(const XllmQWeight *W, int64_t K, int64_t 
     XllmQWeight v = *W;
     const int64_t gpr = W->fmt == XQ_INT4_G128 ? K / 128 : K / 32;
     v.data = W->data + n * xq_row_bytes(W->fmt, K);
-    if (W->fmt == XQ_INT8) v.scales = (const float *)W->scales + n;
+    v.packed = NULL; /* (panels of the whole weight) */
+    if (W->fmt == XQ_INT8 || W->fmt == XQ_W8A8) v.scales = (const float *)W->scales + n;
     if (W->fmt == XQ_INT4_G32 || W->fmt == XQ_INT4_G128) {
         v.scales = (const uint8_t *)W->scales + 2 * n * gpr;
         v.zeros = W->zeros + n * gpr;
@@ -530,16 +533,23 @@ static void xq_gemv_team(const void *x, int x_bf16, int64_t M, int64_t K, const 
 
 #include "gemm_quant_amx.h"
 
+#include "gemm_w8a8.h"
+
 /* rows past which the panel GEMM beats the skinny GEMV run over chunks of 8 rows (measured on the Zen 4
  * EPYC, Q4_1 1536x576, one thread: M = 16 chunks 193 us vs panels 226 us; M = 32 383 vs 352 us) */
 #define XQ_CHUNKED_MAX_M 16
 
-/* TEAM: the product for any M: bf16 x over 2+ rows on AMX where the CPU has it (gemm_quant_amx.h), else the
- * skinny GEMV up to 8 rows, over chunks of 8 rows up to XQ_CHUNKED_MAX_M, else the panel-dequantizing GEMM */
+/* TEAM: the product for any M: bf16 x over 2+ rows on AMX where the CPU has it (gemm_quant_amx.h), else
+ * the skinny GEMV up to 8 rows, over chunks of 8 rows up to XQ_CHUNKED_MAX_M, else the W8A8 GEMM for
+ * XQ_W8A8 weights (gemm_w8a8.h, from XW_MIN_M rows) or the panel-dequantizing GEMM */
 static void xq_linear_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
                            const void *bias, void *y, int64_t ldy, int out_bf16) {
     if (xq_amx_applies(x_bf16, M)) {
         xq_amx_team((const uint16_t *)x, M, K, W, N, (const uint16_t *)bias, y, ldy, out_bf16);
+        return;
+    }
+    if (xq_w8a8_applies(W, x_bf16, M)) {
+        xw_gemm_team(x, x_bf16, M, K, W, N, bias, y, ldy, out_bf16 && x_bf16);
         return;
     }
     if (M > XQ_CHUNKED_MAX_M) {

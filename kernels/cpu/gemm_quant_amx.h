@@ -57,7 +57,7 @@ static inline void xq_amx_dequant_group(const XllmQWeight *W, int64_t K, int64_t
             switch (W->fmt) {
 #define XQ_D(F) \
     case F: xq_dequant_block(F, W, K, n0 + r, blk, &lo, &hi); break;
-                XQ_D(XQ_Q8_0) XQ_D(XQ_Q4_0) XQ_D(XQ_Q4_1) XQ_D(XQ_INT8) XQ_D(XQ_INT4_G32) XQ_D(XQ_INT4_G128)
+                XQ_D(XQ_Q8_0) XQ_D(XQ_Q4_0) XQ_D(XQ_Q4_1) case XQ_W8A8: XQ_D(XQ_INT8) XQ_D(XQ_INT4_G32) XQ_D(XQ_INT4_G128)
 #undef XQ_D
             default: lo = hi = _mm512_setzero_ps();
             }

@@ -22,7 +22,7 @@ ALWAYS_INLINE void xq_dequant_block(const int FMT, const XllmQWeight *W, int64_t
         q0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(w));
         q1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(w, 1));
     }
-    if (FMT == XQ_INT8) d = ((const float *)W->scales)[n];
+    if (FMT == XQ_INT8) d = ((const float *)W->scales)[n]; /* (XQ_W8A8 weights come as XQ_INT8) */
     const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
     *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), dv, mv);
     *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), dv, mv);
@@ -67,6 +67,7 @@ static void xq_panel_dispatch(const XllmQWeight *W, int64_t K, int64_t N, int64_
     case XQ_Q8_0: xq_panel(XQ_Q8_0, W, K, N, n0, panel, bf16); break;
     case XQ_Q4_0: xq_panel(XQ_Q4_0, W, K, N, n0, panel, bf16); break;
     case XQ_Q4_1: xq_panel(XQ_Q4_1, W, K, N, n0, panel, bf16); break;
+    case XQ_W8A8:
     case XQ_INT8: xq_panel(XQ_INT8, W, K, N, n0, panel, bf16); break;
     case XQ_INT4_G32: xq_panel(XQ_INT4_G32, W, K, N, n0, panel, bf16); break;
     case XQ_INT4_G128: xq_panel(XQ_INT4_G128, W, K, N, n0, panel, bf16); break;

@@ -32,6 +32,7 @@ def config(*argv: str) -> EngineConfig:
     (["--quantization", "int8"], torch.bfloat16, "int8"),
     (["--quantization", "int4_g32", "--dtype", "float32"], torch.float32, "int4"),  # alias of int4
     (["--quantization", "int4_g128"], torch.bfloat16, "int4_g128"),
+    (["--quantization", "w8a8"], torch.bfloat16, "w8a8"),
 ])
 def test_flags_pick_the_weights(argv, dtype, quantization):
     cfg = config(*argv)

@@ -1,8 +1,10 @@
 """xllm.kernels.quant: formats, (de)quantization against the gguf package's reference code, error
 bounds of the int8/int4 formats, and the quantized product against F.linear on the dequantized weight
-(native path when available, and the torch fallback)."""
+(native path when available, and the torch fallback); w8a8 against its torch definition, bit for bit."""
 
 from __future__ import annotations
+
+import ctypes
 
 import gguf
 import numpy as np
@@ -123,7 +125,7 @@ def _check_linear(fmt: str, m: int, dtype: torch.dtype, bias: bool, seed: int) -
     assert y32.dtype == torch.float32
 
 
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("fmt", [f for f in quant.FORMATS if f != "w8a8"])  # (w8a8: tests below)
 def test_quant_linear_matches_dequantized(fmt):
     for m, dtype, bias in [(1, torch.bfloat16, False), (3, torch.bfloat16, True), (8, torch.float32, False),
                            (1, torch.float32, True), (37, torch.bfloat16, True), (64, torch.float32, False)]:
@@ -142,6 +144,65 @@ def test_quant_linear_torch_fallback(monkeypatch):
     with pytest.raises(ValueError):
         quant.quant_linear(torch.randn(2, 32), qw)
 
+
+
+def test_w8a8_packing_and_reference():
+    """pack_w8a8's layout (panels of 48 rows as quads of k, rows past n zero, then 128 x the row sums) read
+    back element by element; the reference product within the rounding of int8 activations of the fp32
+    product over the dequantized weight, a row of zeros giving the bias alone."""
+    w = _weight(50, 96, seed=7)
+    qw = quant.quantize(w, "w8a8")
+    q = qw.data.view(torch.int8)
+    panels = qw.packed[:2 * 48 * 96].view(torch.int8).reshape(2, 96 // 4, 48, 4)
+    comp = qw.packed[2 * 48 * 96:].view(torch.int32)
+    for n, k in [(0, 0), (13, 37), (47, 95), (48, 4), (49, 66)]:
+        assert int(panels[n // 48, k // 4, n % 48, k % 4]) == int(q[n, k])
+    assert int(panels[1, :, 2:].abs().sum()) == 0  # rows 50..95 of the second panel
+    assert torch.equal(comp[:50], q.to(torch.int32).sum(1) * 128) and int(comp[50:].abs().sum()) == 0
+    assert torch.equal(quant.dequantize(qw), quant.dequantize(quant.quantize(w, "int8")))
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 96, generator=gen)
+    x[2] = 0.0
+    b = torch.randn(50, generator=gen)
+    y = quant.w8a8_reference(x, qw, b)
+    ref = F.linear(x, quant.dequantize(qw), b)
+    assert torch.equal(y[2], b)
+    assert float((y - ref).abs().max()) < 0.02 * float(ref.abs().max())  # measured ~0.3 %
+
+
+@pytest.mark.skipif(quant_native.library() is None, reason="native quantized kernels unavailable")
+def test_w8a8_native_product_is_the_reference_to_the_last_bit():
+    """The VNNI int8 GEMM over the packed panels, and over panels it transposes itself (a weight without
+    them), equals w8a8_reference bit for bit: output rows not a multiple of 48, K with a half chunk of 64
+    (96), tiles of 1-8 rows, a row of zeros, outlier channels, bias, bf16 and fp32 in and out; the automatic
+    path takes it for every M (on AMX CPUs bf16 x over 2+ rows takes the AMX path instead)."""
+    gen = torch.Generator().manual_seed(41)
+    for n, k in [(37, 96), (100, 576), (19, 1536)]:
+        qw = quant_native.kernel_ready(quant.quantize(torch.randn(n, k, generator=gen) * 0.05, "w8a8"))
+        bare = quant_native.struct(qw)
+        bare.packed = None
+        for m in (1, 3, 8, 9, 17, 64):
+            for dtype in (torch.bfloat16, torch.float32):
+                spikes = torch.where(torch.rand(k, generator=gen) < 0.03, 30.0, 1.0)
+                x = (torch.randn(m, k, generator=gen) * spikes).to(dtype)
+                if m > 2:
+                    x[1] = 0.0
+                b = torch.randn(n, generator=gen).to(dtype)
+                for bias in (None, b):
+                    want = quant.w8a8_reference(x, qw, bias)
+                    y32 = quant_native.linear(x, qw, bias, torch.float32, "w8a8")
+                    assert torch.equal(y32, want), (n, k, m, dtype, float((y32 - want).abs().max()))
+                    y = quant_native.linear(x, qw, bias, None, "w8a8")
+                    assert y.dtype == dtype and torch.equal(y, want.to(dtype))
+                    out = torch.empty(m, n, dtype=torch.float32)
+                    vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+                    quant_native.library().fn("xllm_quant_linear", [ctypes.POINTER(quant_native.QWeight), vp, i32, i64,
+                                                                    i64, i64, vp, vp, i32, i32])(
+                        ctypes.byref(bare), x.data_ptr(), int(dtype == torch.bfloat16), m, k, n,
+                        None if bias is None else bias.data_ptr(), out.data_ptr(), 0, quant_native.PATHS["w8a8"])
+                    assert torch.equal(out, want)
+                if dtype == torch.float32 or m == 1 or not quant_native.amx_ready():
+                    assert torch.equal(quant.quant_linear(x, qw), quant.w8a8_reference(x, qw).to(dtype))
 
 
 @pytest.mark.skipif(quant_native.library() is None, reason="native quantized kernels unavailable")

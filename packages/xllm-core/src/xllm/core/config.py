@@ -65,7 +65,7 @@ class EngineConfig:
     from the model directory) and the KV layout.
     ``quantization`` (:data:`xllm.core.dtypes.WEIGHT_QUANTIZATIONS`): the linears' weight format the loader
     builds (``"auto"``: a GGUF's stored formats; ``"none"``: float in ``dtype``; ``"int8"``/``"int4"``/
-    ``"int4_g128"``: quantized at load); quantized weights need bfloat16/float32 and no ``compile_decode``.
+    ``"int4_g128"``/``"w8a8"``: quantized at load); quantized weights need bfloat16/float32 and no ``compile_decode``.
     """
 
     dtype: torch.dtype = torch.bfloat16

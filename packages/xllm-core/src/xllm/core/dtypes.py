@@ -15,9 +15,10 @@ DTYPES: NameRegistry = NameRegistry("dtype", {  # name -> torch.dtype
 # the format they are stored in (Q8_0/Q4_0/Q4_1), other checkpoints stay float; "none": float weights (a
 # GGUF dequantized) in the engine's dtype; the others quantize a float checkpoint's linears at load:
 # "int8" per output channel (symmetric), "int4" / "int4_g128" group-wise (asymmetric, a scale and a zero
-# point per group of 32 / 128 input columns).
+# point per group of 32 / 128 input columns); "w8a8" the weights as "int8" and the activations rounded to
+# int8 per row in every product (VNNI int8 GEMM: twice the bf16 multiply rate; changes outputs).
 WEIGHT_QUANTIZATIONS: dict[str, str | None] = {
-    "auto": None, "none": None, "int8": "int8", "int4": "int4_g32", "int4_g128": "int4_g128"}
+    "auto": None, "none": None, "int8": "int8", "int4": "int4_g32", "int4_g128": "int4_g128", "w8a8": "w8a8"}
 _QUANTIZATION_ALIASES = {"int4_g32": "int4"}
 
 

@@ -56,7 +56,7 @@ class QWeight(ctypes.Structure):
     and data pointers (see :mod:`xllm.kernels.quant_native`)."""
 
     _fields_ = [("fmt", ctypes.c_int64), ("data", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("zeros", ctypes.c_void_p)]
+                ("zeros", ctypes.c_void_p), ("packed", ctypes.c_void_p)]
 
 
 class LlamaLayer(ctypes.Structure):

@@ -10,6 +10,12 @@ A :class:`QuantizedWeight` is the logical weight ``[n, k]`` (``[out_features, in
   low nibble and element ``j + 16`` in its high one). ``scales`` and ``zeros`` are None.
 - ``"int8"``: per-output-channel symmetric, ``data`` ``[n, k]`` uint8 holding int8 values (two's
   complement), ``scales`` fp32 ``[n]``, ``w = scale * q``.
+- ``"w8a8"``: the weight as ``"int8"`` stores it, and the activations rounded to int8 too in every
+  product: each row of ``x`` with its own scale ``amax / 127`` (nearest even), exact int32 sums, then
+  ``(float(sum) * w_scale) * x_scale (+ bias)`` in fp32 (VNNI's twice-bf16 multiply rate for batched
+  decode and prefill; a row's result never depends on the other rows). It is the only format whose
+  product is not ``x @ dequantize(w).T``: :func:`w8a8_reference` is its definition. Each such weight
+  also carries ``packed``, the int8 GEMM's copy of ``data`` (:func:`pack_w8a8`: twice int8's memory).
 - ``"int4_g32"``, ``"int4_g128"``: group-wise asymmetric uint4 along k, ``data`` ``[n, k / 2]`` packed
   like the GGUF Q4 nibbles per 32 elements, ``scales`` fp16 ``[n, k / group]``, ``zeros`` uint8
   ``[n, k / group]`` (integer zero points 0..15), ``w = scale * (q - zero)``.
@@ -31,7 +37,9 @@ import torch.nn.functional as F
 
 from xllm.kernels import quant_native
 
-FORMATS: tuple[str, ...] = ("q8_0", "q4_0", "q4_1", "int8", "int4_g32", "int4_g128")
+FORMATS: tuple[str, ...] = ("q8_0", "q4_0", "q4_1", "int8", "int4_g32", "int4_g128", "w8a8")
+#: formats stored as int8 per output channel (``data`` int8 ``[n, k]``, fp32 ``scales [n]``)
+_PER_CHANNEL: tuple[str, ...] = ("int8", "w8a8")
 GGUF_FORMATS: tuple[str, ...] = ("q8_0", "q4_0", "q4_1")
 BLOCK = 32
 #: bytes of one 32-element block of each GGUF format
@@ -49,6 +57,8 @@ class QuantizedWeight:
     data: torch.Tensor
     scales: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
+    #: ``"w8a8"`` only: :func:`pack_w8a8` of ``data`` (made here when not given)
+    packed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -58,11 +68,15 @@ class QuantizedWeight:
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (self.n, row_bytes(self.fmt, self.k)):
             raise ValueError(f"{self.fmt} data must be uint8 [{self.n}, {row_bytes(self.fmt, self.k)}], "
                              f"got {self.data.dtype} {list(self.data.shape)}")
+        if self.fmt == "w8a8" and self.packed is None:
+            object.__setattr__(self, "packed", pack_w8a8(self.data))
+        elif self.fmt != "w8a8" and self.packed is not None:
+            raise ValueError(f"only w8a8 weights carry packed panels, not {self.fmt}")
 
     @property
     def group(self) -> int:
         """Elements along k that share one scale (k itself for int8)."""
-        return self.k if self.fmt == "int8" else _GROUP.get(self.fmt, BLOCK)
+        return self.k if self.fmt in _PER_CHANNEL else _GROUP.get(self.fmt, BLOCK)
 
     def nbytes(self) -> int:
         """Bytes a full GEMV streams: data + scales + zeros."""
@@ -77,8 +91,27 @@ class QuantizedWeight:
 
     def contiguous(self) -> QuantizedWeight:
         """The same weight with every tensor contiguous (what the native kernels need)."""
-        data, scales, zeros = (None if t is None else t.contiguous() for t in (self.data, self.scales, self.zeros))
-        return QuantizedWeight(self.fmt, self.n, self.k, data, scales, zeros)
+        data, scales, zeros, packed = (None if t is None else t.contiguous()
+                                       for t in (self.data, self.scales, self.zeros, self.packed))
+        return QuantizedWeight(self.fmt, self.n, self.k, data, scales, zeros, packed)
+
+
+#: output rows per panel of :func:`pack_w8a8` (XW_NR of kernels/cpu/gemm_w8a8.h)
+W8A8_PANEL_ROWS = 48
+
+
+def pack_w8a8(data: torch.Tensor) -> torch.Tensor:
+    """The int8 GEMM's copy of a w8a8 weight's ``data`` (int8 ``[n, k]`` as uint8), as flat bytes: for
+    each panel of 48 output rows (rows past ``n`` zero), the quads of 4 consecutive k of its 48 rows,
+    ``[k / 4][48][4]``; then, as int32, ``128 * sum_k q[row, k]`` of every panel row (the kernel takes
+    its unsigned activation offset back with it)."""
+    n, k = data.shape
+    rows = -(-n // W8A8_PANEL_ROWS) * W8A8_PANEL_ROWS
+    q = torch.zeros(rows, k, dtype=torch.int8)
+    q[:n] = data.view(torch.int8)
+    panels = q.reshape(rows // W8A8_PANEL_ROWS, W8A8_PANEL_ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    comp = (q.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
+    return torch.cat([panels.view(torch.uint8).reshape(-1), comp.view(torch.uint8)])
 
 
 def supports(fmt: str, k: int) -> bool:
@@ -92,7 +125,7 @@ def row_bytes(fmt: str, k: int) -> int:
     """Bytes of one output row of ``data``."""
     if fmt in BLOCK_BYTES:
         return k // BLOCK * BLOCK_BYTES[fmt]
-    if fmt == "int8":
+    if fmt in _PER_CHANNEL:
         return k
     return k // 2
 
@@ -154,7 +187,7 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
             w = d * (_nibbles(blocks[:, 2:]).to(torch.int8) - 8).to(torch.float32)
         else:
             w = d * _nibbles(blocks[:, 4:]).to(torch.float32) + _fp16_at(blocks, 2)
-    elif qw.fmt == "int8":
+    elif qw.fmt in _PER_CHANNEL:
         w = qw.data.view(torch.int8).to(torch.float32) * qw.scales.to(torch.float32)[:, None]
     else:
         g = qw.group
@@ -208,7 +241,7 @@ def _quantize_gguf(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
     """Quantize a float weight ``[n, k]`` (computed in fp32). GGUF formats use ggml's reference
-    quantizers (byte-equal to ``gguf.quants.quantize``); ``int8`` scales each row by ``amax / 127``
+    quantizers (byte-equal to ``gguf.quants.quantize``); ``int8`` (and ``w8a8``) scales each row by ``amax / 127``
     (round half away from zero); ``int4_g*`` maps each group's ``[min, max]`` to 0..15 with
     ``scale = (max - min) / 15`` (fp16) and ``zero = round(-min / scale)``, so every element is
     within ``scale / 2`` (plus the fp16 rounding of the scale) of its original value."""
@@ -220,7 +253,7 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
     w = w.detach().to(device="cpu", dtype=torch.float32).contiguous()
     if fmt in BLOCK_BYTES:
         return QuantizedWeight(fmt, n, k, _quantize_gguf(w, fmt).reshape(n, row_bytes(fmt, k)))
-    if fmt == "int8":
+    if fmt in _PER_CHANNEL:
         s = w.abs().amax(dim=1) / 127
         q = _round_away(w * _safe_inv(s)[:, None]).clamp(-127, 127).to(torch.int8)
         return QuantizedWeight(fmt, n, k, q.view(torch.uint8), scales=s.contiguous())
@@ -246,14 +279,35 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     """``x @ dequantize(qw).T + bias`` for ``x [..., k]`` in bf16/fp32, returned in ``x.dtype`` (or
     ``out_dtype``). Up to 8 rows run the native skinny GEMV (one pass over the packed weight,
     dequantized in registers); more rows the native large-batch path; without the native library
-    (``XLLM_NATIVE=0``, no AVX-512) or under ``torch.compile``: dequantize to ``x.dtype`` and ``F.linear``."""
+    (``XLLM_NATIVE=0``, no AVX-512) or under ``torch.compile``: dequantize to ``x.dtype`` and ``F.linear``.
+    A ``"w8a8"`` weight's product is :func:`w8a8_reference`'s instead (natively, or that function itself),
+    except on AMX CPUs, where bf16 ``x`` over 2+ rows runs the AMX path over the dequantized weight as
+    ``"int8"`` does."""
     if x.shape[-1] != qw.k:
         raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight expects {qw.k}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, qw.k)
     y = quant_native.linear(x2, qw.contiguous(), bias, out_dtype)
+    if y is None and qw.fmt == "w8a8":
+        y = w8a8_reference(x2, qw, bias).to(out_dtype or x.dtype)
     if y is None:
         wdtype = x2.dtype if x2.dtype in (torch.bfloat16, torch.float32) else torch.float32
         y = F.linear(x2.to(wdtype), dequantize(qw, wdtype), None if bias is None else bias.to(wdtype))
         y = y.to(out_dtype or x.dtype)
     return y.reshape(*lead, qw.n)
+
+
+def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``"w8a8"`` product in fp32 ``[m, n]`` for ``x [m, k]``: each row of ``x`` rounded to int8 with
+    scale ``amax(|row|) / 127`` (nearest even; 1 for a row of zeros), exact integer sums against the int8
+    weight, then ``(float32(sum) * w_scale) * x_scale (+ bias)`` in fp32, the native kernel's order
+    (``kernels/cpu/gemm_w8a8.h``)."""
+    if qw.fmt not in _PER_CHANNEL:
+        raise ValueError(f"w8a8_reference needs an int8-layout weight, got {qw.fmt}")
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax(dim=1)
+    sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    qx = torch.round(xf * (1 / sx)[:, None]).clamp(-127, 127)
+    sums = (qx.to(torch.float64) @ qw.data.view(torch.int8).to(torch.float64).T).to(torch.float32)  # exact
+    y = sums * qw.scales.to(torch.float32)[None, :] * sx[:, None]
+    return y if bias is None else y + bias.to(torch.float32)

@@ -4,7 +4,8 @@ bf16 activations over 2+ rows run on AMX where the CPU has it (:func:`amx_ready`
 to bf16 in groups of 16 rows, tile products). Otherwise up to 8 rows run the skinny GEMV (activations
 rounded to 16 bits per 32-block, AVX512-VNNI dot products, one pass over the packed weight), 9 to 16 rows
 the GEMV over chunks of 8 rows; more rows dequantize 48-row panels into the blocked bf16/fp32 GEMM's
-layout and run its micro-kernel (``kernels/cpu/gemm_quant.h`` has
+layout and run its micro-kernel, or for ``"w8a8"`` weights round the activations to int8 and run the
+VNNI int8 GEMM (``kernels/cpu/gemm_w8a8.h``) (``kernels/cpu/gemm_quant.h`` has
 the algorithms and the measurements behind the thresholds). :func:`linear` returns None whenever the
 native library cannot run the product (no library, ``XLLM_NATIVE=0``, the CPU lacks AVX512-VNNI, under
 ``torch.compile``, an unsupported dtype or device); the caller then takes the torch path.
@@ -23,10 +24,10 @@ if TYPE_CHECKING:
     from xllm.kernels.quant import QuantizedWeight
 
 #: format name -> the kernels' XQ_* tag (gemm_quant.h)
-QUANT_TAGS: dict[str, int] = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "int8": 4, "int4_g32": 5, "int4_g128": 6}
+QUANT_TAGS: dict[str, int] = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "int8": 4, "int4_g32": 5, "int4_g128": 6, "w8a8": 7}
 #: paths of xllm_quant_linear: automatic, skinny GEMV (<= 8 rows), panel GEMM, GEMV over chunks of 8 rows (any M),
-#: AMX (bf16 x where :func:`amx_ready`, else automatic)
-PATHS: dict[str, int] = {"auto": 0, "gemv": 1, "panels": 2, "gemv_chunks": 3, "amx": 4}
+#: AMX (bf16 x where :func:`amx_ready`, else automatic), the W8A8 GEMM (int8-layout weights, any M)
+PATHS: dict[str, int] = {"auto": 0, "gemv": 1, "panels": 2, "gemv_chunks": 3, "amx": 4, "w8a8": 5}
 MAX_GEMV_ROWS = 8
 _VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -37,9 +38,9 @@ QWeight = native.QWeight  # the C struct XllmQWeight
 def kernel_ready(qw: QuantizedWeight) -> QuantizedWeight:
     """``qw`` with the dtypes the kernels read (contiguous; int8 scales fp32, int4 scales fp16)."""
     qw = qw.contiguous()
-    want = torch.float32 if qw.fmt == "int8" else torch.float16
+    want = torch.float32 if qw.fmt in ("int8", "w8a8") else torch.float16
     if qw.scales is not None and qw.scales.dtype != want:
-        qw = type(qw)(qw.fmt, qw.n, qw.k, qw.data, qw.scales.to(want).contiguous(), qw.zeros)
+        qw = type(qw)(qw.fmt, qw.n, qw.k, qw.data, qw.scales.to(want).contiguous(), qw.zeros, qw.packed)
     return qw
 
 
@@ -47,7 +48,8 @@ def struct(qw: QuantizedWeight) -> QWeight:
     """The C view of ``qw`` (which must be :func:`kernel_ready` and outlive the struct)."""
     return QWeight(QUANT_TAGS[qw.fmt], qw.data.data_ptr(),
                    None if qw.scales is None else qw.scales.data_ptr(),
-                   None if qw.zeros is None else qw.zeros.data_ptr())
+                   None if qw.zeros is None else qw.zeros.data_ptr(),
+                   None if qw.packed is None else qw.packed.data_ptr())
 
 
 def library() -> native.NativeLibrary | None:

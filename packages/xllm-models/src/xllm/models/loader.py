@@ -119,7 +119,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     ``mtp`` also loads the model's next-token-prediction layer (``--speculative mtp``; DeepSeek-V3
     checkpoints with ``num_nextn_predict_layers`` > 0, else :class:`ModelConfigError`).
     ``quantization`` (a name of :data:`xllm.core.dtypes.WEIGHT_QUANTIZATIONS`): ``"none"``/``"auto"`` float
-    weights, ``"int8"``/``"int4"``/``"int4_g128"`` the float model's linears quantized after loading
+    weights, ``"int8"``/``"int4"``/``"int4_g128"``/``"w8a8"`` the float model's linears quantized after loading
     (:func:`xllm.models.quantize.quantize_model`). ``gguf_file``: load the weights from this GGUF as stored
     (its Q8_0/Q4_0/Q4_1 tensors stay quantized, :mod:`xllm.models.gguf_weights`) instead of ``model_dir``'s
     safetensors, which then only gives the config (``model_dir`` is the GGUF's conversion).
