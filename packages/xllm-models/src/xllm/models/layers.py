@@ -41,6 +41,12 @@ class _PackOnDemand:
     _choice: GemmChoice | None = None
     _pack_tried = False
 
+    def drop_packed(self) -> None:
+        """Forget the packed copies (call after writing ``weight`` in place: they are rebuilt from it on
+        demand). A fused native forward bound before holds its own copies: build it again (``post_load``)."""
+        self.packed, self._native, self._choice = None, None, None
+        self._native_tried = self._pack_tried = False
+
     def native_packed(self) -> PackedWeight | None:
         """The native packed copy of ``weight`` (built once, whatever the measured choice; None where
         the native library or the shape contract is unavailable): what fused native forwards use."""

@@ -25,6 +25,7 @@ from xllm.models.config import ModelConfig, ModelConfigError
 from xllm.models.gguf_weights import StoredWeights, read_gguf_weights
 from xllm.models.quantize import install_quantized, quantize_model, release_freed_memory
 from xllm.models.registry import model_class
+from xllm.models.smoothing import calibration_ids, smooth_for_w8a8
 from xllm.models.tensor_parallel import TPShard
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     checkpoints with ``num_nextn_predict_layers`` > 0, else :class:`ModelConfigError`).
     ``quantization`` (a name of :data:`xllm.core.dtypes.WEIGHT_QUANTIZATIONS`): ``"none"``/``"auto"`` float
     weights, ``"int8"``/``"int4"``/``"int4_g128"``/``"w8a8"`` the float model's linears quantized after loading
-    (:func:`xllm.models.quantize.quantize_model`). ``gguf_file``: load the weights from this GGUF as stored
+    (:func:`xllm.models.quantize.quantize_model`; for w8a8 after SmoothQuant scales are folded in,
+    :mod:`xllm.models.smoothing`). ``gguf_file``: load the weights from this GGUF as stored
     (its Q8_0/Q4_0/Q4_1 tensors stay quantized, :mod:`xllm.models.gguf_weights`) instead of ``model_dir``'s
     safetensors, which then only gives the config (``model_dir`` is the GGUF's conversion).
     Returns the model in eval mode.
@@ -160,6 +162,9 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         model = cls(cfg, mtp=True) if mtp else cls(cfg)
     _materialize(model, dtype, torch.device(device))
     model.load_weights(weights)
+    if fmt == "w8a8":  # outliers moved into the weights first (a calibration forward: post_load's state)
+        model.post_load()
+        smooth_for_w8a8(model, calibration_ids(model_dir, cfg.vocab_size))
     if fmt is not None:
         quantize_model(model, fmt)
         release_freed_memory()

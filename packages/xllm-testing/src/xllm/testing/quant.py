@@ -62,8 +62,9 @@ def write_llama_gguf(hf_dir: pathlib.Path, path: pathlib.Path, qtype: str) -> pa
 
 def dequantized_twin(quantized: torch.nn.Module, model_dir: pathlib.Path) -> torch.nn.Module:
     """``model_dir``'s float32 model with every weight ``quantized`` holds quantized (its
-    ``QuantLinear`` / ``QuantEmbedding`` modules) replaced by the dequantized values: the same model
-    computed in float, the oracle of the quantized one."""
+    ``QuantLinear`` / ``QuantEmbedding`` modules) replaced by the dequantized values, and its float
+    parameters (norms, biases: w8a8's smoothing changed some) copied: the same model computed in float,
+    the oracle of the quantized one."""
     from xllm.kernels.quant import dequantize
     from xllm.models import load_model
     from xllm.models.layers import QuantEmbedding, QuantLinear
@@ -73,4 +74,6 @@ def dequantized_twin(quantized: torch.nn.Module, model_dir: pathlib.Path) -> tor
         if isinstance(module, (QuantLinear, QuantEmbedding)):
             target = twin.get_submodule(path).weight
             target.data.copy_(dequantize(module.qweight).view(target.shape))
+    for name, param in quantized.named_parameters():
+        twin.get_parameter(name).data.copy_(param)
     return twin
