@@ -25,6 +25,9 @@
  * bf16 VNNI pairs or fp32) in an L2-resident buffer, transposing 16x16 dword tiles, and runs the
  * blocked micro-kernel over all M rows against it.
  *
+ * W8A8 path (XQ_W8A8 weights: int8's layout plus VNNI panels; every M, on AMX CPUs too): the
+ * activations are rounded to int8 per row too and gemm_w8a8.h's int8 GEMM runs (xq_w8a8_applies).
+ *
  * Contract: K % 32 == 0 (K % 128 for int4_g128); data/scales/zeros contiguous as documented;
  * x rows contiguous (stride K); y rows at stride ldy; bias optional, in x's dtype.
  * Accuracy against the fp32 product of the dequantized weight: the skinny path's 16-bit activations cost
@@ -539,17 +542,17 @@ static void xq_gemv_team(const void *x, int x_bf16, int64_t M, int64_t K, const 
  * EPYC, Q4_1 1536x576, one thread: M = 16 chunks 193 us vs panels 226 us; M = 32 383 vs 352 us) */
 #define XQ_CHUNKED_MAX_M 16
 
-/* TEAM: the product for any M: bf16 x over 2+ rows on AMX where the CPU has it (gemm_quant_amx.h), else
- * the skinny GEMV up to 8 rows, over chunks of 8 rows up to XQ_CHUNKED_MAX_M, else the W8A8 GEMM for
- * XQ_W8A8 weights (gemm_w8a8.h, from XW_MIN_M rows) or the panel-dequantizing GEMM */
+/* TEAM: the product for any M: the W8A8 GEMM for XQ_W8A8 weights (gemm_w8a8.h), else bf16 x over
+ * XQ_AMX_MIN_M+ rows on AMX where the CPU has it (gemm_quant_amx.h), else the skinny GEMV up to 8 rows,
+ * over chunks of 8 rows up to XQ_CHUNKED_MAX_M, else the panel-dequantizing GEMM */
 static void xq_linear_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
                            const void *bias, void *y, int64_t ldy, int out_bf16) {
-    if (xq_amx_applies(x_bf16, M)) {
-        xq_amx_team((const uint16_t *)x, M, K, W, N, (const uint16_t *)bias, y, ldy, out_bf16);
+    if (xq_w8a8_applies(W, M)) {
+        xw_gemm_team(x, x_bf16, M, K, W, N, bias, y, ldy, out_bf16 && x_bf16);
         return;
     }
-    if (xq_w8a8_applies(W, x_bf16, M)) {
-        xw_gemm_team(x, x_bf16, M, K, W, N, bias, y, ldy, out_bf16 && x_bf16);
+    if (xq_amx_applies(x_bf16, M)) {
+        xq_amx_team((const uint16_t *)x, M, K, W, N, (const uint16_t *)bias, y, ldy, out_bf16);
         return;
     }
     if (M > XQ_CHUNKED_MAX_M) {

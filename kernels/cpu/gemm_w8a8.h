@@ -122,10 +122,8 @@ ALWAYS_INLINE void xw_tile(const uint8_t *xu, const float *sx, int64_t K, const 
     }
 }
 
-/* whether xq_linear_team runs W's product over M rows here (bf16 x on AMX takes gemm_quant_amx.h) */
-ALWAYS_INLINE int xq_w8a8_applies(const XllmQWeight *W, int x_bf16, int64_t M) {
-    return W->fmt == XQ_W8A8 && M >= XW_MIN_M && !xq_amx_applies(x_bf16, M);
-}
+/* whether xq_linear_team runs W's product over M rows here (on AMX CPUs too: the same rounding everywhere) */
+ALWAYS_INLINE int xq_w8a8_applies(const XllmQWeight *W, int64_t M) { return W->fmt == XQ_W8A8 && M >= XW_MIN_M; }
 
 /* TEAM (call from every thread of a parallel region, or outside one): y = W8A8(x, W) (+ bias), any M;
  * W->fmt is XQ_W8A8 (or XQ_INT8: the same layout). Ends with a barrier. */

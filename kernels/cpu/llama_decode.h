@@ -290,7 +290,7 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
             /* residual add + post-attention norm (r_next -> r_cur) */
             CAT(residual_norm_, SFX)(hidden, r_next, r_cur, store, (const T *)L->ln2, B, Hd, c->eps, 0, x, tmp);
             MARK(5);
-            if (L->gate_up_q.fmt != XQ_NONE && !xq_amx_applies(IS_BF16, B) && !xq_w8a8_applies(&L->gate_up_q, IS_BF16, B)) {
+            if (L->gate_up_q.fmt != XQ_NONE && !xq_amx_applies(IS_BF16, B) && !xq_w8a8_applies(&L->gate_up_q, B)) {
                 CAT(quant_gate_up_silu_team_, SFX)(x, B, Hd, &L->gate_up_q, I, act);
             } else if (L->gate_up_q.fmt != XQ_NONE) { /* AMX or W8A8: the GEMM, then SiLU-and-mul */
                 xq_linear_team(x, IS_BF16, B, Hd, &L->gate_up_q, 2 * I, NULL, gu, 2 * I, IS_BF16);

@@ -176,7 +176,7 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
             CAT(residual_norm_rows_, SFX)(hidden, residual, (const T *)L->ln2, M, Hd, c->eps, 0, x);
             MARK(5);
             if (L->gate_up_q.fmt != XQ_NONE && M <= XQ_CHUNKED_MAX_M && !xq_amx_applies(IS_BF16, M) &&
-                !xq_w8a8_applies(&L->gate_up_q, IS_BF16, M)) {
+                !xq_w8a8_applies(&L->gate_up_q, M)) {
                 /* the GEMV with SiLU-and-mul fused */
                 for (int64_t m0 = 0; m0 < M; m0 += MAX_B)
                     CAT(quant_gate_up_silu_team_, SFX)(x + m0 * Hd, M - m0 < MAX_B ? M - m0 : MAX_B, Hd,

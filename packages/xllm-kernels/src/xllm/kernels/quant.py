@@ -280,9 +280,7 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     ``out_dtype``). Up to 8 rows run the native skinny GEMV (one pass over the packed weight,
     dequantized in registers); more rows the native large-batch path; without the native library
     (``XLLM_NATIVE=0``, no AVX-512) or under ``torch.compile``: dequantize to ``x.dtype`` and ``F.linear``.
-    A ``"w8a8"`` weight's product is :func:`w8a8_reference`'s instead (natively, or that function itself),
-    except on AMX CPUs, where bf16 ``x`` over 2+ rows runs the AMX path over the dequantized weight as
-    ``"int8"`` does."""
+    A ``"w8a8"`` weight's product is :func:`w8a8_reference`'s instead (natively, or that function itself)."""
     if x.shape[-1] != qw.k:
         raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight expects {qw.k}")
     lead = x.shape[:-1]
