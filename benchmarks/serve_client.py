@@ -146,8 +146,13 @@ def start_server(system: str, args: argparse.Namespace, model_dir: pathlib.Path,
 
     logs = out / "logs"
     if system == "xllm":
-        extra = ["--served-model-name", model_dir.name, *shlex.split(args.xllm_args)]
+        w8a8 = ["--quantization", "w8a8"] if args.w8a8 else []
+        extra = ["--served-model-name", model_dir.name, *w8a8, *shlex.split(args.xllm_args)]
         return xllm.server(model_dir, args.dtype, args.threads, logs, max_num_seqs=64, extra_args=extra)
+    if args.w8a8:  # the same int8 weights and scales as a compressed-tensors checkpoint (same dir name)
+        from benchmarks.w8a8_checkpoint import write
+
+        model_dir = write(model_dir)
     return vllm.server(model_dir, args.dtype, args.threads, logs, max_num_seqs=64)
 
 
@@ -355,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF model dir (default: the bundled SmolLM2 via resolve_model())")
     p.add_argument("--seed", type=int, default=0,
                    help="the client's --seed (random prompts, ShareGPT shuffle) and the synthetic file's seed (0)")
+    p.add_argument("--w8a8", action="store_true",
+                   help="both servers on one W8A8 model: xLLM --quantization w8a8, vLLM the same int8 weights and "
+                        "scales as a compressed-tensors checkpoint (dynamic per-token int8 activations; "
+                        "benchmarks/w8a8_checkpoint.py)")
     p.add_argument("--xllm-args", default="", metavar="'FLAGS'",
                    help="extra `xllm serve` flags, e.g. --xllm-args='--no-prefix-cache' (recorded in results.json)")
     add_output_args(p, "serve-client")

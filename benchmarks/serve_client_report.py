@@ -164,7 +164,9 @@ def markdown(results: dict) -> str:
     m = meta.get("machine", {})
     vers = meta.get("versions", {})
     lines = [
-        f"# xLLM vs vLLM-CPU, driven by vLLM's own benchmark client ({meta.get('model')}, {meta.get('dtype')})",
+        f"# xLLM vs vLLM-CPU, driven by vLLM's own benchmark client ({meta.get('model')}, {meta.get('dtype')}"
+        + (", W8A8 on both: the same int8 weights, per-token int8 activations" if meta.get("w8a8") else "")
+        + (f"; xLLM flags `{meta['xllm_args']}`" if meta.get("xllm_args") else "") + ")",
         "",
         f"Run {meta.get('timestamp')} at {meta.get('commit') or '?'} on {m.get('cpu_model', '?')} "
         f"({m.get('affinity_cpus', '?')} CPUs); CPU busy with other work before/after: "

@@ -164,7 +164,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     model.load_weights(weights)
     if fmt == "w8a8":  # outliers moved into the weights first (a calibration forward: post_load's state)
         model.post_load()
-        smooth_for_w8a8(model, calibration_ids(model_dir, cfg.vocab_size))
+        smooth_for_w8a8(model, calibration_ids(model_dir, cfg.vocab_size,
+                                               max_tokens=min(512, cfg.max_position_embeddings)))
     if fmt is not None:
         quantize_model(model, fmt)
         release_freed_memory()
