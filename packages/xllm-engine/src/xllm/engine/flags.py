@@ -67,9 +67,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="weight format of the linear layers: auto (a GGUF keeps the Q8_0/Q4_0/Q4_1 weights it "
                         "stores unless --dtype is given; other models stay float), none (float weights in --dtype, "
                         "a GGUF dequantized), int8 (per-channel), int4 / int4_g128 (group-wise with zero points, "
-                        "groups of 32 / 128) quantized at load from the float weights, w8a8 (int8 weights as int8, "
-                        "and activations rounded to int8 per row in every product: the VNNI int8 GEMM at twice "
-                        "the bf16 multiply rate, at some accuracy). "
+                        "groups of 32 / 128) quantized at load from the float weights, w8a8 (int8 weights per channel "
+                        "after SmoothQuant scaling, and activations rounded to int8 per token in every product: "
+                        "VNNI int8 GEMMs at twice the bf16 multiply rate; changes outputs slightly). "
                         "Quantized weights run on the CPU with bfloat16 or float32 activations")
     p.add_argument("--max-num-seqs", type=positive_int, default=64,
                    help="most sequences decoded together in one step (the running batch)")
