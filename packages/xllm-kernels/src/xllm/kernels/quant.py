@@ -39,7 +39,7 @@ from xllm.kernels import quant_native
 
 FORMATS: tuple[str, ...] = ("q8_0", "q4_0", "q4_1", "int8", "int4_g32", "int4_g128", "w8a8")
 #: formats stored as int8 per output channel (``data`` int8 ``[n, k]``, fp32 ``scales [n]``)
-_PER_CHANNEL: tuple[str, ...] = ("int8", "w8a8")
+PER_CHANNEL_FORMATS: tuple[str, ...] = ("int8", "w8a8")
 GGUF_FORMATS: tuple[str, ...] = ("q8_0", "q4_0", "q4_1")
 BLOCK = 32
 #: bytes of one 32-element block of each GGUF format
@@ -76,7 +76,7 @@ class QuantizedWeight:
     @property
     def group(self) -> int:
         """Elements along k that share one scale (k itself for int8)."""
-        return self.k if self.fmt in _PER_CHANNEL else _GROUP.get(self.fmt, BLOCK)
+        return self.k if self.fmt in PER_CHANNEL_FORMATS else _GROUP.get(self.fmt, BLOCK)
 
     def nbytes(self) -> int:
         """Bytes a full GEMV streams: data + scales + zeros."""
@@ -125,7 +125,7 @@ def row_bytes(fmt: str, k: int) -> int:
     """Bytes of one output row of ``data``."""
     if fmt in BLOCK_BYTES:
         return k // BLOCK * BLOCK_BYTES[fmt]
-    if fmt in _PER_CHANNEL:
+    if fmt in PER_CHANNEL_FORMATS:
         return k
     return k // 2
 
@@ -187,7 +187,7 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
             w = d * (_nibbles(blocks[:, 2:]).to(torch.int8) - 8).to(torch.float32)
         else:
             w = d * _nibbles(blocks[:, 4:]).to(torch.float32) + _fp16_at(blocks, 2)
-    elif qw.fmt in _PER_CHANNEL:
+    elif qw.fmt in PER_CHANNEL_FORMATS:
         w = qw.data.view(torch.int8).to(torch.float32) * qw.scales.to(torch.float32)[:, None]
     else:
         g = qw.group
@@ -253,7 +253,7 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
     w = w.detach().to(device="cpu", dtype=torch.float32).contiguous()
     if fmt in BLOCK_BYTES:
         return QuantizedWeight(fmt, n, k, _quantize_gguf(w, fmt).reshape(n, row_bytes(fmt, k)))
-    if fmt in _PER_CHANNEL:
+    if fmt in PER_CHANNEL_FORMATS:
         s = w.abs().amax(dim=1) / 127
         q = _round_away(w * _safe_inv(s)[:, None]).clamp(-127, 127).to(torch.int8)
         return QuantizedWeight(fmt, n, k, q.view(torch.uint8), scales=s.contiguous())
@@ -300,7 +300,7 @@ def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | No
     scale ``amax(|row|) / 127`` (nearest even; 1 for a row of zeros), exact integer sums against the int8
     weight, then ``(float32(sum) * w_scale) * x_scale (+ bias)`` in fp32, the native kernel's order
     (``kernels/cpu/gemm_w8a8.h``)."""
-    if qw.fmt not in _PER_CHANNEL:
+    if qw.fmt not in PER_CHANNEL_FORMATS:
         raise ValueError(f"w8a8_reference needs an int8-layout weight, got {qw.fmt}")
     xf = x.to(torch.float32)
     amax = xf.abs().amax(dim=1)

@@ -37,8 +37,10 @@ QWeight = native.QWeight  # the C struct XllmQWeight
 
 def kernel_ready(qw: QuantizedWeight) -> QuantizedWeight:
     """``qw`` with the dtypes the kernels read (contiguous; int8 scales fp32, int4 scales fp16)."""
+    from xllm.kernels.quant import PER_CHANNEL_FORMATS  # (quant imports this module)
+
     qw = qw.contiguous()
-    want = torch.float32 if qw.fmt in ("int8", "w8a8") else torch.float16
+    want = torch.float32 if qw.fmt in PER_CHANNEL_FORMATS else torch.float16
     if qw.scales is not None and qw.scales.dtype != want:
         qw = type(qw)(qw.fmt, qw.n, qw.k, qw.data, qw.scales.to(want).contiguous(), qw.zeros, qw.packed)
     return qw
