@@ -160,6 +160,12 @@ def test_w8a8_packing_and_reference():
     assert int(panels[1, :, 2:].abs().sum()) == 0  # rows 50..95 of the second panel
     assert torch.equal(comp[:50], q.to(torch.int32).sum(1) * 128) and int(comp[50:].abs().sum()) == 0
     assert torch.equal(quant.dequantize(qw), quant.dequantize(quant.quantize(w, "int8")))
+    picked = qw.rows(torch.tensor([3, 49]))  # a lookup's rows carry no panels; products still follow the definition
+    assert picked.packed is None and torch.equal(quant.cat_rows([qw]).packed, qw.packed)
+    xs = torch.randn(2, 96, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(quant.quant_linear(xs, picked), quant.w8a8_reference(xs, picked))
+    with pytest.raises(ValueError, match="packed panels"):
+        quant.QuantizedWeight("w8a8", 50, 96, qw.data, qw.scales, packed=qw.packed[:-4])
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(6, 96, generator=gen)
     x[2] = 0.0

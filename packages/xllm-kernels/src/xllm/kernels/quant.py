@@ -15,7 +15,9 @@ A :class:`QuantizedWeight` is the logical weight ``[n, k]`` (``[out_features, in
   ``(float(sum) * w_scale) * x_scale (+ bias)`` in fp32 (VNNI's twice-bf16 multiply rate for batched
   decode and prefill; a row's result never depends on the other rows). It is the only format whose
   product is not ``x @ dequantize(w).T``: :func:`w8a8_reference` is its definition. Each such weight
-  also carries ``packed``, the int8 GEMM's copy of ``data`` (:func:`pack_w8a8`: twice int8's memory).
+  made by :func:`quantize` or :func:`cat_rows` also carries ``packed``, the int8 GEMM's copy of ``data``
+  (:func:`pack_w8a8`: twice int8's memory); without it (``rows()``: embedding lookups, which only
+  dequantize) the kernel transposes each panel per call, with the same result.
 - ``"int4_g32"``, ``"int4_g128"``: group-wise asymmetric uint4 along k, ``data`` ``[n, k / 2]`` packed
   like the GGUF Q4 nibbles per 32 elements, ``scales`` fp16 ``[n, k / group]``, ``zeros`` uint8
   ``[n, k / group]`` (integer zero points 0..15), ``w = scale * (q - zero)``.
@@ -57,7 +59,7 @@ class QuantizedWeight:
     data: torch.Tensor
     scales: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
-    #: ``"w8a8"`` only: :func:`pack_w8a8` of ``data`` (made here when not given)
+    #: ``"w8a8"`` only, optional: :func:`pack_w8a8` of ``data``
     packed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -68,10 +70,13 @@ class QuantizedWeight:
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != (self.n, row_bytes(self.fmt, self.k)):
             raise ValueError(f"{self.fmt} data must be uint8 [{self.n}, {row_bytes(self.fmt, self.k)}], "
                              f"got {self.data.dtype} {list(self.data.shape)}")
-        if self.fmt == "w8a8" and self.packed is None:
-            object.__setattr__(self, "packed", pack_w8a8(self.data))
-        elif self.fmt != "w8a8" and self.packed is not None:
-            raise ValueError(f"only w8a8 weights carry packed panels, not {self.fmt}")
+        if self.packed is not None:
+            if self.fmt != "w8a8":
+                raise ValueError(f"only w8a8 weights carry packed panels, not {self.fmt}")
+            want = _w8a8_packed_bytes(self.n, self.k)
+            if self.packed.dtype != torch.uint8 or self.packed.shape != (want,):
+                raise ValueError(f"w8a8 packed panels must be uint8 [{want}], got {self.packed.dtype} "
+                                 f"{list(self.packed.shape)}")
 
     @property
     def group(self) -> int:
@@ -106,12 +111,20 @@ def pack_w8a8(data: torch.Tensor) -> torch.Tensor:
     ``[k / 4][48][4]``; then, as int32, ``128 * sum_k q[row, k]`` of every panel row (the kernel takes
     its unsigned activation offset back with it)."""
     n, k = data.shape
-    rows = -(-n // W8A8_PANEL_ROWS) * W8A8_PANEL_ROWS
+    rows = _w8a8_panel_rows(n)
     q = torch.zeros(rows, k, dtype=torch.int8)
     q[:n] = data.view(torch.int8)
     panels = q.reshape(rows // W8A8_PANEL_ROWS, W8A8_PANEL_ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
     comp = (q.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
     return torch.cat([panels.view(torch.uint8).reshape(-1), comp.view(torch.uint8)])
+
+
+def _w8a8_panel_rows(n: int) -> int:
+    return -(-n // W8A8_PANEL_ROWS) * W8A8_PANEL_ROWS
+
+
+def _w8a8_packed_bytes(n: int, k: int) -> int:
+    return _w8a8_panel_rows(n) * (k + 4)  # panels, then one int32 offset sum per panel row
 
 
 def supports(fmt: str, k: int) -> bool:
@@ -139,7 +152,8 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         raise ValueError(f"cat_rows needs one format and k, got {[(p.fmt, p.k) for p in parts]}")
     data, scales, zeros = (None if ts[0] is None else torch.cat(ts, 0) for ts in zip(
         *((p.data, p.scales, p.zeros) for p in parts), strict=True))
-    return QuantizedWeight(fmt, sum(p.n for p in parts), k, data, scales, zeros)
+    packed = pack_w8a8(data) if fmt == "w8a8" else None  # (a fused projection: products read it)
+    return QuantizedWeight(fmt, sum(p.n for p in parts), k, data, scales, zeros, packed)
 
 
 def from_gguf(raw: object, ggml_type: str, n: int, k: int) -> QuantizedWeight:
@@ -256,7 +270,9 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
     if fmt in PER_CHANNEL_FORMATS:
         s = w.abs().amax(dim=1) / 127
         q = _round_away(w * _safe_inv(s)[:, None]).clamp(-127, 127).to(torch.int8)
-        return QuantizedWeight(fmt, n, k, q.view(torch.uint8), scales=s.contiguous())
+        data = q.view(torch.uint8)
+        return QuantizedWeight(fmt, n, k, data, scales=s.contiguous(),
+                               packed=pack_w8a8(data) if fmt == "w8a8" else None)
     g = _GROUP[fmt]
     groups = w.reshape(n, k // g, g)
     lo, hi = groups.amin(dim=2), groups.amax(dim=2)
