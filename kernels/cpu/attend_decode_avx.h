@@ -81,10 +81,7 @@ static inline void attend_rows_bf16_avx(const uint16_t *q, int64_t KVH, int64_t 
     float acc[AR_MAX_HD] __attribute__((aligned(64))), s[AR_KB * AR_MAX_G] __attribute__((aligned(64)));
     __m512 m[AR_MAX_KVH], l[AR_MAX_KVH];
     ar_state_init(KVH, G, Dv, m, l, acc);
-    for (int64_t t = 0; t < AR_PF && t < len; t++) { /* the first rows; the others AR_PF ahead of their use */
-        for (int64_t off = 0; off < KVH * D * 2; off += 64) _mm_prefetch((const char *)(k + t * k_stride) + off, _MM_HINT_T1);
-        for (int64_t off = 0; off < KVH * Dv * 2; off += 64) _mm_prefetch((const char *)(v + t * v_stride) + off, _MM_HINT_T1);
-    }
+    ar_prefetch_first(k, k_stride, v, v_stride, KVH, D, Dv, len, 1);
     for (int64_t b0 = 0; b0 < len; b0 += AR_KB) {
         const int64_t nk = len - b0 < AR_KB ? len - b0 : AR_KB;
         for (int64_t g = 0; g < KVH; g++) {

@@ -137,6 +137,22 @@ static inline void ar_values_block(const float *p, int64_t G, int64_t GP, const 
 #undef AR_V
 }
 
+/* Prefetch a row's first AR_PF positions of K and V (KVH heads of D / Dv bf16 channels): the kernels
+ * prefetch every other position AR_PF ahead of its use. into_l2: _MM_HINT_T1, else _MM_HINT_T0. */
+ALWAYS_INLINE void ar_prefetch_first(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                                     int64_t KVH, int64_t D, int64_t Dv, int64_t len, const int into_l2) {
+    for (int64_t t = 0; t < AR_PF && t < len; t++) {
+        for (int64_t off = 0; off < KVH * D * 2; off += 64) {
+            const char *p = (const char *)(k + t * k_stride) + off;
+            if (into_l2) _mm_prefetch(p, _MM_HINT_T1); else _mm_prefetch(p, _MM_HINT_T0);
+        }
+        for (int64_t off = 0; off < KVH * Dv * 2; off += 64) {
+            const char *p = (const char *)(v + t * v_stride) + off;
+            if (into_l2) _mm_prefetch(p, _MM_HINT_T1); else _mm_prefetch(p, _MM_HINT_T0);
+        }
+    }
+}
+
 /* A row's online state before its first block: m[g] = -inf, l[g] = 0 for g < KVH, acc (KVH * G rows of Dv) 0 */
 static inline void ar_state_init(int64_t KVH, int64_t G, int64_t Dv, __m512 *m, __m512 *l, float *acc) {
     for (int64_t g = 0; g < KVH; g++) {
