@@ -2,8 +2,9 @@
  * attend_amx.h, attend_decode_amx.h): the one-time probe, loading a tile configuration, releasing the tiles.
  *
  * amx_ready(): CPUID has AMX-TILE and AMX-BF16, the kernel granted this process tile data (arch_prctl
- * ARCH_REQ_XCOMP_PERM, asked once per process), and XLLM_AMX is not "0". The probe runs once
- * (pthread_once); its result never changes afterwards.
+ * ARCH_REQ_XCOMP_PERM, asked once per process), and XLLM_AMX is not "0". amx_int8_ready(): the same and
+ * CPUID has AMX-INT8 (gemm_w8a8_amx.h). The probe runs once (pthread_once); its results never change
+ * afterwards.
  * amx_load_config(cfg): loads any configuration (attend_decode_amx.h builds its own); amx_tile_release()
  * gives the tiles back at the end of a kernel's work on a thread.
  * amx_configure_16x64(n): loads palette 1 with tiles 0..n-1 each 16 rows x 64 bytes (the shape the other
@@ -25,6 +26,7 @@
 #include <immintrin.h>
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#define AMX_INT8_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8")))
 
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
@@ -33,7 +35,7 @@ typedef struct {
 } AmxTileCfg;
 
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
-static int amx_ok = 0; /* written once, under amx_once */
+static int amx_ok = 0, amx_int8_ok = 0; /* written once, under amx_once */
 
 static void amx_probe(void) {
     const char *env = getenv("XLLM_AMX");
@@ -44,12 +46,19 @@ static void amx_probe(void) {
     /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18) */
     if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return;
     amx_ok = 1;
+    amx_int8_ok = (d >> 25) & 1; /* AMX-INT8 */
 }
 
 /* whether AMX kernels can run in this process (probed once) */
 static inline int amx_ready(void) {
     pthread_once(&amx_once, amx_probe);
     return amx_ok;
+}
+
+/* whether the AMX-INT8 kernels can run in this process (probed once) */
+static inline int amx_int8_ready(void) {
+    pthread_once(&amx_once, amx_probe);
+    return amx_int8_ok;
 }
 
 /* loads a tile configuration. Not _tile_loadconfig: GCC 12 declares its operand as an 8-byte read, so once

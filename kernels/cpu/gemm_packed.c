@@ -39,6 +39,9 @@ void xllm_gemm_packed_strided_bf16(const uint16_t *x, int64_t ldx, int64_t M, in
 
 int xllm_amx_ready(void) { return amx_ready(); }
 
+/* 1 where the W8A8 GEMM can run on AMX-INT8 (amx.h) */
+int xllm_amx_int8_ready(void) { return amx_int8_ready(); }
+
 /* path: 0 automatic, 1 AVX-512, 2 AMX (returns -1 where AMX cannot run this product) */
 int xllm_gemm_packed_path_bf16(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const uint16_t *Wp, int64_t N,
                                const uint16_t *bias, void *y, int64_t ldy, int out_bf16, int path) {

@@ -5,16 +5,16 @@
  * only), else fp32; bias in x's dtype or NULL. path: 0 = automatic (xq_linear_team: the skinny VNNI GEMV
  * up to 8 rows, over chunks of 8 rows up to 16, else the panel-dequantizing blocked GEMM), 1 = the skinny
  * GEMV (M <= 8), 2 = the blocked GEMM, 3 = the skinny GEMV over chunks of 8 rows (any M), 4 = AMX (bf16 x; where
- * amx_ready() (amx.h), else automatic), 5 = the W8A8 GEMM (gemm_w8a8.h; any M, int8-layout weights). Paths 1-3
- * run an XQ_W8A8 weight weight-only, as XQ_INT8. */
+ * amx_ready() (amx.h), else automatic), 5 = the W8A8 GEMM (gemm_w8a8.h; any M, int8-layout weights; on AMX-INT8
+ * where it applies), 6 = the W8A8 GEMM on VNNI only. Paths 1-3 run an XQ_W8A8 weight weight-only, as XQ_INT8. */
 void xllm_quant_linear(const XllmQWeight *W, const void *x, int x_bf16, int64_t M, int64_t K, int64_t N,
                        const void *bias, void *y, int out_bf16, int path) {
     out_bf16 = out_bf16 && x_bf16;
     const int64_t xes = x_bf16 ? 2 : 4, yes = out_bf16 ? 2 : 4;
 #pragma omp parallel
     {
-        if (path == 5)
-            xw_gemm_team(x, x_bf16, M, K, W, N, bias, y, N, out_bf16);
+        if (path == 5 || path == 6)
+            xw_gemm_team(x, x_bf16, M, K, W, N, bias, y, N, out_bf16, path == 5);
         else if (path == 4 && x_bf16 && amx_ready())
             xq_amx_team((const uint16_t *)x, M, K, W, N, (const uint16_t *)bias, y, N, out_bf16);
         else if (path == 0 || path == 4)

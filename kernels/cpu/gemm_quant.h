@@ -548,7 +548,7 @@ static void xq_gemv_team(const void *x, int x_bf16, int64_t M, int64_t K, const 
 static void xq_linear_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
                            const void *bias, void *y, int64_t ldy, int out_bf16) {
     if (xq_w8a8_applies(W, M)) {
-        xw_gemm_team(x, x_bf16, M, K, W, N, bias, y, ldy, out_bf16 && x_bf16);
+        xw_gemm_team(x, x_bf16, M, K, W, N, bias, y, ldy, out_bf16 && x_bf16, 1);
         return;
     }
     if (xq_amx_applies(x_bf16, M)) {

@@ -22,6 +22,8 @@
  * contiguous stream the DRAM prefetchers follow; else each panel is transposed from the row-major
  * int8 into a private buffer per call (xw_panel). Twice the multiply rate of the bf16 kernel's
  * VDPBF16PS on Zen 4 (64 products per instruction against 32, at the same instruction rate).
+ * Where the CPU has AMX-INT8 and the weight its panels (K % 64 == 0), the tiles run on TDPBUSD instead
+ * (gemm_w8a8_amx.h: the same rounded x, the same panels, the same exact sums and epilogue).
  *
  * Contract: K % 32 == 0; x rows contiguous (stride K); y rows at stride ldy; bias optional, in x's dtype.
  */
@@ -83,6 +85,39 @@ static void xw_panel(const int8_t *W, int64_t K, int64_t N, int64_t n0, int8_t *
     }
 }
 
+/* the epilogue of 16 output columns (16 v .. 16 v + 15 of a panel): offsets, scales, bias and the store mask */
+typedef struct {
+    __m512i c;
+    __m512 s, b;
+    __mmask16 m;
+    int has_bias;
+} XwOut;
+
+ALWAYS_INLINE XwOut xw_out_setup(const int32_t *comp, const float *sw, const void *bias, int bias_bf16, int64_t ncols,
+                                 int v) {
+    XwOut o;
+    o.m = xw_mask(ncols, v);
+    o.c = _mm512_maskz_loadu_epi32(o.m, comp + 16 * v);
+    o.s = _mm512_maskz_loadu_ps(o.m, sw + 16 * v);
+    o.has_bias = bias != NULL;
+    o.b = bias == NULL ? _mm512_setzero_ps()
+          : bias_bf16  ? load_bf16x16_mask((const uint16_t *)bias + 16 * v, o.m)
+                       : _mm512_maskz_loadu_ps(o.m, (const float *)bias + 16 * v);
+    return o;
+}
+
+/* y[at .. at + 16) (elements; bf16 when out_bf16, else fp32) = ((acc - comp) * sw) * sx (+ bias) */
+ALWAYS_INLINE void xw_out16(const XwOut o, __m512i acc, float sx, void *y, int64_t at, int out_bf16) {
+    /* (an explicitly rounded product: GCC would contract it and the bias add into an FMA) */
+    __m512 f = _mm512_mul_round_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, o.c)), o.s), _mm512_set1_ps(sx),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (o.has_bias) f = _mm512_add_ps(f, o.b);
+    if (out_bf16)
+        _mm256_mask_storeu_epi16((uint16_t *)y + at, o.m, (__m256i)_mm512_cvtneps_pbh(f));
+    else
+        _mm512_mask_storeu_ps((float *)y + at, o.m, f);
+}
+
 /* MR rows of xu against one panel: y[r, 0..ncols) (bf16 when out_bf16, else fp32) */
 ALWAYS_INLINE void xw_tile(const uint8_t *xu, const float *sx, int64_t K, const int8_t *wp, const int32_t *comp,
                            const float *sw, const void *bias, int bias_bf16, void *y, int64_t ldy, int out_bf16,
@@ -103,38 +138,36 @@ ALWAYS_INLINE void xw_tile(const uint8_t *xu, const float *sx, int64_t K, const 
     }
     __asm__ volatile("" ::: "memory"); /* keeps the epilogue's loads out of the k loop's registers */
     for (int v = 0; v < XW_NV; v++) {
-        const __mmask16 m = xw_mask(ncols, v);
-        const __m512i c = _mm512_maskz_loadu_epi32(m, comp + 16 * v);
-        const __m512 s = _mm512_maskz_loadu_ps(m, sw + 16 * v);
-        const __m512 b = bias == NULL ? _mm512_setzero_ps()
-                         : bias_bf16  ? load_bf16x16_mask((const uint16_t *)bias + 16 * v, m)
-                                      : _mm512_maskz_loadu_ps(m, (const float *)bias + 16 * v);
-        for (int r = 0; r < MR; r++) {
-            /* (an explicitly rounded product: GCC would contract it and the bias add into an FMA) */
-            __m512 f = _mm512_mul_round_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][v], c)), s),
-                                           _mm512_set1_ps(sx[r]), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            if (bias != NULL) f = _mm512_add_ps(f, b);
-            if (out_bf16)
-                _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + 16 * v, m, (__m256i)_mm512_cvtneps_pbh(f));
-            else
-                _mm512_mask_storeu_ps((float *)y + r * ldy + 16 * v, m, f);
-        }
+        const XwOut o = xw_out_setup(comp, sw, bias, bias_bf16, ncols, v);
+        for (int r = 0; r < MR; r++) xw_out16(o, (__m512i)acc[r][v], sx[r], y, r * ldy + 16 * v, out_bf16);
     }
 }
+
+#include "gemm_w8a8_amx.h"
 
 /* whether xq_linear_team runs W's product over M rows here (on AMX CPUs too: the same rounding everywhere) */
 ALWAYS_INLINE int xq_w8a8_applies(const XllmQWeight *W, int64_t M) { return W->fmt == XQ_W8A8 && M >= XW_MIN_M; }
 
 /* TEAM (call from every thread of a parallel region, or outside one): y = W8A8(x, W) (+ bias), any M;
- * W->fmt is XQ_W8A8 (or XQ_INT8: the same layout). Ends with a barrier. */
+ * W->fmt is XQ_W8A8 (or XQ_INT8: the same layout). The tiles run on AMX-INT8 where xwa_applies and
+ * allow_amx, else on VNNI (the same result). Ends with a barrier. */
 static void xw_gemm_team(const void *x, int x_bf16, int64_t M, int64_t K, const XllmQWeight *W, int64_t N,
-                         const void *bias, void *y, int64_t ldy, int out_bf16) {
+                         const void *bias, void *y, int64_t ldy, int out_bf16, int allow_amx) {
     const int64_t np = (N + XW_NR - 1) / XW_NR, oes = out_bf16 ? 2 : 4;
-    uint8_t *xu = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    const int amx = allow_amx && xwa_applies(W, M, K);
+    const int64_t rows = amx && M < 16 ? 16 : M; /* AMX: at least one whole tile of rows */
+    uint8_t *xu = aligned_alloc(64, (size_t)((rows * K + 63) / 64 * 64));
     float *sx = aligned_alloc(64, (size_t)((M * 4 + 63) / 64 * 64));
+    xw_quantize_rows(x, x_bf16, M, K, xu, sx);
+    if (amx) {
+        memset(xu + M * K, 128, (size_t)((rows - M) * K)); /* the padding rows: qx = 0 (never stored) */
+        xwa_gemm_team(xu, sx, M, K, W, N, bias, x_bf16, y, ldy, out_bf16);
+        free(sx);
+        free(xu);
+        return;
+    }
     int8_t *own = W->packed == NULL ? aligned_alloc(64, (size_t)(XW_NR * K)) : NULL;
     int32_t own_comp[XW_NR] __attribute__((aligned(64)));
-    xw_quantize_rows(x, x_bf16, M, K, xu, sx);
     const int8_t *data = (const int8_t *)W->data;
     const float *scales = (const float *)W->scales;
     const int64_t nt = (M + XW_MR - 1) / XW_MR;

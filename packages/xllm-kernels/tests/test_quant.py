@@ -178,10 +178,11 @@ def test_w8a8_packing_and_reference():
 
 @pytest.mark.skipif(quant_native.library() is None, reason="native quantized kernels unavailable")
 def test_w8a8_native_product_is_the_reference_to_the_last_bit():
-    """The VNNI int8 GEMM over the packed panels, and over panels it transposes itself (a weight without
-    them), equals w8a8_reference bit for bit: output rows not a multiple of 48, K with a half chunk of 64
-    (96), tiles of 1-8 rows, a row of zeros, outlier channels, bias, bf16 and fp32 in and out; the automatic
-    path takes it for every M (on AMX CPUs too)."""
+    """The int8 GEMM over the packed panels (on AMX-INT8 where the CPU has it and K % 64 == 0, and forced
+    onto VNNI), and over panels it transposes itself (a weight without them), equals w8a8_reference bit for
+    bit: output rows not a multiple of 48, K with a half chunk of 64 (96), tiles of 1-8 rows, AMX's padded
+    (< 16) and shifted last row blocks (17, 64), a row of zeros, outlier channels, bias, bf16 and fp32 in and
+    out; the automatic path takes it for every M."""
     gen = torch.Generator().manual_seed(41)
     for n, k in [(37, 96), (100, 576), (19, 1536)]:
         qw = quant_native.kernel_ready(quant.quantize(torch.randn(n, k, generator=gen) * 0.05, "w8a8"))
@@ -200,6 +201,7 @@ def test_w8a8_native_product_is_the_reference_to_the_last_bit():
                     assert torch.equal(y32, want), (n, k, m, dtype, float((y32 - want).abs().max()))
                     y = quant_native.linear(x, qw, bias, None, "w8a8")
                     assert y.dtype == dtype and torch.equal(y, want.to(dtype))
+                    assert torch.equal(quant_native.linear(x, qw, bias, torch.float32, "w8a8_vnni"), want)
                     out = torch.empty(m, n, dtype=torch.float32)
                     vp, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
                     quant_native.library().fn("xllm_quant_linear", [ctypes.POINTER(quant_native.QWeight), vp, i32, i64,

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 #: format name -> the kernels' XQ_* tag (gemm_quant.h)
 QUANT_TAGS: dict[str, int] = {"q8_0": 1, "q4_0": 2, "q4_1": 3, "int8": 4, "int4_g32": 5, "int4_g128": 6, "w8a8": 7}
 #: paths of xllm_quant_linear: automatic, skinny GEMV (<= 8 rows), panel GEMM, GEMV over chunks of 8 rows (any M),
-#: AMX (bf16 x where :func:`amx_ready`, else automatic), the W8A8 GEMM (int8-layout weights, any M)
-PATHS: dict[str, int] = {"auto": 0, "gemv": 1, "panels": 2, "gemv_chunks": 3, "amx": 4, "w8a8": 5}
+#: AMX (bf16 x where :func:`amx_ready`, else automatic), the W8A8 GEMM (int8-layout weights, any M; its tiles on
+#: AMX-INT8 where :func:`amx_int8_ready` and the weight has its panels with K % 64 == 0), the W8A8 GEMM on VNNI only
+PATHS: dict[str, int] = {"auto": 0, "gemv": 1, "panels": 2, "gemv_chunks": 3, "amx": 4, "w8a8": 5, "w8a8_vnni": 6}
 MAX_GEMV_ROWS = 8
 _VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -66,6 +67,13 @@ def amx_ready() -> bool:
     """Whether the AMX path (bf16 activations, 2+ rows; ``kernels/cpu/gemm_quant_amx.h``) runs here: the
     quantized kernels run and :func:`xllm.kernels.gemm.amx_ready`."""
     return library() is not None and gemm.amx_ready()
+
+
+def amx_int8_ready() -> bool:
+    """Whether the W8A8 GEMM runs its tiles on AMX-INT8 here (``kernels/cpu/gemm_w8a8_amx.h``: the quantized
+    kernels run and CPUID has AMX-INT8 besides :func:`amx_ready`'s AMX-TILE/AMX-BF16)."""
+    lib = library()
+    return lib is not None and bool(lib.fn("xllm_amx_int8_ready", [], _I32)())
 
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
