@@ -18,8 +18,9 @@
  * of 48 output rows in VPDPBUSD's layout ([K/4][48][4]: the quad k..k+3 of 48 columns in three zmm),
  * then runs 8x48 register tiles (24 int32 accumulators) over all M rows against each. The panels come
  * from W->packed when the weight carries them (xllm.kernels.quant packs every "w8a8" weight once:
- * ceil(N/48) panels of 48 * K int8, rows past N zero, then comp as int32 [ceil(N/48) * 48]), a
- * contiguous stream the DRAM prefetchers follow; else each panel is transposed from the row-major
+ * ceil(N/48) panels, each 48 * K int8 (rows past N zero) followed by its comp as int32 [48]: xw_panel_at;
+ * the panels from any multiple of 48 rows on are a weight of their own), a contiguous stream the DRAM
+ * prefetchers follow; else each panel is transposed from the row-major
  * int8 into a private buffer per call (xw_panel). Twice the multiply rate of the bf16 kernel's
  * VDPBF16PS on Zen 4 (64 products per instruction against 32, at the same instruction rate).
  * Where the CPU has AMX-INT8 and the weight its panels (K % 64 == 0), the tiles run on TDPBUSD instead
@@ -35,6 +36,11 @@
 #define XW_MR 8            /* rows per register tile */
 #define XW_MIN_M 1         /* rows from which the W8A8 GEMM runs: every product (one row too: over the packed
                               panels it outruns the int8 GEMV, and a row's result never depends on the batch) */
+
+/* panel p of W->packed (48 * K int8) and its offset sums (int32 [48], right after it) */
+ALWAYS_INLINE const int8_t *xw_panel_at(const XllmQWeight *W, int64_t K, int64_t p) {
+    return (const int8_t *)W->packed + p * (XW_NR * K + 4 * XW_NR);
+}
 
 ALWAYS_INLINE __mmask16 xw_mask(int64_t ncols, int v) {
     const int64_t left = ncols - 16 * v;
@@ -179,8 +185,8 @@ static void xw_gemm_team(const void *x, int x_bf16, int64_t M, int64_t K, const 
         if (own != NULL)
             xw_panel(data, K, N, n0, own, own_comp);
         else {
-            panel = (const int8_t *)W->packed + p * XW_NR * K;
-            comp = (const int32_t *)(W->packed + np * XW_NR * K) + p * XW_NR;
+            panel = xw_panel_at(W, K, p);
+            comp = (const int32_t *)(panel + XW_NR * K);
         }
         const void *bp = bias == NULL ? NULL : (const char *)bias + n0 * (x_bf16 ? 2 : 4);
         int64_t r0 = 0;

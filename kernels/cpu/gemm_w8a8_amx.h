@@ -59,8 +59,6 @@ AMX_INT8_TARGET static void xwa_gemm_team(const uint8_t *xu, const float *sx, in
                                           const XllmQWeight *W, int64_t N, const void *bias, int bias_bf16, void *y,
                                           int64_t ldy, int out_bf16) {
     const int64_t np = (N + XW_NR - 1) / XW_NR, mc = gpa_mblock(M, K), nmb = (M + mc - 1) / mc;
-    const int8_t *panels = (const int8_t *)W->packed;
-    const int32_t *comps = (const int32_t *)(W->packed + np * XW_NR * K);
     const float *scales = (const float *)W->scales;
     int32_t c[16 * XW_NR] __attribute__((aligned(64)));
     amx_configure_16x64(7);
@@ -68,13 +66,14 @@ AMX_INT8_TARGET static void xwa_gemm_team(const uint8_t *xu, const float *sx, in
     for (int64_t it = 0; it < nmb * np; it++) {
         const int64_t mb = it / np, p = it % np, m0 = mb * mc, n0 = p * XW_NR;
         const int64_t rows = M - m0 < mc ? M - m0 : mc, ncols = N - n0 < XW_NR ? N - n0 : XW_NR;
-        const int8_t *wp = panels + p * XW_NR * K;
+        const int8_t *wp = xw_panel_at(W, K, p);
         const int64_t ksteps = K / 64, nblk = (rows + 15) / 16;
-        const char *pf = (const char *)(it + 1 < nmb * np ? panels + ((it + 1) % np) * XW_NR * K : panels);
-        const int64_t pf_step = it + 1 < nmb * np ? (XW_NR * K / (nblk * ksteps) + 127) / 64 * 64 : 0;
+        const char *pf = (const char *)xw_panel_at(W, K, it + 1 < nmb * np ? (it + 1) % np : 0);
+        const int64_t pf_step = it + 1 < nmb * np ? ((XW_NR * K + 4 * XW_NR) / (nblk * ksteps) + 127) / 64 * 64 : 0;
         const void *bp = bias == NULL ? NULL : (const char *)bias + n0 * (bias_bf16 ? 2 : 4);
         XwOut o[XW_NV];
-        for (int v = 0; v < XW_NV; v++) o[v] = xw_out_setup(comps + n0, scales + n0, bp, bias_bf16, ncols, v);
+        for (int v = 0; v < XW_NV; v++)
+            o[v] = xw_out_setup((const int32_t *)(wp + XW_NR * K), scales + n0, bp, bias_bf16, ncols, v);
         for (int64_t r = 0; r < rows; r += 16) {
             /* the last block shifted back to end at M (M >= 16), else the padded rows */
             const int64_t s = m0 + r + 16 <= M || M < 16 ? m0 + r : M - 16;

@@ -147,14 +147,15 @@ def test_quant_linear_torch_fallback(monkeypatch):
 
 
 def test_w8a8_packing_and_reference():
-    """pack_w8a8's layout (panels of 48 rows as quads of k, rows past n zero, then 128 x the row sums) read
-    back element by element; the reference product within the rounding of int8 activations of the fp32
-    product over the dequantized weight, a row of zeros giving the bias alone."""
+    """pack_w8a8's layout (per panel of 48 rows: its quads of k, rows past n zero, then 128 x its row sums)
+    read back element by element; the reference product within the rounding of int8 activations of the
+    fp32 product over the dequantized weight, a row of zeros giving the bias alone."""
     w = _weight(50, 96, seed=7)
     qw = quant.quantize(w, "w8a8")
     q = qw.data.view(torch.int8)
-    panels = qw.packed[:2 * 48 * 96].view(torch.int8).reshape(2, 96 // 4, 48, 4)
-    comp = qw.packed[2 * 48 * 96:].view(torch.int32)
+    per_panel = qw.packed.reshape(2, 48 * 96 + 48 * 4)
+    panels = per_panel[:, :48 * 96].contiguous().view(torch.int8).reshape(2, 96 // 4, 48, 4)
+    comp = per_panel[:, 48 * 96:].contiguous().view(torch.int32).reshape(-1)
     for n, k in [(0, 0), (13, 37), (47, 95), (48, 4), (49, 66)]:
         assert int(panels[n // 48, k // 4, n % 48, k % 4]) == int(q[n, k])
     assert int(panels[1, :, 2:].abs().sum()) == 0  # rows 50..95 of the second panel

@@ -119,8 +119,14 @@ def alone_runs(smollm2_bf16, smollm2_tokenizer, prompts):
 def test_batched_decode_produces_what_each_request_gets_alone(smollm2_bf16, smollm2_tokenizer, prompts,
                                                               alone_runs, size):
     """Eight at once (the fused decode step) and twelve (the fused general step while more than eight
-    run: the blocked GEMM instead of the row-streaming one) against each prompt alone, by content."""
+    run: the blocked GEMM instead of the row-streaming one) against each prompt alone, by content; the
+    same batch without logprobs (every step's tokens from the greedy LM head, no logits) gives the same
+    tokens as with them (the logits and the sampler)."""
     batched = run_engine(smollm2_bf16, smollm2_tokenizer, prompts[:size], NEW_TOKENS, dtype=torch.bfloat16)
+    plain = run_engine(smollm2_bf16, smollm2_tokenizer, prompts[:size], NEW_TOKENS, dtype=torch.bfloat16,
+                       logprobs=False)
+    assert batched.greedy_head_steps == 0 and plain.greedy_head_steps > 0
+    assert plain.tokens == batched.tokens and plain.finish == batched.finish
     assert (batched.native_decode_steps > 0) == (size <= 8)
     if native.unavailable_reason() is None:
         assert batched.mode_steps["eager"] == 0

@@ -101,6 +101,20 @@ def test_every_linear_is_quantized_and_matches_its_dequantized_twin(fmt, tiny_di
     assert 0 < (got - want).abs().max() < 0.15 * want.abs().max()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_greedy_head_gives_the_sampled_tokens(fmt, tiny_dir, tmp_path_factory):
+    """The engine's greedy LM head (a plain greedy step: the argmax from the quantized head's kernels, no
+    logits) picks what the sampler picks from the logits (the same requests asking for logprobs), batched
+    and alone, through prefill chunks."""
+    model, _ = quantized(fmt, tiny_dir, tmp_path_factory)
+    prompts = prompts_with_shared_prefix()
+    for batch in (prompts, prompts[:1]):
+        sampled = run_engine(model, IdTokenizer(), batch, 12, max_num_batched_tokens=32)
+        plain = run_engine(model, IdTokenizer(), batch, 12, max_num_batched_tokens=32, logprobs=False)
+        assert sampled.greedy_head_steps == 0 and plain.greedy_head_steps > 0
+        assert plain.tokens == sampled.tokens
+
+
 def near_greedy_gaps(twin, prompt: list[int], out: list[int], lps: list[float], tol: float) -> torch.Tensor:
     """Teacher-forced through the float ``twin`` (the dequantized weights): every generated token is the
     twin's argmax or within ``tol`` of it (the native decode GEMV rounds activations to int8 per 32-block,
@@ -268,6 +282,9 @@ def test_smollm2_q4_1_greedy_agrees_with_dequantized(smollm2_q4_1, smollm2_fp32,
     n = 16
     got = run_engine(smollm2_q4_1, smollm2_tokenizer, prompts, n, max_num_batched_tokens=16)  # chunked prefill
     assert got.mode_steps.get("eager", 0) == 0  # every step took the fused native step over the Q4_1 weights
+    # without logprobs every step's tokens come from the Q8_0 head's greedy argmax (no logits): the same ones
+    plain = run_engine(smollm2_q4_1, smollm2_tokenizer, prompts, n, max_num_batched_tokens=16, logprobs=False)
+    assert plain.greedy_head_steps > 0 and plain.tokens == got.tokens
     gaps = torch.cat([near_greedy_gaps(smollm2_fp32, p, got.tokens[f"p{i}"], got.logprobs[f"p{i}"], TOL_SMOLLM2)
                       for i, p in enumerate(prompts)])
     assert (gaps == 0).float().mean() >= 0.95  # measured: 48 of 48 (int8 activations: 45 of 48)

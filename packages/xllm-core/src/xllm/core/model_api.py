@@ -76,6 +76,17 @@ class CausalLM(Protocol):
         ...
 
 
+@runtime_checkable
+class SupportsGreedyHead(Protocol):
+    """A :class:`CausalLM` whose head also gives the greedy tokens of hidden rows directly: the engine
+    uses it for steps whose every sampled row is a plain greedy pick (:meth:`xllm.core.sampler.Sampler.plain_greedy`)."""
+
+    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden rows ``[N, hidden]`` -> int64 ``[N]``: ``compute_logits(hidden).argmax(-1)`` exactly (first
+        index on ties), without the logits where the model's kernels allow."""
+        ...
+
+
 class SlotKV(Protocol):
     """KV memory with per-slot contiguous rows that never move while the backend lives:
     ``layer_kv(layer)`` gives ``[slots, max_len, kv_heads, dim]`` K and V tensors in the model dtype, or,

@@ -11,8 +11,16 @@ import torch
 
 from xllm.core.kv.addressing import PageAddress, SlotAddress
 from xllm.core.kv.base import KVCacheBackend
-from xllm.core.model_api import AttentionContext, CausalLM, FusedForward, StepTokens, SupportsFusedForward
+from xllm.core.model_api import (
+    AttentionContext,
+    CausalLM,
+    FusedForward,
+    StepTokens,
+    SupportsFusedForward,
+    SupportsGreedyHead,
+)
 from xllm.core.sequence import Sequence
+from xllm.kernels.sampling import argmax_rows
 
 
 @dataclass
@@ -103,6 +111,7 @@ class ModelRunner:
         # set, every step runs eager (the fused and compiled paths return the sampled rows only)
         self.hidden_sink: Callable[[BatchInputs, torch.Tensor], None] | None = None
         self.mode_steps = {"native": 0, "native_verify": 0, "native_step": 0, "compiled": 0, "eager": 0, "beams": 0}
+        self.greedy_head_steps = 0  # steps whose tokens came from the model's greedy head (no logits)
         # a step with extra rows shares one eager forward with them up to this many rows of its own;
         # from the quiet step table (docs/performance.md): eager costs more than the fused step, ~10 ms at 16
         # decode rows, ~21 ms at 64, 140 ms at 15 decodes + a 512-token chunk; a forward of the extra rows
@@ -206,14 +215,27 @@ class ModelRunner:
         return (bool(batch.spec_spans) and len(batch.spec_spans) == batch.num_prefill_seqs and not batch.prompt_rows
                 and len(batch.input_ids) <= self.fused.max_batch)
 
+    def _head(self, hidden: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """The logits of ``hidden``'s rows, or with ``greedy`` their argmax (the model's own greedy head
+        where it has one: no logits written)."""
+        if not greedy:
+            return self.model.compute_logits(hidden)
+        if isinstance(self.model, SupportsGreedyHead):
+            self.greedy_head_steps += 1
+            return self.model.compute_greedy(hidden)
+        return argmax_rows(self.model.compute_logits(hidden))
+
     @torch.inference_mode()
     def execute(self, batch: BatchInputs, on_layer: Callable[[int], None] | None = None,
-                extra: ExtraRows | None = None) -> torch.Tensor:
+                extra: ExtraRows | None = None, greedy: bool = False) -> torch.Tensor:
         """Forward the packed batch; float32 logits of :attr:`BatchInputs.logit_rows` (one per sampled
-        sequence, then the prompt-logprob rows), ``[rows, vocab]``. ``on_layer`` hears
-        each layer's index once the forward stored its KV (such a step runs eager). ``extra`` rows
-        join the forward after the batch's (one pass over the weights for both); their logits follow
-        the batch's, every row of them."""
+        sequence, then the prompt-logprob rows), ``[rows, vocab]``; with ``greedy``, their argmax instead
+        (int64 ``[rows]``, first index on ties: the logits' argmax exactly, not written where the model has
+        a greedy head). ``on_layer`` hears each layer's index once the forward stored its KV (such a step
+        runs eager). ``extra`` rows join the forward after the batch's (one pass over the weights for
+        both); their logits follow the batch's, every row of them (not with ``greedy``)."""
+        if extra is not None and greedy:
+            raise ValueError("execute: extra rows need their logits (greedy is for the batch's rows alone)")
         if extra is not None:
             if (self.fused is None or on_layer is not None or self.hidden_sink is not None
                     or len(batch.input_ids) <= self.share_max_rows):
@@ -228,25 +250,26 @@ class ModelRunner:
                 slots = self.kv.addressing.decode_slots(batch)
                 hidden = self.fused(batch.input_ids, batch.positions, slots, self.kv)
                 self.mode_steps["native"] += 1
-                return self.model.compute_logits(hidden)
+                return self._head(hidden, greedy)
             if self._skinny_verify(batch):
                 # decode rows and verify chunks only, few rows: the decode kernel streams the weights
                 # once for all of them; a verify chunk's rows share its slot at consecutive positions,
                 # which the kernel attends causally. Every row is a logit row, in logit_rows order.
                 hidden = self.fused(batch.input_ids, batch.positions, batch.address.token_slots, self.kv)
                 self.mode_steps["native_verify"] += 1
-                return self.model.compute_logits(hidden)
+                return self._head(hidden, greedy)
             if len(batch.input_ids) <= self.fused.max_step_tokens:
                 self.mode_steps["native_step"] += 1
                 if not batch.needs_logits:
                     self.fused.step(self.step_tokens(batch), self.kv)
-                    return torch.empty(0, 0, dtype=torch.float32)
-                return self.model.compute_logits(self.fused.step(self.step_tokens(batch), self.kv))
+                    return _no_rows(greedy)
+                return self._head(self.fused.step(self.step_tokens(batch), self.kv), greedy)
         if pure_decode:
             slots = self.kv.addressing.decode_slots(batch)
             if self.graph is not None and self.hidden_sink is None and self.graph.covers(batch.num_decode):
                 self.mode_steps["compiled"] += 1
-                return self.graph(batch.input_ids, batch.positions, slots)
+                logits = self.graph(batch.input_ids, batch.positions, slots)
+                return argmax_rows(logits) if greedy else logits
         self.mode_steps["eager"] += 1
         ctx = self.kv.addressing.context(batch)
         if on_layer is not None:
@@ -255,8 +278,8 @@ class ModelRunner:
         if self.hidden_sink is not None:
             self.hidden_sink(batch, hidden)
         if not batch.needs_logits:
-            return hidden.new_empty(0, 0, dtype=torch.float32)
-        return self.model.compute_logits(hidden[batch.logit_rows])
+            return _no_rows(greedy)
+        return self._head(hidden[batch.logit_rows], greedy)
 
     def _execute_with(self, batch: BatchInputs, on_layer: Callable[[int], None] | None,
                       extra: ExtraRows) -> torch.Tensor:
@@ -271,6 +294,11 @@ class ModelRunner:
             self.hidden_sink(batch, hidden[:n])
         rows = torch.cat([batch.logit_rows, torch.arange(n, len(hidden), device=batch.logit_rows.device)])
         return self.model.compute_logits(hidden[rows])
+
+
+def _no_rows(greedy: bool) -> torch.Tensor:
+    """What :meth:`ModelRunner.execute` returns for a batch without logit rows."""
+    return torch.empty(0, dtype=torch.int64) if greedy else torch.empty(0, 0, dtype=torch.float32)
 
 
 class _SplitContext:

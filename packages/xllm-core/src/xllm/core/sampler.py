@@ -94,6 +94,25 @@ class Sampler:
                 out_lp[i] = (float(row[token_ids[i]]), top)
         return SampleResult(token_ids, out_lp)
 
+    @staticmethod
+    def plain_greedy(seqs: list[Sequence]) -> bool:
+        """Whether :meth:`__call__` (without grammar masks) returns the argmax of the raw logits for every
+        one of ``seqs`` and no logprobs: greedy, no logit bias, no penalties, past ``min_tokens`` (nothing
+        masked), no beam search. Such a step needs the tokens alone (:class:`SampleResult` from
+        :meth:`greedy_result`), which a model's greedy head gives without writing the logits."""
+        for s in seqs:
+            p = s.params
+            if (not p.greedy or p.logprobs or p.top_logprobs or p.logit_bias or p.needs_penalties
+                    or s.num_output_tokens() < p.min_tokens or p.beam_width is not None):
+                return False
+        return bool(seqs)
+
+    @staticmethod
+    def greedy_result(tokens: torch.Tensor) -> SampleResult:
+        """The result of a :meth:`plain_greedy` step whose argmax tokens are ``tokens``."""
+        ids = tokens.tolist()
+        return SampleResult(ids, [None] * len(ids))
+
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[-1]
         rows_bias = [(i, s.params.logit_bias) for i, s in enumerate(seqs) if s.params.logit_bias]

@@ -83,8 +83,19 @@ class StepInFlight:
             start += n
         raise IndexError(row)
 
+    def _plain_greedy(self) -> bool:
+        """Whether the step needs its sampled rows' argmax alone (no beams, verification, prompt logprobs,
+        grammar masks; every sampled sequence :meth:`Sampler.plain_greedy`)."""
+        b = self.batch
+        return (self.beam_pass is None and self.masks is None and not b.spec_spans and not b.prompt_rows
+                and self.sampler.plain_greedy(b.sample_seqs))
+
     def _run(self) -> SampleResult | None:
         t0 = time.perf_counter()
+        if self._plain_greedy():  # the model's greedy head: no logits written, no sampler pass
+            result = self.sampler.greedy_result(self.runner.execute(self.batch, self.on_layer, greedy=True))
+            self.forward_seconds = time.perf_counter() - t0
+            return result
         beams = self.beam_pass
         logits = self.runner.execute(self.batch, self.on_layer, beams.first if beams is not None else None)
         if beams is not None:  # the beam rows' logits follow the batch's

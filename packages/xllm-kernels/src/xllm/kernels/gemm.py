@@ -125,3 +125,23 @@ def packed_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None =
                 x2.data_ptr(), x2.stride(0), m, pw.k, pw.data_ptr(), pw.n, bias_ptr, y.data_ptr(), pw.n)
     y = y.reshape(*lead, pw.n)
     return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
+
+
+def packed_argmax(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The row argmax (int64 ``[M]``, first index on ties) of the logits ``packed_linear(x, pw, bias,
+    widen=True)`` writes (``packed_linear(x, pw, bias)`` for fp32), bit for bit, without writing them: a
+    greedy LM head (``kernels/cpu/lm_head.c``). ``x [M, K]`` in ``pw.dtype``, NaN-free products."""
+    if x.dim() != 2 or x.dtype != pw.dtype or x.shape[1] != pw.k:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match the packed weight [{pw.n}, {pw.k}] {pw.dtype}")
+    if bias is not None and (bias.shape != (pw.n,) or bias.dtype != pw.dtype):
+        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} does not match [{pw.n}] {pw.dtype}")
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("packed_argmax needs the native library (a PackedWeight exists only where it loaded)")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    name = "xllm_head_argmax_packed_bf16" if pw.dtype == torch.bfloat16 else "xllm_head_argmax_packed_f32"
+    lib.fn(name, [_VP, _I64, _I64, _VP, _I64, _VP, _VP])(
+        x.data_ptr(), x.shape[0], pw.k, pw.data_ptr(), pw.n, None if bias is None else bias.contiguous().data_ptr(),
+        out.data_ptr())
+    return out

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from xllm.kernels import native
-from xllm.kernels.gemm import PackedWeight, packed_linear
+from xllm.kernels.gemm import PackedWeight, packed_argmax, packed_linear
 from xllm.kernels.gemm_choice import GemmChoice
+from xllm.kernels.sampling import argmax_rows
 
 MAX_NATIVE_ROWS = 8
 
@@ -41,11 +42,30 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | No
 #: writes the float32 logits itself, where oneDNN's bf16 output is then converted (SmolLM2's head at 64 rows:
 #: the GEMM ~5 ms, the conversion ~1 ms, this Xeon, 2 threads)
 WIDEN_SLACK = 1.2
+#: the same for a greedy head's argmax (:func:`linear_argmax`): the native kernel writes nothing, where oneDNN's
+#: bf16 logits are converted and read back by the argmax (SmolLM2's head at 64 rows, this session's AMX Xeon:
+#: oneDNN 5.0 ms + conversion 1.15 + argmax 0.6 ms against the native product alone)
+GREEDY_SLACK = 1.5
 
 
 def _native_packed_ok(x: torch.Tensor, pw: PackedWeight | None, bias: torch.Tensor | None) -> bool:
     return (pw is not None and x.dim() == 2 and x.device.type == "cpu" and x.dtype == pw.dtype
             and x.shape[1] == pw.k and (bias is None or (bias.dtype == pw.dtype and bias.device.type == "cpu")))
+
+
+def _takes_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
+                  native_packed: PackedWeight | None, choice: GemmChoice | None, slack: float) -> bool:
+    """Whether :func:`linear` runs this product on the native packed GEMM (its docstring has the rule; ``slack``:
+    the choice's credit for the work the native kernel saves, ``GemmChoice.use_native``)."""
+    if torch.compiler.is_compiling() or not _native_packed_ok(x, native_packed, bias):
+        return False
+    if 2 <= x.shape[0] <= MAX_NATIVE_ROWS:
+        # 2-8 rows: the packed GEMM streams the weights once too, without the GEMV's per-row
+        # reductions (the GEMV turns compute-bound from ~4 rows); the fused steps do the same
+        return True
+    if native_linear_ok(x, weight) and (bias is None or bias.is_contiguous()):
+        return False  # the skinny GEMV
+    return packed is None or choice is None or choice.use_native(x.shape[0], slack)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -73,15 +93,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.compiler.is_compiling():
         y = F.linear(x, weight, bias)
         return _cast(y, out_dtype, widen)
-    if (native_packed is not None and x.dim() == 2 and 2 <= x.shape[0] <= MAX_NATIVE_ROWS
-            and _native_packed_ok(x, native_packed, bias)):
-        # 2-8 rows: the packed GEMM streams the weights once too, without the GEMV's per-row
-        # reductions (the GEMV turns compute-bound from ~4 rows); the fused steps do the same
+    if _takes_packed(x, weight, bias, packed, native_packed, choice, WIDEN_SLACK if widen else 1.0):
         return packed_linear(x, native_packed, bias, out_dtype, widen=wide_bf16)
     if not native_linear_ok(x, weight) or (bias is not None and not bias.is_contiguous()):
-        if _native_packed_ok(x, native_packed, bias) and (
-                packed is None or choice is None or choice.use_native(x.shape[0], WIDEN_SLACK if widen else 1.0)):
-            return packed_linear(x, native_packed, bias, out_dtype, widen=wide_bf16)
         if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
             y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         else:
@@ -99,6 +113,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(m, n, dtype=torch.float32)
     lib.xllm_gemm_f32(x.data_ptr(), m, k, weight.data_ptr(), n, bias_ptr, y.data_ptr())
     return _cast(y, out_dtype, widen)
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  packed: torch.Tensor | None = None, native_packed: PackedWeight | None = None,
+                  choice: GemmChoice | None = None) -> torch.Tensor:
+    """The row argmax (int64 ``[M]``, first index on ties) of the logits ``linear(x, weight, bias, ...,
+    widen=True)`` gives: a greedy LM head. Where :func:`linear` would run the native packed GEMM, and also
+    where the measured choice has oneDNN ahead by less than :data:`GREEDY_SLACK` (the native kernel then
+    saves more than the conversion it saves the logits), it runs the native argmax, which never writes the
+    logits (:func:`xllm.kernels.gemm.packed_argmax`; exactly the native logits' argmax, which in that second
+    case may differ from oneDNN's logits at a bf16 near-tie, as any two summation orders may); elsewhere it
+    computes the logits and takes their argmax."""
+    if _takes_packed(x, weight, bias, packed, native_packed, choice, GREEDY_SLACK):
+        return packed_argmax(x, native_packed, bias)
+    return argmax_rows(linear(x, weight, bias, packed=packed, native_packed=native_packed, choice=choice, widen=True))
 
 
 def _cast(y: torch.Tensor, out_dtype: torch.dtype | None, widen: bool) -> torch.Tensor:

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from xllm.kernels import quant_native
+from xllm.kernels.sampling import argmax_rows
 
 FORMATS: tuple[str, ...] = ("q8_0", "q4_0", "q4_1", "int8", "int4_g32", "int4_g128", "w8a8")
 #: formats stored as int8 per output channel (``data`` int8 ``[n, k]``, fp32 ``scales [n]``)
@@ -108,15 +109,17 @@ W8A8_PANEL_ROWS = 48
 def pack_w8a8(data: torch.Tensor) -> torch.Tensor:
     """The int8 GEMM's copy of a w8a8 weight's ``data`` (int8 ``[n, k]`` as uint8), as flat bytes: for
     each panel of 48 output rows (rows past ``n`` zero), the quads of 4 consecutive k of its 48 rows,
-    ``[k / 4][48][4]``; then, as int32, ``128 * sum_k q[row, k]`` of every panel row (the kernel takes
-    its unsigned activation offset back with it)."""
+    ``[k / 4][48][4]``, then, as int32, ``128 * sum_k q[row, k]`` of its 48 rows (the kernel takes its
+    unsigned activation offset back with it). Each panel is self-contained (``48 * k + 192`` bytes), so
+    the panels from any multiple of 48 rows on are a weight of their own (a greedy LM head's column chunks)."""
     n, k = data.shape
     rows = _w8a8_panel_rows(n)
     q = torch.zeros(rows, k, dtype=torch.int8)
     q[:n] = data.view(torch.int8)
-    panels = q.reshape(rows // W8A8_PANEL_ROWS, W8A8_PANEL_ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    comp = (q.to(torch.int32).sum(dim=1) * 128).to(torch.int32)
-    return torch.cat([panels.view(torch.uint8).reshape(-1), comp.view(torch.uint8)])
+    np_ = rows // W8A8_PANEL_ROWS
+    panels = q.reshape(np_, W8A8_PANEL_ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    comp = (q.to(torch.int32).sum(dim=1) * 128).to(torch.int32).reshape(np_, W8A8_PANEL_ROWS)
+    return torch.cat([panels.view(torch.uint8).reshape(np_, -1), comp.view(torch.uint8)], dim=1).reshape(-1)
 
 
 def _w8a8_panel_rows(n: int) -> int:
@@ -124,7 +127,7 @@ def _w8a8_panel_rows(n: int) -> int:
 
 
 def _w8a8_packed_bytes(n: int, k: int) -> int:
-    return _w8a8_panel_rows(n) * (k + 4)  # panels, then one int32 offset sum per panel row
+    return _w8a8_panel_rows(n) * (k + 4)  # per panel: its quads, then one int32 offset sum per row
 
 
 def supports(fmt: str, k: int) -> bool:
@@ -309,6 +312,16 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
         y = F.linear(x2.to(wdtype), dequantize(qw, wdtype), None if bias is None else bias.to(wdtype))
         y = y.to(out_dtype or x.dtype)
     return y.reshape(*lead, qw.n)
+
+
+def quant_argmax(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The row argmax (int64 ``[m]``, first index on ties) of ``quant_linear(x, qw, bias).float()`` for
+    ``x [m, k]``, exactly: a greedy LM head; natively without writing the product where
+    :func:`quant_linear` runs natively, else by computing it."""
+    if x.dim() != 2 or x.shape[-1] != qw.k:
+        raise ValueError(f"quant_argmax: x {tuple(x.shape)} does not match the weight's {qw.k} features")
+    out = quant_native.argmax(x, qw.contiguous(), bias)
+    return out if out is not None else argmax_rows(quant_linear(x, qw, bias).float())
 
 
 def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

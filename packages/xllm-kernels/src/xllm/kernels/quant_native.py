@@ -105,6 +105,30 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_
     return y
 
 
+def argmax(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The row argmax (int64 ``[m]``, first index on ties) of ``linear(x, qw, bias, None)`` (as float32),
+    bit for bit, without writing the product (``kernels/cpu/lm_head.c``: a greedy LM head), or None
+    where :func:`linear` would return None."""
+    if torch.compiler.is_compiling() or x.dim() != 2 or x.device.type != "cpu":
+        return None
+    if x.dtype not in (torch.bfloat16, torch.float32) or qw.data.device.type != "cpu":
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    m, k = x.shape
+    x = x.contiguous()
+    qw = kernel_ready(qw)
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    out = torch.empty(m, dtype=torch.int64)
+    w = struct(qw)
+    lib.fn("xllm_head_argmax_quant", [ctypes.POINTER(QWeight), _VP, _I32, _I64, _I64, _I64, _VP, _VP])(
+        ctypes.byref(w), x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, qw.n,
+        None if bias is None else bias.data_ptr(), out.data_ptr())
+    return out
+
+
 def dequantize_f32(qw: QuantizedWeight) -> torch.Tensor | None:
     """The native dequantization to fp32 ``[n, k]`` (FMA: within an ulp of
     :func:`xllm.kernels.quant.dequantize`), or None without the library."""

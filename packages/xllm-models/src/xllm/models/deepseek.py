@@ -32,6 +32,7 @@ from torch import nn
 
 from xllm.core.model_api import AttentionContext, KVCacheSpec
 from xllm.kernels import RotaryTable, RoutingConfig, linear
+from xllm.kernels.linear import linear_argmax
 from xllm.models.config import ModelConfig, ModelConfigError
 from xllm.models.layers import Linear, RMSNorm
 from xllm.models.llama import LlamaMLP, LlamaModel
@@ -230,6 +231,12 @@ class DeepseekV2ForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head.logits(hidden)
         return linear(hidden, self.model.embed_tokens.weight, widen=True)
+
+    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``compute_logits(hidden).argmax(-1)`` exactly, without the logits where the kernels allow."""
+        if self.lm_head is not None:
+            return self.lm_head.greedy(hidden)
+        return linear_argmax(hidden, self.model.embed_tokens.weight)
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the parameters; every parameter must be set.

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from xllm.kernels import RotaryTable, linear, rms_norm
 from xllm.kernels.gemm import PackedWeight, pack
 from xllm.kernels.gemm_choice import GemmChoice, choose
-from xllm.kernels.linear import MAX_NATIVE_ROWS, pack_weight
-from xllm.kernels.quant import QuantizedWeight, dequantize, quant_linear
+from xllm.kernels.linear import MAX_NATIVE_ROWS, linear_argmax, pack_weight
+from xllm.kernels.quant import QuantizedWeight, dequantize, quant_argmax, quant_linear
 from xllm.models.config import ModelConfig, ModelConfigError, rope_parameters
 from xllm.models.weights import CheckpointShards
+
+
+class LMHead(Protocol):
+    """An LM head as the model classes use it: the float32 logits of hidden rows, and their row argmax
+    (first index on ties) exactly, which the native kernels compute without writing the logits."""
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -83,6 +94,11 @@ class Linear(_PackOnDemand, nn.Linear):
         pass instead of a bf16 output and its conversion."""
         return linear(x, self.weight, self.bias, widen=True, **self._packed_for(x))
 
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """``logits(x).argmax(-1)`` exactly (first index on ties), without the logits where the native
+        packed GEMM runs (a greedy LM head)."""
+        return linear_argmax(x, self.weight, self.bias, **self._packed_for(x))
+
 
 class TiedLMHead(_PackOnDemand):
     """The LM head of a model whose head shares the input embedding's weight, packed like
@@ -101,6 +117,13 @@ class TiedLMHead(_PackOnDemand):
         if torch.compiler.is_compiling():
             return linear(x, self.weight).float()
         return linear(x, self.weight, widen=True, **self._packed_for(x))
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """``logits(x).argmax(-1)`` exactly (first index on ties), without the logits where the native
+        packed GEMM runs."""
+        if torch.compiler.is_compiling():
+            return self.logits(x).argmax(dim=-1)
+        return linear_argmax(x, self.weight, **self._packed_for(x))
 
 
 class QuantLinear(nn.Module):
@@ -122,6 +145,11 @@ class QuantLinear(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``forward(x).float()`` (an LM head's logits)."""
         return self(x).float()
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """``logits(x).argmax(-1)`` exactly (first index on ties), without the logits where the native
+        kernels run."""
+        return quant_argmax(x, self.qweight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.qweight.fmt}"
@@ -159,6 +187,11 @@ class QuantTiedHead:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x).float()`` (an LM head's logits)."""
         return self(x).float()
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """``logits(x).argmax(-1)`` exactly (first index on ties), without the logits where the native
+        kernels run."""
+        return quant_argmax(x, self.qweight)
 
 
 def tied_lm_head(embedding: nn.Module) -> TiedLMHead | QuantTiedHead:

@@ -12,7 +12,16 @@ from torch import nn
 from xllm.core.model_api import AttentionContext, KVCacheSpec
 from xllm.kernels import RopeBatch, RotaryTable, apply_rotary, silu_and_mul
 from xllm.models.config import ModelConfig
-from xllm.models.layers import Linear, MergedLinear, QuantTiedHead, RMSNorm, TiedLMHead, build_rotary, tied_lm_head
+from xllm.models.layers import (
+    Linear,
+    LMHead,
+    MergedLinear,
+    QuantTiedHead,
+    RMSNorm,
+    TiedLMHead,
+    build_rotary,
+    tied_lm_head,
+)
 from xllm.models.llama_native import FusedLlamaForward
 from xllm.models.prefix import layer_prefix_view
 from xllm.models.weights import StackedName, load_named_weights
@@ -166,11 +175,18 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._head().logits(hidden)
+
+    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``compute_logits(hidden).argmax(-1)`` exactly, without the logits where the kernels allow."""
+        return self._head().greedy(hidden)
+
+    def _head(self) -> LMHead:
         if self.lm_head is not None:
-            return self.lm_head.logits(hidden)
+            return self.lm_head
         if self._tied_head is None:
             self._tied_head = tied_lm_head(self.model.embed_tokens)
-        return self._tied_head.logits(hidden)
+        return self._tied_head
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the parameters; every parameter must be set."""

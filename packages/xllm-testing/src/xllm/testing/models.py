@@ -106,6 +106,7 @@ class EngineRun:
     counters: object = None
     native_decode_steps: int = 0  # decode steps the fused native step ran
     mode_steps: dict[str, int] = field(default_factory=dict)  # steps per forward mode (ModelRunner.mode_steps)
+    greedy_head_steps: int = 0  # steps whose tokens came from the model's greedy head (ModelRunner)
 
 
 class _Recorder:
@@ -119,9 +120,10 @@ class _Recorder:
 
 
 def run_engine(model, tokenizer, prompts: list[list[int]], max_tokens: int, dtype=torch.float32,
-               top_logprobs: int = 0, **config) -> EngineRun:
-    """Submit every prompt at once (greedy, ignore_eos, logprobs; the ``top_logprobs`` most likely
-    tokens of every position in ``EngineRun.top``) and step until done."""
+               top_logprobs: int = 0, logprobs: bool = True, **config) -> EngineRun:
+    """Submit every prompt at once (greedy, ignore_eos, logprobs unless ``logprobs`` is False; the
+    ``top_logprobs`` most likely tokens of every position in ``EngineRun.top``) and step until done.
+    Without logprobs the steps take the model's greedy head (``EngineRun.greedy_head_steps``)."""
     config.setdefault("max_model_len", 512)
     config.setdefault("max_num_seqs", 16)
     config.setdefault("num_threads", 1)  # tests share 2 cores: one torch thread (see xllm.testing.engine)
@@ -132,7 +134,7 @@ def run_engine(model, tokenizer, prompts: list[list[int]], max_tokens: int, dtyp
         engine.add_request(engine_pb2.GenerateRequest(
             request_id=f"p{i}", prompt_token_ids=p,
             sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                               logprobs=True, top_logprobs=top_logprobs)))
+                                               logprobs=logprobs, top_logprobs=top_logprobs)))
     for _ in range(10000):
         if not engine.has_work():
             break
@@ -147,4 +149,5 @@ def run_engine(model, tokenizer, prompts: list[list[int]], max_tokens: int, dtyp
     run.counters = engine.counters
     run.native_decode_steps = engine.runner.native_decode_steps
     run.mode_steps = dict(engine.runner.mode_steps)
+    run.greedy_head_steps = engine.runner.greedy_head_steps
     return run
