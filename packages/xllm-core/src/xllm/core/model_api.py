@@ -79,7 +79,8 @@ class CausalLM(Protocol):
 @runtime_checkable
 class SupportsGreedyHead(Protocol):
     """A :class:`CausalLM` whose head also gives the greedy tokens of hidden rows directly: the engine
-    uses it for steps whose every sampled row is a plain greedy pick (:meth:`xllm.core.sampler.Sampler.plain_greedy`)."""
+    uses it for steps whose every sampled row is a plain greedy pick
+    (:meth:`xllm.core.sampler.Sampler.plain_greedy`)."""
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden rows ``[N, hidden]`` -> int64 ``[N]``: ``compute_logits(hidden).argmax(-1)`` exactly (first
