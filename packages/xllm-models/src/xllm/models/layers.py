@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, res)
 
 
-class _PackOnDemand:
+class PackOnDemand:
     """Mixin: packed weight copies for large batches, made the first time more rows than the native
     GEMV takes go through the layer, so loading stays a pure copy and decode-only use never pays for
     (or stores) them. At that point :func:`xllm.kernels.gemm_choice.choose` says, per row-count
@@ -82,7 +82,7 @@ class _PackOnDemand:
         return {"packed": self.packed, "native_packed": self._native, "choice": self._choice}
 
 
-class Linear(_PackOnDemand, nn.Linear):
+class Linear(PackOnDemand, nn.Linear):
     """``nn.Linear`` with the native skinny-GEMM path for decode-sized inputs and prepacked weights
     (native or oneDNN, as measured) for larger ones."""
 
@@ -100,7 +100,7 @@ class Linear(_PackOnDemand, nn.Linear):
         return linear_argmax(x, self.weight, self.bias, **self._packed_for(x))
 
 
-class TiedLMHead(_PackOnDemand):
+class TiedLMHead(PackOnDemand):
     """The LM head of a model whose head shares the input embedding's weight, packed like
     :class:`Linear` (not a module: the parameter belongs to the embedding)."""
 
@@ -194,6 +194,22 @@ class QuantTiedHead:
         return quant_argmax(x, self.qweight)
 
 
+def streamed_tensors(part: object) -> list[torch.Tensor]:
+    """The tensors the kernels read of one linear, embedding or LM head each step they run it, packed
+    copies first (a float layer's native packed copy is made here: the blocked GEMM's weight), then the
+    plain weight (the one-row GEMV's, an embedding's lookups); a quantized weight's data, panels and
+    scales. Empty for anything else."""
+    if isinstance(part, (QuantLinear, QuantEmbedding, QuantTiedHead)):
+        qw = part.qweight
+        return [t for t in (qw.packed, qw.data, qw.scales, qw.zeros) if t is not None]
+    if isinstance(part, PackOnDemand):
+        pw = part.native_packed()
+        return ([] if pw is None else [pw.data]) + [part.weight]
+    if isinstance(part, nn.Embedding):
+        return [part.weight]
+    return []
+
+
 def tied_lm_head(embedding: nn.Module) -> TiedLMHead | QuantTiedHead:
     """The LM head reading ``embedding``'s weight (tied word embeddings), float or quantized."""
     if isinstance(embedding, QuantEmbedding):
@@ -201,7 +217,7 @@ def tied_lm_head(embedding: nn.Module) -> TiedLMHead | QuantTiedHead:
     return TiedLMHead(embedding.weight)
 
 
-class MergedLinear(_PackOnDemand, CheckpointShards, nn.Module):
+class MergedLinear(PackOnDemand, CheckpointShards, nn.Module):
     """A linear layer whose output rows are several checkpoint weights stacked.
 
     ``shards`` maps a checkpoint shard name (e.g. ``"q"``) to its output size;

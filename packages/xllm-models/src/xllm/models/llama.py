@@ -16,10 +16,12 @@ from xllm.models.layers import (
     Linear,
     LMHead,
     MergedLinear,
+    PackOnDemand,
     QuantTiedHead,
     RMSNorm,
     TiedLMHead,
     build_rotary,
+    streamed_tensors,
     tied_lm_head,
 )
 from xllm.models.llama_native import FusedLlamaForward
@@ -180,6 +182,21 @@ class LlamaForCausalLM(nn.Module):
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """``compute_logits(hidden).argmax(-1)`` exactly, without the logits where the kernels allow."""
         return self._head().greedy(hidden)
+
+    def drop_packed(self) -> None:
+        """Forget every packed weight copy and the fused forward bound over them: call after writing
+        weights in place (loading made the copies; they are rebuilt from the new weights on demand)."""
+        for m in self.modules():
+            if isinstance(m, PackOnDemand):
+                m.drop_packed()
+        self._tied_head = None
+        self.post_load()
+
+    def streamed_tensors(self) -> list[torch.Tensor]:
+        """What the kernels stream every step, in module order (the embedding, each layer's projections:
+        packed copies made here, then the plain weights) and the LM head last
+        (:class:`xllm.models.placement.StreamsWeights`)."""
+        return [t for part in [*self.modules(), self._head()] for t in streamed_tensors(part)]
 
     def _head(self) -> LMHead:
         if self.lm_head is not None:

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from xllm.core.dtypes import WEIGHT_QUANTIZATIONS, canonical_quantization
 from xllm.models.config import ModelConfig, ModelConfigError
 from xllm.models.gguf_weights import StoredWeights, read_gguf_weights
+from xllm.models.placement import StreamsWeights, place_weights
 from xllm.models.quantize import install_quantized, quantize_model, release_freed_memory
 from xllm.models.registry import model_class
 from xllm.models.smoothing import calibration_ids, smooth_for_w8a8
@@ -171,9 +172,18 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         release_freed_memory()
     model.post_load()
     model.eval().requires_grad_(False)
+    _place(model)
     log.info("loaded %s (%s%s) from %s in %.2fs", cfg.architecture, dtype, f", {fmt} linears" if fmt else "",
              model_dir, time.perf_counter() - start)
     return model
+
+
+def _place(model: torch.nn.Module) -> None:
+    """The streamed weights of a CPU model moved into one huge-page arena (:mod:`xllm.models.placement`),
+    the memory they leave handed back to the OS."""
+    if isinstance(model, StreamsWeights) and all(p.device.type == "cpu" for p in model.parameters()):
+        place_weights(model)
+        release_freed_memory()
 
 
 def load_stored(model_dir: str | pathlib.Path, stored: StoredWeights, dtype: torch.dtype) -> torch.nn.Module:
@@ -192,5 +202,6 @@ def load_stored(model_dir: str | pathlib.Path, stored: StoredWeights, dtype: tor
     _materialize(model, dtype, torch.device("cpu"))
     model.load_weights(stored.float_items(skip=used))
     model.post_load()
-    release_freed_memory()  # the gathers and dequantized copies made while reading
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    _place(model)  # (also releases the gathers and dequantized copies made while reading)
+    return model

@@ -68,6 +68,7 @@ def dequantized_twin(quantized: torch.nn.Module, model_dir: pathlib.Path) -> tor
     from xllm.kernels.quant import dequantize
     from xllm.models import load_model
     from xllm.models.layers import QuantEmbedding, QuantLinear
+    from xllm.models.placement import StreamsWeights
 
     twin = load_model(model_dir, torch.float32, progress=False)
     for path, module in quantized.named_modules():
@@ -76,4 +77,6 @@ def dequantized_twin(quantized: torch.nn.Module, model_dir: pathlib.Path) -> tor
             target.data.copy_(dequantize(module.qweight).view(target.shape))
     for name, param in quantized.named_parameters():
         twin.get_parameter(name).data.copy_(param)
+    if isinstance(twin, StreamsWeights):
+        twin.drop_packed()  # loading packed the checkpoint's weights
     return twin
