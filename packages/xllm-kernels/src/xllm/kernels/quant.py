@@ -64,6 +64,10 @@ class QuantizedWeight:
     packed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        for name in ("data", "scales", "zeros", "packed"):  # held as tensors of their own, not views of
+            t = getattr(self, name)                         # others: a copy (xllm.models.placement's)
+            if t is not None and t._base is not None:       # repointing one then frees the memory it left
+                object.__setattr__(self, name, t.detach())
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown quantized format {self.fmt!r}; expected one of {FORMATS}")
         if not supports(self.fmt, self.k):
