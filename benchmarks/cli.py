@@ -22,6 +22,7 @@
     python -m benchmarks structured                   # TPOT with and without a JSON schema, xLLM vs vLLM-CPU
     python -m benchmarks spec                         # speculative decoding per proposer, xLLM vs vLLM-CPU
     python -m benchmarks quant                        # quantized weights per format: decode, RSS, perplexity
+    python -m benchmarks hugepages                    # engine steps, weights on 2 MiB vs 4 KiB pages
     python -m benchmarks recsys                       # beam search over a 10^6-item catalogue, xLLM vs vLLM-CPU vs HF
 """
 
@@ -53,6 +54,7 @@ SUBCOMMANDS = {
     "structured": "benchmarks.structured",
     "spec": "benchmarks.spec",
     "quant": "benchmarks.quant",
+    "hugepages": "benchmarks.hugepages",
     "recsys": "benchmarks.recsys",
     "sim": "benchmarks.sim",
     "sim-validate": "benchmarks.sim_validate",

@@ -14,8 +14,9 @@ Candidates per (dtype, shape, M):
 - ``packed``: the native blocked GEMM over packed weights (``kernels/cpu/gemm_packed.{h,c}``), as the
   model runs it (bf16 from 2 rows on AMX where the CPU has it); on an AMX CPU also its two kernels forced,
   ``packed_avx512`` (``vdpbf16ps``) and ``packed_amx`` (``gemm_packed_amx.h``, K % 32 == 0);
-- ``int8`` (bf16 only, with ``--int8``): the ``w8a8`` format's VNNI int8 GEMM (``kernels/cpu/gemm_w8a8.h``) with
-  the activation quantization included in the time.
+- ``int8`` (bf16 only, with ``--int8``): the ``w8a8`` format's int8 GEMM (``kernels/cpu/gemm_w8a8.h``: VNNI
+  tiles, or AMX-INT8 ones where the CPU has them) with the activation quantization included in the time; on an
+  AMX-INT8 CPU also ``int8_vnni``, its VNNI tiles forced.
 
 Each repetition runs every candidate once, in an order rotated per repetition (the machine is shared
 and noisy: contention only ever adds time, so the report gives medians and the per-candidate best);
@@ -44,7 +45,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 SMOLLM2_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
                   "lm_head": (49152, 576)}
 MS = (1, 4, 8, 9, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048)
-CANDIDATES = ("onednn", "torch", "skinny", "packed", "packed_avx512", "packed_amx", "int8")
+CANDIDATES = ("onednn", "torch", "skinny", "packed", "packed_avx512", "packed_amx", "int8", "int8_vnni")
 
 
 def _shapes(text: str) -> dict[str, tuple[int, int]]:
@@ -89,6 +90,10 @@ def _candidates(dtype, w, ms_max: int, int8: bool) -> dict[str, Callable]:
             fn = w8a8_linear(w)
             if fn is not None:
                 out["int8"] = fn
+                from xllm.kernels import quant_native
+
+                if quant_native.amx_int8_ready():
+                    out["int8_vnni"] = w8a8_linear(w, path="w8a8_vnni")
     return out
 
 
@@ -223,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads (2)")
     p.add_argument("--budget", type=float, default=0.3, metavar="SECONDS",
                    help="time per (dtype, shape, M) cell: sets the repetitions (5..200; default 0.3)")
-    p.add_argument("--int8", action="store_true", help="add the w8a8 format's VNNI int8 GEMM (bf16 only)")
+    p.add_argument("--int8", action="store_true",
+                   help="add the w8a8 format's int8 GEMM (bf16 only; on AMX-INT8 CPUs its VNNI tiles as well)")
     add_output_args(p, "gemm")
     return p
 

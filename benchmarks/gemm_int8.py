@@ -12,15 +12,16 @@ from collections.abc import Callable
 import torch
 
 
-def w8a8_linear(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def w8a8_linear(w: torch.Tensor, path: str = "w8a8") -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``x -> x . W^T`` through the "w8a8" format's int8 GEMM (activation quantization included) for a
-    bf16 weight, or None without the native kernels."""
+    bf16 weight, or None without the native kernels; ``path="w8a8_vnni"`` keeps its tiles on VNNI where
+    the CPU has AMX-INT8."""
     from xllm.kernels import quant, quant_native
 
     if quant_native.library() is None or w.dtype != torch.bfloat16 or not quant.supports("w8a8", w.shape[1]):
         return None
     qw = quant_native.kernel_ready(quant.quantize(w, "w8a8"))
-    return lambda x: quant_native.linear(x, qw, None, None, path="w8a8")
+    return lambda x: quant_native.linear(x, qw, None, None, path=path)
 
 
 def accuracy(text: str = "The quick brown fox jumps over the lazy dog. " * 8) -> dict[str, dict[str, float]]:

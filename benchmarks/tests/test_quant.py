@@ -67,3 +67,17 @@ def test_unknown_formats_exit_2(capsys):
     assert quant.main(["--formats", "q3_k"]) == 2
     assert "unknown formats" in capsys.readouterr().err
     assert perplexity.main(["--variants", "fp8"]) == 2
+
+
+def test_hugepages_report_and_flags(tmp_path):
+    """``python -m benchmarks hugepages``: its summary table and plot from a results dict, and its flag checks
+    (the measurement itself loads models and takes minutes: not run here)."""
+    from benchmarks import hugepages
+
+    row = {"huge": {"median_ms": 6.75, "best_ms": 6.1}, "4k": {"median_ms": 7.73, "best_ms": 7.2},
+           "speedup": 7.73 / 6.75}
+    results = {"rounds": 10, "runs": {"q8_0": {"1": row}}, "cpu_busy_before": 0.0, "cpu_busy_after": 0.01}
+    text = hugepages.markdown(results)
+    assert "| q8_0 | 1 | 6.75 (6.10) | 7.73 (7.20) | 1.15x |" in text
+    assert (tmp_path / hugepages.plot(results, tmp_path)).is_file()
+    assert hugepages.main(["--formats", "q9_9", "--out", str(tmp_path)]) == 2

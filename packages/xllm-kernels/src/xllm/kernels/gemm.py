@@ -86,6 +86,18 @@ def amx_ready() -> bool:
 _OUT_F32, _OUT_BF16, _OUT_WIDENED = 0, 1, 2
 
 
+def _checked(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None, caller: str) -> native.NativeLibrary:
+    """The native library, once ``x [..., K]`` and ``bias [N]`` match ``pw`` (ValueError otherwise)."""
+    if x.dtype != pw.dtype or x.shape[-1] != pw.k:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match the packed weight [{pw.n}, {pw.k}] {pw.dtype}")
+    if bias is not None and (bias.shape != (pw.n,) or bias.dtype != pw.dtype):
+        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} does not match [{pw.n}] {pw.dtype}")
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError(f"{caller} needs the native library (a PackedWeight exists only where it loaded)")
+    return lib
+
+
 def packed_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None, path: str = "auto", widen: bool = False) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` given packed; ``x [..., K]`` in ``pw.dtype`` (2-D inputs may have a
@@ -96,13 +108,7 @@ def packed_linear(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None =
     float32, bit for bit ``packed_linear(x, pw, bias).float()``, written once (an LM head's logits)."""
     if widen and (pw.dtype != torch.bfloat16 or out_dtype is not None):
         raise ValueError("widen applies to a bf16 product without out_dtype")
-    if x.dtype != pw.dtype or x.shape[-1] != pw.k:
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match the packed weight [{pw.n}, {pw.k}] {pw.dtype}")
-    if bias is not None and (bias.shape != (pw.n,) or bias.dtype != pw.dtype):
-        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} does not match [{pw.n}] {pw.dtype}")
-    lib = native.library()
-    if lib is None:
-        raise RuntimeError("packed_linear needs the native library (a PackedWeight exists only where it loaded)")
+    lib = _checked(x, pw, bias, "packed_linear")
     lead = x.shape[:-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, pw.k)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < pw.k):
@@ -131,13 +137,9 @@ def packed_argmax(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor | None =
     """The row argmax (int64 ``[M]``, first index on ties) of the logits ``packed_linear(x, pw, bias,
     widen=True)`` writes (``packed_linear(x, pw, bias)`` for fp32), bit for bit, without writing them: a
     greedy LM head (``kernels/cpu/lm_head.c``). ``x [M, K]`` in ``pw.dtype``, NaN-free products."""
-    if x.dim() != 2 or x.dtype != pw.dtype or x.shape[1] != pw.k:
-        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match the packed weight [{pw.n}, {pw.k}] {pw.dtype}")
-    if bias is not None and (bias.shape != (pw.n,) or bias.dtype != pw.dtype):
-        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype} does not match [{pw.n}] {pw.dtype}")
-    lib = native.library()
-    if lib is None:
-        raise RuntimeError("packed_argmax needs the native library (a PackedWeight exists only where it loaded)")
+    if x.dim() != 2:
+        raise ValueError(f"packed_argmax takes x [M, K], got {tuple(x.shape)}")
+    lib = _checked(x, pw, bias, "packed_argmax")
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
     name = "xllm_head_argmax_packed_bf16" if pw.dtype == torch.bfloat16 else "xllm_head_argmax_packed_f32"

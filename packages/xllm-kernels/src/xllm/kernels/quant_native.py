@@ -14,6 +14,7 @@ native library cannot run the product (no library, ``XLLM_NATIVE=0``, the CPU la
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,11 +77,25 @@ def amx_int8_ready() -> bool:
     return lib is not None and bool(lib.fn("xllm_amx_int8_ready", [], _I32)())
 
 
-def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
-           path: str = "auto") -> torch.Tensor | None:
-    """``x [m, k] @ dequantize(qw).T + bias`` natively, or None when the native path does not apply.
-    bf16 ``x`` gives bf16 (or fp32 with ``out_dtype=torch.float32``); fp32 ``x`` gives fp32 (cast to
-    ``out_dtype`` if given)."""
+@dataclass(frozen=True)
+class _Operands:
+    """A product's operands as the kernels take them: the library, contiguous ``x``, the kernel-ready
+    weight and its C view, the bias in ``x``'s dtype (or None)."""
+
+    lib: native.NativeLibrary
+    x: torch.Tensor
+    qw: QuantizedWeight
+    w: QWeight
+    bias: torch.Tensor | None
+
+    @property
+    def bias_ptr(self) -> int | None:
+        return None if self.bias is None else self.bias.data_ptr()
+
+
+def _operands(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> _Operands | None:
+    """The operands of a native product, or None where the native path does not apply (no library,
+    ``XLLM_NATIVE=0``, the CPU lacks AVX512-VNNI, under ``torch.compile``, another dtype or device)."""
     if torch.compiler.is_compiling() or x.dim() != 2 or x.device.type != "cpu":
         return None
     if x.dtype not in (torch.bfloat16, torch.float32) or qw.data.device.type != "cpu":
@@ -88,18 +103,25 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_
     lib = library()
     if lib is None:
         return None
-    m, k = x.shape
-    x = x.contiguous()
     qw = kernel_ready(qw)
-    if bias is not None:
-        bias = bias.to(x.dtype).contiguous()
-    bf16 = x.dtype == torch.bfloat16
+    bias = None if bias is None else bias.to(x.dtype).contiguous()
+    return _Operands(lib, x.contiguous(), qw, struct(qw), bias)
+
+
+def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+           path: str = "auto") -> torch.Tensor | None:
+    """``x [m, k] @ dequantize(qw).T + bias`` natively, or None when the native path does not apply.
+    bf16 ``x`` gives bf16 (or fp32 with ``out_dtype=torch.float32``); fp32 ``x`` gives fp32 (cast to
+    ``out_dtype`` if given)."""
+    op = _operands(x, qw, bias)
+    if op is None:
+        return None
+    (m, k), n = op.x.shape, op.qw.n
+    bf16 = op.x.dtype == torch.bfloat16
     out_bf16 = bf16 and out_dtype != torch.float32
-    y = torch.empty(m, qw.n, dtype=torch.bfloat16 if out_bf16 else torch.float32)
-    w = struct(qw)
-    fn = lib.fn("xllm_quant_linear", [ctypes.POINTER(QWeight), _VP, _I32, _I64, _I64, _I64, _VP, _VP, _I32, _I32])
-    fn(ctypes.byref(w), x.data_ptr(), int(bf16), m, k, qw.n, None if bias is None else bias.data_ptr(),
-       y.data_ptr(), int(out_bf16), PATHS[path])
+    y = torch.empty(m, n, dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    fn = op.lib.fn("xllm_quant_linear", [ctypes.POINTER(QWeight), _VP, _I32, _I64, _I64, _I64, _VP, _VP, _I32, _I32])
+    fn(ctypes.byref(op.w), op.x.data_ptr(), int(bf16), m, k, n, op.bias_ptr, y.data_ptr(), int(out_bf16), PATHS[path])
     if out_dtype is not None and y.dtype != out_dtype:
         y = y.to(out_dtype)
     return y
@@ -109,23 +131,14 @@ def argmax(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> t
     """The row argmax (int64 ``[m]``, first index on ties) of ``linear(x, qw, bias, None)`` (as float32),
     bit for bit, without writing the product (``kernels/cpu/lm_head.c``: a greedy LM head), or None
     where :func:`linear` would return None."""
-    if torch.compiler.is_compiling() or x.dim() != 2 or x.device.type != "cpu":
+    op = _operands(x, qw, bias)
+    if op is None:
         return None
-    if x.dtype not in (torch.bfloat16, torch.float32) or qw.data.device.type != "cpu":
-        return None
-    lib = library()
-    if lib is None:
-        return None
-    m, k = x.shape
-    x = x.contiguous()
-    qw = kernel_ready(qw)
-    if bias is not None:
-        bias = bias.to(x.dtype).contiguous()
+    m, k = op.x.shape
     out = torch.empty(m, dtype=torch.int64)
-    w = struct(qw)
-    lib.fn("xllm_head_argmax_quant", [ctypes.POINTER(QWeight), _VP, _I32, _I64, _I64, _I64, _VP, _VP])(
-        ctypes.byref(w), x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, qw.n,
-        None if bias is None else bias.data_ptr(), out.data_ptr())
+    op.lib.fn("xllm_head_argmax_quant", [ctypes.POINTER(QWeight), _VP, _I32, _I64, _I64, _I64, _VP, _VP])(
+        ctypes.byref(op.w), op.x.data_ptr(), int(op.x.dtype == torch.bfloat16), m, k, op.qw.n, op.bias_ptr,
+        out.data_ptr())
     return out
 
 
