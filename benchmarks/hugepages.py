@@ -31,37 +31,53 @@ HERE = pathlib.Path(__file__).resolve().parent
 PAGES = ("huge", "4k")
 
 
-def _engine(model, tokenizer, batch: int, seed: int):
+def _engine(model, tokenizer, max_batch: int):
     import torch
 
     from xllm.core import EngineConfig, LLMEngine
+
+    return LLMEngine(model, tokenizer, EngineConfig(dtype=torch.bfloat16, max_num_seqs=max(64, max_batch),
+                                                    num_threads=2, kv_cache_memory_gib=1.0,
+                                                    max_num_batched_tokens=512))
+
+
+def _start(eng, batch: int, seed: int) -> None:
+    """``batch`` greedy sequences (32-token prompts, 160 above one) decoding steadily in ``eng``."""
+    import torch
+
     from xllm.proto.engine.v1 import engine_pb2
 
-    eng = LLMEngine(model, tokenizer, EngineConfig(dtype=torch.bfloat16, max_num_seqs=max(64, batch), num_threads=2,
-                                                   kv_cache_memory_gib=1.0, max_num_batched_tokens=512))
     gen = torch.Generator().manual_seed(seed)
     for i in range(batch):
         ids = torch.randint(100, 40000, (160 if batch > 1 else 32,), generator=gen).tolist()
         eng.add_request(engine_pb2.GenerateRequest(
-            request_id=f"r{i}", prompt_token_ids=ids,
-            sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=1_000_000, ignore_eos=True)))
+            request_id=f"b{batch}-{i}", prompt_token_ids=ids,
+            sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True)))
     while eng.scheduler.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in eng.scheduler.running):
         eng.step()
-    return eng
+
+
+def _stop(eng) -> None:
+    for seq in list(eng.scheduler.running) + list(eng.scheduler.waiting):
+        eng.abort(seq.request_id)
+    while eng.has_work():
+        eng.step()
 
 
 def measure(fmt: str, batches: list[int], rounds: int, files, log=print) -> dict:
     """Step times of ``fmt``'s model on each kind of page, per batch size, the two interleaved."""
     from benchmarks.perplexity import load_variant
 
-    models = {}
+    engines = {}
     for pages in PAGES:
         os.environ["XLLM_HUGEPAGES"] = "1" if pages == "huge" else "0"
-        models[pages] = load_variant(fmt, files, 2)
+        model, tok = load_variant(fmt, files, 2)
+        engines[pages] = _engine(model, tok, max(batches))
     os.environ.pop("XLLM_HUGEPAGES", None)
     out = {}
     for batch in batches:
-        engines = {pages: _engine(m, tok, batch, seed=batch) for pages, (m, tok) in models.items()}
+        for eng in engines.values():
+            _start(eng, batch, seed=batch)
         times: dict[str, list[float]] = {pages: [] for pages in engines}
         for _ in range(rounds):
             for pages, eng in engines.items():
@@ -71,12 +87,15 @@ def measure(fmt: str, batches: list[int], rounds: int, files, log=print) -> dict
                 for _ in range(10):
                     eng.step()
                 times[pages].append((time.perf_counter() - t0) / 10)
+        for eng in engines.values():
+            _stop(eng)
         row = {pages: {"median_ms": statistics.median(t) * 1e3, "best_ms": min(t) * 1e3} for pages, t in times.items()}
         row["speedup"] = row["4k"]["median_ms"] / row["huge"]["median_ms"]
         out[str(batch)] = row
         log(f"[hugepages] {fmt} x{batch}: huge {row['huge']['median_ms']:.2f} ms, 4 KiB {row['4k']['median_ms']:.2f} "
             f"ms per step ({row['speedup']:.2f}x)")
-        del engines
+    for eng in engines.values():
+        eng.close()  # its KV mappings count against vm.max_map_count for the next format's engines
     return out
 
 
