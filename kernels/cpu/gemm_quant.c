@@ -28,24 +28,49 @@ void xllm_quant_linear(const XllmQWeight *W, const void *x, int x_bf16, int64_t 
     }
 }
 
-/* W -> fp32 [N, K] (the panel path's dequantization, row-major; FMA: may differ from the reference
- * d * q + m in the last bit) */
+/* block blk of row n dequantized (xq_dequant_block) for W's format; zeros for an unknown one */
+ALWAYS_INLINE void xq_dequant_block_any(const XllmQWeight *W, int64_t K, int64_t n, int64_t blk, __m512 *lo,
+                                        __m512 *hi) {
+    switch (W->fmt) {
+#define XQ_D(F) \
+    case F: xq_dequant_block(F, W, K, n, blk, lo, hi); break;
+        XQ_D(XQ_Q8_0) XQ_D(XQ_Q4_0) XQ_D(XQ_Q4_1) case XQ_W8A8: XQ_D(XQ_INT8) XQ_D(XQ_INT4_G32) XQ_D(XQ_INT4_G128)
+#undef XQ_D
+    default: *lo = *hi = _mm512_setzero_ps();
+    }
+}
+
+/* W -> fp32 [N, K] (the panel path's dequantization, row-major; bit-equal to quant.dequantize, see
+ * xq_dequant_block) */
 void xllm_quant_dequantize_f32(const XllmQWeight *W, int64_t K, int64_t N, float *out) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t blk = 0; blk < K / 32; blk++) {
             __m512 lo, hi;
-            switch (W->fmt) {
-#define XQ_D(F) \
-    case F: xq_dequant_block(F, W, K, n, blk, &lo, &hi); break;
-                XQ_D(XQ_Q8_0) XQ_D(XQ_Q4_0) XQ_D(XQ_Q4_1) case XQ_W8A8: XQ_D(XQ_INT8) XQ_D(XQ_INT4_G32) XQ_D(XQ_INT4_G128)
-#undef XQ_D
-            default: lo = hi = _mm512_setzero_ps();
-            }
+            xq_dequant_block_any(W, K, n, blk, &lo, &hi);
             _mm512_storeu_ps(out + n * K + blk * 32, lo);
             _mm512_storeu_ps(out + n * K + blk * 32 + 16, hi);
         }
     }
+}
+
+/* out[i, :] = dequant(W)[ids[i], :] for i < n (a quantized embedding's lookup; bf16, rounded to nearest even
+ * as torch casts, when out_bf16, else fp32), bit-equal to quant.dequantize of those rows (xq_dequant_block);
+ * ids must be in [0, N). One thread: a step looks up a few rows. */
+void xllm_quant_gather_rows(const XllmQWeight *W, int64_t K, const int64_t *ids, int64_t n, void *out, int out_bf16) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t blk = 0; blk < K / 32; blk++) {
+            __m512 lo, hi;
+            xq_dequant_block_any(W, K, ids[i], blk, &lo, &hi);
+            if (out_bf16) {
+                uint16_t *o = (uint16_t *)out + i * K + blk * 32;
+                _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(lo));
+                _mm256_storeu_si256((__m256i *)(o + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+            } else {
+                _mm512_storeu_ps((float *)out + i * K + blk * 32, lo);
+                _mm512_storeu_ps((float *)out + i * K + blk * 32 + 16, hi);
+            }
+        }
 }
 
 /* ---- measurement helpers (benchmarks/gemm_quant.py): `reps` passes over nw weights of one shape in one

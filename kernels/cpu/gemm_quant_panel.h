@@ -5,13 +5,16 @@
 
 /* ---- dequantization into the packed GEMM's panels ------------------------------------------- */
 
-/* elements 0..15 and 16..31 of block `blk` of weight row n, dequantized in fp32 */
+/* elements 0..15 and 16..31 of block `blk` of weight row n, dequantized in fp32 bit for bit as quant.dequantize
+ * does it: the integer offset taken first (Q4_0 q - 8, int4 q - zero), then times d, plus m for Q4_1 (one FMA,
+ * one rounding, as the reference's: a 4-bit q times an fp16 d is exact) */
 ALWAYS_INLINE void xq_dequant_block(const int FMT, const XllmQWeight *W, int64_t K, int64_t n, int64_t blk,
                                     __m512 *lo, __m512 *hi) {
     const int64_t gpr = FMT == XQ_INT4_G128 ? K / 128 : K / 32;
+    const int int4 = FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128;
     const uint8_t *row = W->data + n * xq_row_bytes(FMT, K);
-    const uint8_t *sc = (FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128) ? (const uint8_t *)W->scales + 2 * n * gpr : NULL;
-    const uint8_t *zp = (FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128) ? W->zeros + n * gpr : NULL;
+    const uint8_t *sc = int4 ? (const uint8_t *)W->scales + 2 * n * gpr : NULL;
+    const uint8_t *zp = int4 ? W->zeros + n * gpr : NULL;
     float d, m;
     const __m256i w = xq_block(FMT, row, sc, zp, blk, &d, &m);
     __m512i q0, q1;
@@ -22,10 +25,22 @@ ALWAYS_INLINE void xq_dequant_block(const int FMT, const XllmQWeight *W, int64_t
         q0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(w));
         q1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(w, 1));
     }
+    if (FMT == XQ_Q4_0 || int4) { /* (q - offset) * d: a zero weight keeps d's sign, as in the reference */
+        const __m512i off = _mm512_set1_epi32(FMT == XQ_Q4_0 ? 8 : zp[FMT == XQ_INT4_G32 ? blk : blk >> 2]);
+        q0 = _mm512_sub_epi32(q0, off);
+        q1 = _mm512_sub_epi32(q1, off);
+        m = 0.0f;
+    }
     if (FMT == XQ_INT8) d = ((const float *)W->scales)[n]; /* (XQ_W8A8 weights come as XQ_INT8) */
-    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), dv, mv);
-    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), dv, mv);
+    const __m512 dv = _mm512_set1_ps(d);
+    if (FMT == XQ_Q4_1) {
+        const __m512 mv = _mm512_set1_ps(m);
+        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), dv, mv);
+        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), dv, mv);
+    } else {
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), dv);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), dv);
+    }
 }
 
 /* weight rows n0 .. n0+47 (zeros past N) -> one packed panel (bf16 pairs or fp32, gemm_packed.h) */

@@ -215,6 +215,32 @@ def test_w8a8_native_product_is_the_reference_to_the_last_bit():
 
 @pytest.mark.skipif(quant_native.library() is None, reason="native quantized kernels unavailable")
 @pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_native_row_gather_is_dequantize_bit_for_bit(fmt):
+    """A quantized embedding's native lookup: the rows dequantize() gives, to the last bit, in bf16 and fp32
+    (each value rounded once, as the reference rounds it), ids repeated and out of order; for the GGUF
+    formats also arbitrary bytes (any scale, any nibble)."""
+    gen = torch.Generator().manual_seed(17)
+    k = 256
+    qws = [quant.quantize(torch.randn(40, k, generator=gen) * 0.05, fmt)]
+    if fmt in quant.GGUF_FORMATS:
+        raw = torch.randint(0, 256, (40, k // 32 * quant.BLOCK_BYTES[fmt]), generator=gen, dtype=torch.uint8)
+        blocks = raw.reshape(-1, quant.BLOCK_BYTES[fmt])
+        blocks[:, 1] &= 0x3B  # finite fp16 scales
+        if fmt == "q4_1":
+            blocks[:, 3] &= 0x3B
+        qws.append(quant.from_gguf(raw.numpy(), fmt, 40, k))
+    ids = torch.tensor([3, 0, 39, 3, 17], dtype=torch.int64)
+    for qw in qws:
+        for dtype in (torch.bfloat16, torch.float32):
+            got = quant_native.gather_rows(qw, ids, dtype)
+            want = quant.dequantize(qw.rows(ids), dtype)
+            assert got.dtype == dtype and got.shape == (5, k)
+            assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (fmt, dtype)
+
+
+@pytest.mark.skipif(quant_native.library() is None, reason="native quantized kernels unavailable")
+@pytest.mark.parametrize("fmt", quant.FORMATS)
 def test_native_paths_against_fp32_product(fmt):
     """Every native path (skinny VNNI GEMV, panel-dequantizing GEMM, GEMV over 8-row chunks) on shapes
     with partial quads of blocks (K = 96, 576), output rows not a multiple of 16, bias, bf16 and fp32."""
@@ -225,7 +251,7 @@ def test_native_paths_against_fp32_product(fmt):
         qw = quant.quantize(torch.randn(n, k, generator=gen) * 0.05, fmt)
         deq = quant.dequantize(qw)
         native_deq = quant_native.dequantize_f32(qw)
-        torch.testing.assert_close(native_deq, deq, rtol=1e-6, atol=1e-7)  # FMA vs mul + add: last bit
+        assert torch.equal(native_deq.view(torch.int32), deq.view(torch.int32))  # one rounding either way
         for m, path in [(1, "gemv"), (2, "gemv"), (5, "gemv"), (8, "gemv"), (3, "panels"), (20, "panels"),
                         (20, "gemv_chunks")]:
             for dtype in (torch.bfloat16, torch.float32):

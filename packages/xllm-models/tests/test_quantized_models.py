@@ -288,3 +288,18 @@ def test_smollm2_q4_1_greedy_agrees_with_dequantized(smollm2_q4_1, smollm2_fp32,
     gaps = torch.cat([near_greedy_gaps(smollm2_fp32, p, got.tokens[f"p{i}"], got.logprobs[f"p{i}"], TOL_SMOLLM2)
                       for i, p in enumerate(prompts)])
     assert (gaps == 0).float().mean() >= 0.95  # measured: 48 of 48 (int8 activations: 45 of 48)
+
+
+def test_quant_embedding_lookup_and_range():
+    """A quantized embedding looks up exactly the dequantized rows (native or torch), and an id out of range
+    is an IndexError, never a read past the weight."""
+    from xllm.kernels.quant import quantize
+
+    emb = QuantEmbedding(quantize(torch.randn(50, 64) * 0.1, "q8_0"), torch.bfloat16)
+    ids = torch.tensor([[4, 49], [0, 4]])
+    out = emb(ids)
+    assert out.shape == (2, 2, 64) and out.dtype == torch.bfloat16
+    assert torch.equal(out.reshape(4, 64), dequantize(emb.qweight, torch.bfloat16)[ids.reshape(-1)])
+    for bad in ([50], [-1]):
+        with pytest.raises(IndexError):
+            emb(torch.tensor(bad))

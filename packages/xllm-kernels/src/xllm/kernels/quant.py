@@ -100,7 +100,9 @@ class QuantizedWeight:
         return QuantizedWeight(self.fmt, int(index.numel()), self.k, data, scales, zeros)
 
     def contiguous(self) -> QuantizedWeight:
-        """The same weight with every tensor contiguous (what the native kernels need)."""
+        """The same weight with every tensor contiguous (what the native kernels need): itself when they are."""
+        if all(t is None or t.is_contiguous() for t in (self.data, self.scales, self.zeros, self.packed)):
+            return self
         data, scales, zeros, packed = (None if t is None else t.contiguous()
                                        for t in (self.data, self.scales, self.zeros, self.packed))
         return QuantizedWeight(self.fmt, self.n, self.k, data, scales, zeros, packed)

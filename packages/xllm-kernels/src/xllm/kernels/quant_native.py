@@ -142,9 +142,27 @@ def argmax(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> t
     return out
 
 
+def gather_rows(qw: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``dequantize(qw.rows(ids), dtype)`` bit for bit (a quantized embedding's lookup: ``[len(ids), k]``),
+    without the intermediate weight, or None where the native path does not apply (no library, another
+    dtype than bf16/fp32, under ``torch.compile``). ``ids``: 1-D int64, every id in ``[0, qw.n)``."""
+    if torch.compiler.is_compiling() or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    qw = kernel_ready(qw)
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), qw.k, dtype=dtype)
+    w = struct(qw)
+    lib.fn("xllm_quant_gather_rows", [ctypes.POINTER(QWeight), _I64, _VP, _I64, _VP, _I32])(
+        ctypes.byref(w), qw.k, ids.data_ptr(), ids.numel(), out.data_ptr(), int(dtype == torch.bfloat16))
+    return out
+
+
 def dequantize_f32(qw: QuantizedWeight) -> torch.Tensor | None:
-    """The native dequantization to fp32 ``[n, k]`` (FMA: within an ulp of
-    :func:`xllm.kernels.quant.dequantize`), or None without the library."""
+    """The native dequantization to fp32 ``[n, k]`` (bit-equal to :func:`xllm.kernels.quant.dequantize`),
+    or None without the library."""
     lib = library()
     if lib is None:
         return None

@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from xllm.kernels import RotaryTable, linear, rms_norm
+from xllm.kernels import RotaryTable, linear, quant_native, rms_norm
 from xllm.kernels.gemm import PackedWeight, pack
 from xllm.kernels.gemm_choice import GemmChoice, choose
 from xllm.kernels.linear import MAX_NATIVE_ROWS, linear_argmax, pack_weight
@@ -167,7 +167,14 @@ class QuantEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = dequantize(self.qweight.rows(input_ids.reshape(-1).long()), self.dtype)
+        ids = input_ids.reshape(-1).long()
+        if ids.numel():  # (the native lookup reads the rows it is given: check them as index_select would)
+            lo, hi = torch.aminmax(ids)
+            if int(lo) < 0 or int(hi) >= self.num_embeddings:
+                raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        rows = quant_native.gather_rows(self.qweight, ids, self.dtype)  # the same bits, natively
+        if rows is None:
+            rows = dequantize(self.qweight.rows(ids), self.dtype)
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
