@@ -17,9 +17,12 @@ behind a global lock, so it has no concurrent figure), ``--prompt-len`` prompt t
 percentiles; batch-1 decode tok/s = 1 / TPOT p50; the server's resident memory (RSS of its process tree after
 the runs). Each format's bandwidth ceiling: the bytes one decode step streams (every projection's packed
 weight with its scales, the LM head, the norms; the KV cache of a short context is left out) against
-the machine's read bandwidth, measured at the start of the run on ``--threads`` threads
-(:func:`benchmarks.roofline.read_bandwidth_gbs`; ``--bandwidth-gbs`` gives a figure instead); the issue's goals
-are batch-1 decode above llama.cpp on the same file and >= 85 % of the ceiling.
+the machine's read bandwidth on ``--threads`` threads (:func:`benchmarks.roofline.read_bandwidth_gbs`),
+probed right before and right after each server's batch-1 run with the server idle, their mean being that
+run's bandwidth: a shared machine's bandwidth drifts by up to ~20 % over minutes, so a run is held against
+the bandwidth of its own minute (the run-start probe is reported too; ``--bandwidth-gbs`` gives one fixed
+figure instead). The issue's goals are batch-1 decode above llama.cpp on the same file and >= 85 % of the
+ceiling.
 
 Quality (unless ``--no-quality``): :mod:`benchmarks.perplexity` (perplexity of a held-out public-domain text
 with prompt logprobs, greedy agreement with the bf16 model) for the same formats and llama.cpp's files.
@@ -123,9 +126,14 @@ def _run(base_url: str, prompts, output_len: int, concurrency: int, profile) -> 
 
 
 def measure_server(system: str, fmt: str, files, args, prompts, logs: pathlib.Path) -> dict:
-    """One server: warm-up, batch 1 and (xLLM) ``--concurrency`` at once; RSS after the runs."""
+    """One server: warm-up, batch 1 between two bandwidth probes (unless ``--bandwidth-gbs``), and (xLLM)
+    ``--concurrency`` at once; RSS after the runs."""
     from benchmarks.client import EndpointProfile
     from benchmarks.peers import llamacpp, xllm
+    from benchmarks.roofline import read_bandwidth_gbs
+
+    def probe() -> float | None:  # (the server idle: no request in flight)
+        return None if args.fixed_bandwidth else round(read_bandwidth_gbs(args.threads), 1)
 
     server = _xllm_server(fmt, files, args, logs) if system == "xllm" else _llamacpp_server(fmt, files, args, logs)
     profile = EndpointProfile() if system == "xllm" else llamacpp.profile()
@@ -135,7 +143,9 @@ def measure_server(system: str, fmt: str, files, args, prompts, logs: pathlib.Pa
             xllm.wait_instances(server.base_url, 1)
         out["startup_s"] = server.startup_seconds
         _run(server.base_url, prompts["warm"], 16, 1, profile)
+        before = probe()
         out["batch1"] = _run(server.base_url, prompts["batch1"], args.output_len, 1, profile)
+        out["probe_gbs"] = [g for g in (before, probe()) if g is not None]
         if system == "xllm" and args.concurrency > 1:
             out["concurrent"] = _run(server.base_url, prompts["concurrent"], args.output_len, args.concurrency,
                                      profile)
@@ -147,27 +157,38 @@ def _f(x, spec: str = ".1f") -> str:
     return "–" if x is None or x != x else format(x, spec)
 
 
+def run_bandwidth(r: dict, run: dict) -> float:
+    """The read bandwidth (GB/s) a run's ceiling uses: the mean of the probes around its batch-1 run, else
+    the run's one figure (``--bandwidth-gbs``, or the run-start probe of results without per-run probes)."""
+    probes = run.get("probe_gbs") or []
+    return sum(probes) / len(probes) if probes else r["bandwidth_gbs"]
+
+
 def markdown(r: dict) -> str:
-    bw = r["bandwidth_gbs"]
+    fixed = r.get("fixed_bandwidth", True)
+    basis = (f"{r['bandwidth_gbs']:g} GB/s" if fixed else "the read bandwidth probed right before and after the "
+             f"run's batch-1 requests (their mean; at the start of the run: {r['bandwidth_gbs']:g} GB/s)")
     lines = ["# Quantized weights: decode speed, memory, quality", "",
              f"SmolLM2-135M-Instruct, {r['threads']} threads, {r['prompt_len']} prompt + {r['output_len']} greedy "
              f"tokens; batch 1: {r['rounds']} requests one after another, concurrent: {r['concurrency']} at once. "
-             f"Ceiling = {bw:g} GB/s / bytes streamed per decode token. CPU busy with other work before/after: "
+             f"Ceiling = {basis} / bytes streamed per decode token. CPU busy with other work before/after: "
              f"{_f(r.get('cpu_busy_before'), '.0%')} / {_f(r.get('cpu_busy_after'), '.0%')}.", "",
-             "| system | weights | MB / token | ceiling tok/s | batch-1 decode tok/s | % of ceiling | batch-1 output "
-             f"tok/s | {r['concurrency']} concurrent tok/s | RSS MB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| system | weights | MB / token | GB/s probed | ceiling tok/s | batch-1 decode tok/s | % of ceiling | "
+             f"batch-1 output tok/s | {r['concurrency']} concurrent tok/s | RSS MB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, s in r["runs"].items():
         system, fmt = key.split("/")
         mb = r["bytes_per_token"].get(fmt)
+        bw = run_bandwidth(r, s)
         ceiling = bw * 1e9 / mb if mb else None
         b1 = s.get("batch1", {})
         dec = b1.get("decode_tok_s_per_request")
         conc = s.get("concurrent", {}).get("output_throughput")
         share = 100 * dec / ceiling if dec and ceiling else None
+        probed = " / ".join(_f(g) for g in s.get("probe_gbs") or []) or "–"
         lines.append(f"| {'xLLM' if system == 'xllm' else 'llama.cpp'} | {fmt} | {_f(mb / 1e6 if mb else None)} | "
-                     f"{_f(ceiling, '.0f')} | {_f(dec)} | {_f(share, '.0f')} | {_f(b1.get('output_throughput'))} | "
-                     f"{_f(conc)} | {_f(s.get('rss_mb'), '.0f')} |")
+                     f"{probed} | {_f(ceiling, '.0f')} | {_f(dec)} | {_f(share, '.0f')} | "
+                     f"{_f(b1.get('output_throughput'))} | {_f(conc)} | {_f(s.get('rss_mb'), '.0f')} |")
     for key, message in r.get("errors", {}).items():
         lines.append(f"\n{key} failed: {message}")
     if r.get("quality"):
@@ -194,8 +215,11 @@ def plot(r: dict, out: pathlib.Path) -> str | None:
         ax.bar([j + i * 0.38 for j in range(len(fmts))], vals, 0.38, label=label)
     for j, f in enumerate(fmts):
         mb = r["bytes_per_token"].get(f)
-        if mb:
-            ax.hlines(r["bandwidth_gbs"] * 1e9 / mb, j - 0.2, j + 0.58, colors="black", linestyles="dashed")
+        for i, system in enumerate(("xllm", "llamacpp")):  # each bar's own ceiling (its run's bandwidth)
+            run = r["runs"].get(f"{system}/{f}")
+            if mb and run:
+                ax.hlines(run_bandwidth(r, run) * 1e9 / mb, j + i * 0.38 - 0.19, j + i * 0.38 + 0.19, colors="black",
+                          linestyles="dashed")
     ax.set_xticks([j + 0.19 for j in range(len(fmts))], fmts)
     ax.set_ylabel("batch-1 decode tok/s (dashed: bandwidth ceiling)")
     ax.legend(fontsize=8)
@@ -220,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=4, help="batch-1 requests (4)")
     p.add_argument("--concurrency", type=int, default=16, help="requests at once in the concurrent run (16)")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
-                   help="memory read bandwidth for the ceiling (default: measured at the start on --threads threads)")
+                   help="one memory read bandwidth for every ceiling (default: probed on --threads threads around "
+                        "each server's batch-1 run)")
     p.add_argument("--quick", action="store_true", help="a smoke run: xLLM q4_1 only, short requests, no "
                                                         "llama.cpp, no quality")
     add_output_args(p, "quant", report=False)
@@ -250,14 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {"warm": bank.prompts([args.prompt_len], seed=99),
                "batch1": bank.prompts([args.prompt_len] * args.rounds, seed=1),
                "concurrent": bank.prompts([args.prompt_len] * args.concurrency, seed=2)}
+    args.fixed_bandwidth = args.bandwidth_gbs is not None
     if args.bandwidth_gbs is None:
         from benchmarks.roofline import read_bandwidth_gbs
 
         args.bandwidth_gbs = round(read_bandwidth_gbs(args.threads), 1)
-        print(f"[quant] memory read bandwidth on {args.threads} threads: {args.bandwidth_gbs} GB/s", flush=True)
+        print(f"[quant] memory read bandwidth on {args.threads} threads at the start: {args.bandwidth_gbs} GB/s",
+              flush=True)
     results: dict = {"argv": sys.argv if argv is None else argv, "threads": args.threads,
                      "prompt_len": args.prompt_len, "output_len": args.output_len, "rounds": args.rounds,
                      "concurrency": args.concurrency, "bandwidth_gbs": args.bandwidth_gbs,
+                     "fixed_bandwidth": args.fixed_bandwidth,
                      "files": {f: str(p) for f, p in files.items()}, "bytes_per_token": {}, "runs": {},
                      "errors": {}, "cpu_busy_before": cpu_busy_fraction()}
 
@@ -274,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             key = f"{system}/{fmt}"
             try:
                 results["runs"][key] = s = measure_server(system, fmt, files, args, prompts, out / "logs")
-                print(f"[quant] {key}: batch-1 decode {_f(s['batch1']['decode_tok_s_per_request'])} tok/s, "
-                      f"RSS {_f(s.get('rss_mb'), '.0f')} MB", flush=True)
+                print(f"[quant] {key}: batch-1 decode {_f(s['batch1']['decode_tok_s_per_request'])} tok/s "
+                      f"(probes {s['probe_gbs'] or '–'} GB/s), RSS {_f(s.get('rss_mb'), '.0f')} MB", flush=True)
             except Exception as exc:  # record it, go on
                 results["errors"][key] = f"{type(exc).__name__}: {exc}"[:3000]
                 print(f"[quant] {key} failed: {str(exc)[:400]}", flush=True)

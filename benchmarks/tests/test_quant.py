@@ -58,8 +58,14 @@ def test_markdown_and_rss():
          "runs": {"xllm/q4_1": {"batch1": {"decode_tok_s_per_request": 160.5, "output_throughput": 150.0},
                                 "concurrent": {"output_throughput": 900.0}, "rss_mb": 580.0}}}
     md = quant.markdown(r)
-    assert "| xLLM | q4_1 | 96.5 | 321 | 160.5 | 50 | 150.0 | 900.0 | 580 |" in md
+    assert "| xLLM | q4_1 | 96.5 | – | 321 | 160.5 | 50 | 150.0 | 900.0 | 580 |" in md  # one fixed figure
     assert "llamacpp/q8_0 failed: RuntimeError: boom" in md
+    # probes around the run: its ceiling is their mean (20 GB/s here, not the run-start 31)
+    r["fixed_bandwidth"] = False
+    r["runs"]["xllm/q4_1"]["probe_gbs"] = [19.0, 21.0]
+    md = quant.markdown(r)
+    assert "| xLLM | q4_1 | 96.5 | 19.0 / 21.0 | 207 | 160.5 | 77 | 150.0 | 900.0 | 580 |" in md
+    assert "at the start of the run: 31 GB/s" in md
     assert quant.tree_rss_mb(os.getpid()) > 10
 
 
