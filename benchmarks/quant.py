@@ -19,10 +19,11 @@ the runs). Each format's bandwidth ceiling: the bytes one decode step streams (e
 weight with its scales, the LM head, the norms; the KV cache of a short context is left out) against
 the machine's read bandwidth on ``--threads`` threads (:func:`benchmarks.roofline.read_bandwidth_gbs`),
 probed right before and right after each server's batch-1 run with the server idle, their mean being that
-run's bandwidth: a shared machine's bandwidth drifts by up to ~20 % over minutes, so a run is held against
-the bandwidth of its own minute (the run-start probe is reported too; ``--bandwidth-gbs`` gives one fixed
-figure instead). The issue's goals are batch-1 decode above llama.cpp on the same file and >= 85 % of the
-ceiling.
+run's bandwidth: a shared machine's bandwidth moves between minutes (29-56 GB/s seen on the AMD EPYC), so a
+run is held against the bandwidth of its own minute (the run-start probe is reported too; ``--bandwidth-gbs``
+gives one fixed figure instead). The probe reads 2 MiB pages, as the served weights are placed
+(``xllm.models.placement``; 4 KiB pages with ``XLLM_HUGEPAGES=0``, as the weights then are). The issue's goals
+are batch-1 decode above llama.cpp on the same file and >= 85 % of the ceiling.
 
 Quality (unless ``--no-quality``): :mod:`benchmarks.perplexity` (perplexity of a held-out public-domain text
 with prompt logprobs, greedy agreement with the bf16 model) for the same formats and llama.cpp's files.
@@ -133,7 +134,7 @@ def measure_server(system: str, fmt: str, files, args, prompts, logs: pathlib.Pa
     from benchmarks.roofline import read_bandwidth_gbs
 
     def probe() -> float | None:  # (the server idle: no request in flight)
-        return None if args.fixed_bandwidth else round(read_bandwidth_gbs(args.threads), 1)
+        return None if args.fixed_bandwidth else round(read_bandwidth_gbs(args.threads, huge_pages=args.huge_pages), 1)
 
     server = _xllm_server(fmt, files, args, logs) if system == "xllm" else _llamacpp_server(fmt, files, args, logs)
     profile = EndpointProfile() if system == "xllm" else llamacpp.profile()
@@ -166,8 +167,9 @@ def run_bandwidth(r: dict, run: dict) -> float:
 
 def markdown(r: dict) -> str:
     fixed = r.get("fixed_bandwidth", True)
-    basis = (f"{r['bandwidth_gbs']:g} GB/s" if fixed else "the read bandwidth probed right before and after the "
-             f"run's batch-1 requests (their mean; at the start of the run: {r['bandwidth_gbs']:g} GB/s)")
+    pages = " on 2 MiB pages, as the weights are," if r.get("probe_huge_pages") else ""
+    basis = (f"{r['bandwidth_gbs']:g} GB/s" if fixed else f"the read bandwidth{pages} probed right before and after "
+             f"the run's batch-1 requests (their mean; at the start of the run: {r['bandwidth_gbs']:g} GB/s)")
     lines = ["# Quantized weights: decode speed, memory, quality", "",
              f"SmolLM2-135M-Instruct, {r['threads']} threads, {r['prompt_len']} prompt + {r['output_len']} greedy "
              f"tokens; batch 1: {r['rounds']} requests one after another, concurrent: {r['concurrency']} at once. "
@@ -276,16 +278,19 @@ def main(argv: list[str] | None = None) -> int:
                "batch1": bank.prompts([args.prompt_len] * args.rounds, seed=1),
                "concurrent": bank.prompts([args.prompt_len] * args.concurrency, seed=2)}
     args.fixed_bandwidth = args.bandwidth_gbs is not None
+    from xllm.kernels import hugepages
+
+    args.huge_pages = hugepages.enabled()  # the probe streams from pages like the ones the weights are on
     if args.bandwidth_gbs is None:
         from benchmarks.roofline import read_bandwidth_gbs
 
-        args.bandwidth_gbs = round(read_bandwidth_gbs(args.threads), 1)
+        args.bandwidth_gbs = round(read_bandwidth_gbs(args.threads, huge_pages=args.huge_pages), 1)
         print(f"[quant] memory read bandwidth on {args.threads} threads at the start: {args.bandwidth_gbs} GB/s",
               flush=True)
     results: dict = {"argv": sys.argv if argv is None else argv, "threads": args.threads,
                      "prompt_len": args.prompt_len, "output_len": args.output_len, "rounds": args.rounds,
                      "concurrency": args.concurrency, "bandwidth_gbs": args.bandwidth_gbs,
-                     "fixed_bandwidth": args.fixed_bandwidth,
+                     "fixed_bandwidth": args.fixed_bandwidth, "probe_huge_pages": args.huge_pages,
                      "files": {f: str(p) for f, p in files.items()}, "bytes_per_token": {}, "runs": {},
                      "errors": {}, "cpu_busy_before": cpu_busy_fraction()}
 
