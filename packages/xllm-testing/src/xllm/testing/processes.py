@@ -125,18 +125,35 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
         time.sleep(interval)
 
 
+_APT_LOCK = Path("/tmp/xllm-testing-apt.lock")
+
+
+def apt_install(packages: list[str], installed: Callable[[], bool], why: str) -> None:
+    """Install Debian ``packages`` unless ``installed()`` already holds; skips the test where that is
+    impossible (not root, no apt-get). Test workers run in parallel: one installs at a time (a lock file;
+    each re-checks ``installed()`` once it holds it), and apt waits for dpkg's own lock instead of failing
+    when another apt holds it."""
+    if installed():
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip(f"{why} (needs root and apt-get to install {' '.join(packages)})")
+    import fcntl
+
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    wait = ["-o", "DPkg::Lock::Timeout=600"]
+    with _APT_LOCK.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if installed():  # another worker did it while this one waited
+            return
+        for cmd in (["apt-get", *wait, "update", "-qq"], ["apt-get", *wait, "install", "-y", "-qq", *packages]):
+            res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            if res.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+
+
 def ensure_etcd() -> str:
     """Path of the ``etcd`` binary, installing Debian's etcd-server when it is missing (CI runs as root)."""
-    found = shutil.which("etcd")
-    if found:
-        return found
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip("etcd is not installed and cannot be installed here (needs root and apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "etcd-server", "etcd-client"]):
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    apt_install(["etcd-server", "etcd-client"], lambda: shutil.which("etcd") is not None, "etcd is not installed")
     found = shutil.which("etcd")
     if not found:
         raise RuntimeError("etcd-server installed but no etcd binary on PATH")
@@ -242,11 +259,10 @@ def ensure_mooncake() -> str:
     except ImportError as exc:
         if "libibverbs" not in str(exc):
             pytest.skip(f"mooncake is not installed: {exc}")
-        if os.geteuid() != 0 or not shutil.which("apt-get"):
-            pytest.skip("mooncake needs libibverbs1 (apt-get install libibverbs1)")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "libibverbs1"]):
-            subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
+        import ctypes.util
+
+        apt_install(["libibverbs1"], lambda: ctypes.util.find_library("ibverbs") is not None,
+                    "mooncake needs libibverbs1")
         importlib.import_module("mooncake.store")
     import sys
 
