@@ -126,15 +126,21 @@ def _run(base_url: str, prompts, output_len: int, concurrency: int, profile) -> 
     return serving_summary(records, duration)
 
 
+def probe_gbs(args) -> float:
+    """The read bandwidth (GB/s, one decimal) on ``--threads`` threads, from the pages the weights are on."""
+    from benchmarks.roofline import read_bandwidth_gbs
+
+    return round(read_bandwidth_gbs(args.threads, huge_pages=args.huge_pages), 1)
+
+
 def measure_server(system: str, fmt: str, files, args, prompts, logs: pathlib.Path) -> dict:
     """One server: warm-up, batch 1 between two bandwidth probes (unless ``--bandwidth-gbs``), and (xLLM)
     ``--concurrency`` at once; RSS after the runs."""
     from benchmarks.client import EndpointProfile
     from benchmarks.peers import llamacpp, xllm
-    from benchmarks.roofline import read_bandwidth_gbs
 
     def probe() -> float | None:  # (the server idle: no request in flight)
-        return None if args.fixed_bandwidth else round(read_bandwidth_gbs(args.threads, huge_pages=args.huge_pages), 1)
+        return None if args.fixed_bandwidth else probe_gbs(args)
 
     server = _xllm_server(fmt, files, args, logs) if system == "xllm" else _llamacpp_server(fmt, files, args, logs)
     profile = EndpointProfile() if system == "xllm" else llamacpp.profile()
@@ -282,9 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.huge_pages = hugepages.enabled()  # the probe streams from pages like the ones the weights are on
     if args.bandwidth_gbs is None:
-        from benchmarks.roofline import read_bandwidth_gbs
-
-        args.bandwidth_gbs = round(read_bandwidth_gbs(args.threads, huge_pages=args.huge_pages), 1)
+        args.bandwidth_gbs = probe_gbs(args)
         print(f"[quant] memory read bandwidth on {args.threads} threads at the start: {args.bandwidth_gbs} GB/s",
               flush=True)
     results: dict = {"argv": sys.argv if argv is None else argv, "threads": args.threads,
