@@ -13,7 +13,7 @@ from xllm.kernels.gemm_choice import GemmChoice
 from xllm.kernels.linear import linear, linear_argmax, pack_weight
 from xllm.kernels.sampling import argmax_rows
 
-pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable")
+needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable")
 
 # a vocabulary of several 1 MB chunks per thread at 64 rows (a chunk: 170 panels of bf16 logits at 64 rows)
 N_BIG = 20011
@@ -34,6 +34,7 @@ PAIRS = [(5, 21), (100, 148), (8100, 8200), (9000, N_BIG - 3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@needs_native
 def test_packed_argmax_is_the_logits_argmax(dtype):
     gen = torch.Generator().manual_seed(3)
     k = 64
@@ -52,6 +53,7 @@ def test_packed_argmax_is_the_logits_argmax(dtype):
             assert bias is not None or int(got[0]) == a  # the lower column of the tie
 
 
+@needs_native
 def test_linear_argmax_follows_linear_routing():
     """linear_argmax equals the argmax of the logits of the route it takes: linear(..., widen=True)'s on the
     skinny GEMV (one row), the packed GEMM (2-8 rows, and more with no oneDNN copy) and oneDNN (more rows

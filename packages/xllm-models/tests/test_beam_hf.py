@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from xllm.core import EngineConfig, LLMEngine
+from xllm.kernels import native
 from xllm.proto.engine.v1 import engine_pb2
 
 pytestmark = pytest.mark.real_model
@@ -81,6 +82,7 @@ def test_beam_search_equals_hf_generate(engine, hf_smollm2_fp32, smollm2_tokeniz
     assert ended == [s[-1] in eos for s in hf_seqs]
 
 
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="no fused native steps here (AVX-512)")
 def test_a_large_step_runs_fused_then_the_beams_with_the_logits_of_one_shared_forward(engine, smollm2_tokenizer):
     """Beam rows ride in the step's one eager forward up to ``share_max_rows`` rows of the step's own;
     a larger step runs its own rows fused and the beams' forward after it: the same logits."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from xllm.core import EngineConfig, LLMEngine
-from xllm.kernels import quant_native
+from xllm.kernels import native, quant_native
 from xllm.kernels.quant import FORMATS, GGUF_FORMATS
 from xllm.models import load_model
 from xllm.models.layers import QuantLinear
@@ -22,7 +22,8 @@ from xllm.testing.quant import write_llama_gguf
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
-pytestmark = pytest.mark.skipif(quant_native.library() is None, reason="native quantized kernels unavailable")
+pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None or quant_native.library() is None,
+                                reason="no fused native steps here (AVX-512)")
 
 VOCAB = 512
 FLAG = {"int8": "int8", "int4_g32": "int4", "int4_g128": "int4_g128", "w8a8": "w8a8"}

@@ -22,15 +22,13 @@ import torch.nn.functional as F
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           causal: bool, scale: float) -> torch.Tensor:
-    """q ``[B, H, n, D]``, k/v ``[B, KVH, L, D]`` -> ``[B, H, n, Dv]`` with GQA."""
+    """q ``[B, H, n, D]``, k/v ``[B, KVH, L, D]`` -> ``[B, H, n, Dv]`` with GQA (SDPA's own ``enable_gqa``:
+    no repeated copy of K/V; the same values as repeating them)."""
     heads, kv_heads = q.shape[1], k.shape[1]
-    if heads != kv_heads:
-        if heads % kv_heads:
-            raise ValueError(f"{heads} query heads not divisible by {kv_heads} KV heads")
-        rep = heads // kv_heads
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads not divisible by {kv_heads} KV heads")
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=heads != kv_heads)
 
 
 def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -53,6 +51,8 @@ def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_le
     """``q`` ``[B, H, D]`` over gathered ``k``/``v`` ``[B, L, KVH, D]`` (a copy) whose
     rows past each sequence's length are ignored."""
     max_len = k.shape[1]
+    if k.shape[0] == 1:  # one sequence: its length is max_len, nothing to mask
+        return _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), None, False, scale).squeeze(2)
     valid = torch.arange(max_len, device=context_lens.device).unsqueeze(0) < context_lens.unsqueeze(1)
     # Rows past a length hold stale memory (possibly NaN bit patterns); a masked NaN
     # still poisons softmax(QK^T)V (0 * NaN = NaN), so zero them in the copy.

@@ -8,6 +8,11 @@ processes load it. Everything here has a pure-torch fallback: when there is no
 compiler, the CPU lacks AVX-512 BF16, or ``XLLM_NATIVE=0`` is set,
 :func:`library` returns ``None`` and callers use torch ops.
 
+CPUs with AVX2 + FMA + F16C but no AVX-512 (AMD Zen 1-3, most Intel client parts) get a second, smaller
+library from ``kernels/cpu/avx2`` (:func:`avx2_library`): the quantized products only, which
+:mod:`xllm.kernels.quant_native` uses where :func:`library` is None; every other op takes torch there.
+``XLLM_NATIVE_ISA=avx2`` makes any CPU behave so (tests and benchmarks of the AVX2 path on AVX-512 machines).
+
 The library links the same OpenMP runtime as torch (``libgomp.so.1``, already
 loaded by ``import torch``), so both share one thread pool.
 """
@@ -35,6 +40,10 @@ log = logging.getLogger(__name__)
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+#: the AVX2 library (``kernels/cpu/avx2``: the quantized products only) for CPUs without AVX-512; built for
+#: exactly these extensions (not -march=native), so an AVX-512 machine builds and tests the same code
+_AVX2_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-mtune=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
 _lock = threading.Lock()
 
 
@@ -72,8 +81,10 @@ class LlamaLayer(ctypes.Structure):
 class NativeLibrary:
     """ctypes bindings of ``libxllm_cpu.so`` (argument types declared once)."""
 
-    def __init__(self, path: pathlib.Path, hold_gil: bool | None = None) -> None:
+    def __init__(self, path: pathlib.Path, hold_gil: bool | None = None, isa: str = "avx512") -> None:
         self.path = path
+        #: "avx512" (every kernel of kernels/cpu) or "avx2" (kernels/cpu/avx2: the quantized products only)
+        self.isa = isa
         if hold_gil is None:
             hold_gil = os.environ.get("XLLM_NATIVE_RELEASE_GIL", "0") != "1"
         # Holding the GIL (PyDLL) keeps other Python threads (the HTTP event loop) off the CPU while
@@ -81,6 +92,10 @@ class NativeLibrary:
         # mid-kernel preempts one team member and every barrier waits for it.
         self.holds_gil = hold_gil
         lib = (ctypes.PyDLL if hold_gil else ctypes.CDLL)(str(path))
+        self.lib = lib
+        self._declared: dict[str, object] = {}
+        if isa != "avx512":
+            return
         vp, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         lib.xllm_gemm_bf16.argtypes = [vp, i64, i64, vp, i64, vp, vp, i32]
         lib.xllm_gemm_f32.argtypes = [vp, i64, i64, vp, i64, vp, vp]
@@ -102,8 +117,6 @@ class NativeLibrary:
         for name in ("gemm", "decode_attention", "llama_decode", "llama_forward", "add_rmsnorm", "silu_mul", "rope"):
             for sfx in ("bf16", "f32"):
                 getattr(lib, f"xllm_{name}_{sfx}").restype = None
-        self.lib = lib
-        self._declared: dict[str, object] = {}
 
     def fn(self, name: str, argtypes: list, restype=None):
         """The C function ``name`` with its signature declared (once; kernel modules declare their own)."""
@@ -144,6 +157,8 @@ def unavailable_reason() -> str | None:
     """Why the native kernels cannot be used here, or None if they can."""
     if os.environ.get("XLLM_NATIVE", "1") == "0":
         return "disabled by XLLM_NATIVE=0"
+    if os.environ.get("XLLM_NATIVE_ISA") == "avx2":
+        return "XLLM_NATIVE_ISA=avx2 (the AVX2 library only, as on a CPU without AVX-512)"
     missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
@@ -154,16 +169,18 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _build(src: pathlib.Path) -> pathlib.Path:
+def _build(src: pathlib.Path, cflags: list[str] = _CFLAGS, name: str = "libxllm_cpu.so") -> pathlib.Path:
+    """The shared library of ``src``'s top-level C files, compiled with ``cflags`` into a cache directory keyed
+    by the sources, the flags and the CPU's features (built once, under a file lock across processes)."""
     cc = os.environ.get("CC", "gcc")
     files = sorted(src.glob("*.c")) + sorted(src.glob("*.h"))
     key = hashlib.sha256()
     for f in files:
         key.update(f.name.encode() + f.read_bytes())
-    key.update(" ".join([cc, *_CFLAGS]).encode())
+    key.update(" ".join([cc, *cflags]).encode())
     key.update(" ".join(sorted(_cpu_flags())).encode())
     out_dir = cache_dir("kernels") / key.hexdigest()[:16]
-    lib = out_dir / "libxllm_cpu.so"
+    lib = out_dir / name
     if lib.is_file():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -175,7 +192,7 @@ def _build(src: pathlib.Path) -> pathlib.Path:
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             target = pathlib.Path(tmp) / lib.name
-            cmd = [cc, *_CFLAGS, *[str(f) for f in sorted(src.glob("*.c"))], "-o", str(target), "-lm"]
+            cmd = [cc, *cflags, *[str(f) for f in sorted(src.glob("*.c"))], "-o", str(target), "-lm"]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"building the native kernels failed:\n{' '.join(cmd)}\n{result.stderr}")
@@ -207,6 +224,42 @@ def library() -> NativeLibrary | None:
     """The loaded native library, building it on first use; None means use torch."""
     with _lock:
         return _load()
+
+
+def avx2_unavailable_reason() -> str | None:
+    """Why the AVX2 library (:func:`avx2_library`) cannot be used here, or None if it can."""
+    if os.environ.get("XLLM_NATIVE", "1") == "0":
+        return "disabled by XLLM_NATIVE=0"
+    missing = [f for f in _AVX2_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    src = _sources_dir()
+    if src is None or not (src / "avx2").is_dir():
+        return "kernel sources not found"
+    if shutil.which(os.environ.get("CC", "gcc")) is None:
+        return "no C compiler (set CC or install gcc)"
+    return None
+
+
+@functools.cache
+def _load_avx2() -> NativeLibrary | None:
+    reason = avx2_unavailable_reason()
+    if reason is not None:
+        log.info("AVX2 kernels unavailable (%s)", reason)
+        return None
+    try:
+        return NativeLibrary(_build(_sources_dir() / "avx2", _AVX2_CFLAGS, "libxllm_cpu_avx2.so"), isa="avx2")
+    except (RuntimeError, OSError) as exc:
+        log.warning("AVX2 kernels unavailable: %s", exc)
+        return None
+
+
+def avx2_library() -> NativeLibrary | None:
+    """The AVX2 + FMA + F16C library (``kernels/cpu/avx2``: the quantized products of
+    :mod:`xllm.kernels.quant_native`, same entry points), built on first use; None where it cannot run.
+    :mod:`xllm.kernels.quant_native` takes it where :func:`library` is unavailable (CPUs without AVX-512)."""
+    with _lock:
+        return _load_avx2()
 
 
 def for_tensors(*tensors: torch.Tensor) -> NativeLibrary | None:

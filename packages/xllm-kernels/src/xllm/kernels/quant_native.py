@@ -6,9 +6,12 @@ rounded to 16 bits per 32-block, AVX512-VNNI dot products, one pass over the pac
 the GEMV over chunks of 8 rows; more rows dequantize 48-row panels into the blocked bf16/fp32 GEMM's
 layout and run its micro-kernel, or for ``"w8a8"`` weights round the activations to int8 and run the
 VNNI int8 GEMM (``kernels/cpu/gemm_w8a8.h``) (``kernels/cpu/gemm_quant.h`` has
-the algorithms and the measurements behind the thresholds). :func:`linear` returns None whenever the
-native library cannot run the product (no library, ``XLLM_NATIVE=0``, the CPU lacks AVX512-VNNI, under
-``torch.compile``, an unsupported dtype or device); the caller then takes the torch path.
+the algorithms and the measurements behind the thresholds). On CPUs without AVX512-VNNI the AVX2
+library runs instead (``kernels/cpu/avx2/quant_avx2.c``: the same 16-bit activations, VPMADDWD dot
+products, one algorithm for every M; ``path`` is ignored there and ``"w8a8"`` weights take the torch
+reference). :func:`linear` returns None whenever no native library can run the product (no library,
+``XLLM_NATIVE=0``, no AVX2, under ``torch.compile``, an unsupported dtype or device); the caller then
+takes the torch path.
 """
 
 from __future__ import annotations
@@ -57,11 +60,20 @@ def struct(qw: QuantizedWeight) -> QWeight:
 
 
 def library() -> native.NativeLibrary | None:
-    """The native library if it can run the quantized kernels here (they need AVX512-VNNI), else None."""
+    """The library that runs the quantized kernels here: the AVX-512 one where the CPU has AVX512-VNNI, else
+    the AVX2 one (:func:`xllm.kernels.native.avx2_library`: the same entry points, one GEMV algorithm for
+    every M, no W8A8 GEMM), else None."""
     lib = native.library()
-    if lib is None or "avx512_vnni" not in native.cpu_flags():
-        return None
-    return lib
+    if lib is not None and "avx512_vnni" in native.cpu_flags():
+        return lib
+    return native.avx2_library()
+
+
+def w8a8_ready() -> bool:
+    """Whether ``"w8a8"`` weights run natively here (the W8A8 GEMM of the AVX-512 library; elsewhere
+    :func:`xllm.kernels.quant.w8a8_reference` computes them)."""
+    lib = library()
+    return lib is not None and lib.isa == "avx512"
 
 
 def amx_ready() -> bool:
@@ -93,15 +105,17 @@ class _Operands:
         return None if self.bias is None else self.bias.data_ptr()
 
 
-def _operands(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> _Operands | None:
+def _operands(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None,
+              weight_only: bool = False) -> _Operands | None:
     """The operands of a native product, or None where the native path does not apply (no library,
-    ``XLLM_NATIVE=0``, the CPU lacks AVX512-VNNI, under ``torch.compile``, another dtype or device)."""
+    ``XLLM_NATIVE=0``, neither AVX512-VNNI nor AVX2, under ``torch.compile``, another dtype or device; a
+    ``"w8a8"`` weight's W8A8 product on the AVX2 library; ``weight_only``: the caller runs it as int8 instead)."""
     if torch.compiler.is_compiling() or x.dim() != 2 or x.device.type != "cpu":
         return None
     if x.dtype not in (torch.bfloat16, torch.float32) or qw.data.device.type != "cpu":
         return None
     lib = library()
-    if lib is None:
+    if lib is None or (qw.fmt == "w8a8" and not weight_only and not w8a8_ready()):  # (AVX2: no W8A8 GEMM)
         return None
     qw = kernel_ready(qw)
     bias = None if bias is None else bias.to(x.dtype).contiguous()
@@ -113,7 +127,7 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_
     """``x [m, k] @ dequantize(qw).T + bias`` natively, or None when the native path does not apply.
     bf16 ``x`` gives bf16 (or fp32 with ``out_dtype=torch.float32``); fp32 ``x`` gives fp32 (cast to
     ``out_dtype`` if given)."""
-    op = _operands(x, qw, bias)
+    op = _operands(x, qw, bias, weight_only=path in ("gemv", "panels", "gemv_chunks"))
     if op is None:
         return None
     (m, k), n = op.x.shape, op.qw.n
