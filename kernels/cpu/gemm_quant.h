@@ -43,35 +43,9 @@
 #include "common.h"
 #include "gemm_packed.h"
 
-enum { XQ_NONE = 0, XQ_Q8_0 = 1, XQ_Q4_0 = 2, XQ_Q4_1 = 3, XQ_INT8 = 4, XQ_INT4_G32 = 5, XQ_INT4_G128 = 6,
-       XQ_W8A8 = 7 /* int8's layout; gemm_w8a8.h from XW_MIN_M rows, the int8 paths below that */ };
+#include "quant_formats.h"
+
 #define XQ_MAX_M 8
-
-typedef struct {
-    int64_t fmt;           /* XQ_* (XQ_NONE: not quantized) */
-    const uint8_t *data;   /* [N, row_bytes] */
-    const void *scales;    /* int8: float [N]; int4: fp16 [N, K / group]; else NULL */
-    const uint8_t *zeros;  /* int4: uint8 [N, K / group]; else NULL */
-    const uint8_t *packed; /* w8a8: the VNNI panels and their offset sums (gemm_w8a8.h), or NULL; else NULL */
-} XllmQWeight;
-
-ALWAYS_INLINE int64_t xq_row_bytes(int64_t fmt, int64_t K) {
-    switch (fmt) {
-    case XQ_Q8_0: return K / 32 * 34;
-    case XQ_Q4_0: return K / 32 * 18;
-    case XQ_Q4_1: return K / 32 * 20;
-    case XQ_INT8: case XQ_W8A8: return K;
-    default: return K / 2;
-    }
-}
-
-ALWAYS_INLINE int xq_signed(int fmt) { return fmt == XQ_Q8_0 || fmt == XQ_INT8 || fmt == XQ_W8A8; }
-
-ALWAYS_INLINE float xq_h2f(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
 
 /* 16 packed bytes -> 32 u8 values (element j low nibble of byte j, j + 16 high nibble) */
 ALWAYS_INLINE __m256i xq_nib32(const uint8_t *qs) {

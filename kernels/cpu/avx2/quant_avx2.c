@@ -28,39 +28,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-enum { XQ_NONE = 0, XQ_Q8_0 = 1, XQ_Q4_0 = 2, XQ_Q4_1 = 3, XQ_INT8 = 4, XQ_INT4_G32 = 5, XQ_INT4_G128 = 6,
-       XQ_W8A8 = 7 };
-
-typedef struct { /* mirror of XllmQWeight (kernels/cpu/gemm_quant.h) */
-    int64_t fmt;
-    const uint8_t *data;
-    const void *scales;
-    const uint8_t *zeros;
-    const uint8_t *packed;
-} XllmQWeight;
+#include "../quant_formats.h" /* XQ_* tags, XllmQWeight, xq_row_bytes, xq_h2f */
 
 #define XQ_QMAX 32512.0f
 #define XA_GROUP 4          /* rows of x per pass over a chunk's weight rows */
 #define XA_CHUNK 16         /* output rows per chunk */
 #define XA_PF_BYTES 4096    /* software prefetch distance in a weight row's stream */
-
-ALWAYS_INLINE int64_t xa_row_bytes(int64_t fmt, int64_t K) {
-    switch (fmt) {
-    case XQ_Q8_0: return K / 32 * 34;
-    case XQ_Q4_0: return K / 32 * 18;
-    case XQ_Q4_1: return K / 32 * 20;
-    case XQ_INT8: case XQ_W8A8: return K;
-    default: return K / 2;
-    }
-}
-
-ALWAYS_INLINE float xa_h2f(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
 
 ALWAYS_INLINE float xa_bf2f(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -159,7 +132,7 @@ ALWAYS_INLINE void xa_block(const int FMT, const uint8_t *row, const uint8_t *sc
     switch (FMT) {
     case XQ_Q8_0: case XQ_INT8: {
         const uint8_t *b = FMT == XQ_Q8_0 ? row + blk * 34 + 2 : row + blk * 32;
-        *d = FMT == XQ_Q8_0 ? xa_h2f(b - 2) : 1.0f;
+        *d = FMT == XQ_Q8_0 ? xq_h2f(b - 2) : 1.0f;
         *m = 0.0f;
         *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b));
         *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 16)));
@@ -167,18 +140,18 @@ ALWAYS_INLINE void xa_block(const int FMT, const uint8_t *row, const uint8_t *sc
     }
     case XQ_Q4_0:
         qs = row + blk * 18 + 2;
-        *d = xa_h2f(qs - 2);
+        *d = xq_h2f(qs - 2);
         *m = -8.0f * *d;
         break;
     case XQ_Q4_1:
         qs = row + blk * 20 + 4;
-        *d = xa_h2f(qs - 4);
-        *m = xa_h2f(qs - 2);
+        *d = xq_h2f(qs - 4);
+        *m = xq_h2f(qs - 2);
         break;
     default: { /* int4: groups of 32 or 128 */
         const int64_t g = FMT == XQ_INT4_G32 ? blk : blk >> 2;
         qs = row + blk * 16;
-        *d = xa_h2f(sc + 2 * g);
+        *d = xq_h2f(sc + 2 * g);
         *m = -*d * (float)zp[g];
         break;
     }
@@ -193,11 +166,11 @@ ALWAYS_INLINE void xa_row(const int FMT, const int G, const XaAct a, int64_t r0,
                           int64_t n, float *out) {
     const int64_t nb = K / 32, gpr = FMT == XQ_INT4_G128 ? K / 128 : nb;
     const int int4 = FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128;
-    const int64_t rb = xa_row_bytes(FMT, K);
+    const int64_t rb = xq_row_bytes(FMT, K);
     const uint8_t *row = W->data + n * rb;
     const uint8_t *sc = int4 ? (const uint8_t *)W->scales + 2 * n * gpr : NULL;
     const uint8_t *zp = int4 ? W->zeros + n * gpr : NULL;
-    const int64_t bb = xa_row_bytes(FMT, 32); /* bytes of a block */
+    const int64_t bb = xq_row_bytes(FMT, 32); /* bytes of a block */
     __m256 acc[XA_GROUP];
     float off[XA_GROUP];
     _Pragma("GCC unroll 4") for (int g = 0; g < G; g++) {
@@ -344,7 +317,7 @@ ALWAYS_INLINE void xa_dequant_block(const int FMT, const XllmQWeight *W, int64_t
                                     float *dst) {
     const int64_t gpr = FMT == XQ_INT4_G128 ? K / 128 : K / 32;
     const int int4 = FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128;
-    const uint8_t *row = W->data + n * xa_row_bytes(FMT, K);
+    const uint8_t *row = W->data + n * xq_row_bytes(FMT, K);
     const uint8_t *sc = int4 ? (const uint8_t *)W->scales + 2 * n * gpr : NULL;
     const uint8_t *zp = int4 ? W->zeros + n * gpr : NULL;
     __m256i w0, w1;

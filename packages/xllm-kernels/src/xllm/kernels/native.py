@@ -174,6 +174,8 @@ def _build(src: pathlib.Path, cflags: list[str] = _CFLAGS, name: str = "libxllm_
     by the sources, the flags and the CPU's features (built once, under a file lock across processes)."""
     cc = os.environ.get("CC", "gcc")
     files = sorted(src.glob("*.c")) + sorted(src.glob("*.h"))
+    if (src.parent / "quant_formats.h").is_file():  # (avx2/ includes ../quant_formats.h)
+        files += sorted(src.parent.glob("*.h"))
     key = hashlib.sha256()
     for f in files:
         key.update(f.name.encode() + f.read_bytes())
