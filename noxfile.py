@@ -32,6 +32,11 @@ TEST_DEPS = ["pytest>=8", "pytest-xdist>=3.5", "openai>=1.40", "httpx>=0.27", "a
 # worker). Measured on the 2-core CI machine: 824 s in one process, 393 s in two workers. Override with
 # ``nox -s tests -- -n 0`` (one process) or another ``-n``.
 TEST_WORKERS = ["-n", str(min(os.cpu_count() or 1, 4)), "--dist", "loadfile"]
+# The workers and the servers the tests start share 2 cores, each with its own OpenMP team: libgomp's default
+# spin-waiting at barriers then burns the core another team needs (measured on the 2-core AVX2 CI machine:
+# benchmarks/tests/test_structured.py + integration_tests/test_e2e_errors.py on 2 workers 180 s -> 46 s with
+# passive waiting). Tests only: served engines keep the default, which is faster on cores of their own.
+TEST_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 BENCH_TEST_DEPS = ["matplotlib>=3.8"]  # benchmarks/tests draw every scenario's plots
 LINT_DEPS = ["ruff==0.17.6", "import-linter==2.16"]
 TEST_SUPPORT = "xllm-testing"  # test-only; installed --no-deps beside the packages under test
@@ -130,7 +135,7 @@ def tests(session: nox.Session) -> None:
     session.install(*BENCH_TEST_DEPS)
     paths = [f"packages/{p}/tests" for p in PACKAGES if (ROOT / "packages" / p / "tests").is_dir()]
     session.run("pytest", *TEST_WORKERS, "--durations=25", *paths, "integration_tests", "benchmarks/tests",
-                *session.posargs)
+                *session.posargs, env=TEST_ENV)
 
 
 @nox.session
@@ -138,14 +143,14 @@ def tests(session: nox.Session) -> None:
 def unit(session: nox.Session, package: str) -> None:
     """One package's unit tests, in a venv holding only that package and its siblings."""
     install_packages(session, closure(package))
-    session.run("pytest", f"packages/{package}/tests", *session.posargs)
+    session.run("pytest", f"packages/{package}/tests", *session.posargs, env=TEST_ENV)
 
 
 @nox.session
 def integration(session: nox.Session) -> None:
     """Integration tests: live servers, real clients, several processes."""
     install_packages(session, PACKAGES)
-    session.run("pytest", "integration_tests", *session.posargs)
+    session.run("pytest", "integration_tests", *session.posargs, env=TEST_ENV)
 
 
 @nox.session
