@@ -347,11 +347,9 @@ ALWAYS_INLINE __m128 xq_reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
  * rows; the horizontal sums are left to the caller, which does them 4 weight rows at a time) */
 ALWAYS_INLINE void xq_row(const int FMT, const int M, const XqAct a, int64_t K, const XllmQWeight *W, int64_t n,
                           __m512 *part) {
-    const int64_t nb = K / 32, nq = nb / 4, gpr = FMT == XQ_INT4_G128 ? K / 128 : nb;
-    const int int4 = FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128;
-    const uint8_t *row = W->data + n * xq_row_bytes(FMT, K);
-    const uint8_t *sc = int4 ? (const uint8_t *)W->scales + 2 * n * gpr : NULL;
-    const uint8_t *zp = int4 ? W->zeros + n * gpr : NULL;
+    const int64_t nb = K / 32, nq = nb / 4;
+    const XqRowView v = xq_row_view(FMT, W, K, n);
+    const uint8_t *row = v.row, *sc = v.sc, *zp = v.zp;
     __m512 acc[XQ_MAX_M];
     __m128 off[XQ_MAX_M];
     _Pragma("GCC unroll 8") for (int r = 0; r < M; r++) {

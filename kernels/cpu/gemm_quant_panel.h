@@ -10,13 +10,9 @@
  * one rounding, as the reference's: a 4-bit q times an fp16 d is exact) */
 ALWAYS_INLINE void xq_dequant_block(const int FMT, const XllmQWeight *W, int64_t K, int64_t n, int64_t blk,
                                     __m512 *lo, __m512 *hi) {
-    const int64_t gpr = FMT == XQ_INT4_G128 ? K / 128 : K / 32;
-    const int int4 = FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128;
-    const uint8_t *row = W->data + n * xq_row_bytes(FMT, K);
-    const uint8_t *sc = int4 ? (const uint8_t *)W->scales + 2 * n * gpr : NULL;
-    const uint8_t *zp = int4 ? W->zeros + n * gpr : NULL;
+    const XqRowView v = xq_row_view(FMT, W, K, n);
     float d, m;
-    const __m256i w = xq_block(FMT, row, sc, zp, blk, &d, &m);
+    const __m256i w = xq_block(FMT, v.row, v.sc, v.zp, blk, &d, &m);
     __m512i q0, q1;
     if (xq_signed(FMT)) {
         q0 = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(w));
@@ -25,8 +21,8 @@ ALWAYS_INLINE void xq_dequant_block(const int FMT, const XllmQWeight *W, int64_t
         q0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(w));
         q1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(w, 1));
     }
-    if (FMT == XQ_Q4_0 || int4) { /* (q - offset) * d: a zero weight keeps d's sign, as in the reference */
-        const __m512i off = _mm512_set1_epi32(FMT == XQ_Q4_0 ? 8 : zp[FMT == XQ_INT4_G32 ? blk : blk >> 2]);
+    if (FMT == XQ_Q4_0 || xq_is_int4(FMT)) { /* (q - offset) * d: a zero weight keeps d's sign, as in the reference */
+        const __m512i off = _mm512_set1_epi32(xq_block_offset(FMT, v, blk));
         q0 = _mm512_sub_epi32(q0, off);
         q1 = _mm512_sub_epi32(q1, off);
         m = 0.0f;

@@ -36,6 +36,28 @@ ALWAYS_INLINE int64_t xq_row_bytes(int64_t fmt, int64_t K) {
 
 ALWAYS_INLINE int xq_signed(int fmt) { return fmt == XQ_Q8_0 || fmt == XQ_INT8 || fmt == XQ_W8A8; }
 
+/* row n of W as its block readers see it: the row's bytes and, for int4, its fp16 scales and zero points */
+typedef struct {
+    const uint8_t *row, *sc, *zp;
+} XqRowView;
+
+ALWAYS_INLINE int xq_is_int4(int fmt) { return fmt == XQ_INT4_G32 || fmt == XQ_INT4_G128; }
+
+ALWAYS_INLINE XqRowView xq_row_view(const int FMT, const XllmQWeight *W, int64_t K, int64_t n) {
+    const int64_t gpr = FMT == XQ_INT4_G128 ? K / 128 : K / 32;
+    const int int4 = xq_is_int4(FMT);
+    XqRowView v = {W->data + n * xq_row_bytes(FMT, K), int4 ? (const uint8_t *)W->scales + 2 * n * gpr : NULL,
+                   int4 ? W->zeros + n * gpr : NULL};
+    return v;
+}
+
+/* the integer offset dequantization takes from block blk's codes first: Q4_0's 8, int4's zero point, else 0 */
+ALWAYS_INLINE int xq_block_offset(const int FMT, XqRowView v, int64_t blk) {
+    if (FMT == XQ_Q4_0) return 8;
+    if (xq_is_int4(FMT)) return v.zp[FMT == XQ_INT4_G32 ? blk : blk >> 2];
+    return 0;
+}
+
 ALWAYS_INLINE float xq_h2f(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);

@@ -164,12 +164,9 @@ ALWAYS_INLINE void xa_block(const int FMT, const uint8_t *row, const uint8_t *sc
 /* out[r] = x_r . dequant(W[n]) for the G rows of x from r0 (fp32, no bias) */
 ALWAYS_INLINE void xa_row(const int FMT, const int G, const XaAct a, int64_t r0, int64_t K, const XllmQWeight *W,
                           int64_t n, float *out) {
-    const int64_t nb = K / 32, gpr = FMT == XQ_INT4_G128 ? K / 128 : nb;
-    const int int4 = FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128;
-    const int64_t rb = xq_row_bytes(FMT, K);
-    const uint8_t *row = W->data + n * rb;
-    const uint8_t *sc = int4 ? (const uint8_t *)W->scales + 2 * n * gpr : NULL;
-    const uint8_t *zp = int4 ? W->zeros + n * gpr : NULL;
+    const int64_t nb = K / 32;
+    const XqRowView v = xq_row_view(FMT, W, K, n);
+    const uint8_t *row = v.row, *sc = v.sc, *zp = v.zp;
     const int64_t bb = xq_row_bytes(FMT, 32); /* bytes of a block */
     __m256 acc[XA_GROUP];
     float off[XA_GROUP];
@@ -315,17 +312,11 @@ void xllm_head_argmax_quant(const XllmQWeight *W, const void *x, int x_bf16, int
  * exact product or one rounding), d q + m (Q4_1: one FMA; d q is exact for a 4-bit q and an fp16 d) */
 ALWAYS_INLINE void xa_dequant_block(const int FMT, const XllmQWeight *W, int64_t K, int64_t n, int64_t blk,
                                     float *dst) {
-    const int64_t gpr = FMT == XQ_INT4_G128 ? K / 128 : K / 32;
-    const int int4 = FMT == XQ_INT4_G32 || FMT == XQ_INT4_G128;
-    const uint8_t *row = W->data + n * xq_row_bytes(FMT, K);
-    const uint8_t *sc = int4 ? (const uint8_t *)W->scales + 2 * n * gpr : NULL;
-    const uint8_t *zp = int4 ? W->zeros + n * gpr : NULL;
+    const XqRowView v = xq_row_view(FMT, W, K, n);
     __m256i w0, w1;
     float d, m;
-    xa_block(FMT, row, sc, zp, blk, &w0, &w1, &d, &m);
-    __m256i off = _mm256_setzero_si256();
-    if (FMT == XQ_Q4_0) off = _mm256_set1_epi32(8);
-    if (int4) off = _mm256_set1_epi32(zp[FMT == XQ_INT4_G32 ? blk : blk >> 2]);
+    xa_block(FMT, v.row, v.sc, v.zp, blk, &w0, &w1, &d, &m);
+    const __m256i off = _mm256_set1_epi32(xq_block_offset(FMT, v, blk));
     if (FMT == XQ_INT8) d = ((const float *)W->scales)[n];
     const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
     const __m256i halves[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(w0)),

@@ -20,6 +20,7 @@ loaded by ``import torch``), so both share one thread pool.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -153,20 +154,41 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpu_flags())
 
 
-def unavailable_reason() -> str | None:
-    """Why the native kernels cannot be used here, or None if they can."""
+@dataclasses.dataclass(frozen=True)
+class _Variant:
+    """One build of the kernel sources: which directory, for which CPU extensions, into which library."""
+
+    isa: str  # NativeLibrary.isa
+    subdir: str  # under the sources dir ("" for kernels/cpu itself)
+    cflags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]  # required in /proc/cpuinfo
+    lib_name: str
+
+
+_AVX512 = _Variant("avx512", "", tuple(_CFLAGS), _REQUIRED_CPU_FLAGS, "libxllm_cpu.so")
+_AVX2 = _Variant("avx2", "avx2", tuple(_AVX2_CFLAGS), _AVX2_CPU_FLAGS, "libxllm_cpu_avx2.so")
+
+
+def _variant_reason(v: _Variant) -> str | None:
+    """Why ``v`` cannot be built and run here, or None if it can."""
     if os.environ.get("XLLM_NATIVE", "1") == "0":
         return "disabled by XLLM_NATIVE=0"
-    if os.environ.get("XLLM_NATIVE_ISA") == "avx2":
+    if v is _AVX512 and os.environ.get("XLLM_NATIVE_ISA") == "avx2":
         return "XLLM_NATIVE_ISA=avx2 (the AVX2 library only, as on a CPU without AVX-512)"
-    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in v.cpu_flags if f not in _cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
-    if _sources_dir() is None:
+    src = _sources_dir()
+    if src is None or not (src / v.subdir).is_dir():
         return "kernel sources not found"
     if shutil.which(os.environ.get("CC", "gcc")) is None:
         return "no C compiler (set CC or install gcc)"
     return None
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot be used here, or None if they can."""
+    return _variant_reason(_AVX512)
 
 
 def _build(src: pathlib.Path, cflags: list[str] = _CFLAGS, name: str = "libxllm_cpu.so") -> pathlib.Path:
@@ -204,15 +226,16 @@ def _build(src: pathlib.Path, cflags: list[str] = _CFLAGS, name: str = "libxllm_
 
 
 @functools.cache
-def _load() -> NativeLibrary | None:
-    reason = unavailable_reason()
+def _load(v: _Variant) -> NativeLibrary | None:
+    """``v``'s library, built on first use; None (logged) where it cannot be built or run."""
+    reason = _variant_reason(v)
     if reason is not None:
-        log.info("native CPU kernels unavailable (%s); using torch ops", reason)
+        log.info("native CPU kernels (%s) unavailable (%s); using torch ops", v.isa, reason)
         return None
     try:
-        return NativeLibrary(_build(_sources_dir()))
+        return NativeLibrary(_build(_sources_dir() / v.subdir, list(v.cflags), v.lib_name), isa=v.isa)
     except (RuntimeError, OSError) as exc:
-        log.warning("native CPU kernels unavailable, using torch ops: %s", exc)
+        log.warning("native CPU kernels (%s) unavailable, using torch ops: %s", v.isa, exc)
         return None
 
 
@@ -225,35 +248,12 @@ def build_from(src: pathlib.Path) -> NativeLibrary:
 def library() -> NativeLibrary | None:
     """The loaded native library, building it on first use; None means use torch."""
     with _lock:
-        return _load()
+        return _load(_AVX512)
 
 
 def avx2_unavailable_reason() -> str | None:
     """Why the AVX2 library (:func:`avx2_library`) cannot be used here, or None if it can."""
-    if os.environ.get("XLLM_NATIVE", "1") == "0":
-        return "disabled by XLLM_NATIVE=0"
-    missing = [f for f in _AVX2_CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    src = _sources_dir()
-    if src is None or not (src / "avx2").is_dir():
-        return "kernel sources not found"
-    if shutil.which(os.environ.get("CC", "gcc")) is None:
-        return "no C compiler (set CC or install gcc)"
-    return None
-
-
-@functools.cache
-def _load_avx2() -> NativeLibrary | None:
-    reason = avx2_unavailable_reason()
-    if reason is not None:
-        log.info("AVX2 kernels unavailable (%s)", reason)
-        return None
-    try:
-        return NativeLibrary(_build(_sources_dir() / "avx2", _AVX2_CFLAGS, "libxllm_cpu_avx2.so"), isa="avx2")
-    except (RuntimeError, OSError) as exc:
-        log.warning("AVX2 kernels unavailable: %s", exc)
-        return None
+    return _variant_reason(_AVX2)
 
 
 def avx2_library() -> NativeLibrary | None:
@@ -261,7 +261,7 @@ def avx2_library() -> NativeLibrary | None:
     :mod:`xllm.kernels.quant_native`, same entry points), built on first use; None where it cannot run.
     :mod:`xllm.kernels.quant_native` takes it where :func:`library` is unavailable (CPUs without AVX-512)."""
     with _lock:
-        return _load_avx2()
+        return _load(_AVX2)
 
 
 def for_tensors(*tensors: torch.Tensor) -> NativeLibrary | None:
