@@ -4,7 +4,7 @@ eager path's time goes, in-process on the real model (no HTTP, no client).
     python -m benchmarks steps                       # SmolLM2 bf16, every shape, both modes
     python -m benchmarks steps --shapes 16+1x128 --reps 9
 
-A shape ``D+PxL`` is D sequences decoding (each with a ``--context``-token context) plus P new
+A shape ``D+PxL`` is D sequences decoding (decoder i with a ``--context`` + i % 16-token context) plus P new
 prompts of L tokens prefilled in the same step; ``D`` alone is a pure decode step, ``PxL`` a
 prefill-only step. For each shape, modes alternate repetition by repetition (the machine is shared:
 interleaving keeps slow spells from landing on one mode):
@@ -40,6 +40,11 @@ from benchmarks.report import add_output_args
 HERE = pathlib.Path(__file__).resolve().parent
 SHAPES = ("1x128", "16x128", "1x1024", "16+1x128", "15+1x512", "16", "64", "64+1x128")
 MODES = ("eager", "native")
+# Decoder i has context + i % 16 tokens, so the measured step's KV writes reach a 4 KiB page of KV memory not
+# touched before in 2 of every 16 rows (SmolLM2), near serving's 1 in 10.7. With equal contexts of 160 (a page boundary for SmolLM2's 384-byte K/V
+# rows) every row of a 64-decode step wrote to a page never touched: 3,840 first-touch page faults, 6.5 of the
+# step's 67.5 ms in the "rope + KV store" phase (docs/performance.md, session 16).
+CONTEXT_STAGGER = 16
 PARTS = {  # profiler op names -> part
     "gemm": ("mkldnn::_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"),
@@ -101,8 +106,8 @@ class Bench:
         """Reset the engine, start ``shape.decodes`` decoders and queue the prompts; returns the engine
         ready for the measured step."""
         eng = self.engines[mode]
-        for _ in range(shape.decodes):
-            eng.add_request(self._request(self.context, 4096))
+        for i in range(shape.decodes):  # staggered contexts (CONTEXT_STAGGER)
+            eng.add_request(self._request(self.context + i % CONTEXT_STAGGER, 4096))
         while eng.scheduler.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in eng.scheduler.running):
             eng.step()  # prefill the decoders: each then has one token to compute per step
         for _ in range(shape.prompts):
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated step shapes D+PxL (default {','.join(SHAPES)})")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated of: eager, native")
     p.add_argument("--reps", type=int, default=7, help="timed steps per shape and mode (median reported)")
-    p.add_argument("--context", type=int, default=160, help="tokens of context of each decoding sequence")
+    p.add_argument("--context", type=int, default=160, help="tokens of context of the first decoding sequence (decoder i has this + i %% 16)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--model", type=pathlib.Path, default=None, help="model dir (default: the bundled SmolLM2)")
     p.add_argument("--stored", action="store_true",
@@ -242,7 +247,7 @@ def summary(results: dict) -> str:
     modes = [m for m in MODES if m in rows[0]["ms"]] if rows else []
     lines = [f"# Step profile ({meta['model']}, {meta['weights']} weights, {meta['dtype']} activations, "
              f"commit {meta['commit']})", "",
-             f"Median of {meta['reps']} steps per cell, modes interleaved; decoders have {meta['context']}-token "
+             f"Median of {meta['reps']} steps per cell, modes interleaved; decoders have {meta['context']}+i%16-token "
              f"contexts. CPU busy before/after: {meta['cpu_busy_before']:.0%} / {meta['cpu_busy_after']:.0%}.", "",
              "| step shape | tokens | " + " | ".join(f"{m} ms" for m in modes)
              + (" | eager / native |" if len(modes) == 2 else " |"),
