@@ -40,9 +40,9 @@ from benchmarks.report import add_output_args
 HERE = pathlib.Path(__file__).resolve().parent
 SHAPES = ("1x128", "16x128", "1x1024", "16+1x128", "15+1x512", "16", "64", "64+1x128")
 MODES = ("eager", "native")
-# Decoder i has context + i % 16 tokens, so the measured step's KV writes reach a 4 KiB page of KV memory not
-# touched before in 2 of every 16 rows (SmolLM2), near serving's 1 in 10.7. With equal contexts of 160 (a page boundary for SmolLM2's 384-byte K/V
-# rows) every row of a 64-decode step wrote to a page never touched: 3,840 first-touch page faults, 6.5 of the
+# Decoder i has context + i % 16 tokens, so the measured step's KV writes reach an untouched 4 KiB page of KV
+# memory in 2 of every 16 rows (SmolLM2), near serving's 1 in 10.7. With equal contexts of 160 (a page boundary
+# for SmolLM2's 384-byte K/V rows) every row of a 64-decode step did: 3,840 first-touch page faults, 6.5 of the
 # step's 67.5 ms in the "rope + KV store" phase (docs/performance.md, session 16).
 CONTEXT_STAGGER = 16
 PARTS = {  # profiler op names -> part
@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated step shapes D+PxL (default {','.join(SHAPES)})")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated of: eager, native")
     p.add_argument("--reps", type=int, default=7, help="timed steps per shape and mode (median reported)")
-    p.add_argument("--context", type=int, default=160, help="tokens of context of the first decoding sequence (decoder i has this + i %% 16)")
+    p.add_argument("--context", type=int, default=160,
+                   help="tokens of context of the first decoding sequence (decoder i has this + i %% 16)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--model", type=pathlib.Path, default=None, help="model dir (default: the bundled SmolLM2)")
     p.add_argument("--stored", action="store_true",
