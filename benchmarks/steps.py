@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated of: eager, native")
     p.add_argument("--reps", type=int, default=7, help="timed steps per shape and mode (median reported)")
     p.add_argument("--context", type=int, default=160,
-                   help="tokens of context of the first decoding sequence (decoder i has this + i %% 16)")
+                   help=f"tokens of context of the first decoding sequence "
+                        f"(decoder i has this + i %% {CONTEXT_STAGGER})")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--model", type=pathlib.Path, default=None, help="model dir (default: the bundled SmolLM2)")
     p.add_argument("--stored", action="store_true",
@@ -248,7 +249,8 @@ def summary(results: dict) -> str:
     modes = [m for m in MODES if m in rows[0]["ms"]] if rows else []
     lines = [f"# Step profile ({meta['model']}, {meta['weights']} weights, {meta['dtype']} activations, "
              f"commit {meta['commit']})", "",
-             f"Median of {meta['reps']} steps per cell, modes interleaved; decoders have {meta['context']}+i%16-token "
+             f"Median of {meta['reps']} steps per cell, modes interleaved; decoders have "
+             f"{meta['context']}+i%{CONTEXT_STAGGER}-token "
              f"contexts. CPU busy before/after: {meta['cpu_busy_before']:.0%} / {meta['cpu_busy_after']:.0%}.", "",
              "| step shape | tokens | " + " | ".join(f"{m} ms" for m in modes)
              + (" | eager / native |" if len(modes) == 2 else " |"),

@@ -464,13 +464,13 @@ static void xq_chunk_f32_dispatch(const XqAct a, int64_t M, int64_t K, const Xll
 /* W's rows from n on (a view: the same format, pointers advanced) */
 ALWAYS_INLINE XllmQWeight xq_rows_from(const XllmQWeight *W, int64_t K, int64_t n) {
     XllmQWeight v = *W;
-    const int64_t gpr = W->fmt == XQ_INT4_G128 ? K / 128 : K / 32;
-    v.data = W->data + n * xq_row_bytes(W->fmt, K);
+    const XqRowView r = xq_row_view((int)W->fmt, W, K, n);
+    v.data = r.row;
     v.packed = NULL; /* (panels of the whole weight) */
     if (W->fmt == XQ_INT8 || W->fmt == XQ_W8A8) v.scales = (const float *)W->scales + n;
-    if (W->fmt == XQ_INT4_G32 || W->fmt == XQ_INT4_G128) {
-        v.scales = (const uint8_t *)W->scales + 2 * n * gpr;
-        v.zeros = W->zeros + n * gpr;
+    if (xq_is_int4((int)W->fmt)) {
+        v.scales = r.sc;
+        v.zeros = r.zp;
     }
     return v;
 }

@@ -191,7 +191,7 @@ def unavailable_reason() -> str | None:
     return _variant_reason(_AVX512)
 
 
-def _build(src: pathlib.Path, cflags: list[str] = _CFLAGS, name: str = "libxllm_cpu.so") -> pathlib.Path:
+def _build(src: pathlib.Path, cflags: list[str], name: str) -> pathlib.Path:
     """The shared library of ``src``'s top-level C files, compiled with ``cflags`` into a cache directory keyed
     by the sources, the flags and the CPU's features (built once, under a file lock across processes)."""
     cc = os.environ.get("CC", "gcc")
@@ -242,7 +242,7 @@ def _load(v: _Variant) -> NativeLibrary | None:
 def build_from(src: pathlib.Path) -> NativeLibrary:
     """A library built from other kernel sources (a ``kernels/cpu`` directory), cached like the default one:
     benchmarks load it beside :func:`library` for a before/after of a kernel change in one process."""
-    return NativeLibrary(_build(src))
+    return NativeLibrary(_build(src, list(_AVX512.cflags), _AVX512.lib_name))
 
 
 def library() -> NativeLibrary | None:
