@@ -21,7 +21,7 @@ from xllm.gateway.registry import EmbeddedRegistry
 from xllm.gateway.router import Router
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.registry.v1 import instance_pb2
-from xllm.testing.engine import Collected, StepGate, gated, generate, make_engine, make_request
+from xllm.testing.engine import Collected, MoveHold, StepGate, gated, generate, make_engine, make_request
 from xllm.testing.processes import until
 from xllm.testing.served import ServedEngines
 from xllm.testing.tiny import TinyLM, tiny_tokenizer
@@ -43,6 +43,9 @@ class Cluster:
         # the engines hold (after 2 x MOVE_AFTER steps of them all: past the client's MOVE_AFTER-th chunk) until
         # the drain has begun: the request is still running when it does, however fast the model
         self.gate = StepGate(hold_after=2 * MOVE_AFTER)
+        # then the drained instance steps only once its request is paused for the move (or gone): a migration
+        # copies while the source decodes, and the tiny model otherwise finished before the pause under load
+        self.hold = MoveHold()
         self.served = ServedEngines(roles, lambda: gated(make_engine(LM), self.gate), transport, MODEL)
         self.nodes = self.served.nodes
         self.prom = CollectorRegistry()
@@ -72,6 +75,7 @@ class Cluster:
             if chunks == MOVE_AFTER:
                 drained = _decoding_instance(stream)
                 self.nodes[drained].server.begin_drain()
+                self.hold.put_on(self.nodes[drained].engine)
                 drain = asyncio.ensure_future(self.nodes[drained].server.drain(30.0))
                 self.gate.release()
         assert drain is not None, "the request ended before the drain"
@@ -146,6 +150,15 @@ def test_a_refused_migration_falls_back_to_recompute(monkeypatch):
 
     async def main():
         async with Cluster({"a": "mixed", "b": "mixed"}, "fd", "migrate") as c:
+            attempt = Migration._run
+
+            async def attempt_then_go_on(self) -> None:
+                try:
+                    await attempt(self)
+                finally:  # the gateway knows how the move went (its task ends with this): the source goes on
+                    c.hold.release()
+
+            monkeypatch.setattr(Migration, "_run", attempt_then_go_on)
             got, _ = await c.generate_draining("r", **GREEDY)
             return got, {h: c.moves(h) for h in ("migrated", "recomputed", "migration_failed")}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -80,6 +81,41 @@ class StepGate:
         self.steps += 1
         if self.steps >= self.hold_after and not self._released.wait(self.timeout):
             raise AssertionError(f"engine held after step {self.steps} for {self.timeout:.0f} s: never released")
+
+    def release(self) -> None:
+        self._released.set()
+
+
+@dataclass
+class MoveHold:
+    """Holds the steps of the engines it is put on, not their commands, while a move of their requests
+    is under way: an engine it is put on (:meth:`put_on`) finishes one more step (whose chunks carry
+    what its server says from then on: a draining one's move offer), then steps again only once each
+    of its requests is paused for a move (``pause_for_move``), finished or gone (aborted, handed back),
+    or once :meth:`release` is called (once released, never again). What a move runs on the engine
+    thread between steps (snapshots, the pause, aborts) goes on meanwhile, so a migration lands on a
+    request that cannot have finished however fast the model and however slow the event loop (a tiny
+    model otherwise decoded its last 30 tokens before a migration decided on the loop paused it).
+    ``timeout``: seconds an engine stays held before its loop fails."""
+
+    timeout: float = 60.0
+    _released: threading.Event = field(default_factory=threading.Event)
+
+    def put_on(self, engine: LLMEngine) -> None:
+        """Hold ``engine`` after its next step (its :meth:`~LLMEngine.has_work` says no while it is held)."""
+        has_work, steps, since = engine.has_work, engine.counters.steps, None
+
+        def held_has_work() -> bool:
+            nonlocal since
+            if (engine.counters.steps == steps or self._released.is_set()
+                    or all(out.finished or out.seq.moving for out in engine.requests.values())):
+                return has_work()
+            since = since or time.monotonic()
+            if time.monotonic() - since > self.timeout:
+                raise AssertionError(f"{engine.instance_id} held for {self.timeout:.0f} s: its requests never moved")
+            return False
+
+        engine.has_work = held_has_work
 
     def release(self) -> None:
         self._released.set()
