@@ -7,23 +7,35 @@ import numpy as np
 import pytest
 import torch
 
-from xllm.core import EngineConfig
+from xllm.core import EngineConfig, LLMEngine
 from xllm.gateway.embedded import ServeOptions, build_embedded
+from xllm.models import load_model
+from xllm.models.tokenizer import Tokenizer
+from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.engine import generate
 from xllm.testing.models import save_tiny_llama
 
 ITEMS = np.random.default_rng(3).integers(100, 400, size=(300, 3)).astype(np.int32)
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory, smollm2_dir):
+def model_dir(tmp_path_factory, smollm2_dir):
+    root = tmp_path_factory.mktemp("beam")
+    np.save(root / "items.npy", ITEMS)
+    return save_tiny_llama(root / "llama", smollm2_dir)
+
+
+def engine_config(model_dir) -> EngineConfig:
+    """The served engine's settings (the beam oracle builds its engine with the same)."""
+    return EngineConfig(dtype=torch.float32, kv_cache_memory_gib=0.05, max_model_len=256, max_num_seqs=4,
+                        num_threads=1, item_catalog=str(model_dir.parent / "items.npy"))
+
+
+@pytest.fixture(scope="module")
+def client(model_dir):
     from fastapi.testclient import TestClient
 
-    root = tmp_path_factory.mktemp("beam")
-    model = save_tiny_llama(root / "llama", smollm2_dir)
-    np.save(root / "items.npy", ITEMS)
-    cfg = EngineConfig(dtype=torch.float32, kv_cache_memory_gib=0.05, max_model_len=256, max_num_seqs=4,
-                       num_threads=1, item_catalog=str(root / "items.npy"))
-    app = build_embedded(ServeOptions(model=str(model), engine=cfg, progress=False))
+    app = build_embedded(ServeOptions(model=str(model_dir), engine=engine_config(model_dir), progress=False))
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
 
@@ -74,6 +86,31 @@ def test_completions_and_chat_beam_search(client):
     assert len(r.json()["choices"]) == 3
     metrics = client.get("/metrics").text
     assert "xllm:beam_steps_total" in metrics and "xllm:beam_candidates_scanned_total" in metrics
+
+
+def test_beam_choices_are_the_engines_best_hypotheses_best_first(client, model_dir):
+    """The choices are the top ``n`` of the engine's own finished beams, in non-increasing score (the
+    oracle: an engine over the same weights, searched directly; the answer carries no scores)."""
+    prompt = [504, 3458, 282, 4649, 314]
+    width, n, max_tokens = 6, 3, 6
+    reference = LLMEngine(load_model(model_dir, torch.float32, progress=False), Tokenizer(model_dir),
+                          engine_config(model_dir))
+    sampling = engine_pb2.SamplingParams(max_tokens=max_tokens, beam_width=width, length_penalty=0.5,
+                                         early_stopping="never")
+    beams = generate(reference, [engine_pb2.GenerateRequest(request_id="ref", prompt_token_ids=prompt,
+                                                             sampling=sampling)]).final["ref"].beams
+    reference.close()
+    assert len(beams) == width
+    ranked = sorted(beams, key=lambda h: -h.score)
+    assert [h.score for h in ranked[:n]] > [h.score for h in ranked[-n:]]  # the best and the worst differ
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "use_beam_search": True,
+                                             "n": n, "best_of": width, "length_penalty": 0.5,
+                                             "early_stopping": "never"})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["text"] for c in choices] == [h.text for h in ranked[:n]]
+    assert [c["finish_reason"] for c in choices] == ["length"] * n
+    assert r.json()["usage"]["completion_tokens"] == sum(len(h.token_ids) for h in ranked[:n])
 
 
 @pytest.mark.parametrize("extra,param", [

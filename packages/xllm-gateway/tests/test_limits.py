@@ -152,6 +152,8 @@ def test_chat_limits(fields, param):
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"n": 17}, "n"),
+    ({"best_of": 17}, "best_of"),  # best_of fans out to that many engine requests, like n
+    ({"best_of": 160}, "best_of"),
     ({"prompt": ["x"] * 65}, "prompt"),
     ({"prompt": ["x" * 600_000, "y" * 400_001]}, "prompt"),
     ({"stop": ["a"] * 17}, "stop"),
@@ -166,6 +168,7 @@ def test_limits_at_their_bound_pass():
                      messages=[{"role": "user", "content": "x" * 1000}] * 1000)
     assert req.n == 16
     assert len(parse_completion(prompt=["x"] * 64, logprobs=5).prompts()) == 64
+    assert parse_completion(best_of=16, n=16).best_of == 16
     assert parse_completion(prompt=[1] * 100_000).prompts() == [[1] * 100_000]  # token ids: no char count
 
 
@@ -173,6 +176,8 @@ def test_configured_limits():
     tight = ApiLimits(max_n=2, max_logprobs=1, max_prompts=2, max_prompt_chars=10)
     assert refused(parse_chat, tight, n=3).param == "n"
     assert parse_chat(tight, n=2).n == 2
+    assert refused(parse_completion, tight, best_of=3).param == "best_of"
+    assert parse_completion(tight, best_of=2).best_of == 2
     assert refused(parse_chat, tight, logprobs=True, top_logprobs=2).param == "top_logprobs"
     assert parse_chat(tight, top_logprobs=0).top_logprobs == 0
     assert refused(parse_completion, tight, logprobs=2).param == "logprobs"

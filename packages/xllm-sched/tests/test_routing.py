@@ -83,6 +83,21 @@ def test_kv_aware_prefers_the_instance_holding_the_prefix():
     assert d.predicted_latency == pytest.approx(0.1)
 
 
+def test_kv_aware_defaults_trade_a_somewhat_slower_prefix_holder_for_its_cache():
+    """With the settings a user gets (``--routing kv_aware``, nothing else), an instance holding 900 of
+    the prompt's 1000 tokens wins over an idle one without them although its queue makes it predicted
+    somewhat slower (1.2 s against 1.0 s: within the fallback ratio), through the cache-reuse term."""
+    for policy in (KVCacheAwarePolicy(), ROUTING_POLICIES.create("kv_aware")):
+        idle, holder = snap("a"), snap("b", matched_tokens=900, pending_prefill_tokens=1100)
+        d = policy.route(RouteRequest(1000), [idle, holder])
+        assert d.predicted_latency == pytest.approx(1.2)  # (1100 queued + 100 uncached) / 1000 tokens/s
+        assert (d.instance_id, d.reason) == ("b", "kv_cache")
+        assert d.scores["b"] > d.scores["a"]
+        # the same instance without the prefix loses to the idle one: the cache is what won it
+        d = policy.route(RouteRequest(1000), [idle, snap("b", pending_prefill_tokens=1100)])
+        assert (d.instance_id, d.reason) == ("a", "least_latency")
+
+
 def test_kv_aware_score_formula():
     p = KVCacheAwarePolicy(alpha=1.0, gamma=1.0)
     d = p.route(RouteRequest(100), [snap("a", matched_tokens=50), snap("b", pending_prefill_tokens=100)])

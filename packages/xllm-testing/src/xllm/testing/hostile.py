@@ -133,6 +133,8 @@ CASES: tuple[HostileCase, ...] = (
     # limits
     case("n-above-limit", CHAT, chat(n=17), "n"),
     case("n-above-openai", COMPLETIONS, completion(n=1000), "n"),
+    case("best-of-above-limit", COMPLETIONS, completion(best_of=17), "best_of"),  # fans out like n
+    case("best-of-far-above-limit", COMPLETIONS, completion(best_of=160), "best_of"),
     case("top-logprobs-21", CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     case("completion-logprobs-6", COMPLETIONS, completion(logprobs=6), "logprobs"),
     case("too-many-stops", CHAT, chat(stop=[str(i) for i in range(17)]), "stop"),
