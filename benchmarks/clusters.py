@@ -54,6 +54,14 @@ class Settings:
                 "--kv-cache-memory", str(self.kv_cache_memory), "--no-progress"]
 
 
+def build_tiny_model(path: pathlib.Path) -> pathlib.Path:
+    """The integration tests' tiny model (2-layer random Llama, SmolLM2's tokenizer) in ``path``."""
+    from xllm.models import resolve_model
+    from xllm.testing.models import save_tiny_llama
+
+    return save_tiny_llama(path, resolve_model(progress=False))
+
+
 def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1):
     """:func:`xllm.testing.processes.wait_for`, with a server that is not answering yet (connection
     refused, a body without the expected keys) counting as "not yet"."""

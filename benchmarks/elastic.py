@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import math
 import pathlib
 import random
@@ -43,9 +41,9 @@ from dataclasses import dataclass
 
 from benchmarks.client import EndpointProfile, RequestSpec, run_requests
 from benchmarks.report import add_output_args, pct
+from benchmarks.scenario import Output, Scenario, attempt
 from benchmarks.stats import SLO, RequestRecord, serving_summary, slo_attainment
 
-HERE = pathlib.Path(__file__).resolve().parent
 PREEMPTION_REASONS = ("kv", "batch_full", "slo")
 
 
@@ -90,8 +88,7 @@ def available_cases() -> list[str]:
     return [name for name, c in CASES.items() if pd or "--pd-policy" not in c.serve_flags]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks elastic", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", default=None,
                    help=f"comma-separated cases (of: {', '.join(CASES)}; default: every available one, "
                         f"co-location only with --quick)")
@@ -116,7 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="a handful of short requests per case (tests the code path; the figures mean nothing)")
     add_output_args(p, "elastic")
-    return p
 
 
 def quick(args: argparse.Namespace) -> argparse.Namespace:
@@ -314,22 +310,14 @@ def plot(results: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def write_report(results: dict, out: pathlib.Path, plots: bool) -> str:
-    text = markdown(results)
-    (out / "summary.md").write_text(text)
-    if plots and results["runs"]:
+def plot_png(results: dict, out: pathlib.Path) -> None:
+    if results["runs"]:
         plot(results, out / "elastic.png")
-    return text
 
 
-# ---- main ---------------------------------------------------------------------------------------------
+# ---- run ----------------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.report is not None:
-        results = json.loads((args.report / "results.json").read_text())
-        print(write_report(results, args.report, not args.no_plots))
-        return 0
+def run(args: argparse.Namespace, output: Output) -> dict | int:
     if args.quick:
         args = quick(args)
     available = available_cases()
@@ -340,41 +328,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m benchmarks elastic: error: unknown or unavailable case(s) {unknown}; available: "
               f"{', '.join(available)}", file=sys.stderr)
         return 2
-    from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
+    from benchmarks.machine import cpu_busy_fraction
     from benchmarks.peers.xllm import model_dir as xllm_model_dir
     from benchmarks.prompts import PromptBank
 
     model_dir = xllm_model_dir(args.model).resolve()
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = (args.out or HERE / "results" / f"elastic-{stamp}").resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = output.open(resolve=True)
     bank = PromptBank(model_dir)
     warm_rng = random.Random(args.seed + 1)
     warm_n, warm_len = (2, 8) if args.quick else (12, 48)
     warmup = [RequestSpec(p.ids, p.text, warm_len) for p in (bank.prompt(warm_len, warm_rng) for _ in range(warm_n))]
-    meta = {**{k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()}, "cases": names,
-            "timestamp": stamp, "model": model_dir.name, "commit": git_commit(str(HERE.parent)),
-            "machine": machine_info(), "cpu_busy_before": None if args.quick else cpu_busy_fraction()}
+    meta = output.meta(args, argv=False, busy=not args.quick, cases=names, model=model_dir.name)
+    if args.quick:
+        meta["cpu_busy_before"] = None
     results: dict = {"meta": meta, "runs": {}, "errors": {}}
-
-    def save() -> None:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-
     workloads = {bursty: build_workload(bank, args, bursty) for bursty in {CASES[n].bursty for n in names}}
     for name in names:
         case = CASES[name]
-        try:
-            results["runs"][name] = run_case(case, args, model_dir, workloads[case.bursty], warmup, out)
-        except Exception as exc:  # record it, go on with the next case
-            results["errors"][name] = f"{type(exc).__name__}: {exc}"[:1500]
-            print(f"[elastic] {name} failed: {results['errors'][name]}", flush=True)
-        save()
+        r = attempt(results["errors"], name, "elastic", run_case, case, args, model_dir, workloads[case.bursty],
+                    warmup, out, limit=1500)
+        if r is not None:
+            results["runs"][name] = r
+        output.save(results)
     results["meta"]["cpu_busy_after"] = None if args.quick else cpu_busy_fraction()
-    save()
-    print(write_report(results, out, not args.no_plots))
-    print(f"[elastic] results: {out / 'results.json'}", flush=True)
-    return 1 if results["errors"] else 0
+    return results
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SCENARIO = Scenario("elastic", "online/offline co-location on/off, static vs dynamic PD", __doc__.split("\n\n")[0],
+                    add_arguments, run, markdown, plot_png)

@@ -1,5 +1,5 @@
 """The reliability benchmark's scenarios: each injects one fault into a running cluster and returns
-its :class:`~benchmarks.reliability.Row`.
+its :class:`~benchmarks.streamcheck.Row`.
 
 Three clusters, started only when one of their scenarios is picked, scenarios in this order (the
 destructive ones last on their cluster: ``xllm serve --instances N`` does not restart a killed
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-import pathlib
 import signal
 import time
 import uuid
@@ -56,7 +55,7 @@ from benchmarks.clusters import (
 )
 from benchmarks.metrics import scrape
 from benchmarks.movecells import move_figures, moved_pauses_ms, pause_note, run_timed
-from benchmarks.reliability import Row, compare, openai_error_problem, status_counts
+from benchmarks.streamcheck import Row, compare, openai_error_problem, status_counts
 from xllm.testing import hostile
 
 STREAM_TOKENS = 32      # streams: output tokens of each of the 256 streams
@@ -69,14 +68,6 @@ GATEWAY_TOKENS = 200
 ETCD_DOWN_S = 5.0       # etcd: how long it stays down (> the engines' lease TTL and the watch timeout)
 FLOOD_INFLIGHT = 16     # the gateway's --max-inflight-requests
 FLOOD_WAVES = 3
-
-
-def build_tiny_model(path: pathlib.Path) -> pathlib.Path:
-    """The integration tests' tiny model (2-layer random Llama, SmolLM2's tokenizer) in ``path``."""
-    from xllm.models import resolve_model
-    from xllm.testing.models import save_tiny_llama
-
-    return save_tiny_llama(path, resolve_model(progress=False))
 
 
 def _prompts(tag: str, n: int) -> list[str]:

@@ -31,35 +31,21 @@ Results: ``results.json``, ``summary.md`` and ``gemm.png`` in ``--out`` (default
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
+from benchmarks.gemm_common import w8a8_linear, weight_shapes
 from benchmarks.report import add_output_args
+from benchmarks.scenario import Output, Scenario
+from xllm.common.argtypes import int_list
 
-HERE = pathlib.Path(__file__).resolve().parent
 SMOLLM2_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
                   "lm_head": (49152, 576)}
 MS = (1, 4, 8, 9, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048)
 CANDIDATES = ("onednn", "torch", "skinny", "packed", "packed_avx512", "packed_amx", "int8", "int8_vnni")
-
-
-def _shapes(text: str) -> dict[str, tuple[int, int]]:
-    out = {}
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        name, _, dims = part.rpartition("=")
-        try:
-            n, k = (int(v) for v in dims.lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected NxK or name=NxK, got {part!r}") from None
-        out[name or f"{n}x{k}"] = (n, k)
-    if not out:
-        raise argparse.ArgumentTypeError("no shapes given")
-    return out
 
 
 def _candidates(dtype, w, ms_max: int, int8: bool) -> dict[str, Callable]:
@@ -85,8 +71,6 @@ def _candidates(dtype, w, ms_max: int, int8: bool) -> dict[str, Callable]:
                 if k % 32 == 0:
                     out["packed_amx"] = lambda x: gemm.packed_linear(x, pw, path="amx")
         if int8 and dtype == torch.bfloat16:
-            from benchmarks.gemm_int8 import w8a8_linear
-
             fn = w8a8_linear(w)
             if fn is not None:
                 out["int8"] = fn
@@ -203,23 +187,19 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def write_report(out: pathlib.Path, plots: bool = True) -> str:
-    results = json.loads((out / "results.json").read_text())
-    summary = markdown(results["rows"], results["meta"])
-    (out / "summary.md").write_text(summary)
-    if plots and results["rows"]:
+def summary(results: dict) -> str:
+    return markdown(results["rows"], results["meta"])
+
+
+def plot_png(results: dict, out: pathlib.Path) -> None:
+    if results["rows"]:
         plot(results["rows"], out / "gemm.png")
-    return summary
 
 
 # ---- command line -------------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
-    from benchmarks.cli import int_list
-
-    p = argparse.ArgumentParser(prog="python -m benchmarks gemm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", type=_shapes, default=dict(SMOLLM2_SHAPES),
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", type=weight_shapes, default=dict(SMOLLM2_SHAPES),
                    help="comma-separated NxK or name=NxK weight shapes (default: SmolLM2-135M's qkv, o, gate_up, "
                         "down, lm_head)")
     p.add_argument("--ms", type=int_list, default=list(MS), help="comma-separated row counts (default 1..2048)")
@@ -231,37 +211,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--int8", action="store_true",
                    help="add the w8a8 format's int8 GEMM (bf16 only; on AMX-INT8 CPUs its VNNI tiles as well)")
     add_output_args(p, "gemm")
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.report is not None:
-        print(write_report(args.report, plots=not args.no_plots))
-        return 0
+def run(args: argparse.Namespace, output: Output) -> dict | int:
     bad = [d for d in args.dtypes if d not in ("bfloat16", "float32")]
     if bad:
         print(f"python -m benchmarks gemm: error: unknown dtype(s) {bad}", file=sys.stderr)
         return 2
     import torch
 
-    from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
+    from benchmarks.machine import cpu_busy_fraction
 
     torch.set_num_threads(args.threads)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"gemm-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"timestamp": stamp, "argv": sys.argv, "commit": git_commit(str(HERE.parent)), "threads": args.threads,
-            "shapes": {k: list(v) for k, v in args.shapes.items()}, "ms": args.ms, "dtypes": args.dtypes,
-            "budget_s": args.budget, "torch": torch.__version__, "machine": machine_info(),
-            "cpu_busy_before": cpu_busy_fraction()}
+    output.open()
+    meta = output.meta(threads=args.threads, shapes={k: list(v) for k, v in args.shapes.items()}, ms=args.ms,
+                       dtypes=args.dtypes, budget_s=args.budget, torch=torch.__version__)
     rows = measure(args.shapes, args.ms, args.dtypes, args.budget, args.int8)
     meta["cpu_busy_after"] = cpu_busy_fraction()
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(write_report(out, plots=not args.no_plots))
-    print(f"[gemm] results in {out}")
-    return 0
+    return {"meta": meta, "rows": rows}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SCENARIO = Scenario("gemm", "GEMM kernels per shape and row count: ours vs oneDNN", __doc__, add_arguments, run,
+                    summary, plot_png)

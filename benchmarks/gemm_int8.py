@@ -1,27 +1,17 @@
-"""The "w8a8" format's int8 GEMM (``kernels/cpu/gemm_w8a8.h``, ``--quantization w8a8``) for the GEMM
-benchmark (:func:`w8a8_linear`), and an accuracy check of it on SmolLM2's real layer inputs.
+"""An accuracy check of the "w8a8" format's int8 GEMM (``kernels/cpu/gemm_w8a8.h``, ``--quantization w8a8``;
+:func:`benchmarks.gemm_common.w8a8_linear`) on SmolLM2's real layer inputs.
 
-    python -m benchmarks.gemm_int8          # accuracy: relative error vs the bf16 GEMM per layer kind
+    python -m benchmarks gemm_int8          # accuracy: relative error vs the bf16 GEMM per layer kind
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
+import argparse
 
 import torch
 
-
-def w8a8_linear(w: torch.Tensor, path: str = "w8a8") -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``x -> x . W^T`` through the "w8a8" format's int8 GEMM (activation quantization included) for a
-    bf16 weight, or None without the native kernels; ``path="w8a8_vnni"`` keeps its tiles on VNNI where
-    the CPU has AMX-INT8."""
-    from xllm.kernels import quant, quant_native
-
-    if quant_native.library() is None or w.dtype != torch.bfloat16 or not quant.supports("w8a8", w.shape[1]):
-        return None
-    qw = quant_native.kernel_ready(quant.quantize(w, "w8a8"))
-    return lambda x: quant_native.linear(x, qw, None, None, path=path)
+from benchmarks.gemm_common import w8a8_linear
+from benchmarks.scenario import Output, Scenario
 
 
 def accuracy(text: str = "The quick brown fox jumps over the lazy dog. " * 8) -> dict[str, dict[str, float]]:
@@ -93,12 +83,16 @@ def _layer_forward(layer, h: torch.Tensor) -> torch.Tensor:
     return h + layer.mlp.down_proj(torch.nn.functional.silu(g) * u)
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """No flags."""
+
+
+def run(args: argparse.Namespace, output: Output) -> int:
     for kind, r in accuracy().items():
         print(f"{kind:13s} int8 rel err {r['int8_rel_err']:.4f} (worst layer {r['int8_worst_layer']:.4f}), "
               f"bf16 rel err {r['bf16_rel_err']:.4f}; {r['layers']} layers x {r['rows']} rows")
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SCENARIO = Scenario("gemm_int8", "the w8a8 int8 GEMM's error vs the bf16 GEMM per layer kind", __doc__,
+                    add_arguments, run)

@@ -31,18 +31,16 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import functools
-import json
-import pathlib
 import statistics
 import sys
 import time
 
-from benchmarks.gemm import _shapes
+from benchmarks.gemm_common import weight_shapes
 from benchmarks.report import add_output_args
+from benchmarks.scenario import Output, Scenario
+from xllm.common.argtypes import int_list
 
-HERE = pathlib.Path(__file__).resolve().parent
 SHAPES = {"o": (576, 576), "kv": (192, 576), "up": (1536, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 FORMATS = ("q4_1", "q8_0", "q4_0", "int8", "int4_g32", "int4_g128")
 MS = (1, 2, 4, 8, 16, 64, 256)
@@ -173,21 +171,14 @@ def _pct(v) -> str:
     return "?" if v is None else f"{100 * v:.0f}%"
 
 
-def write_report(out: pathlib.Path) -> str:
-    results = json.loads((out / "results.json").read_text())
-    summary = markdown(results["rows"], results["meta"])
-    (out / "summary.md").write_text(summary)
-    return summary
+def summary(results: dict) -> str:
+    return markdown(results["rows"], results["meta"])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from benchmarks.cli import int_list
-
-    p = argparse.ArgumentParser(prog="python -m benchmarks gemm_quant", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", type=lambda t: [f.strip() for f in t.split(",") if f.strip()], default=list(FORMATS),
                    help=f"comma-separated formats (default {','.join(FORMATS)})")
-    p.add_argument("--shapes", type=_shapes, default=dict(SHAPES),
+    p.add_argument("--shapes", type=weight_shapes, default=dict(SHAPES),
                    help="comma-separated NxK or name=NxK weight shapes (default: SmolLM2-135M's o, k/v, up, down, "
                         "lm_head)")
     p.add_argument("--ms", type=int_list, default=list(MS),
@@ -199,17 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight copies per shape add up to at least this many MiB (default 96, 3x the L3)")
     p.add_argument("--roofline-gbs", type=float, default=31.0, help="the read bandwidth to compare with (31 GB/s)")
     add_output_args(p, "gemm_quant")
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.report is not None:
-        print(write_report(args.report))
-        return 0
+def run(args: argparse.Namespace, output: Output) -> dict | int:
     import torch
 
-    from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
+    from benchmarks.machine import cpu_busy_fraction
     from xllm.kernels import quant
 
     bad = [f for f in args.formats if f not in quant.FORMATS]
@@ -218,20 +204,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"gemm_quant-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"timestamp": stamp, "argv": sys.argv, "commit": git_commit(str(HERE.parent)), "threads": args.threads,
-            "formats": args.formats, "shapes": {k: list(v) for k, v in args.shapes.items()}, "ms": args.ms,
-            "budget_s": args.budget, "roofline_gbs": args.roofline_gbs, "torch": torch.__version__,
-            "machine": machine_info(), "cpu_busy_before": cpu_busy_fraction()}
+    output.open()
+    meta = output.meta(threads=args.threads, formats=args.formats,
+                       shapes={k: list(v) for k, v in args.shapes.items()}, ms=args.ms, budget_s=args.budget,
+                       roofline_gbs=args.roofline_gbs, torch=torch.__version__)
     rows = measure(args.formats, args.shapes, args.ms, args.budget, args.min_mib << 20, args.threads)
     meta["cpu_busy_after"] = cpu_busy_fraction()
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(write_report(out))
-    print(f"[gemm_quant] results in {out}")
-    return 0
+    return {"meta": meta, "rows": rows}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SCENARIO = Scenario("gemm_quant", "quantized-weight GEMV/GEMM per format: GB/s, accuracy", __doc__, add_arguments,
+                    run, summary)

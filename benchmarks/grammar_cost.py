@@ -1,4 +1,4 @@
-"""The grammar's share of a decode step, in-process: ``python -m benchmarks.grammar_cost [--threads N]``.
+"""The grammar's share of a decode step, in-process: ``python -m benchmarks grammar_cost [--threads N]``.
 
 SmolLM2 (bf16) decodes ``--tokens`` greedy tokens for batch 1 and 16 under a JSON schema (a list of
 customer records); the engine's mask computation (:meth:`xllm.core.grammar.Grammars._compute`:
@@ -17,17 +17,19 @@ import json
 import statistics
 import time
 
+from benchmarks.scenario import Output, Scenario
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.grammar_cost", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per request (64)")
     p.add_argument("--batches", default="1,16", help="batch sizes (1,16)")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, output: Output) -> int:
     import torch
 
-    from benchmarks.structured import schema
+    from benchmarks.prompts import customer_schema
     from xllm.core import EngineConfig, LLMEngine
     from xllm.core import grammar as g
     from xllm.engine.loader import load_grammars
@@ -56,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(model, tok, EngineConfig(dtype=torch.bfloat16, num_threads=args.threads,
                                                 kv_cache_memory_gib=0.2, max_model_len=1024), grammars=grammars)
     prompt = tok.apply_chat_template([{"role": "user", "content": "List our customers as JSON."}])
-    constraint = engine_pb2.StructuredOutput(json_schema=json.dumps(schema(8)))
+    constraint = engine_pb2.StructuredOutput(json_schema=json.dumps(customer_schema(8)))
 
-    def run(batch: int, tokens: int) -> list[float]:
+    def decode(batch: int, tokens: int) -> list[float]:
         for i in range(batch):
             sp = engine_pb2.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, structured=constraint)
             engine.add_request(engine_pb2.GenerateRequest(request_id=f"r{i}-{time.monotonic()}",
@@ -72,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"threads {args.threads}, masks {'beside the forward' if grammars.overlap else 'before the forward'}")
     for batch in (int(b) for b in args.batches.split(",")):
-        run(batch, 4)  # warm-up
+        decode(batch, 4)  # warm-up
         spent["compute"].clear()
         spent["apply"].clear()
-        step = statistics.median(run(batch, args.tokens)) * 1e3
+        step = statistics.median(decode(batch, args.tokens)) * 1e3
         masks = statistics.median(spent["compute"]) * 1e3
         applied = statistics.median(spent["apply"]) * 1e3
         critical = applied + (0.0 if grammars.overlap else masks)
@@ -85,5 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+
+SCENARIO = Scenario("grammar_cost", "the grammar's share of real decode steps, in-process", __doc__, add_arguments,
+                    run)

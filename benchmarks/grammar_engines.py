@@ -1,4 +1,4 @@
-"""Grammar engines compared on this CPU: ``python -m benchmarks.grammar_engines``.
+"""Grammar engines compared on this CPU: ``python -m benchmarks grammar_engines``.
 
 For each candidate (xgrammar, llguidance, outlines-core) and a few JSON schemas: the time to
 compile the schema against SmolLM2's tokenizer (49,152 tokens), and the time to compute one token
@@ -7,7 +7,7 @@ a sampler would). The engines that are not installed are skipped; to compare all
 installing them into the project's environment::
 
     pip install --no-deps --target /tmp/grammars xgrammar apache-tvm-ffi llguidance outlines-core
-    PYTHONPATH=/tmp/grammars python -m benchmarks.grammar_engines
+    PYTHONPATH=/tmp/grammars python -m benchmarks grammar_engines
 
 The numbers are in ``docs/performance.md`` ("Structured outputs: choosing the grammar engine").
 """
@@ -21,6 +21,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from benchmarks.scenario import Output, Scenario
 from xllm.common.paths import cache_dir
 
 SCHEMAS: dict[str, tuple[dict, object]] = {
@@ -166,13 +167,13 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs), strict=True))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.grammar_engines", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", type=pathlib.Path, default=cache_dir("models", "SmolLM2-135M-Instruct"),
                    help="a HF model directory with tokenizer.json (default: the converted SmolLM2)")
     p.add_argument("--repeat", type=int, default=3, help="runs of each instance's masks (the median is kept)")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, output: Output) -> int:
     from tokenizers import Tokenizer
 
     text = (args.model_dir / "tokenizer.json").read_text()
@@ -210,5 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+
+SCENARIO = Scenario("grammar_engines", "xgrammar vs llguidance vs outlines-core: compile and mask times", __doc__,
+                    add_arguments, run)

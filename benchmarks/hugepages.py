@@ -17,8 +17,6 @@ median and best step time per copy, and the 4 KiB / huge speed ratio. Results: `
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import pathlib
 import statistics
@@ -26,8 +24,8 @@ import sys
 import time
 
 from benchmarks.report import add_output_args
+from benchmarks.scenario import Output, Scenario
 
-HERE = pathlib.Path(__file__).resolve().parent
 PAGES = ("huge", "4k")
 
 
@@ -53,20 +51,20 @@ def _start(eng, batch: int, seed: int) -> None:
         eng.add_request(engine_pb2.GenerateRequest(
             request_id=f"b{batch}-{i}", prompt_token_ids=ids,
             sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True)))
-    while eng.scheduler.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in eng.scheduler.running):
+    while not eng.all_decoding():
         eng.step()
 
 
 def _stop(eng) -> None:
-    for seq in list(eng.scheduler.running) + list(eng.scheduler.waiting):
-        eng.abort(seq.request_id)
+    for request_id in eng.unfinished_request_ids():
+        eng.abort(request_id)
     while eng.has_work():
         eng.step()
 
 
 def measure(fmt: str, batches: list[int], rounds: int, files, log=print) -> dict:
     """Step times of ``fmt``'s model on each kind of page, per batch size, the two interleaved."""
-    from benchmarks.perplexity import load_variant
+    from benchmarks.quality import load_variant
 
     engines = {}
     for pages in PAGES:
@@ -133,20 +131,20 @@ def plot(r: dict, out: pathlib.Path) -> str:
     return path.name
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks hugepages", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def record_plot(r: dict, out: pathlib.Path) -> None:
+    r["plot"] = plot(r, out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", default="q4_1,q8_0,bf16,w8a8", help="weight formats (q4_1,q8_0,bf16,w8a8)")
     p.add_argument("--batch", default="1,64", help="decoding sequences per step, comma-separated (1,64)")
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds of 10 steps per copy (10)")
     add_output_args(p, "hugepages", report=False)
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace, output: Output) -> dict | int:
     from benchmarks.machine import cpu_busy_fraction
-    from benchmarks.perplexity import VARIANTS, gguf_files
+    from benchmarks.quality import VARIANTS, gguf_files
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     bad = [f for f in formats if f not in VARIANTS]
@@ -154,22 +152,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m benchmarks hugepages: unknown formats {bad} (of {', '.join(VARIANTS)})", file=sys.stderr)
         return 2
     batches = [int(b) for b in args.batch.split(",") if b.strip()]
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"hugepages-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    output.open()
     files = gguf_files()
-    results: dict = {"argv": sys.argv if argv is None else argv, "rounds": args.rounds, "runs": {},
-                     "cpu_busy_before": cpu_busy_fraction()}
+    results: dict = {"argv": sys.argv, "rounds": args.rounds, "runs": {}, "cpu_busy_before": cpu_busy_fraction()}
     for fmt in formats:
         results["runs"][fmt] = measure(fmt, batches, args.rounds, files, log=lambda m: print(m, flush=True))
     results["cpu_busy_after"] = cpu_busy_fraction()
-    if not args.no_plots:
-        results["plot"] = plot(results, out)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "summary.md").write_text(markdown(results))
-    print(markdown(results))
-    return 0
+    return results
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SCENARIO = Scenario("hugepages", "engine steps, weights on 2 MiB vs 4 KiB pages", __doc__, add_arguments, run,
+                    markdown, record_plot)

@@ -14,7 +14,7 @@ Three measurements on the real SmolLM2 (bf16, the engine's own code paths):
 3. **TTFT with and without prefix-cache hits**: requests sharing a long system prompt, one
    after another, prefix cache on vs off.
 
-    python -m benchmarks.kv_bench [--out DIR] [--threads 2] [--quick]
+    python -m benchmarks kv_bench [--out DIR] [--threads 2] [--quick]
 
 Writes ``kv.json`` and ``kv.md``.
 """
@@ -22,15 +22,13 @@ Writes ``kv.json`` and ``kv.md``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
 import statistics
 import time
 
 import torch
 
-HERE = pathlib.Path(__file__).resolve().parent
+from benchmarks.scenario import Output, Scenario
 
 
 def _engine(model, tok, **cfg):
@@ -195,17 +193,17 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=pathlib.Path, default=None, help="output directory")
     ap.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads")
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace, output: Output) -> dict:
     from benchmarks.machine import cpu_busy_fraction, machine_info
     from xllm.models import Tokenizer, load_model, resolve_model
 
-    out = args.out or HERE / "results" / f"kv-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    out.mkdir(parents=True, exist_ok=True)
+    output.open()
     busy_before = cpu_busy_fraction()
     model_dir = resolve_model()
     tok = Tokenizer(model_dir)
@@ -219,13 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     print("prefix-cache TTFT ...", flush=True)
     res["prefix"] = prefix_ttft(model, tok, args.threads, args.quick)
     res["cpu_busy_after"] = cpu_busy_fraction()
-    (out / "kv.json").write_text(json.dumps(res, indent=2))
-    md = markdown(res)
-    (out / "kv.md").write_text(md)
-    print(md)
-    print(f"results in {out}")
-    return 0
+    return res
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SCENARIO = Scenario("kv_bench", "KV memory: xTensor vs paged vs contiguous; decode steps; prefix-cache TTFT", __doc__,
+                    add_arguments, run, markdown, prefix="kv", files=("kv.json", "kv.md"))

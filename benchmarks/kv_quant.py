@@ -1,8 +1,8 @@
 """Quantized KV cache (``--kv-cache-dtype int8|fp8_e4m3``) against the model-dtype cache, SmolLM2-135M bf16.
 
-    python -m benchmarks.kv_quant                       # quality + decode speed, 2 threads
-    python -m benchmarks.kv_quant --skip-speed --threads 1
-    OMP_NUM_THREADS=1 python -m benchmarks.kv_quant --kernel-only --threads 1   # the decode attention kernel
+    python -m benchmarks kv_quant                       # quality + decode speed, 2 threads
+    python -m benchmarks kv_quant --skip-speed --threads 1
+    OMP_NUM_THREADS=1 python -m benchmarks kv_quant --kernel-only --threads 1   # the decode attention kernel
 
 Quality (the held-out ``benchmarks/data/romeo-and-juliet-3-1.txt``, never a benchmark prompt):
 
@@ -29,6 +29,8 @@ import math
 import pathlib
 import statistics
 import time
+
+from benchmarks.scenario import Output, Scenario
 
 HERE = pathlib.Path(__file__).resolve().parent
 TEXT = HERE / "data" / "romeo-and-juliet-3-1.txt"
@@ -145,8 +147,7 @@ def kernel(threads: int, repeats: int = 30) -> dict:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=192)
@@ -160,11 +161,12 @@ def main() -> None:
     p.add_argument("--kernel-only", action="store_true",
                    help="only the decode attention kernel: microseconds per call, bf16 vs quantized rows")
     p.add_argument("--out", default=None, help="write the results as JSON here too")
-    args = p.parse_args()
 
+
+def run(args: argparse.Namespace, output: Output) -> int:
     if args.kernel_only:
         print(json.dumps(kernel(args.threads), indent=1))
-        return
+        return 0
 
     import torch
 
@@ -186,7 +188,8 @@ def main() -> None:
         print(json.dumps(results["speed"], indent=1), flush=True)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+SCENARIO = Scenario("kv_quant", "quantized KV cache (int8, fp8_e4m3): quality, long-context decode, the kernel",
+                    __doc__, add_arguments, run)

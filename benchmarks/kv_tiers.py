@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import os
 import pathlib
 import random
@@ -40,8 +38,9 @@ import tempfile
 import time
 
 from benchmarks.kv_tiers_cluster import POLICIES, VARIANTS
-from benchmarks.kv_tiers_report import break_even_fit
+from benchmarks.kv_tiers_report import break_even_fit, markdown, plot
 from benchmarks.report import add_output_args
+from benchmarks.scenario import Output, Scenario
 
 HERE = pathlib.Path(__file__).resolve().parent
 KV_GIB = 0.015  # T0: ten 64-token blocks of SmolLM2's bf16 KV
@@ -199,8 +198,7 @@ def _warm_up(model, tok, threads: int) -> None:
         eng.close()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks kv_tiers", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output_args(p, "kv-tiers")
     p.add_argument("--threads", type=int, default=2, help="engine threads (sessions and break-even parts)")
     p.add_argument("--quick", action="store_true", help="fewer chats, turns, lengths, repetitions and rounds")
@@ -217,15 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None,
                    help="runs of every session configuration, every other one in the reverse order (default: "
                         "2; --quick: 1)")
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.report is not None:
-        result = json.loads((args.report / "results.json").read_text())
-        write_outputs(result, args.report, plots=not args.no_plots)
-        return 0
+def run(args: argparse.Namespace, output: Output) -> dict:
     import torch
 
     from benchmarks.kv_tiers_cluster import ClusterSettings, chat_trace, run_cluster, working_set_tokens
@@ -235,22 +227,20 @@ def main(argv: list[str] | None = None) -> int:
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     model_dir = resolve_model(progress=False)
     model, tok = load_model(model_dir, torch.bfloat16, progress=False), Tokenizer(model_dir)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"kv-tiers-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = output.open()
     n_sessions = args.sessions or (16 if args.quick else 24)
     turns = args.turns or (3 if args.quick else 4)
     lengths = [64, 128, 256, 512] if args.quick else [64, 128, 256, 512, 1024, 1536]  # (a block is 64 tokens)
     reps = 2 if args.quick else 3
     trace = chat_trace(tok, n_sessions, turns)
-    result = {"date": stamp, "commit": git_commit(str(HERE.parent)), "machine": machine_info(),
+    result = {"date": output.stamp, "commit": git_commit(str(HERE.parent)), "machine": machine_info(),
               "model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "threads": args.threads, "quick": args.quick,
               "load_average_before": os.getloadavg(), "cpu_busy_before": cpu_busy_fraction(), "t0_kv_gib": KV_GIB,
               "tier_gib": {"host": HOST_GIB, "disk": DISK_GIB, "store": STORE_GIB}, "sessions_config":
               {"sessions": n_sessions, "turns": turns}, "sessions": {}, "break_even": {}, "cluster": {}}
 
     def save() -> None:
-        (out / "results.json").write_text(json.dumps(result, indent=1))
+        output.save(result)
 
     with tempfile.TemporaryDirectory(prefix="xllm-kv-tiers-", dir="/dev/shm") as shm, \
             tempfile.TemporaryDirectory(prefix="xllm-kv-tiers-") as tmp:
@@ -298,23 +288,16 @@ def main(argv: list[str] | None = None) -> int:
                                         args.cluster_rounds)
     result["load_average_after"] = os.getloadavg()
     result["cpu_busy_after"] = cpu_busy_fraction()
-    save()
-    write_outputs(result, out, plots=not args.no_plots)
-    print(f"wrote {out}")
-    return 0
+    return result
 
 
 def _names(csv: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in csv.split(",") if x.strip())
 
 
-def write_outputs(result: dict, out: pathlib.Path, plots: bool = True) -> None:
-    from benchmarks.kv_tiers_report import markdown, plot
-
-    (out / "summary.md").write_text(markdown(result))
-    if plots:
-        plot(result, out / "kv_tiers.png")
+def plot_png(result: dict, out: pathlib.Path) -> None:
+    plot(result, out / "kv_tiers.png")
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SCENARIO = Scenario("kv_tiers", "KV tiers: hit rates, TTFT, break-even lengths, a 2-engine cluster",
+                    __doc__.split("\n\n")[0], add_arguments, run, markdown, plot_png, prefix="kv-tiers")

@@ -208,7 +208,7 @@ def _engine_cmd(s: ClusterSettings, iid: str, port: int, etcd: str, host_dir: pa
 async def _warm_up(ports: dict[str, int], prompts: dict[str, list[list[int]]], with_store: bool) -> None:
     """Over each engine's own gRPC service: its two prompts in turn, then its first again (evicted by the
     second: loaded from T1); with the store, then the other engine's first prompt (loaded from T3)."""
-    from xllm.engine.client import GrpcEngineClient
+    from xllm.engine_api.client import GrpcEngineClient
     from xllm.proto.engine.v1 import engine_pb2
     from xllm.proto.registry.v1 import instance_pb2
 
@@ -282,7 +282,7 @@ def run_policy(policy: str, variant: str, s: ClusterSettings, trace: list[list[l
                 store.stop()
             with contextlib.suppress(Exception):
                 etcd.stop()
-    from benchmarks.routing import router_reasons
+    from benchmarks.metrics import router_reasons
 
     hits_before, hits_after = tier_hits(before), tier_hits(after)
     hits = {iid: {t: v - hits_before.get(iid, {}).get(t, 0.0) for t, v in tiers.items()}

@@ -9,7 +9,7 @@ before) and a **cold** one (each shard fsynced and evicted with ``posix_fadvise(
 resident fraction is then measured with ``mincore`` and recorded). Both loaders load in the
 checkpoint's dtype, so neither casts.
 
-    python -m benchmarks.load_bench [--repeats 3] [--threads 1] [--shards 4] [--out DIR]
+    python -m benchmarks load_bench [--repeats 3] [--threads 1] [--shards 4] [--out DIR]
 
 Writes ``load.json`` and ``load.md`` (median and min seconds, HF / xLLM ratio of the medians)
 under ``benchmarks/results/load-<timestamp>/`` and prints the table.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
-import datetime
 import json
 import mmap
 import os
@@ -29,6 +28,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from benchmarks.scenario import Output, Scenario
 
 HERE = pathlib.Path(__file__).resolve().parent
 SYSTEMS = ("xllm", "hf")
@@ -210,7 +211,7 @@ def measure(system: str, model_dir: pathlib.Path, dtype: str, threads: int, cold
     left = evict(files) if cold else None
     if not cold:
         warm(files)
-    cmd = [sys.executable, "-m", "benchmarks.load_bench", "--worker", system, "--dir", str(model_dir),
+    cmd = [sys.executable, "-m", "benchmarks", "load_bench", "--worker", system, "--dir", str(model_dir),
            "--dtype", dtype, "--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(HERE.parent), timeout=1800)
     if proc.returncode != 0:
@@ -282,8 +283,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.load_bench", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads in each loading process")
     p.add_argument("--shards", type=int, default=4, help="shard files of the synthetic checkpoint")
@@ -294,17 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
+
+
+def run(args: argparse.Namespace, output: Output) -> dict | int:
+    if args.worker:  # one load in this fresh process (see measure)
         print(json.dumps(worker(args.worker, args.dir, args.dtype, args.threads)), flush=True)
         return 0
-    if args.report:
-        results = json.loads((args.report / "load.json").read_text())
-        for entry in results["models"]:
-            entry["summary"] = summarize(entry)
-        write_outputs(results, args.report)
-        return 0
-    from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
+    from benchmarks.machine import cpu_busy_fraction
     from xllm.models import cache_dir, resolve_model
 
     source = pathlib.Path(args.model) if args.model else resolve_model(progress=False)
@@ -315,28 +311,29 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_synthetic:
         synth = ensure_synthetic(cache_dir() / "bench", args.shards)
         models.append(("synthetic Llama 537M", synth, "bfloat16"))
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"load-{stamp}"
-    meta = {"timestamp": stamp, "argv": sys.argv, "repeats": args.repeats, "threads": args.threads,
-            "machine": machine_info(), "commit": git_commit(str(HERE.parent)), "loadavg": _loadavg(),
-            "cpu_busy_before": cpu_busy_fraction()}
+    meta = output.meta(repeats=args.repeats, threads=args.threads, loadavg=_loadavg())
     results = {"meta": meta, "models": []}
     for label, path, dtype in models:
         entry = bench_model(label, path, dtype, args.repeats, args.threads)
         entry["summary"] = summarize(entry)
         results["models"].append(entry)
     meta["cpu_busy_after"] = cpu_busy_fraction()
-    write_outputs(results, out)
-    return 0
+    return results
 
 
-def write_outputs(results: dict, out: pathlib.Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "load.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    (out / "load.md").write_text("# Weight loading: xLLM vs HF from_pretrained\n\n" + table)
-    print(table)
-    print(f"[load-bench] results: {out / 'load.json'}", flush=True)
+def reload(results: dict, args: argparse.Namespace) -> None:
+    """``--report DIR``: the summaries again from the runs in ``load.json``."""
+    for entry in results["models"]:
+        entry["summary"] = summarize(entry)
+
+
+def summary(results: dict) -> str:
+    return "# Weight loading: xLLM vs HF from_pretrained\n\n" + markdown(results)
+
+
+SCENARIO = Scenario("load_bench", "weight loading: xLLM's loader vs HF from_pretrained, warm and cold page cache",
+                    __doc__.split("\n\n")[0], add_arguments, run, summary, reload=reload, prefix="load",
+                    files=("load.json", "load.md"))
 
 
 def private_copy(src: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
@@ -366,7 +363,3 @@ def _loadavg() -> str | None:
         return " ".join(pathlib.Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         return None
-
-
-if __name__ == "__main__":
-    sys.exit(main())

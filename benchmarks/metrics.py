@@ -2,7 +2,8 @@
 
 ``parse`` turns the text into ``{sample name: [(labels, value), ...]}``; ``total`` sums one sample
 over the label sets that include the given labels; ``histogram_quantile`` reads a quantile off
-cumulative buckets the way Prometheus does.
+cumulative buckets the way Prometheus does; ``router_reasons`` counts the gateway's routing decisions
+by reason.
 """
 
 from __future__ import annotations
@@ -46,3 +47,12 @@ def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
             return lo + (le - lo) * ((rank - prev) / (count - prev) if count > prev else 1.0)
         lo, prev = le, count
     return lo
+
+
+def router_reasons(metrics_text: str) -> dict[str, int]:
+    """Requests per routing reason (``xllm:router_requests_total``), summed over instances."""
+    out: dict[str, int] = {}
+    for labels, value in parse(metrics_text).get("xllm:router_requests_total", []):
+        key = labels.get("reason", "?")
+        out[key] = out.get(key, 0) + int(value)
+    return dict(sorted(out.items()))

@@ -40,8 +40,8 @@ from benchmarks.clusters import (
     wait_until,
 )
 from benchmarks.metrics import scrape
-from benchmarks.reliability import compare
 from benchmarks.stats import percentile
+from benchmarks.streamcheck import compare
 from xllm.testing.sse import CompletionStream, stream_many
 
 MODES = ("migrate", "recompute", "auto", "off")

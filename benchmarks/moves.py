@@ -40,18 +40,17 @@ one measured) and ``moves.png`` in ``--out`` (default ``benchmarks/results/moves
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import sys
 from dataclasses import asdict
 
-from benchmarks.cli import int_list
-from benchmarks.movecells import MODES, Cell, RunSettings, run_cell, seam_errors
+from benchmarks.movecells import MODES, RunSettings, run_cell, seam_errors
 from benchmarks.report import add_output_args, pct
+from benchmarks.scenario import Output, Scenario, attempt
 from benchmarks.stats import percentile
+from xllm.common.argtypes import int_list, name_list
 
-HERE = pathlib.Path(__file__).resolve().parent
 CONTEXTS = (128, 512, 1536)
 
 
@@ -212,32 +211,26 @@ def plot(cells: list[dict], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def write_report(out: pathlib.Path, plots: bool = True) -> str:
-    """summary.md (and moves.png) from ``out/results.json``; returns the summary."""
-    results = json.loads((out / "results.json").read_text())
-    summary = markdown(results["cells"], results["meta"], results["errors"])
-    (out / "summary.md").write_text(summary)
-    if plots and any(c["pauses_ms"] for c in results["cells"]):
+def summary(results: dict) -> str:
+    return markdown(results["cells"], results["meta"], results["errors"])
+
+
+def plot_png(results: dict, out: pathlib.Path) -> None:
+    if any(c["pauses_ms"] for c in results["cells"]):
         plot(results["cells"], out / "moves.png")
-    return summary
+
+
+def failed(results: dict) -> bool:
+    """A cell did not run to the end or failed one of its checks."""
+    return bool(results["errors"]) or any(c["problems"] for c in results["cells"])
 
 
 # ---- command line -------------------------------------------------------------------------------
 
-def _modes(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in names if s not in MODES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
-    return [m for m in MODES if m in names]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks moves", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=int_list, default=list(CONTEXTS),
                    help="comma-separated prompt lengths in tokens (default: 128,512,1536)")
-    p.add_argument("--modes", type=_modes, default=list(MODES),
+    p.add_argument("--modes", type=name_list(MODES, "mode(s)", in_order=True), default=list(MODES),
                    help=f"comma-separated subset of {','.join(MODES)} (default: all)")
     p.add_argument("--streams", type=int, default=8, help="concurrent streams per run (8)")
     p.add_argument("--output-len", type=int, default=128,
@@ -260,28 +253,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "the gateway's)")
     p.add_argument("--seed", type=int, default=0, help="prompt choice; sampled streams' seeds start at 1000 + this")
     add_output_args(p, "moves")
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.report is not None:
-        print(write_report(args.report, plots=not args.no_plots))
-        return 0
+def run(args: argparse.Namespace, output: Output) -> dict | int:
     import tempfile
 
-    from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
+    from benchmarks.machine import cpu_busy_fraction
     from benchmarks.prompts import PromptBank
 
     tiny = args.model == "tiny"
     if args.kv_cache_memory is None:
         args.kv_cache_memory = 0.1 if tiny else 1.0
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"moves-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = output.open()
     with tempfile.TemporaryDirectory(prefix="xllm-moves-") as tmp:
         if tiny:
-            from benchmarks.faults import build_tiny_model
+            from benchmarks.clusters import build_tiny_model
 
             model_dir = build_tiny_model(pathlib.Path(tmp) / "tiny")
         else:
@@ -293,37 +279,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"python -m benchmarks moves: error: {max(args.contexts)} + {args.output_len} tokens exceed the "
                   f"model's {max_len}", file=sys.stderr)
             return 2
-        meta = {**{k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-                "timestamp": stamp, "argv": sys.argv, "commit": git_commit(str(HERE.parent)),
-                "model": "tiny random Llama (2 layers, SmolLM2 tokenizer)" if tiny else model_dir.name,
-                "machine": machine_info(), "cpu_busy_before": cpu_busy_fraction()}
+        meta = output.meta(args, model="tiny random Llama (2 layers, SmolLM2 tokenizer)" if tiny else model_dir.name)
         bank = PromptBank(model_dir)
         rs = RunSettings(model_dir, out, args.dtype, args.kv_cache_memory, args.streams, args.output_len,
                          args.routing, args.off_drain_timeout, args.kv_bandwidth_prior, args.seed)
         print(f"[moves] contexts {args.contexts} x modes {args.modes}, {args.streams} streams of {args.output_len} "
               f"tokens; model {meta['model']} {args.dtype}; results in {out}", flush=True)
-        cells: list[dict] = []
-        errors: dict[str, str] = {}
+        results: dict = {"meta": meta, "cells": [], "errors": {}}
         for ctx in args.contexts:
             prompts = [list(p.ids) for p in bank.prompts([ctx] * args.streams, seed=args.seed + ctx)]
             for mode in args.modes:
                 name = f"{ctx}/{mode}"
-                try:
-                    cell: Cell = run_cell(ctx, mode, prompts, rs)
-                    cells.append(asdict(cell))
+                cell = attempt(results["errors"], name, "moves", run_cell, ctx, mode, prompts, rs, limit=1000)
+                if cell is not None:
+                    results["cells"].append(asdict(cell))
                     p = pause_stats(cell.pauses_ms)
-                    print(f"[moves] {name}: {_how(cells[-1])}; pause p50 {_ms(p['p50'])} max {_ms(p['max'])} ms; "
-                          f"{'ok' if not cell.problems else 'FAIL ' + '; '.join(cell.problems)}", flush=True)
-                except Exception as exc:  # record it and go on with the next cell
-                    errors[name] = f"{type(exc).__name__}: {exc}"[:1000]
-                    print(f"[moves] {name} failed: {errors[name]}", flush=True)
-                (out / "results.json").write_text(json.dumps({"meta": meta, "cells": cells, "errors": errors},
-                                                             indent=1))
+                    print(f"[moves] {name}: {_how(results['cells'][-1])}; pause p50 {_ms(p['p50'])} max "
+                          f"{_ms(p['max'])} ms; {'ok' if not cell.problems else 'FAIL ' + '; '.join(cell.problems)}",
+                          flush=True)
+                output.save(results)
     meta["cpu_busy_after"] = cpu_busy_fraction()
-    (out / "results.json").write_text(json.dumps({"meta": meta, "cells": cells, "errors": errors}, indent=1))
-    print(write_report(out, plots=not args.no_plots))
-    return 1 if errors or any(c["problems"] for c in cells) else 0
+    return results
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SCENARIO = Scenario("moves", "a draining engine's requests: KV migration vs recompute", __doc__, add_arguments, run,
+                    summary, plot_png, failed=failed)

@@ -27,8 +27,6 @@ mixed. Results: ``results.json``, ``summary.md`` and ``pd.png`` in ``--out`` (de
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import pathlib
 import random
@@ -40,9 +38,9 @@ from benchmarks.metrics import histogram_quantile, scrape, total
 from benchmarks.peers.xllm import model_dir as xllm_model_dir
 from benchmarks.peers.xllm import wait_instances
 from benchmarks.report import add_output_args, pct, ratio
+from benchmarks.scenario import Output, Scenario, attempt
 from benchmarks.stats import SLO, RequestRecord, goodput, serving_summary, slo_attainment
 
-HERE = pathlib.Path(__file__).resolve().parent
 TRANSPORTS = ("fd", "grpc", "mooncake")
 CHUNKED = 256  # the prefill chunk of the "mixed-chunked" configuration
 CONFIGS = ("mixed", "mixed-chunked", *(f"pd-{t}" for t in TRANSPORTS))
@@ -283,9 +281,7 @@ def plot(runs: dict[str, dict], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks pd", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--requests", type=int, default=40, help="requests in the measured run (40)")
     p.add_argument("--rate", type=float, default=0.2, help="Poisson arrival rate, req/s (0.2)")
@@ -302,63 +298,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF model dir (default: the bundled SmolLM2)")
     p.add_argument("--seed", type=int, default=0)
     add_output_args(p, "pd")
-    return p
 
 
-def write_report(out: pathlib.Path, plots: bool = True, slo_tpot_ms: float | None = None) -> str:
-    """summary.md (and pd.png) from ``out/results.json`` (``slo_tpot_ms``: another objective than
-    the run's); returns the summary."""
-    results = json.loads((out / "results.json").read_text())
-    if slo_tpot_ms is not None:
-        results["meta"]["slo_tpot_ms"] = slo_tpot_ms
-    summary = markdown(results["runs"], results["meta"], results["errors"])
-    (out / "summary.md").write_text(summary)
-    if results["runs"] and plots:
+def summary(results: dict) -> str:
+    return markdown(results["runs"], results["meta"], results["errors"])
+
+
+def plot_png(results: dict, out: pathlib.Path) -> None:
+    if results["runs"]:
         plot(results["runs"], out / "pd.png")
-    return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.report is not None:
-        print(write_report(args.report, plots=not args.no_plots, slo_tpot_ms=args.slo_tpot_ms))
-        return 0
+def reload(results: dict, args: argparse.Namespace) -> None:
+    """``--report DIR --slo-tpot-ms X``: the goodput column against another objective than the run's."""
+    results["meta"]["slo_tpot_ms"] = args.slo_tpot_ms
+
+
+def run(args: argparse.Namespace, output: Output) -> dict | int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
     if bad or not 0 <= args.long_fraction <= 1 or args.requests < 1 or args.rate <= 0:
         print(f"python -m benchmarks pd: error: bad configs {bad} or workload settings", file=sys.stderr)
         return 2
-    from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
+    from benchmarks.machine import cpu_busy_fraction
     from benchmarks.prompts import PromptBank
 
     model_dir = xllm_model_dir(args.model)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"pd-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = output.open()
     bank = PromptBank(model_dir)
     workload = build_workload(bank, args)
     rng = random.Random(args.seed + 1)
     warmup = [RequestSpec(bank.prompt(n, rng).ids, "", 4) for n in (300, 32, 300, 32)]
-    meta = {**{k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-            "timestamp": stamp, "argv": sys.argv, "model": model_dir.name, "commit": git_commit(str(HERE.parent)),
-            "machine": machine_info(), "cpu_busy_before": cpu_busy_fraction(),
-            "long": workload.long}
+    meta = output.meta(args, model=model_dir.name)
+    meta["long"] = workload.long
     print(f"[pd] {len(workload.specs)} requests ({sum(workload.long)} long), configs {', '.join(configs)}; "
           f"results in {out}", flush=True)
-    runs: dict[str, dict] = {}
-    errors: dict[str, str] = {}
+    results: dict = {"meta": meta, "runs": {}, "errors": {}}
     for config in configs:
-        try:
-            runs[config] = run_config(config, args, model_dir, workload, warmup, out)
-        except Exception as exc:  # record it and go on with the next configuration
-            errors[config] = f"{type(exc).__name__}: {exc}"[:500]
-            print(f"[pd] {config} failed: {errors[config]}", flush=True)
-        (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, "errors": errors}, indent=1))
+        r = attempt(results["errors"], config, "pd", run_config, config, args, model_dir, workload, warmup, out,
+                    limit=500)
+        if r is not None:
+            results["runs"][config] = r
+        output.save(results)
     meta["cpu_busy_after"] = cpu_busy_fraction()
-    (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, "errors": errors}, indent=1))
-    print(write_report(out, plots=not args.no_plots))
-    return 1 if errors else 0
+    return results
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SCENARIO = Scenario("pd", "1 prefill + 1 decode vs 2 mixed instances, per KV transport", __doc__, add_arguments, run,
+                    summary, plot_png, reload)

@@ -27,19 +27,15 @@ Results: ``results.json``, ``summary.md`` and ``predictor.png`` in ``--out`` (de
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
-from benchmarks.cli import int_list
 from benchmarks.report import add_output_args
-
-HERE = pathlib.Path(__file__).resolve().parent
+from benchmarks.scenario import Output, Scenario
+from xllm.common.argtypes import int_list
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -53,8 +49,7 @@ def _range(text: str) -> tuple[int, int]:
     return a, b
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks predictor", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model dir (default: the bundled SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="engine precision")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the engine")
@@ -74,7 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output tokens, uniform (default 16..256; --quick 2..8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     add_output_args(p, "predictor", report=False)
-    return p
 
 
 @dataclass
@@ -221,11 +215,10 @@ def live_run(engine, model, concurrency: int, n: int, prompt_len: tuple[int, int
     return samples, done
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace, output: Output) -> dict:
     import torch
 
-    from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
+    from benchmarks.machine import cpu_busy_fraction
     from xllm.core import EngineConfig, LLMEngine
     from xllm.engine.profiler import QUICK_GRID, ProfileGrid, make_profile, run_profile
     from xllm.models import Tokenizer, load_model, resolve_model
@@ -236,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.requests or (4 if quick else 48)
     prompt_len = args.prompt_len or ((8, 48) if quick else (32, 1024))
     output_len = args.output_len or ((2, 8) if quick else (16, 256))
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"predictor-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = output.open()
     torch.set_num_threads(args.threads)
     path = pathlib.Path(args.model) if args.model else resolve_model()
     dtype = getattr(torch, args.dtype)
@@ -248,11 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     if quick:
         cfg["kv_cache_memory_gib"] = 0.25
     engine = LLMEngine(load_model(path, dtype=dtype, progress=False), Tokenizer(path), EngineConfig(**cfg))
-    meta = {"timestamp": stamp, "argv": sys.argv if argv is None else argv, "commit": git_commit(str(HERE.parent)),
-            "model": path.name, "dtype": args.dtype, "threads": args.threads, "concurrency": levels,
-            "requests_per_level": n, "prompt_len": prompt_len, "output_len": output_len,
-            "token_budget": engine.config.max_num_batched_tokens, "machine": machine_info(),
-            "cpu_busy_before": cpu_busy_fraction()}
+    meta = output.meta(model=path.name, dtype=args.dtype, threads=args.threads, concurrency=levels,
+                       requests_per_level=n, prompt_len=prompt_len, output_len=output_len,
+                       token_budget=engine.config.max_num_batched_tokens)
     if args.profile:
         profile = PerfProfile.load(args.profile)
         meta["profile"] = str(args.profile)
@@ -284,12 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                       "predicted_ttft": r.predicted_ttft, "predicted_tpot": r.predicted_tpot,
                       "predicted_ttft_queue": r.predicted_ttft_queue, "predicted_tpot_life": r.predicted_tpot_life}
                      for r in all_records]}
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "summary.md").write_text(summary(results))
-    if not args.no_plots:
-        plot(results, out / "predictor.png")
-    print((out / "summary.md").read_text())
-    return 0
+    return results
 
 
 def _pct(x: float | None) -> str:
@@ -369,5 +353,10 @@ def plot(results: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+
+def plot_png(results: dict, out: pathlib.Path) -> None:
+    plot(results, out / "predictor.png")
+
+
+SCENARIO = Scenario("predictor", "step/TTFT/TPOT predictions vs a held-out live run", __doc__.split("\n\n")[0],
+                    add_arguments, run, summary, plot_png)

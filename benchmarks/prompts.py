@@ -69,3 +69,23 @@ class PromptBank:
     def prompts(self, lengths: list[int], seed: int = 0) -> list[Prompt]:
         rng = random.Random(seed)
         return [self.prompt(n, rng) for n in lengths]
+
+
+def customer_schema(records: int) -> dict:
+    """A JSON schema (``structured``, ``grammar_cost``): a list of exactly ``records`` customers (nested
+    objects, enums, integer bounds, patterns)."""
+    customer = {
+        "type": "object", "additionalProperties": False, "required": ["name", "age", "address", "plan", "email"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 18, "maximum": 99},
+            "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
+                        "properties": {"city": {"type": "string", "maxLength": 16},
+                                       "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}},
+            "plan": {"enum": ["free", "pro", "enterprise"]},
+            "email": {"type": "string", "pattern": "^[a-z]{2,10}@[a-z]{2,10}\\.(com|org)$"},
+        },
+    }
+    return {"type": "object", "additionalProperties": False, "required": ["customers"],
+            "properties": {"customers": {"type": "array", "items": customer, "minItems": records,
+                                         "maxItems": records}}}

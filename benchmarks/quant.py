@@ -25,7 +25,7 @@ gives one fixed figure instead). The probe reads 2 MiB pages, as the served weig
 (``xllm.models.placement``; 4 KiB pages with ``XLLM_HUGEPAGES=0``, as the weights then are). The issue's goals
 are batch-1 decode above llama.cpp on the same file and >= 85 % of the ceiling.
 
-Quality (unless ``--no-quality``): :mod:`benchmarks.perplexity` (perplexity of a held-out public-domain text
+Quality (unless ``--no-quality``): :mod:`benchmarks.quality` (perplexity of a held-out public-domain text
 with prompt logprobs, greedy agreement with the bf16 model) for the same formats and llama.cpp's files.
 
 Results in ``--out`` (default ``benchmarks/results/quant-<timestamp>``): ``results.json``, ``summary.md`` and
@@ -36,16 +36,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
 import os
 import pathlib
 import sys
 
-from benchmarks.perplexity import GGUF_VARIANTS, LOAD_VARIANTS, VARIANTS, gguf_files, load_variant
+from benchmarks.quality import GGUF_VARIANTS, LOAD_VARIANTS, VARIANTS, gguf_files, load_variant
 from benchmarks.report import add_output_args
+from benchmarks.scenario import Output, Scenario
 
-HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_FORMATS = "bf16,q4_1,q8_0,q4_0,int8,int4"
 SERVED = "smollm2"
 
@@ -200,7 +198,7 @@ def markdown(r: dict) -> str:
     for key, message in r.get("errors", {}).items():
         lines.append(f"\n{key} failed: {message}")
     if r.get("quality"):
-        from benchmarks.perplexity import markdown as quality_markdown
+        from benchmarks.quality import markdown as quality_markdown
 
         lines += ["", "## Quality", "", quality_markdown(r["quality"])]
     return "\n".join(lines) + "\n"
@@ -238,9 +236,11 @@ def plot(r: dict, out: pathlib.Path) -> str | None:
     return path.name
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks quant", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def record_plot(r: dict, out: pathlib.Path) -> None:
+    r["plot"] = plot(r, out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", default=DEFAULT_FORMATS, help=f"xLLM formats, of {', '.join(VARIANTS)} "
                                                               f"({DEFAULT_FORMATS})")
     p.add_argument("--llamacpp", default="q4_1,q8_0,q4_0", help="GGUF formats llama.cpp serves (q4_1,q8_0,q4_0)")
@@ -257,11 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a smoke run: xLLM q4_1 only, short requests, no "
                                                         "llama.cpp, no quality")
     add_output_args(p, "quant", report=False)
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace, output: Output) -> dict | int:
     from benchmarks.machine import cpu_busy_fraction
     from benchmarks.prompts import PromptBank
     from xllm.models import resolve_model
@@ -275,9 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"python -m benchmarks quant: unknown formats {bad}", file=sys.stderr)
         return 2
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"quant-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = output.open()
     files = gguf_files()
     bank = PromptBank(resolve_model(progress=False))
     prompts = {"warm": bank.prompts([args.prompt_len], seed=99),
@@ -291,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         args.bandwidth_gbs = probe_gbs(args)
         print(f"[quant] memory read bandwidth on {args.threads} threads at the start: {args.bandwidth_gbs} GB/s",
               flush=True)
-    results: dict = {"argv": sys.argv if argv is None else argv, "threads": args.threads,
+    results: dict = {"argv": sys.argv, "threads": args.threads,
                      "prompt_len": args.prompt_len, "output_len": args.output_len, "rounds": args.rounds,
                      "concurrency": args.concurrency, "bandwidth_gbs": args.bandwidth_gbs,
                      "fixed_bandwidth": args.fixed_bandwidth, "probe_huge_pages": args.huge_pages,
@@ -299,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                      "errors": {}, "cpu_busy_before": cpu_busy_fraction()}
 
     def save() -> None:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-        (out / "summary.md").write_text(markdown(results))
+        output.save(results, markdown)
 
     for fmt in dict.fromkeys(formats + peers):  # the ceilings: bytes one decode token streams
         model, _ = load_variant(fmt, files, args.threads)
@@ -318,20 +313,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[quant] {key} failed: {str(exc)[:400]}", flush=True)
             save()
     if not args.no_quality:
-        from benchmarks.perplexity import measure as quality
+        from benchmarks.quality import measure as quality
 
         results["quality"] = quality(formats, bool(peers), args.threads, 8, 64, 32,
                                      log=lambda m: print(m, flush=True))
     results["cpu_busy_after"] = cpu_busy_fraction()
-    if not args.no_plots:
-        try:
-            results["plot"] = plot(results, out)
-        except ImportError as exc:
-            print(f"[quant] no plot: {exc}")
-    save()
-    print(markdown(results))
-    return 0 if not results["errors"] else 1
+    return results
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SCENARIO = Scenario("quant", "quantized weights per format: decode, RSS, perplexity", __doc__, add_arguments, run,
+                    markdown, record_plot)

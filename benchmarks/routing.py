@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import pathlib
 import random
@@ -34,13 +33,13 @@ import time
 from dataclasses import asdict, dataclass
 
 from benchmarks.client import stream_routed
-from benchmarks.metrics import parse, total
+from benchmarks.metrics import parse, router_reasons, total
 from benchmarks.peers.xllm import model_dir as xllm_model_dir
 from benchmarks.peers.xllm import wait_instances
 from benchmarks.report import pct
+from benchmarks.scenario import Output, Scenario, attempt
 from benchmarks.stats import percentile
 
-HERE = pathlib.Path(__file__).resolve().parent
 POLICIES = ("round_robin", "least_load", "kv_aware")
 
 
@@ -153,15 +152,6 @@ def engine_hit_rate(metrics_text: str) -> float | None:
     return total(samples, "xllm:prefix_cache_hits_total") / queries if queries else None
 
 
-def router_reasons(metrics_text: str) -> dict[str, int]:
-    """Requests per routing reason (``xllm:router_requests_total``), summed over instances."""
-    out: dict[str, int] = {}
-    for labels, value in parse(metrics_text).get("xllm:router_requests_total", []):
-        key = labels.get("reason", "?")
-        out[key] = out.get(key, 0) + int(value)
-    return dict(sorted(out.items()))
-
-
 def run_policy(policy: str, args: argparse.Namespace, model_dir: pathlib.Path, workload: list[RoutingRequest],
                warmup: list[RoutingRequest], log_dir: pathlib.Path) -> dict:
     import httpx
@@ -190,9 +180,7 @@ def run_policy(policy: str, args: argparse.Namespace, model_dir: pathlib.Path, w
             "records": [asdict(r) for r in results]}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks routing", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated routing policies")
     p.add_argument("--instances", type=int, default=2, help="engine processes (2)")
     p.add_argument("--prefixes", type=int, default=6, help="distinct system prompts (6)")
@@ -209,7 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF model dir (default: the bundled SmolLM2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=None)
-    return p
 
 
 def default_kv_memory_gib(model_dir: pathlib.Path, dtype: str, prefixes: int, prefix_len: int,
@@ -223,8 +210,11 @@ def default_kv_memory_gib(model_dir: pathlib.Path, dtype: str, prefixes: int, pr
     return round(tokens * per_token / 2**30, 4)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def summary(results: dict) -> str:
+    return markdown(results["runs"], results["meta"])
+
+
+def run(args: argparse.Namespace, output: Output) -> dict | int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     from xllm.sched import ROUTING_POLICIES
 
@@ -232,43 +222,32 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"python -m benchmarks routing: error: unknown policies {bad}", file=sys.stderr)
         return 2
-    from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
+    from benchmarks.machine import cpu_busy_fraction
     from benchmarks.prompts import PromptBank
 
     model_dir = xllm_model_dir(args.model)
     if args.kv_cache_memory is None:
         args.kv_cache_memory = default_kv_memory_gib(model_dir, args.dtype, args.prefixes, args.prefix_len)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"routing-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = output.open()
     bank = PromptBank(model_dir)
     rng = random.Random(args.seed)
     prefixes = [bank.prompt(args.prefix_len, rng).ids for _ in range(args.prefixes)]
     suffixes = [[bank.prompt(args.suffix_len, rng).ids for _ in range(args.users)] for _ in range(args.prefixes)]
     workload = build_workload(prefixes, suffixes, args.output_len, args.rate, args.seed)
     warmup = [RoutingRequest(-1, i, bank.prompt(24, rng).ids, 2, 0.0) for i in range(2 * args.instances)]
-    meta = {**{k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-            "timestamp": stamp, "argv": sys.argv, "model": model_dir.name, "model_dir": str(model_dir),
-            "commit": git_commit(str(HERE.parent)), "machine": machine_info()}
-    meta["cpu_busy_before"] = cpu_busy_fraction()
+    meta = output.meta(args, model=model_dir.name, model_dir=str(model_dir))
     print(f"[routing] {len(workload)} requests, {args.instances} instances, KV {args.kv_cache_memory} GiB each, "
           f"policies {', '.join(policies)}; results in {out}", flush=True)
-    runs: dict[str, dict] = {}
-    errors: dict[str, str] = {}
+    results: dict = {"meta": meta, "runs": {}, "errors": {}}
     for policy in policies:
-        try:
-            runs[policy] = run_policy(policy, args, model_dir, workload, warmup, out / "logs")
-        except Exception as exc:  # record and go on with the next policy
-            errors[policy] = f"{type(exc).__name__}: {exc}"
-            print(f"[routing] {policy} failed: {errors[policy]}", flush=True)
-        (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, "errors": errors}, indent=1))
+        r = attempt(results["errors"], policy, "routing", run_policy, policy, args, model_dir, workload, warmup,
+                    out / "logs")
+        if r is not None:
+            results["runs"][policy] = r
+        output.save(results)
     meta["cpu_busy_after"] = cpu_busy_fraction()
-    (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, "errors": errors}, indent=1))
-    summary = markdown(runs, meta)
-    (out / "summary.md").write_text(summary)
-    print(summary)
-    return 1 if errors else 0
+    return results
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SCENARIO = Scenario("routing", "round robin vs least load vs KV-aware routing, 2 instances", __doc__, add_arguments,
+                    run, summary)

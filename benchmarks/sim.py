@@ -43,16 +43,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
 import pathlib
 import sys
 import time
 
 from benchmarks.report import add_output_args
+from benchmarks.scenario import Output, Scenario, flag_values
 
-HERE = pathlib.Path(__file__).resolve().parent
 PD_CONFIGS = {  # name -> (pd policy, routing policy, flips per decision: 1, or "batch": --pd-batch, by
     # default a tenth of the instances as the gateway's default --pd-max-flips; prefill overflow onto
     # decode instances: PDPlacement with the TTFT objective, the gateway's --pd-prefill-overflow)
@@ -68,12 +66,10 @@ PARTS = ("pd", "colocation")
 WORKLOADS = ("phases", "gamma")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     from xllm.sim.cli import length_mix, phase_seconds
     from xllm.sim.trace import DECODE_HEAVY, PREFILL_HEAVY
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks sim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     p.add_argument("--instances", type=int, default=200, help="instances per cluster (200)")
     p.add_argument("--requests", type=int, default=100_000,
@@ -131,7 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=pathlib.Path, default=None, help="step-time profile (default: xllm-sim's)")
     p.add_argument("--seed", type=int, default=0)
     add_output_args(p, "sim")
-    return p
 
 
 # ---- running ---------------------------------------------------------------------------------------
@@ -472,20 +467,12 @@ def plot(results: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def write_report(out: pathlib.Path, plots: bool = True) -> str:
-    results = json.loads((out / "results.json").read_text())
-    text = markdown(results)
-    (out / "summary.md").write_text(text)
-    if plots and results.get("pd"):
+def plot_png(results: dict, out: pathlib.Path) -> None:
+    if results.get("pd"):
         plot(results, out / "sim.png")
-    return text
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.report is not None:
-        print(write_report(args.report, plots=not args.no_plots))
-        return 0
+def run(args: argparse.Namespace, output: Output) -> dict | int:
     if args.tiny:
         args.instances, args.requests, args.search_requests, args.probes, args.prefix_groups = 8, 400, 200, 2, 5
         args.phase_s = (15.0, 15.0)
@@ -502,16 +489,13 @@ def main(argv: list[str] | None = None) -> int:
 
     model, _ = load_model(args.profile)
     default_slos(args, model)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"sim-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {**{k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-            "timestamp": stamp, "argv": sys.argv, "profile": str(args.profile or DEFAULT_PROFILE),
-            "provisional": is_provisional(args.profile)}
+    output.open()
+    meta = {**flag_values(args), "timestamp": output.stamp, "argv": sys.argv,
+            "profile": str(args.profile or DEFAULT_PROFILE), "provisional": is_provisional(args.profile)}
     results: dict = {"meta": meta, "pd": {}, "colocation": {}}
 
     def save() -> None:
-        (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
+        output.save(results)
 
     t0 = time.monotonic()
     if "pd" in parts:
@@ -519,10 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     if "colocation" in parts:
         run_colocation(args, model, results, save)
     meta["wall_s"] = time.monotonic() - t0
-    save()
-    print(write_report(out, plots=not args.no_plots))
-    return 0
+    return results
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SCENARIO = Scenario("sim", "xllm-sim at 200 instances: dynamic/static PD, co-location", __doc__, add_arguments, run,
+                    markdown, plot_png)

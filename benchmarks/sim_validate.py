@@ -30,8 +30,6 @@ their corrected predictions. Results: ``results.json`` and ``summary.md`` in ``-
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import pathlib
 import statistics
@@ -39,16 +37,14 @@ import sys
 import time
 
 from benchmarks.report import add_output_args
+from benchmarks.scenario import Output, Scenario, flag_values
 
-HERE = pathlib.Path(__file__).resolve().parent
 FIGURES = (("output throughput (tok/s)", ("output_throughput",)), ("TTFT p50 (ms)", ("ttft_ms", "p50")),
            ("TTFT p99 (ms)", ("ttft_ms", "p99")), ("TPOT p50 (ms)", ("tpot_ms", "p50")),
            ("TPOT p99 (ms)", ("tpot_ms", "p99")), ("E2E p50 (ms)", ("e2e_ms", "p50")))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks sim-validate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=60, help="requests in the trace (60)")
     p.add_argument("--rate", type=float, default=0.4, help="Poisson arrival rate, req/s (0.4)")
     p.add_argument("--prompt-len", default="uniform:64:1024", help="prompt lengths (uniform:64:1024)")
@@ -67,7 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-only", action="store_true", help="skip the live run (needs no model or server)")
     p.add_argument("--seed", type=int, default=0)
     add_output_args(p, "sim-validate", report=False)
-    return p
 
 
 def trace(args: argparse.Namespace) -> list:
@@ -254,13 +249,10 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace, output: Output) -> dict:
     from xllm.sim.profile import DEFAULT_PROFILE, is_provisional
 
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"sim-validate-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = output.open()
     specs = trace(args)
     (out / "trace.csv").write_text("arrival,prompt_len,output_len\n" + "".join(
         f"{s.arrival:.6f},{s.prompt_len},{s.output_len}\n" for s in specs))
@@ -268,9 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         check_profile(args.profile, args.dtype)
     elif not args.sim_only:
         args.profile = measure_profile(args, out)
-    meta = {**{k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-            "timestamp": stamp, "argv": sys.argv, "profile": str(args.profile or DEFAULT_PROFILE),
-            "provisional": is_provisional(args.profile)}
+    meta = {**flag_values(args), "timestamp": output.stamp, "argv": sys.argv,
+            "profile": str(args.profile or DEFAULT_PROFILE), "provisional": is_provisional(args.profile)}
     t0 = time.monotonic()
     sim = simulated(args, specs)
     meta["sim_wall_s"] = time.monotonic() - t0
@@ -293,12 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["comparison_noisy"] = compare(results["live"], results["sim_noisy"])
     else:
         results["comparison"] = compare({}, sim)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=float))
-    text = markdown(results)
-    (out / "summary.md").write_text(text)
-    print(text)
-    return 0
+    return results
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SCENARIO = Scenario("sim-validate", "one trace live (xllm serve --instances 2) and simulated", __doc__, add_arguments,
+                    run, markdown)

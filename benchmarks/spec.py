@@ -14,7 +14,7 @@ built from texts shipped with Python (nothing downloaded):
 - ``chat``: open questions with nothing to copy, where speculation must not hurt.
 
 For each system (``--systems``) and proposer (``--proposers``: ``off`` = no speculation, else a name of
-``xllm.core.spec.registry.PROPOSERS``; vLLM runs ``off`` and ``ngram`` only) one server is started
+``xllm.engine_api.names.PROPOSERS``; vLLM runs ``off`` and ``ngram`` only) one server is started
 (xLLM: ``xllm serve --speculative P --num-speculative-tokens K``; vLLM: ``--speculative-config`` with
 its n-gram method) and warmed up; a system's servers run side by side, idle but for the one measured.
 Per workload and batch size (``--batches``) each server gets ``--passes`` passes of ``batch x rounds``
@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import inspect
 import json
 import pathlib
@@ -51,8 +50,8 @@ import statistics
 import sys
 
 from benchmarks.report import add_output_args
+from benchmarks.scenario import Output, Scenario
 
-HERE = pathlib.Path(__file__).resolve().parent
 SYSTEMS = ("xllm", "vllm")
 WORKLOADS = ("code", "edit", "chat")
 LOOKUP_WORKLOADS = ("code", "edit")
@@ -273,14 +272,12 @@ def plot(results: dict, out: pathlib.Path) -> str | None:
 
 def default_proposers() -> str:
     """``off`` plus the registered proposers that need no draft model (``ngram``, ``self``)."""
-    from xllm.core.spec.registry import PROPOSERS
+    from xllm.engine_api.names import PROPOSERS
 
     return ",".join(["off", *[p for p in ("ngram", "self") if p in PROPOSERS]])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks spec", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)} (both)")
     p.add_argument("--proposers", default=None,
                    help="comma-separated: off (no speculation) and proposer names (default: off, ngram and self "
@@ -305,7 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a smoke run in seconds: xllm only, off and ngram, code and chat, batch 1, one short "
                         "request each (overrides those flags)")
     add_output_args(p, "spec", report=False)
-    return p
 
 
 def _server(system: str, proposer: str, args, model_dir: pathlib.Path, logs: pathlib.Path):
@@ -329,8 +325,7 @@ def _server(system: str, proposer: str, args, model_dir: pathlib.Path, logs: pat
     return server
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace, output: Output) -> dict | int:
     from benchmarks.machine import cpu_busy_fraction
     from benchmarks.peers import xllm
 
@@ -340,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     proposers = [s.strip() for s in (args.proposers or default_proposers()).split(",") if s.strip()]
     workloads = [s.strip() for s in args.workloads.split(",") if s.strip()]
-    from xllm.core.spec.registry import PROPOSERS
+    from xllm.engine_api.names import PROPOSERS
 
     bad = ([s for s in systems if s not in SYSTEMS] + [p for p in proposers if p != "off" and p not in PROPOSERS]
            + [w for w in workloads if w not in WORKLOADS])
@@ -352,12 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     from xllm.models.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model_dir)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"spec-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = output.open()
     rounds = {b: args.rounds or (2 if b == 1 else 1) for b in batches}
     prompts = {(w, b): prompt_ids(tokenizer, w, b * rounds[b], args.seed) for w in workloads for b in batches}
-    results = {"argv": sys.argv if argv is None else argv, "model": model_dir.name, "output_len": args.output_len,
+    results = {"argv": sys.argv, "model": model_dir.name, "output_len": args.output_len,
                "num_speculative_tokens": args.num_speculative_tokens, "threads": args.threads, "dtype": args.dtype,
                "workloads": workloads, "batches": batches, "rounds": {str(b): r for b, r in rounds.items()},
                "passes": args.passes,
@@ -365,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                "runs": {}, "servers": {}, "errors": {}, "cpu_busy_before": cpu_busy_fraction()}
 
     def save() -> None:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-        (out / "summary.md").write_text(markdown(results))
+        output.save(results, markdown)
 
     warm = prompt_ids(tokenizer, "chat", 1, args.seed + 1)
     for system in systems:
@@ -403,15 +395,12 @@ def main(argv: list[str] | None = None) -> int:
             save()
     results["cpu_busy_after"] = cpu_busy_fraction()
     results["speedups"] = speedups(results)
-    if not args.no_plots:
-        try:
-            results["plot"] = plot(results, out)
-        except ImportError as exc:
-            print(f"[spec] no plot: {exc}")
-    save()
-    print(markdown(results))
-    return 0 if not results["errors"] else 1
+    return results
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def record_plot(results: dict, out: pathlib.Path) -> None:
+    results["plot"] = plot(results, out)
+
+
+SCENARIO = Scenario("spec", "speculative decoding per proposer, xLLM vs vLLM-CPU", __doc__, add_arguments, run,
+                    markdown, record_plot)

@@ -27,8 +27,6 @@ and ``steps.png`` in ``--out`` (default ``benchmarks/results/steps-<timestamp>``
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
 import statistics
 import sys
@@ -36,8 +34,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from benchmarks.report import add_output_args
+from benchmarks.scenario import Output, Scenario
 
-HERE = pathlib.Path(__file__).resolve().parent
 SHAPES = ("1x128", "16x128", "1x1024", "16+1x128", "15+1x512", "16", "64", "64+1x128")
 MODES = ("eager", "native")
 # Decoder i has context + i % 16 tokens, so the measured step's KV writes reach an untouched 4 KiB page of KV
@@ -171,8 +169,7 @@ class Bench:
         return parts
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks steps", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default=",".join(SHAPES),
                    help=f"comma-separated step shapes D+PxL (default {','.join(SHAPES)})")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated of: eager, native")
@@ -189,33 +186,32 @@ def main(argv: list[str] | None = None) -> int:
                    help="quantize the float weights at load, as `xllm serve --quantization` does (int8, int4, "
                         "w8a8, ...; default none)")
     add_output_args(p, "steps", report=False)
-    args = p.parse_args(argv)
-    if args.stored and args.model is not None:
-        p.error("--stored runs the bundled GGUF; leave out --model")
-    if args.stored and args.quantization != "none":
-        p.error("--stored serves the GGUF's own formats; leave out --quantization")
+
+
+def run(args: argparse.Namespace, output: Output) -> dict | int:
+    for bad, why in ((args.stored and args.model is not None, "--stored runs the bundled GGUF; leave out --model"),
+                     (args.stored and args.quantization != "none",
+                      "--stored serves the GGUF's own formats; leave out --quantization")):
+        if bad:
+            print(f"python -m benchmarks steps: error: {why}", file=sys.stderr)
+            return 2
     import torch
 
-    from benchmarks.machine import cpu_busy_fraction, git_commit, machine_info
+    from benchmarks.machine import cpu_busy_fraction
     from xllm.models import Tokenizer, load_model, resolve_model
     from xllm.models.source import bundled_gguf
 
     torch.set_num_threads(2)
     shapes = [Shape.parse(s) for s in args.shapes.split(",") if s]
     modes = [m for m in args.modes.split(",") if m]
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"steps-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    output.open()
     path = args.model or resolve_model()
     dtype = getattr(torch, args.dtype)
     model = load_model(path, dtype=dtype, progress=False, gguf_file=bundled_gguf() if args.stored else None,
                        quantization=args.quantization)
     bench = Bench(model, Tokenizer(path), dtype, args.context)
-    meta = {"timestamp": stamp, "argv": sys.argv, "commit": git_commit(str(HERE.parent)), "model": path.name,
-            "dtype": args.dtype, "weights": "stored GGUF" if args.stored else (
-                args.dtype if args.quantization == "none" else args.quantization), "context": args.context,
-            "reps": args.reps, "machine": machine_info(),
-            "cpu_busy_before": cpu_busy_fraction()}
+    meta = output.meta(model=path.name, dtype=args.dtype, weights="stored GGUF" if args.stored else (
+        args.dtype if args.quantization == "none" else args.quantization), context=args.context, reps=args.reps)
     rows = []
     for shape in shapes:
         for mode in modes:  # warm-up (packing, first-use allocations)
@@ -235,13 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"[steps] {shape}: " + ", ".join(f"{m} {row['ms'][m]:.1f} ms" for m in modes), flush=True)
     meta["cpu_busy_after"] = cpu_busy_fraction()
-    results = {"meta": meta, "rows": rows}
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "summary.md").write_text(summary(results))
-    if not args.no_plots:
-        plot(results, out / "steps.png")
-    print((out / "summary.md").read_text())
-    return 0
+    return {"meta": meta, "rows": rows}
 
 
 def summary(results: dict) -> str:
@@ -293,5 +283,10 @@ def plot(results: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+
+def plot_png(results: dict, out: pathlib.Path) -> None:
+    plot(results, out / "steps.png")
+
+
+SCENARIO = Scenario("steps", "one engine step by shape: eager vs fused native, by part", __doc__.split("\n\n")[0],
+                    add_arguments, run, summary, plot_png)

@@ -26,42 +26,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
-import pathlib
 import sys
 
+from benchmarks.prompts import customer_schema
 from benchmarks.report import add_output_args
+from benchmarks.scenario import Output, Scenario
 
-HERE = pathlib.Path(__file__).resolve().parent
 SYSTEMS = ("xllm", "vllm")
 PROMPT = "Here is our customer database as JSON, one record per customer with name, age, city, plan and email:\n"
-
-
-def schema(records: int) -> dict:
-    """A list of exactly ``records`` customers (nested objects, enums, integer bounds, patterns)."""
-    customer = {
-        "type": "object", "additionalProperties": False, "required": ["name", "age", "address", "plan", "email"],
-        "properties": {
-            "name": {"type": "string", "maxLength": 24},
-            "age": {"type": "integer", "minimum": 18, "maximum": 99},
-            "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
-                        "properties": {"city": {"type": "string", "maxLength": 16},
-                                       "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}},
-            "plan": {"enum": ["free", "pro", "enterprise"]},
-            "email": {"type": "string", "pattern": "^[a-z]{2,10}@[a-z]{2,10}\\.(com|org)$"},
-        },
-    }
-    return {"type": "object", "additionalProperties": False, "required": ["customers"],
-            "properties": {"customers": {"type": "array", "items": customer, "minItems": records,
-                                         "maxItems": records}}}
 
 
 def profiles(records: int):
     """(mode, EndpointProfile) for the free-text and the schema runs."""
     from benchmarks.client import EndpointProfile
 
-    rf = {"type": "json_schema", "json_schema": {"name": "customers", "schema": schema(records), "strict": True}}
+    rf = {"type": "json_schema",
+          "json_schema": {"name": "customers", "schema": customer_schema(records), "strict": True}}
     return [("free", EndpointProfile(token_ids=False, extra_body={"ignore_eos": True})),
             ("json_schema", EndpointProfile(token_ids=False, extra_body={"response_format": rf}))]
 
@@ -126,9 +106,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks structured", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)} (both)")
     p.add_argument("--batches", default="1,16", help="concurrent requests, comma-separated (1,16)")
     p.add_argument("--rounds", type=int, default=2, help="requests per batch size and mode = batch x rounds (2) ...")
@@ -141,11 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--model", default=None, help="HF model dir (default: the bundled SmolLM2)")
     add_output_args(p, "structured", report=False)
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace, output: Output) -> dict | int:
     from benchmarks.peers import vllm, xllm
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -154,16 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = xllm.model_dir(args.model)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or HERE / "results" / f"structured-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = output.open()
     results = {"records": args.records, "output_len": args.output_len, "rounds": args.rounds,
                "min_requests": args.min_requests, "repeats": args.repeats,
-               "threads": args.threads, "schema": schema(args.records), "runs": {}, "servers": {}, "errors": {}}
+               "threads": args.threads, "schema": customer_schema(args.records), "runs": {}, "servers": {},
+               "errors": {}}
 
     def save() -> None:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-        (out / "summary.md").write_text(markdown(results))
+        output.save(results, markdown)
 
     for system in systems:
         if system == "xllm":
@@ -194,9 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             results["errors"][system] = f"{type(exc).__name__}: {exc}"[:1500]
             print(f"[structured] {system} failed: {exc}", flush=True)
         save()
-    print(markdown(results))
-    return 0 if not results["errors"] else 1
+    return results
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+SCENARIO = Scenario("structured", "TPOT with and without a JSON schema, xLLM vs vLLM-CPU", __doc__, add_arguments,
+                    run, markdown)

@@ -9,7 +9,7 @@ engines on one quantized model (``python -m benchmarks serve-client --w8a8``). T
 vLLM's checkpoint (compressed-tensors' ``ignore``; the tied embedding is the float one), where xLLM runs
 it in w8a8 too.
 
-    python -m benchmarks.w8a8_checkpoint            # write it for the bundled SmolLM2, print its dir
+    python -m benchmarks w8a8_checkpoint            # write it for the bundled SmolLM2, print its dir
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import sys
 
 from benchmarks.peers.venv import cache_root
 
@@ -87,14 +86,3 @@ def write(model_dir: pathlib.Path, root: pathlib.Path | None = None) -> pathlib.
             shutil.copy2(f, out / f.name)
     done.write_text("ok\n")
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    from xllm.models import resolve_model
-
-    print(write(pathlib.Path(resolve_model()).resolve()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,7 +11,7 @@ import uuid
 import httpx
 import pytest
 
-from xllm.engine.registration.etcd_client import EtcdClient
+from xllm.engine_api.registration.etcd_client import EtcdClient
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.testing.metrics import metric_value, parse_metrics
 from xllm.testing.processes import mapped_libraries, wait_for

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from xllm.core import EngineConfig, LLMEngine
-from xllm.engine.registration.etcd_client import EtcdClient
+from xllm.engine_api.registration.etcd_client import EtcdClient
 from xllm.models import Tokenizer, load_model
 from xllm.proto.enums import role_name
 from xllm.proto.registry.v1 import instance_pb2

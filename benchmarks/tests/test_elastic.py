@@ -9,12 +9,12 @@ import random
 
 import pytest
 
+from benchmarks.cli import main
 from benchmarks.elastic import (
     CASES,
+    SCENARIO,
     available_cases,
-    build_parser,
     build_workload,
-    main,
     markdown,
     offline_figures,
     serve_command,
@@ -29,7 +29,7 @@ class FakeBank:
 
 
 def test_cases_have_their_flags_and_pd_cases_follow_the_server():
-    args = build_parser().parse_args(["--threads", "2", "--slo-tpot-ms", "80"])
+    args = SCENARIO.parser().parse_args(["--threads", "2", "--slo-tpot-ms", "80"])
     for case in CASES.values():
         cmd = serve_command(case, args, "/m", 1234)
         assert cmd[cmd.index("--slo-tpot-ms") + 1] == "80"
@@ -42,7 +42,7 @@ def test_cases_have_their_flags_and_pd_cases_follow_the_server():
 
 
 def test_workload_is_a_steady_or_bursty_stream_plus_a_backlog_at_the_start():
-    args = build_parser().parse_args(["--online-requests", "20", "--offline-requests", "5", "--rate", "2",
+    args = SCENARIO.parser().parse_args(["--online-requests", "20", "--offline-requests", "5", "--rate", "2",
                                       "--online-prompt-len", "8", "--offline-prompt-len", "12"])
     steady = build_workload(FakeBank(), args, bursty=False)
     assert len(steady.online) == 20 and len(steady.offline) == 5
@@ -90,7 +90,7 @@ def test_markdown_has_a_row_per_case():
 
 
 def test_unknown_case_is_refused(capsys):
-    assert main(["--cases", "colocation-maybe", "--quick"]) == 2
+    assert main(["elastic", "--cases", "colocation-maybe", "--quick"]) == 2
     assert "colocation-maybe" in capsys.readouterr().err
 
 
@@ -104,7 +104,7 @@ def test_quick_mode_runs_every_colocation_case_live(tmp_path):
 
     model = save_tiny_llama(tmp_path / "tiny", resolve_model(progress=False))
     out = tmp_path / "out"
-    code = main(["--quick", "--model", str(model), "--out", str(out), "--no-plots", "--dtype", "float32",
+    code = main(["elastic", "--quick", "--model", str(model), "--out", str(out), "--no-plots", "--dtype", "float32",
                  "--threads", "1", "--xllm-args", "--kv-cache-memory 0.05"])
     results = json.loads((out / "results.json").read_text())
     assert code == 0, results["errors"]

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from benchmarks.kv_tiers import build_parser
+from benchmarks.kv_tiers import SCENARIO
 from benchmarks.kv_tiers_cluster import TurnResult, chat_trace, summarize, tier_hits, working_set_tokens
 from benchmarks.kv_tiers_report import markdown, plot
 
@@ -72,7 +72,7 @@ def test_the_report_tables_every_part_and_plots(tmp_path):
     assert "| host | kv_aware | 64.0% |" in md and "e0: host 2" in md and "failed: boom" in md
     assert "| host | kv_aware (round 2) | 64.0% |" in md
     assert plot(result, tmp_path / "kv_tiers.png") == "kv_tiers.png" and (tmp_path / "kv_tiers.png").stat().st_size
-    args = build_parser().parse_args(["--quick", "--parts", "cluster"])
+    args = SCENARIO.parser().parse_args(["--quick", "--parts", "cluster"])
     assert args.quick and args.parts == "cluster" and args.report is None
 
 

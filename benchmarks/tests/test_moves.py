@@ -24,7 +24,7 @@ from benchmarks.movecells import (
     pause_after,
     shifted,
 )
-from benchmarks.moves import build_parser, chosen_way, comparisons, markdown, pause_stats, plot
+from benchmarks.moves import SCENARIO, chosen_way, comparisons, markdown, pause_stats, plot
 
 
 def test_pause_is_the_largest_gap_ending_after_the_fault():
@@ -205,9 +205,9 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_command_line_parses_lists_and_rejects_unknown_modes():
-    args = build_parser().parse_args(["--contexts", "64,256", "--modes", "off,migrate"])
+    args = SCENARIO.parser().parse_args(["--contexts", "64,256", "--modes", "off,migrate"])
     assert args.contexts == [64, 256] and args.modes == ["migrate", "off"]  # always in the table's order
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--modes", "teleport"])
+        SCENARIO.parser().parse_args(["--modes", "teleport"])
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--contexts", "0"])
+        SCENARIO.parser().parse_args(["--contexts", "0"])

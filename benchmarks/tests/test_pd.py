@@ -12,7 +12,7 @@ import pytest
 from benchmarks.metrics import histogram_quantile
 from benchmarks.pd import (
     CONFIGS,
-    build_parser,
+    SCENARIO,
     build_workload,
     markdown,
     pd_figures,
@@ -27,7 +27,7 @@ class FakeBank:
 
 
 def test_workload_mixes_long_and_short_prompts_at_poisson_arrivals():
-    args = build_parser().parse_args(["--requests", "10", "--long-fraction", "0.3", "--long-prompt-len", "64",
+    args = SCENARIO.parser().parse_args(["--requests", "10", "--long-fraction", "0.3", "--long-prompt-len", "64",
                                       "--short-prompt-len", "8", "--output-len", "5", "--rate", "2"])
     w = build_workload(FakeBank(), args)
     assert sum(w.long) == 3 and len(w.specs) == 10

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from benchmarks.predictor import RequestRecord, build_parser, main, quantiles, request_errors, step_errors
+from benchmarks.cli import main
+from benchmarks.predictor import SCENARIO, RequestRecord, quantiles, request_errors, step_errors
 from xllm.sched.latency import StepSample, StepShape, StepTimeModel
 
 TRUE = StepTimeModel((0.004, 0.0006, 2e-7, 3e-6, 1e-4))
@@ -20,8 +21,8 @@ def test_quick_run_on_a_tiny_model(tmp_path) -> None:
     tiny = save_tiny_llama(tmp_path / "tiny", resolve_model())
     out = tmp_path / "out"
     plots = [] if _has_matplotlib() else ["--no-plots"]
-    assert main(["--quick", "--model", str(tiny), "--dtype", "float32", "--threads", "1", "--max-num-seqs", "8",
-                 "--max-num-batched-tokens", "64", "--out", str(out), *plots]) == 0
+    assert main(["predictor", "--quick", "--model", str(tiny), "--dtype", "float32", "--threads", "1",
+                 "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--out", str(out), *plots]) == 0
     results = json.loads((out / "results.json").read_text())
     assert len(results["requests"]) == 2 * 4  # two concurrency levels of four requests, all finished
     assert sum(lv["steps"] for lv in results["levels"]) == len(results["steps"]) > 0
@@ -68,7 +69,7 @@ def test_request_errors_and_quantiles() -> None:
 
 
 def test_command_line_ranges() -> None:
-    args = build_parser().parse_args(["--prompt-len", "4..9", "--concurrency", "2,8"])
+    args = SCENARIO.parser().parse_args(["--prompt-len", "4..9", "--concurrency", "2,8"])
     assert args.prompt_len == (4, 9) and args.concurrency == [2, 8]
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--output-len", "9..4"])
+        SCENARIO.parser().parse_args(["--output-len", "9..4"])

@@ -1,4 +1,4 @@
-"""``python -m benchmarks quant`` / ``benchmarks.perplexity``: the bytes a decode token streams per format
+"""``python -m benchmarks quant`` / ``benchmarks.quality``: the bytes a decode token streams per format
 (against the packed sizes), the agreement and perplexity arithmetic, the summary table, the held-out text,
 resident memory, and flag validation. The full run starts servers and takes minutes: not run here."""
 
@@ -9,11 +9,12 @@ import os
 
 import torch
 
-from benchmarks import perplexity, quant
+from benchmarks import quality, quant
+from benchmarks.cli import main
 
 
 def test_held_out_text_is_shipped_and_not_a_benchmark_prompt():
-    text = perplexity.TEXT.read_text()
+    text = quality.TEXT.read_text()
     assert 4000 < len(text) < 10000 and "MERCUTIO" in text
     from benchmarks.prompts import corpus_text
 
@@ -22,7 +23,7 @@ def test_held_out_text_is_shipped_and_not_a_benchmark_prompt():
 
 def test_summarize_perplexity_and_agreement():
     raw = {"logprobs": [math.log(0.5), math.log(0.25)], "greedy": [[1, 2, 3, 4], [5, 6, 7, 8]]}
-    out = perplexity.summarize(raw, [[1, 2, 3, 4], [5, 9, 7, 8]])
+    out = quality.summarize(raw, [[1, 2, 3, 4], [5, 9, 7, 8]])
     assert math.isclose(out["perplexity"], math.sqrt(8))  # exp of the mean NLL (ln 2 + ln 4) / 2
     assert out["greedy_identical"] == 0.5
     assert math.isclose(out["greedy_prefix_agreement"], (1 + 0.25) / 2)
@@ -70,9 +71,9 @@ def test_markdown_and_rss():
 
 
 def test_unknown_formats_exit_2(capsys):
-    assert quant.main(["--formats", "q3_k"]) == 2
+    assert main(["quant", "--formats", "q3_k"]) == 2
     assert "unknown formats" in capsys.readouterr().err
-    assert perplexity.main(["--variants", "fp8"]) == 2
+    assert main(["perplexity", "--variants", "fp8"]) == 2
 
 
 def test_hugepages_report_and_flags(tmp_path):
@@ -86,4 +87,4 @@ def test_hugepages_report_and_flags(tmp_path):
     text = hugepages.markdown(results)
     assert "| q8_0 | 1 | 6.75 (6.10) | 7.73 (7.20) | 1.15x |" in text
     assert (tmp_path / hugepages.plot(results, tmp_path)).is_file()
-    assert hugepages.main(["--formats", "q9_9", "--out", str(tmp_path)]) == 2
+    assert main(["hugepages", "--formats", "q9_9", "--out", str(tmp_path)]) == 2

@@ -28,7 +28,7 @@ def test_report_ratios_against_vllm(tmp_path):
     row = {"requests": 3, "p50_s": 0.1, "p99_s": 0.2, "req_per_s": 10.0}
     results = {"load": [0.1, 0.2], "runs": {"smollm2": {
         "xllm": {"16": row}, "vllm": {"16": {**row, "req_per_s": 0.5}}, "hf": {"error": "boom"}}}}
-    recsys.write_report(tmp_path, results, plots=False)
+    recsys.SCENARIO.report(results, tmp_path, plots=False)
     text = (tmp_path / "summary.md").read_text()
     assert "| smollm2 | 16 | xllm | 0.100 | 0.200 | 10.00 | 20.0x |" in text
     assert "hf failed" in text

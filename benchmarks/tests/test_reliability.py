@@ -9,18 +9,8 @@ from dataclasses import asdict
 import pytest
 
 from benchmarks.clusters import kv_blocks
-from benchmarks.reliability import (
-    SCENARIOS,
-    Row,
-    Stream,
-    char_diff,
-    compare,
-    markdown,
-    openai_error_problem,
-    scenario_list,
-    status_counts,
-    table,
-)
+from benchmarks.reliability import SCENARIOS, markdown, scenario_list, table
+from benchmarks.streamcheck import Row, Stream, char_diff, compare, openai_error_problem, status_counts
 
 
 @pytest.mark.parametrize(("got", "ref", "want"), [

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
+from benchmarks.metrics import router_reasons
 from benchmarks.routing import (
+    SCENARIO,
     Result,
-    build_parser,
     build_workload,
     default_kv_memory_gib,
     engine_hit_rate,
     markdown,
-    router_reasons,
     summarize,
 )
 
@@ -65,7 +65,7 @@ def test_table_and_defaults(tmp_path):
                                                       "hidden_size": 576, "num_attention_heads": 9}))
     gib = default_kv_memory_gib(tmp_path, "bfloat16", prefixes=6, prefix_len=640)
     assert gib == pytest.approx((0.7 * 6 * 640 + 256) * 30 * 2 * 3 * 64 * 2 / 2**30, abs=1e-4)
-    args = build_parser().parse_args([])
+    args = SCENARIO.parser().parse_args([])
     assert args.policies.split(",") == ["round_robin", "least_load", "kv_aware"] and args.instances == 2
     s = summarize([Result(0, 0, 10, cached_tokens=5, ttft=0.1, e2e=0.2, instance="a")], 1.0)
     meta = {"instances": 2, "prefixes": 6, "users": 10, "model": "m", "dtype": "bfloat16", "prefix_len": 640,

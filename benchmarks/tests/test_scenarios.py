@@ -2,8 +2,8 @@ import pathlib
 
 import pytest
 
-from benchmarks.cli import build_parser
 from benchmarks.scenarios import ALL, Settings, plan, sweep_point_requests
+from benchmarks.suite import SCENARIO
 
 
 def test_plan_groups_each_server_once_per_dtype():
@@ -20,12 +20,12 @@ def test_plan_groups_each_server_once_per_dtype():
 
 
 def test_cli_parses_scenarios_and_rejects_unknown_systems():
-    args = build_parser().parse_args(["batch1", "sweep", "--systems", "xllm,vllm", "--concurrency", "4,8"])
+    args = SCENARIO.parser().parse_args(["batch1", "sweep", "--systems", "xllm,vllm", "--concurrency", "4,8"])
     assert args.scenarios == ["batch1", "sweep"] and args.systems == ["xllm", "vllm"] and args.concurrency == [4, 8]
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["batch1", "--systems", "tgi"])
+        SCENARIO.parser().parse_args(["batch1", "--systems", "tgi"])
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["nothing"])
+        SCENARIO.parser().parse_args(["nothing"])
 
 
 def test_sweep_point_requests_scale_with_rate():

@@ -11,8 +11,9 @@ import statistics
 import pytest
 
 from benchmarks import sharegpt_synth as sg
+from benchmarks import vllm_client
 from benchmarks.prompts import Prompt
-from benchmarks.serve_client import WORKLOADS, Workload, build_parser, client_command, expected_output_lens, scaled
+from benchmarks.serve_client import SCENARIO
 from benchmarks.serve_client_report import (
     METRICS,
     cdf,
@@ -23,6 +24,7 @@ from benchmarks.serve_client_report import (
     plot,
     workload_table,
 )
+from benchmarks.vllm_client import WORKLOADS, Workload, client_command, expected_output_lens, scaled
 
 
 class WordSource:
@@ -182,7 +184,7 @@ def test_num_prompts_sets_or_scales():
     assert scaled(w, None) is w
     assert scaled(w, "8").num_prompts == 8 and scaled(w, "x0.5").num_prompts == 64
     assert scaled(w, "x0.001").num_prompts == 1
-    p = build_parser()
+    p = SCENARIO.parser()
     with pytest.raises(SystemExit):
         p.parse_args(["--num-prompts", "0"])
     with pytest.raises(SystemExit):
@@ -191,7 +193,7 @@ def test_num_prompts_sets_or_scales():
 
 
 def test_every_flag_has_help():
-    for action in build_parser()._actions:
+    for action in SCENARIO.parser()._actions:
         assert action.help, action.dest
 
 
@@ -243,7 +245,6 @@ def test_plots_are_written(tmp_path):
 
 
 def test_run_workloads_records_each_result_and_goes_on_after_a_failure(tmp_path, monkeypatch):
-    from benchmarks import serve_client
 
     calls: list[tuple[list[str], str, str]] = []
 
@@ -253,10 +254,10 @@ def test_run_workloads_records_each_result_and_goes_on_after_a_failure(tmp_path,
             raise RuntimeError("client exited 1")
         return {"completed": 1, "name": result.name}
 
-    monkeypatch.setattr(serve_client, "run_client", fake_run_client)
+    monkeypatch.setattr(vllm_client, "run_client", fake_run_client)
     workloads = [WORKLOADS["random-128-64-c16"], WORKLOADS["random-512-128-c16"]]
     recorded, failed = [], []
-    serve_client.run_workloads(
+    vllm_client.run_workloads(
         "b512", "python3", "http://127.0.0.1:1", tmp_path / "model", workloads, 0, tmp_path, {},
         lambda w, cmd, raw, raw_file, elapsed: recorded.append((w.name, raw["name"], raw_file)),
         lambda w, message: failed.append((w.name, message)), extra=("--goodput", "ttft:1000"))
@@ -289,7 +290,7 @@ def test_run_turns_keeps_every_pass_and_the_first_as_the_runs(tmp_path, monkeypa
     def fake_run_client(cmd, log, result):
         return raw_result(next(speeds), 1000.0)
 
-    monkeypatch.setattr(serve_client, "run_client", fake_run_client)
+    monkeypatch.setattr(vllm_client, "run_client", fake_run_client)
     monkeypatch.setattr(vllm, "venv", lambda: SimpleNamespace(python="python3"))
     servers = {s: SimpleNamespace(base_url=f"http://127.0.0.1:{port}") for s, port in (("xllm", 1), ("vllm", 2))}
     args = SimpleNamespace(systems=["xllm", "vllm"], passes=2, seed=0)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from benchmarks import sim, sim_validate
+from benchmarks.cli import main
 from xllm.sim.profile import write_provisional
 
 
@@ -22,7 +23,7 @@ def test_sim_ablation_code_path(tmp_path):
         plots = []
     except ImportError:
         pass
-    assert sim.main(["--instances", "4", "--requests", "150", "--search-requests", "80", "--probes", "1",
+    assert main(["sim", "--instances", "4", "--requests", "150", "--search-requests", "80", "--probes", "1",
                      "--prefix-groups", "3", "--phase-s", "10,10", "--jobs", "2", "--profile", str(profile),
                      "--out", str(tmp_path), *plots]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
@@ -81,7 +82,7 @@ def test_max_rate_search_brackets_then_bisects():
 
 
 def test_sim_validate_simulated_half(tmp_path):
-    assert sim_validate.main(["--sim-only", "--requests", "12", "--rate", "0.2", "--out", str(tmp_path)]) == 0
+    assert main(["sim-validate", "--sim-only", "--requests", "12", "--rate", "0.2", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["sim"]["completed"] == 12 and r["live"] is None
     assert (tmp_path / "trace.csv").read_text().count("\n") == 13
@@ -103,7 +104,7 @@ def test_correction_factors_and_the_corrected_simulation(tmp_path):
             'xllm:step_time_correction_factor{instance="engine-1",model_name="m"} 2.5\n'
             'xllm:other{instance="engine-0"} 9\n')
     assert sim_validate.per_instance(text, "xllm:step_time_correction_factor") == {"engine-0": 1.5, "engine-1": 2.5}
-    args = sim_validate.build_parser().parse_args(["--requests", "12", "--rate", "0.2"])
+    args = sim_validate.SCENARIO.parser().parse_args(["--requests", "12", "--rate", "0.2"])
     specs = sim_validate.trace(args)
     base, slow = sim_validate.simulated(args, specs), sim_validate.simulated(args, specs, 2.0)
     assert slow["tpot_ms"]["p50"] == pytest.approx(2 * base["tpot_ms"]["p50"], rel=0.35)
@@ -125,7 +126,7 @@ def test_prediction_errors_become_step_noise_and_the_report_shows_the_noisy_simu
     rng = random.Random(0)
     draws = [math.exp(rng.gauss(-sigma * sigma / 2, sigma)) for _ in range(20000)]
     assert sum(abs(x - 1) for x in draws) / len(draws) == pytest.approx(0.1, rel=0.05)  # the oracle: sampling
-    args = sim_validate.build_parser().parse_args(["--requests", "12", "--rate", "0.2"])
+    args = sim_validate.SCENARIO.parser().parse_args(["--requests", "12", "--rate", "0.2"])
     specs = sim_validate.trace(args)
     live = sim_validate.simulated(args, specs)
     results = {"meta": {**vars(args), "profile": "p", "provisional": False, "correction_factor": 1.0,

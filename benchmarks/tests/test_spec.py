@@ -10,6 +10,7 @@ import json
 import pytest
 
 from benchmarks import spec
+from benchmarks.cli import main
 from benchmarks.metrics import parse
 
 
@@ -65,7 +66,7 @@ def test_speedups_and_summary():
 
 @pytest.mark.real_model
 def test_quick_run(tmp_path):
-    rc = spec.main(["--quick", "--out", str(tmp_path), "--no-plots"])
+    rc = main(["spec", "--quick", "--out", str(tmp_path), "--no-plots"])
     results = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0, results["errors"]
     runs = results["runs"]["xllm"]

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from benchmarks import structured
+from benchmarks.cli import main
 
 
 def test_overhead_and_summary():
@@ -27,7 +28,7 @@ def test_overhead_and_summary():
 
 @pytest.mark.real_model
 def test_tiny_run(tmp_path):
-    rc = structured.main(["--systems", "xllm", "--batches", "1", "--rounds", "1", "--output-len", "48",
+    rc = main(["structured", "--systems", "xllm", "--batches", "1", "--rounds", "1", "--output-len", "48",
                           "--records", "1", "--min-requests", "1", "--repeats", "1", "--dtype", "float32",
                           "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())

@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from xllm.engine.client import GrpcEngineClient
-from xllm.engine.registration.embedded import GrpcRegistryPublisher, RegistrationRefusedError
-from xllm.engine.registration.etcd_client import EtcdClient, EtcdError
-from xllm.engine.security import TOKEN_ENV, ClusterSecurity
+from xllm.engine_api.client import GrpcEngineClient
+from xllm.engine_api.registration.embedded import GrpcRegistryPublisher, RegistrationRefusedError
+from xllm.engine_api.registration.etcd_client import EtcdClient, EtcdError
+from xllm.engine_api.security import TOKEN_ENV, ClusterSecurity
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.testing.processes import child_processes, ensure_etcd, free_port, spawn, stop_process_group, wait_for
 from xllm.testing.tls import have_openssl, self_signed

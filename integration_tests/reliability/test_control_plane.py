@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from xllm.engine.registration.etcd_client import EtcdClient, EtcdWatchTimeout
+from xllm.engine_api.registration.etcd_client import EtcdClient, EtcdWatchTimeout
 from xllm.testing.metrics import metric_value, parse_metrics
 from xllm.testing.processes import EtcdServer, ensure_etcd, wait_for
 from xllm.testing.sse import CompletionStream, assert_same_streams, stream_completion

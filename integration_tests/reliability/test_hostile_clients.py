@@ -50,7 +50,7 @@ class Served:
 def served(tiny_model_dir) -> Iterator[Served]:
     import uvicorn
 
-    from xllm.engine import flags
+    from xllm.engine.config import engine_config
     from xllm.gateway.api_flags import access_policy, api_limits
     from xllm.gateway.cli import build_parser
     from xllm.gateway.embedded import ServeOptions, build_embedded
@@ -60,7 +60,7 @@ def served(tiny_model_dir) -> Iterator[Served]:
         "--dtype", "float32", "--kv-cache-memory", "0.05", "--threads", "1", "--max-num-seqs", "8",
         "--max-model-len", "512", "--api-key", USER_KEY, "--priority-api-key", PRIO_KEY,
         "--max-body-mib", str(BODY_LIMIT / 2**20), "--max-prompt-chars", str(PROMPT_CHARS)])
-    app = build_embedded(ServeOptions(args.model, args.served_model_name, flags.engine_config(args), progress=False,
+    app = build_embedded(ServeOptions(args.model, args.served_model_name, engine_config(args), progress=False,
                                       limits=api_limits(args), access=access_policy(args, environ={})))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

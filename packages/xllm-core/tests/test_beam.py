@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from xllm.core.errors import InvalidRequestError
 from xllm.core.sequence import SeqStatus
+from xllm.engine_api.errors import InvalidRequestError
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.recsys.beam_topk import topk_candidates
 from xllm.testing.engine import generate, make_request, run_to_completion

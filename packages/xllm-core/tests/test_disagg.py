@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from xllm.core import InvalidRequestError
+from xllm.engine_api.errors import InvalidRequestError
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.engine import Collected, generate, make_engine, make_request
 from xllm.testing.tiny import tiny_tokenizer
@@ -46,7 +46,8 @@ class Recorder:
 
 def pd_pair(new_engine, model, **config):
     prefill, decode = new_engine(model, **config), new_engine(model, **config)
-    prefill.disagg, decode.disagg = Recorder(), Recorder()
+    prefill.attach_disagg(Recorder())
+    decode.attach_disagg(Recorder())
     return prefill, decode
 
 
@@ -219,11 +220,11 @@ def test_engines_without_a_listener_refuse_disaggregated_requests(new_engine, ti
     with pytest.raises(InvalidRequestError) as err:
         engine.add_request(pd_request("r", [1, 2], DECODE))
     assert err.value.param == "disagg_phase"
-    engine.disagg = Recorder()
+    engine.attach_disagg(Recorder())
     with pytest.raises(InvalidRequestError) as err:
         engine.add_request(pd_request("p", [1, 2], PREFILL))
     assert err.value.param == "kv_target"
     contiguous = new_engine(tiny_model, kv_cache_backend="contiguous")
-    contiguous.disagg = Recorder()
+    contiguous.attach_disagg(Recorder())
     with pytest.raises(InvalidRequestError, match="cannot hand KV off"):
         contiguous.add_request(pd_request("r", [1, 2], DECODE))

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xllm.core import ConfigError, EngineConfig, InvalidRequestError, parse_dtype
-from xllm.core.kv import KV_BACKENDS, KVCacheLayout
+from xllm.core import EngineConfig, parse_dtype
+from xllm.core.kv import KVCacheLayout
 from xllm.core.kv.contiguous import ContiguousKVCache
 from xllm.core.model_api import KVCacheSpec
 from xllm.core.sampling_params import SamplingParams
 from xllm.core.sequence import Sequence
+from xllm.engine_api.errors import ConfigError, InvalidRequestError
+from xllm.engine_api.names import KV_BACKENDS
 from xllm.proto.engine.v1 import engine_pb2
 
 SPEC = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, v_head_dim=4)
@@ -132,3 +134,50 @@ def test_sequence_token_slice():
     assert s.token_slice(0, 5) == [1, 2, 3, 4, 5]
     assert s.token_slice(1, 2) == [2] and s.token_slice(3, 5) == [4, 5] and s.token_slice(2, 4) == [3, 4]
     assert s.num_tokens == 5 and s.last_token == 5
+
+
+def test_backends_implement_the_three_kv_contracts_and_each_user_holds_its_own():
+    """Every backend is the allocator, tensor and transfer contract (each member its own, not the
+    protocol's stub); the scheduler holds the KV as its allocator, the model runner as its tensors."""
+    import inspect
+
+    from xllm.core.kv import KVAllocator, KVTensors, KVTransfer
+    from xllm.core.model_runner import ModelRunner
+    from xllm.core.scheduler import Scheduler
+
+    for name in KV_BACKENDS:
+        cls = KV_BACKENDS.get(name)
+        for contract in (KVAllocator, KVTensors, KVTransfer):
+            assert contract in cls.__mro__  # declared, not only shaped alike
+            members = [m for m, v in vars(contract).items()
+                       if not m.startswith("_") and (callable(v) or isinstance(v, property))]
+            assert members
+            for m in members:
+                assert getattr(cls, m) is not getattr(contract, m), f"{name} lacks {contract.__name__}.{m}"
+    assert inspect.signature(Scheduler.__init__).parameters["kv"].annotation == "KVAllocator"
+    assert inspect.signature(ModelRunner.__init__).parameters["kv"].annotation == "KVTensors"
+
+
+def test_kv_modules_import_nothing_of_the_engine_above_them():
+    """The KV package imports, of xllm.core, only itself, the model contract and the sequence (no
+    runner, scheduler or engine: what addressing reads of a packed step is its own PackedStep)."""
+    import ast
+    import pathlib
+
+    import xllm.core.kv as kv_package
+
+    for path in pathlib.Path(kv_package.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("xllm.core."):
+                assert node.module.startswith("xllm.core.kv") or node.module in (
+                    "xllm.core.model_api", "xllm.core.sequence"), f"{path.name} imports {node.module}"
+
+
+def test_a_backend_that_cannot_run_names_its_substitute(caplog):
+    """build_kv_cache names no backend: xTensor, without virtual memory control on the device, asks
+    for the paged backend, which sizes itself (16-token blocks)."""
+    from xllm.core.kv.base import build_kv_cache
+
+    kv = build_kv_cache("xtensor", SPEC, torch.float32, torch.device("meta"), 2, 64, 0.001)
+    assert type(kv).__name__ == "PagedKVCache" and kv.layout.block_size == 16 and kv.layout.row_align == 1
+    assert "using the paged backend" in caplog.text

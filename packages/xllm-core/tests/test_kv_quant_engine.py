@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from xllm.core.config import EngineConfig
-from xllm.core.errors import ConfigError
-from xllm.core.kv.base import build_kv_cache, quantized_block_layout
+from xllm.core.kv.base import build_kv_cache
+from xllm.core.kv.xtensor import quantized_block_layout
 from xllm.core.model_api import KVCacheSpec
+from xllm.engine_api.errors import ConfigError
 from xllm.kernels.kv_quant import row_bytes
 from xllm.testing.engine import Collected, generate, make_engine, make_request
 from xllm.testing.reference import FakeQuantKVContext, recompute_greedy
@@ -200,7 +201,8 @@ def test_pd_handoff_moves_quantized_pages(model, prompts, expected, kind):
     from xllm.proto.engine.v1 import engine_pb2
 
     prefill, decode = (engine(model, "xtensor", kind, max_num_batched_tokens=24) for _ in range(2))
-    prefill.disagg, decode.disagg = _Listener(), _Listener()
+    prefill.attach_disagg(_Listener())
+    decode.attach_disagg(_Listener())
     try:
         req = make_request("r", prompts[2], max_tokens=NEW, ignore_eos=True)
         req.disagg_phase = engine_pb2.DISAGG_PHASE_DECODE

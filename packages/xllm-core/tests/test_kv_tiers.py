@@ -123,14 +123,14 @@ def test_an_instance_publishes_its_lower_tier_blocks_and_load_speed_for_tier_awa
 
     first = tiers_engine(model, tmp_path, disk=False)
     evict_a(first, prompts, expected)
-    written = {h for tier, stored, h in first.drain_tier_events() if tier == "host" and stored}
+    written = {h for tier, stored, h in first.kv.drain_tier_events() if tier == "host" and stored}
     first.close()
     hashes = _hashes(first, prompts["A"])
     assert set(hashes) <= written  # every full block of A went down to the host tier
     again = tiers_engine(model, tmp_path, disk=False)  # a new process: the tier's listing comes first
     try:
         log = KVEventLog("w", again.layout.block_size)  # as the engine server records them
-        log.record_tiers(again.drain_tier_events())
+        log.record_tiers(again.kv.drain_tier_events())
         index = GlobalKVIndex()
         index.apply("w", log.snapshot())
         assert index.match_tiers(hashes)["w"].lower == (("host", len(hashes)),)

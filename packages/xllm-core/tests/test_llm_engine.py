@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from xllm.core import EngineOverloadedError, InvalidRequestError, StepStats
+from xllm.engine_api.errors import EngineOverloadedError, InvalidRequestError
+from xllm.engine_api.stats import StepStats
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.engine import Collected, generate, make_engine, make_request, run_to_completion
 from xllm.testing.reference import recompute_greedy

@@ -105,7 +105,8 @@ def run_moved(model, params: dict, prompt: list[int], *, moved_after: int, decod
     engine = functools.partial(make_engine, model, kv_backend=backend, async_scheduling=overlapped,
                                kv_cache_memory_gib=0.01)  # a few hundred blocks: the paged backend allocates them
     src, dst = engine(), engine()
-    src.disagg, dst.disagg = Listener(), Listener()
+    src.attach_disagg(Listener())
+    dst.attach_disagg(Listener())
     req = make_request("r", prompt, **params)
     if warm_destination:  # the destination has served the same prompt: its prefix cache holds part of it
         generate(dst, [make_request("warm", prompt, max_tokens=1)])
@@ -190,7 +191,7 @@ def test_the_paged_backend_migrates_too(tiny_model):
 
 def test_only_a_running_request_can_be_paused(tiny_model):
     src = make_engine(tiny_model)
-    src.disagg = Listener()
+    src.attach_disagg(Listener())
     assert not src.pause_for_move("unknown") and src.move_snapshot("unknown") is None
     src.add_request(make_request("r", [3, 4, 5], max_tokens=2, ignore_eos=True))
     assert src.move_snapshot("r") is None  # queued: nothing computed

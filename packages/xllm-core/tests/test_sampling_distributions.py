@@ -29,10 +29,10 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from xllm.core import InvalidRequestError
 from xllm.core.sampler import Sampler
 from xllm.core.sampling_params import SamplingParams
 from xllm.core.sequence import Sequence
+from xllm.engine_api.errors import InvalidRequestError
 from xllm.kernels.sampling import draw_generator
 from xllm.testing.engine import generate, make_request, run_to_completion
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from xllm.core import ConfigError
-from xllm.core.step_timing import StepTiming, load_step_model, predictor_from_report
-from xllm.sched.latency import PerfProfile, StepSample, StepShape, StepTimeModel, step_shape
+from xllm.core.step_timing import StepTiming, load_step_model
+from xllm.engine_api.errors import ConfigError
+from xllm.sched.latency import PerfProfile, StepSample, StepShape, StepTimeModel, predictor_from_report, step_shape
 from xllm.testing.engine import make_request
 
 TRUE = StepTimeModel((0.004, 0.0006, 2e-7, 3e-6, 1e-4))

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from xllm.core.kv import KVCacheLayout, PrefixStats
-from xllm.core.kv.base import page_aligned_block_size
 from xllm.core.kv.page_pool import PagePool, PageStatus
 from xllm.core.kv.paged import PagedKVCache
-from xllm.core.kv.xtensor import XTensorKVCache
+from xllm.core.kv.xtensor import XTensorKVCache, page_aligned_block_size
 from xllm.core.model_api import KVCacheSpec
 from xllm.core.sampling_params import SamplingParams
 from xllm.core.sequence import Sequence

@@ -7,10 +7,11 @@ import asyncio
 
 import pytest
 
-from xllm.core import AsyncEngine, EngineOverloadedError, InvalidRequestError
-from xllm.engine.client import GrpcEngineClient
+from xllm.core import AsyncEngine
 from xllm.engine.server import EngineServer
-from xllm.engine.wire import InstanceUnavailableError
+from xllm.engine_api.client import GrpcEngineClient
+from xllm.engine_api.errors import EngineOverloadedError, InvalidRequestError
+from xllm.engine_api.wire import InstanceUnavailableError
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.testing.engine import make_engine, make_request

@@ -68,7 +68,7 @@ def test_profile_writes_the_grid_and_a_fit(profiled) -> None:
 
 def test_engine_uses_the_profile(profiled, caplog) -> None:
     from xllm.core.step_timing import load_step_model
-    from xllm.engine.flags import engine_config
+    from xllm.engine.config import engine_config
     from xllm.engine.loader import load_engine
     from xllm.gateway.cli import build_parser
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from xllm.core.config import EngineConfig
-from xllm.core.errors import ConfigError
-from xllm.engine.flags import add_engine_flags, engine_config
+from xllm.engine.config import engine_config
 from xllm.engine.loader import stored_gguf, weights_suffix
+from xllm.engine_api.errors import ConfigError
+from xllm.engine_api.flags import add_engine_flags
 from xllm.models.source import bundled_gguf
 
 

@@ -8,10 +8,10 @@ import threading
 import grpc
 import pytest
 
-from xllm.core import AsyncEngine, EngineDeadError, EngineOverloadedError, InvalidRequestError
-from xllm.core.errors import EngineCrashedError
+from xllm.core import AsyncEngine
 from xllm.engine.server import EngineServer
-from xllm.engine.wire import (
+from xllm.engine_api.errors import EngineCrashedError, EngineDeadError, EngineOverloadedError, InvalidRequestError
+from xllm.engine_api.wire import (
     ACCEPTED_KEY,
     DRAINING_KEY,
     ERROR_PARAM_KEY,
@@ -146,9 +146,9 @@ def test_health_load_abort_and_cancel():
         call2 = stub.Generate(make_request("cancelled", prompt, max_tokens=100, ignore_eos=True))
         await call2.read()
         call2.cancel()
-        await until(lambda: not server.engine.engine.has_work() and not server.num_inflight, 10,
+        await until(lambda: not server.engine._engine.has_work() and not server.num_inflight, 10,
                     "the cancelled call's request aborted")
-        return health, first, load, aborted, rest, unknown, server.engine.engine.has_work()
+        return health, first, load, aborted, rest, unknown, server.engine._engine.has_work()
 
     health, first, load, aborted, rest, unknown, busy = _serve(test)
     assert health.healthy and health.status == "ok"

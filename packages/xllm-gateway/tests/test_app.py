@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from xllm.core import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from xllm.engine_api.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.testing.fakes import FAKE_MAX_LEN, FAKE_MODEL
 from xllm.testing.sse import sse_events

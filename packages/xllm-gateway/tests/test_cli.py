@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from xllm.core.errors import ConfigError
-from xllm.engine.flags import engine_args, engine_config
+from xllm.engine.config import engine_config
+from xllm.engine_api.errors import ConfigError
+from xllm.engine_api.flags import engine_args
 from xllm.gateway.cli import build_parser, main
 from xllm.sched import DEFAULT_OFFLINE_SLO_FRACTION
 
@@ -281,15 +282,18 @@ def test_engine_ablation_flags_reach_the_config_and_spawned_engines():
 
 def test_a_cluster_gateway_imports_no_torch():
     """Everything ``xllm serve --etcd`` / ``--instances`` runs in the gateway process: the CLI with all
-    its flags, the cluster composition, the app, routing, the registries and the gRPC engine client."""
+    its flags, the cluster composition, the app, routing, the registries and the gRPC engine client.
+    Nor the engine runtime (``xllm.core``) or the engine service's server half (``xllm.engine``)."""
     code = ("import sys\n"
             "from xllm.gateway.cli import build_parser\n"
-            "import xllm.gateway.cluster, xllm.gateway.app, xllm.gateway.dispatch, xllm.engine.client\n"
+            "import xllm.gateway.cluster, xllm.gateway.app, xllm.gateway.dispatch, xllm.engine_api.client\n"
             "args = build_parser().parse_args(['serve', '--etcd', 'h:1', '--instances', '2'])\n"
-            "from xllm.engine.flags import engine_args\n"
+            "from xllm.engine_api.flags import engine_args\n"
             "engine_args(args, 2)\n"
             "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
-            "assert not loaded, loaded[:5]\n")
+            "assert not loaded, loaded[:5]\n"
+            "engine = sorted(m for m in sys.modules if m.split('.')[:2] in (['xllm', 'core'], ['xllm', 'engine']))\n"
+            "assert not engine, engine\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 

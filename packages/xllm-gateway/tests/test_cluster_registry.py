@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from xllm.engine.wire import InstanceUnavailableError
+from xllm.engine_api.wire import InstanceUnavailableError
 from xllm.gateway.registry import EmbeddedRegistry, NoInstanceError
 from xllm.gateway.router import Router
 from xllm.kvstore import KVEventLog, block_hashes
@@ -310,7 +310,7 @@ def test_a_request_running_through_two_crashes_is_failed_not_replayed():
     """Instances that vanish mid-stream make the request a suspect each time: after the second it
     is failed (an internal error, counted) instead of going to the third instance; a request that
     was a bystander of a crash (the engine said so) is resumed like any other."""
-    from xllm.engine.wire import RequestFailedError
+    from xllm.engine_api.wire import RequestFailedError
 
     async def run():
         crashing = [FlakyClient(i, break_after=1, crash=True) for i in "abc"]
@@ -359,3 +359,18 @@ def test_every_sampled_request_gets_a_seed_so_a_resume_draws_the_same_tokens():
         assert got["s"].HasField("seed") and not got["g"].HasField("seed") and got["k"].seed == 5
 
     asyncio.run(run())
+
+
+def test_request_progress_names_each_continuation_once_and_times_the_pause():
+    """What a stream keeps of its request: chunks shown under the request's id, the pause a move
+    makes (its last chunk on the old instance to its first on the new), each ``<id>#<n>`` once."""
+    from xllm.gateway.progress import RequestProgress
+
+    p = RequestProgress(_gen())
+    first = engine_pb2.GenerateResponse(request_id="r#1", token_ids=[7], text="<7>")
+    assert p.sent(first, 1.0) is None and first.request_id == "r"
+    p.left("migrated")
+    assert p.sent(engine_pb2.GenerateResponse(token_ids=[8], text="x"), 1.5) == ("migrated", 0.5)
+    a, b = p.next_continuation(), p.next_continuation()
+    assert (a.request_id, b.request_id) == ("r#1", "r#2") and list(b.prompt_token_ids) == [1, 2, 3, 7, 8]
+    assert b.resumed_output_tokens == 2 and b.resumed_sent_chars == 4 and p.num_tokens == 5

@@ -16,9 +16,9 @@ import secrets
 import grpc
 import pytest
 
-from xllm.engine.client import GrpcEngineClient
-from xllm.engine.registration.agent import InstanceAgent
-from xllm.engine.registration.embedded import (
+from xllm.engine_api.client import GrpcEngineClient
+from xllm.engine_api.registration.agent import InstanceAgent
+from xllm.engine_api.registration.embedded import (
     MAX_TTL,
     MIN_TTL,
     GrpcRegistryPublisher,
@@ -26,8 +26,8 @@ from xllm.engine.registration.embedded import (
     RegistrationRefusedError,
     serve_registry,
 )
-from xllm.engine.security import ClusterSecurity
-from xllm.engine.wire import ClusterAuthError
+from xllm.engine_api.security import ClusterSecurity
+from xllm.engine_api.wire import ClusterAuthError
 from xllm.gateway.cluster import ClusterOptions, build_cluster
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.openai.errors import APIError

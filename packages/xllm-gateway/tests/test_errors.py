@@ -8,7 +8,7 @@ import logging
 import pytest
 from pydantic import ValidationError
 
-from xllm.core import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from xllm.engine_api.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from xllm.gateway.openai.errors import (
     APIError,
     bad_request,

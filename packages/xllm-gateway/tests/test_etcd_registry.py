@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from xllm.engine.registration.etcd_client import (
+from xllm.engine_api.registration.etcd_client import (
     EtcdError,
     EtcdUnavailable,
     EtcdWatchTimeout,

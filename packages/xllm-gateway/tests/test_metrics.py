@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from xllm.core.stats import FinishedRequest, StepStats
+from xllm.engine_api.stats import FinishedRequest, StepStats
 from xllm.gateway.metrics import EngineMetrics
 from xllm.proto.registry.v1 import instance_pb2
 
@@ -101,7 +101,7 @@ def test_set_load_refreshes_the_gauges():
 def test_offline_series_from_steps_and_from_heartbeats():
     """Co-location's series (xllm.sched.colocation): offline requests and tokens, preemptions by reason,
     the longest offline wait; the same from an in-process engine's steps and a remote one's counters."""
-    from xllm.core.stats import OfflineStepStats
+    from xllm.engine_api.stats import OfflineStepStats
 
     m = EngineMetrics()
     step = decode_step(finished=True)

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from xllm.engine.wire import InstanceUnavailableError
+from xllm.engine_api.wire import InstanceUnavailableError
 from xllm.gateway.disagg import PDStream
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.metrics import MoveMetrics, PDMetrics

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from xllm.core import InvalidRequestError
+from xllm.engine_api.errors import InvalidRequestError
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.openai.errors import APIError
 from xllm.gateway.openai.serving import Choice, collect, merge_streams, sse, usage_dict

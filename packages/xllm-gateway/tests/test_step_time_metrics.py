@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from xllm.core.stats import StepStats
+from xllm.engine_api.stats import StepStats
 from xllm.gateway.metrics import EngineMetrics
 from xllm.proto.registry.v1 import instance_pb2
 

@@ -253,8 +253,8 @@ def test_constraints_and_prompt_logprobs_cross_the_engine_service(smollm2_dir, s
     import asyncio
 
     from xllm.core import LLMEngine
-    from xllm.core.errors import InvalidRequestError
     from xllm.engine.loader import load_grammars
+    from xllm.engine_api.errors import InvalidRequestError
     from xllm.proto.engine.v1 import engine_pb2
     from xllm.testing.served import ServedEngine
 

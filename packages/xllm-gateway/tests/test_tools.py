@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from xllm.core.grammar_spec import check
+from xllm.engine_api.grammar_spec import check
 from xllm.gateway.openai.errors import APIError
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 from xllm.gateway.openai.structured import structured_output

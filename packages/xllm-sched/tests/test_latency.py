@@ -2,6 +2,7 @@
 profiles round-trip, online correction follows a drifted instance."""
 
 import math
+from dataclasses import dataclass
 
 import pytest
 
@@ -13,6 +14,7 @@ from xllm.sched.latency import (
     StepTimeModel,
     fit_step_model,
     lifetime_tpot,
+    predictor_from_report,
     prefill_share,
     relative_errors,
 )
@@ -106,6 +108,20 @@ def test_online_correction_follows_drift() -> None:
     assert corr.step_seconds(shape) == pytest.approx(1.5 * TRUE.step_seconds(shape), rel=1e-3)
     corr.observe(shape, math.nan)  # ignored
     assert corr.observations == 60
+
+
+@dataclass
+class _Report:  # the fields of a load report's StepTimePredictor that the gateway reads
+    coefficients: tuple[float, ...] = ()
+    correction: float = 0.0
+
+
+def test_predictor_from_report_applies_the_reported_correction() -> None:
+    assert predictor_from_report(_Report()) is None  # no model yet
+    shape = StepShape((128,) * 16, ((0, 64),))
+    corrected = predictor_from_report(_Report(TRUE.coefficients, 1.5))
+    assert corrected.step_seconds(shape) == pytest.approx(1.5 * TRUE.step_seconds(shape))
+    assert predictor_from_report(_Report(TRUE.coefficients, 0.0)) == TRUE  # no correction reported: 1
 
 
 def test_with_chunk_builds_the_shape_step_shape_reads() -> None:

@@ -3,7 +3,7 @@
 A package that re-exports torch-backed classes would import torch as soon as anything imports
 one of its torch-free submodules (Python runs the package ``__init__`` first). With
 :func:`lazy_exports` the ``__init__`` names its exports without importing them, so
-``import xllm.core.errors`` stays torch-free while ``from xllm.core import LLMEngine`` works.
+``import xllm.core.sampling_params`` stays torch-free while ``from xllm.core import LLMEngine`` works.
 """
 
 from __future__ import annotations

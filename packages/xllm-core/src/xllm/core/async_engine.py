@@ -3,6 +3,17 @@
 The HTTP event loop never runs model code: requests and aborts are queued to
 the engine thread, which applies them between steps; each step's chunks are
 handed back to the event loop in one ``call_soon_threadsafe`` per loop.
+
+:class:`AsyncEngine` is also the one handle through which the engine service (``xllm.engine``:
+its server, hand-offs and migrations) drives the core, as vLLM's ``EngineCoreClient`` utility
+methods do: typed commands queued to the engine thread like requests and run between steps
+(``install_kv``, ``release_kv``, ``move_snapshot``, ``pause_for_move``), the service's sides
+attached through typed registrations (``attach_disagg`` with a
+:class:`~xllm.core.disagg.DisaggListener`, ``add_observer`` with a
+:class:`~xllm.engine_api.stats.StatsObserver`, ``enable_kv_events``), and read-only facts (the KV
+layout and pages, the tiers below with their stats and events, the prefix cache's events, the
+prefill work queued). The KV is seen there through its
+:class:`~xllm.core.kv.contracts.KVTransfer` contract only.
 """
 
 from __future__ import annotations
@@ -16,14 +27,25 @@ import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING, TypeVar
 
 from xllm.core.compute_thread import ComputeThread
+from xllm.core.disagg import DisaggListener, MoveSnapshot
 from xllm.core.engine import LLMEngine
-from xllm.core.errors import EngineCrashedError, EngineDeadError, EngineOverloadedError
+from xllm.engine_api.errors import EngineCrashedError, EngineDeadError, EngineOverloadedError
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.registry.v1 import instance_pb2
 
+if TYPE_CHECKING:
+    from xllm.core.kv.contracts import KVTransfer
+    from xllm.core.kv.layout import KVCacheLayout
+    from xllm.core.kv.lower_tiers import LowerTiers
+    from xllm.core.kv.page_store import PageStore
+    from xllm.engine_api.stats import StatsObserver
+    from xllm.kvstore.tier import TierStats
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RequestStream:
@@ -76,12 +98,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Thread-backed engine front. ``submit`` validates synchronously."""
+    """Thread-backed engine front, and the engine service's handle on the core (see the module
+    docstring). ``submit`` validates synchronously."""
 
     def __init__(self, engine: LLMEngine, idle_wait: float = 0.05, compute: ComputeThread | None = None) -> None:
         """``compute``: the thread the engine was loaded and built on. The loop runs there (or, with
         async scheduling, on a thread of its own while the engine's forwards run there)."""
-        self.engine = engine
+        self._engine = engine
+        self._kv: KVTransfer = engine.kv
         self._compute = compute
         self._loop_future: Future | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -99,7 +123,7 @@ class AsyncEngine:
     def start(self) -> None:
         if self._thread is not None or self._loop_future is not None:
             return
-        if self._compute is not None and not self.engine.config.async_scheduling:
+        if self._compute is not None and not self._engine.config.async_scheduling:
             self._loop_future = self._compute.submit(self._run)
             return
         self._thread = threading.Thread(target=self._run, name="xllm-engine", daemon=True)
@@ -127,8 +151,8 @@ class AsyncEngine:
         """Queue ``req``; raises InvalidRequestError / EngineOverloadedError / EngineDeadError now."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "engine is not running")
-        self.engine.validate(req)
-        if len(self.engine.scheduler.waiting) + self._commands.qsize() >= self.engine.config.max_waiting_requests:
+        self._engine.validate(req)
+        if len(self._engine.scheduler.waiting) + self._commands.qsize() >= self._engine.config.max_waiting_requests:
             raise EngineOverloadedError("too many requests waiting; retry later")
         stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
         with self._closing:  # never queued after the loop's last look at its commands
@@ -141,7 +165,7 @@ class AsyncEngine:
     async def submit_async(self, req: engine_pb2.GenerateRequest) -> RequestStream:
         """:meth:`submit` from an event loop: an output constraint is compiled on a worker thread
         first (into the engine's grammar cache; milliseconds for a large schema), never on the loop."""
-        grammars = self.engine.grammars
+        grammars = self._engine.grammars
         if req.sampling.HasField("structured") and grammars is not None:
             await asyncio.to_thread(grammars.compile, req.sampling.structured)
         return self.submit(req)
@@ -150,7 +174,37 @@ class AsyncEngine:
         self._commands.put(("abort", request_id, None))
         self._wake.set()
 
-    def execute(self, fn: Callable[[LLMEngine], list[engine_pb2.GenerateResponse] | None]) -> asyncio.Future:
+    def load_report(self) -> instance_pb2.LoadReport:
+        return self._engine.load_report()
+
+    # ---- the engine service's handle: typed commands, run on the engine thread between steps ----------
+    # Each is queued at once (in call order with submit and abort) and returns a future of the caller's
+    # loop; chunks a command produces go to their streams as a step's do.
+    def install_kv(self, commit: engine_pb2.KVCommit, received: bool = True
+                   ) -> asyncio.Future[list[engine_pb2.GenerateResponse]]:
+        """Decode side of a hand-off (or a migration's destination): the reserved pages hold the KV
+        ``commit`` names (``received``), or its transfer failed and the engine computes what it lacks
+        (:meth:`LLMEngine.install_kv <xllm.core.engine_moves.EngineMoves.install_kv>`). Resolves to the
+        chunks it produced (only if the request ended right there)."""
+        return self._call(lambda e: e.install_kv(commit, received=received))
+
+    def release_kv(self, request_id: str) -> asyncio.Future[list[engine_pb2.GenerateResponse]]:
+        """A hand-off or migration of ``request_id`` is over: its KV is freed, its stream ends
+        (handed off), or an unused reservation is dropped (:meth:`LLMEngine.release_kv
+        <xllm.core.engine_moves.EngineMoves.release_kv>`). Resolves to the chunks it produced."""
+        return self._call(lambda e: e.release_kv(request_id))
+
+    def move_snapshot(self, request_id: str) -> asyncio.Future[MoveSnapshot | None]:
+        """Migration source: the KV the running request holds now (None: not running here)."""
+        return self._call(lambda e: e.move_snapshot(request_id))
+
+    def pause_for_move(self, request_id: str) -> asyncio.Future[bool]:
+        """Migration source: stop scheduling the running request and keep its KV; the hand-off
+        side hears :class:`~xllm.core.disagg.MoveReady` once no step in flight computes it. False if
+        it is not running here."""
+        return self._call(lambda e: e.pause_for_move(request_id))
+
+    def _call(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
         """Run ``fn(engine)`` on the engine thread between steps; chunks it returns (a list) are
         delivered to their streams. The returned future (of the caller's loop) resolves to ``fn``'s result."""
         future = asyncio.get_running_loop().create_future()
@@ -158,8 +212,59 @@ class AsyncEngine:
         self._wake.set()
         return future
 
-    def load_report(self) -> instance_pb2.LoadReport:
-        return self.engine.load_report()
+    # ---- the engine service's handle: attaching its sides -------------------------------------------
+    def attach_disagg(self, listener: DisaggListener) -> None:
+        """Serve prefill/decode hand-offs and migrations, reporting them to ``listener``."""
+        self._engine.attach_disagg(listener)
+
+    def add_observer(self, observer: StatsObserver) -> None:
+        """Tell ``observer`` about every step (on the engine thread; add it before :meth:`start` to
+        hear every one)."""
+        self._engine.add_observer(observer)
+
+    def enable_kv_events(self) -> None:
+        """Keep the prefix cache's events from now on, for :meth:`drain_kv_events` (whoever asks
+        must drain them regularly: they are kept until drained)."""
+        self._kv.enable_events()
+
+    # ---- the engine service's handle: facts (read-only) ---------------------------------------------
+    @property
+    def instance_id(self) -> str:
+        return self._engine.instance_id
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        """The KV memory's sizes (block size, layers, the ``fingerprint`` peers must share)."""
+        return self._kv.layout
+
+    def page_store(self) -> PageStore | None:
+        """The KV pages as bytes, what hand-off transports read and write (None: a backend without
+        pages, which cannot hand KV off)."""
+        return self._kv.page_store()
+
+    @property
+    def lower_tiers(self) -> LowerTiers | None:
+        """The KV tiers below the engine's memory (hand-offs through the cluster store use them), or None."""
+        return self._kv.lower_tiers
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Per lower KV tier its stats (any thread)."""
+        return self._kv.tier_stats()
+
+    def drain_tier_events(self) -> list[tuple[str, bool, int]]:
+        """``(tier, stored?, block hash)``: blocks that became loadable from, or left, a lower tier
+        since the last call (any thread: the tiers' store is thread-safe)."""
+        return self._kv.drain_tier_events()
+
+    def drain_kv_events(self) -> list[tuple[bool, int]]:
+        """The prefix cache's events ``(stored?, block hash)`` since the last call, after
+        :meth:`enable_kv_events` (engine thread: from a step observer)."""
+        return self._kv.drain_events()
+
+    def pending_prefill_tokens(self) -> tuple[int, int]:
+        """Prompt tokens still to compute (queued requests and running ones mid-prefill) and the
+        offline share of them (engine thread: from a step observer)."""
+        return self._engine.scheduler.pending_prefill_tokens()
 
     # ---- engine thread ----------------------------------------------------
     def stalled_for(self) -> float:
@@ -173,17 +278,17 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._busy_since = None
                 self._drain_commands()
-                if not self.engine.has_work():
+                if not self._engine.has_work():
                     self._wake.wait(self._idle_wait)
                     self._wake.clear()
                     continue
                 self._busy_since = time.monotonic()
-                self._deliver(self.engine.step())
-                if self.engine.stalled:  # nothing could run (e.g. KV held by hand-offs): wait for a change
+                self._deliver(self._engine.step())
+                if self._engine.stalled:  # nothing could run (e.g. KV held by hand-offs): wait for a change
                     self._wake.wait(self._idle_wait)
                     self._wake.clear()
         except Exception as exc:  # the engine is unusable: fail every stream loudly
-            suspects = self.engine.stepping_request_ids()
+            suspects = self._engine.stepping_request_ids()
             log.exception("engine loop crashed (requests in the failing step: %s)", sorted(suspects))
             self.dead_reason = f"engine loop crashed: {type(exc).__name__}"
             self.crashed = True
@@ -220,15 +325,15 @@ class AsyncEngine:
                 break
             if kind == "add":
                 try:
-                    ready = self.engine.add_request(payload)
+                    ready = self._engine.add_request(payload)
                     self._streams[payload.request_id] = stream
                     out.extend(ready)
                 except Exception as exc:  # validation raced with another request: report to the caller
                     _post(stream, exc)
             elif kind == "call":
-                _call_on_engine(self.engine, payload, stream, out)
+                _call_on_engine(self._engine, payload, stream, out)
             else:
-                final = self.engine.abort(payload)
+                final = self._engine.abort(payload)
                 if final is not None:
                     out.append(final)
         if out:

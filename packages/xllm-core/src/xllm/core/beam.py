@@ -39,7 +39,7 @@ import torch
 from xllm.core.beam_attention import BeamAttention, BeamKV, GroupRows
 from xllm.core.beam_search import BeamSearch, Hypothesis
 from xllm.core.detokenizer import TokenDecoder
-from xllm.core.kv.base import KVCacheBackend
+from xllm.core.kv.contracts import KVTensors
 from xllm.core.model_api import AttentionContext, CausalLM
 from xllm.core.sequence import SeqStatus, Sequence
 from xllm.proto.engine.v1 import engine_pb2
@@ -135,7 +135,7 @@ class BeamPass:
 class BeamRunner:
     """The beam groups of one engine and their decode steps."""
 
-    def __init__(self, model: CausalLM, kv: KVCacheBackend, decoder: TokenDecoder, eos_token_ids: frozenset[int],
+    def __init__(self, model: CausalLM, kv: KVTensors, decoder: TokenDecoder, eos_token_ids: frozenset[int],
                  catalog: ItemCatalog | None = None, max_rows: int = 512) -> None:
         self.model = model
         self.kv = kv

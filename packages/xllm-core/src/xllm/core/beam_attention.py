@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from xllm.core.kv.addressing import SlotAddressing, values_in_keys
-from xllm.core.kv.base import KVCacheBackend
+from xllm.core.kv.contracts import KVTensors
 from xllm.kernels import kv_quant
 
 
@@ -65,7 +65,7 @@ class GroupRows:
 class BeamAttention:
     """The :class:`~xllm.core.model_api.AttentionContext` of a beam step over ``groups``."""
 
-    def __init__(self, backend: KVCacheBackend, groups: list[GroupRows]) -> None:
+    def __init__(self, backend: KVTensors, groups: list[GroupRows]) -> None:
         self.backend = backend
         self.groups = groups
         # per-slot regions (xTensor, contiguous; quantized ones too, of token rows) or page pools (paged)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
-from xllm.core.errors import ConfigError, InvalidRequestError
 from xllm.core.sampling_params import SamplingParams
+from xllm.engine_api.errors import ConfigError, InvalidRequestError
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.recsys.catalog import ItemCatalog
 

@@ -7,10 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from xllm.common import UnknownNameError
-from xllm.core.dtypes import DTYPES, canonical_quantization
-from xllm.core.errors import ConfigError
-from xllm.core.kv.registry import KV_BACKENDS, KV_CACHE_DTYPES
-from xllm.core.spec.registry import PROPOSERS
+from xllm.engine_api.errors import ConfigError
+from xllm.engine_api.names import DTYPES, KV_BACKENDS, KV_CACHE_DTYPES, PROPOSERS, canonical_quantization
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
 
 
@@ -49,7 +47,7 @@ class EngineConfig:
     keep the average step online decodes see within ``offline_slo_fraction`` × ``slo_tpot_ms``;
     an offline sequence that made no progress for ``offline_starvation_s`` gets a minimal
     guaranteed share (``xllm.sched.colocation``).
-    ``speculative`` names a proposer of :data:`xllm.core.spec.registry.PROPOSERS` (``None``: no
+    ``speculative`` names a proposer of :data:`xllm.engine_api.names.PROPOSERS` (``None``: no
     speculative decoding): up to ``num_speculative_tokens`` drafts per decoding sequence, verified
     in one forward, while a step decodes at most ``speculative_max_batch`` sequences
     (:mod:`xllm.core.spec.speculator`); ``draft_model_path`` is the ``draft`` proposer's model
@@ -63,7 +61,7 @@ class EngineConfig:
     Mooncake store shared by the cluster, to which this engine lends ``kv_store_segment_gib``.
     Blocks are shared only within ``kv_model_identity`` (the model's weights; the loader sets it
     from the model directory) and the KV layout.
-    ``quantization`` (:data:`xllm.core.dtypes.WEIGHT_QUANTIZATIONS`): the linears' weight format the loader
+    ``quantization`` (:data:`xllm.engine_api.names.WEIGHT_QUANTIZATIONS`): the linears' weight format the loader
     builds (``"auto"``: a GGUF's stored formats; ``"none"``: float in ``dtype``; ``"int8"``/``"int4"``/
     ``"int4_g128"``/``"w8a8"``: quantized at load); quantized weights need bfloat16/float32 and no ``compile_decode``.
     """
@@ -76,7 +74,7 @@ class EngineConfig:
     block_size: int | None = None
     kv_cache_memory_gib: float = 2.0
     kv_cache_backend: str = "xtensor"
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or a quantized KV kind (xllm.core.kv.registry)
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) or a quantized KV kind (xllm.engine_api.names)
     enable_prefix_cache: bool = True
     native_decode: bool = True
     async_scheduling: bool = False
@@ -103,7 +101,7 @@ class EngineConfig:
     kv_store_segment_gib: float = 1.0
     speculative_self_layers: int | None = None
     item_catalog: str | None = None  # generative recommendation's valid items (xllm.recsys.catalog file)
-    quantization: str = "none"  # the linears' weight format (xllm.core.dtypes.WEIGHT_QUANTIZATIONS)
+    quantization: str = "none"  # the linears' weight format (xllm.engine_api.names.WEIGHT_QUANTIZATIONS)
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)

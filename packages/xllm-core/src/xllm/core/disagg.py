@@ -1,5 +1,8 @@
 """What the engine tells the outside about a request's prefill/decode hand-off, and the contract
-of whoever moves the KV (the engine service, :mod:`xllm.engine.handoff`).
+of whoever moves the KV (the engine service, :mod:`xllm.engine.handoff`), attached with
+``LLMEngine.attach_disagg``. The engine service calls the engine's side (``install_kv``,
+``release_kv``, ``move_snapshot``, ``pause_for_move``) through its handle,
+:class:`~xllm.core.async_engine.AsyncEngine`, whose typed commands run them on the engine thread.
 
 Prefill side: a request in :attr:`Phase.PREFILL <xllm.core.sequence.Phase>` runs as usual until it
 samples its first token. When a step is about to compute the last chunk of its prompt the engine

@@ -10,47 +10,52 @@ What lives where: the queues, admission and preemption in
 :class:`~xllm.core.step.StepInFlight`; stop conditions and stream chunks in
 :class:`~xllm.core.output_processor.OutputProcessor`. The engine runs the loop
 and keeps the per-request output state and the counters, and serves either side
-of a prefill/decode hand-off (:mod:`xllm.core.disagg`) when a listener moves the KV.
+of a prefill/decode hand-off (:mod:`xllm.core.disagg`) once a listener that moves the KV is
+attached (:meth:`LLMEngine.attach_disagg`). Its parts are built by :mod:`xllm.core.engine_build`;
+the engine service drives it through :class:`~xllm.core.async_engine.AsyncEngine`, its handle.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor
 
-from xllm.core.beam import BeamRunner
-from xllm.core.beam_check import check_beam_request, load_catalog
+from xllm.core.beam_check import check_beam_request
 from xllm.core.config import EngineConfig
 from xllm.core.detokenizer import EngineTokenizer
 from xllm.core.disagg import DisaggListener, PromptFinishing
 from xllm.core.engine_beams import EngineBeams, beam_stats
+from xllm.core.engine_build import (
+    build_beams,
+    build_kv,
+    build_platform,
+    build_runner,
+    build_scheduler,
+    build_spec,
+    build_step_timing,
+    build_worker,
+)
 from xllm.core.engine_moves import EngineMoves
-from xllm.core.errors import EngineOverloadedError, InvalidRequestError
 from xllm.core.grammar import Grammars
-from xllm.core.graph_runner import build_compiled_decode
-from xllm.core.kv import build_kv_cache
 from xllm.core.model_api import CausalLM
-from xllm.core.model_runner import ModelRunner
 from xllm.core.output_processor import OutputProcessor, RequestOutput
-from xllm.core.platform import Platform, configure_threads, detect_platform
+from xllm.core.platform import Platform
 from xllm.core.sampler import Sampler
 from xllm.core.sampling_params import SamplingParams
-from xllm.core.scheduler import Scheduler
 from xllm.core.sequence import PLACEHOLDER, Phase, PromptLogprobs, SeqStatus, Sequence
 from xllm.core.spec.speculator import Speculator
-from xllm.core.stats import EngineCounters, FinishedRequest, OfflineStepStats, StatsObserver, StepStats
 from xllm.core.step import StepInFlight
-from xllm.core.step_timing import StepTiming, load_step_model
 from xllm.core.validation import RequestLimits
-from xllm.kernels import native
+from xllm.engine_api.errors import EngineOverloadedError, InvalidRequestError
+from xllm.engine_api.stats import EngineCounters, FinishedRequest, OfflineStepStats, StatsObserver, StepStats
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.enums import finish_reason_name
 from xllm.proto.registry.v1 import instance_pb2
-from xllm.sched import BATCH_POLICIES, BatchSettings, StepPlan
-from xllm.sched.latency import step_shape
+from xllm.sched import StepPlan
+from xllm.sched.latency import StepSample, step_shape
 
 log = logging.getLogger(__name__)
 
@@ -63,58 +68,26 @@ class LLMEngine(EngineMoves, EngineBeams):
                  observers: list[StatsObserver] | None = None, instance_id: str = "engine-0",
                  forward_executor: Executor | None = None, grammars: Grammars | None = None,
                  draft_model: CausalLM | None = None) -> None:
+        """Build the engine's parts (:mod:`xllm.core.engine_build`) in order and keep them."""
         self.config = config
         self.grammars = grammars  # constrained decoding (xllm.core.grammar); None: such requests are refused
         self.instance_id = instance_id
-        self.platform: Platform = detect_platform(config.device)
-        if not self.platform.supports_dtype(config.dtype):
-            raise ValueError(f"dtype {config.dtype} is not supported on {self.platform.name}")
-        threads = configure_threads(config.num_threads)
-        if grammars is not None:
-            # masks beside the forward only on a spare core (an OpenMP team sharing its cores with the
-            # grammar thread waits at every barrier) and with kernels that release the GIL (else the
-            # grammar thread cannot run until the forward is over)
-            lib = native.library()
-            grammars.overlap = threads < len(os.sched_getaffinity(0)) and (lib is None or not lib.holds_gil)
+        self.platform: Platform = build_platform(config, grammars)
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = config.resolve_max_model_len(int(model.max_context_len))
-        self.kv = build_kv_cache(config.kv_cache_backend, model.kv_cache_spec(), config.dtype, self.platform.device,
-                                 config.max_num_seqs, self.max_model_len, config.kv_cache_memory_gib,
-                                 config.block_size, config.enable_prefix_cache, config.kv_cache_dtype)
+        self.kv = build_kv(config, model, self.platform.device, self.max_model_len)
         self.layout = self.kv.layout
-        if config.kv_tiers_enabled:  # T1/T2 below the KV memory (xllm.core.kv.lower_tiers)
-            from xllm.core.kv.lower_tiers import LowerTiers, build_store
-            store = build_store(self.layout.fingerprint, config.kv_model_identity, config.kv_host_memory_gib,
-                                config.kv_host_dir, config.kv_disk_dir, config.kv_disk_size_gib, config.kv_store,
-                                config.kv_store_metadata, config.kv_store_segment_gib)
-            if store is not None:
-                self.kv.attach_tiers(LowerTiers(store, self.kv.page_store()))
         self.limits = RequestLimits(int(model.vocab_size), self.max_model_len, self.layout)
-        self.runner = ModelRunner(model, self.kv, self.platform.device, native_decode=config.native_decode)
-        if config.compile_decode:
-            self.runner.graph = build_compiled_decode(model, self.kv, self.runner, config.max_num_seqs)
+        self.runner = build_runner(config, model, self.kv, self.platform.device)
         eos = frozenset(tokenizer.eos_token_ids)
         self.sampler = Sampler(eos)
         self.outputs = OutputProcessor(tokenizer, eos, self.max_model_len)
-        # the step-time predictor: fed every step (shape in _prepare, time in _account)
-        self.step_timing = StepTiming(load_step_model(config.profile_path) if config.profile_path else None)
-        # online work as decode-first batching; offline (flex) work in what it leaves, within the TPOT SLO
-        policy = BATCH_POLICIES.get("colocation").from_settings(BatchSettings(
-            config.max_num_seqs, config.max_num_batched_tokens,
-            slo_tpot_s=config.slo_tpot_ms / 1000 if config.slo_tpot_ms else None,
-            offline_slo_fraction=config.offline_slo_fraction, predict=self.step_timing.step_seconds,
-            starvation_s=config.offline_starvation_s))
-        self.scheduler = Scheduler(policy, self.kv)
-        # speculative decoding (xllm.core.spec; off unless config.speculative names a proposer)
-        self.spec: Speculator | None = None
-        if config.speculative is not None:
-            from xllm.core.spec.build import build_speculator
-            self.spec = build_speculator(config, self.max_model_len, self.platform.device, int(model.vocab_size),
-                                         draft_model, target=model, runner=self.runner)
-        # beam search (xllm.core.beam): groups decoding after their prompt, and the item catalogue
-        catalog = load_catalog(config.item_catalog, int(model.vocab_size)) if config.item_catalog else None
-        self.beams = BeamRunner(model, self.kv, tokenizer, eos, catalog, max(config.max_num_batched_tokens, 512))
+        self.step_timing = build_step_timing(config)  # fed every step (shape in _prepare, time in _account)
+        self.scheduler = build_scheduler(config, self.kv, self.step_timing)
+        self.spec: Speculator | None = build_spec(config, model, draft_model, self.runner, self.max_model_len,
+                                                  self.platform.device)
+        self.beams = build_beams(config, model, self.kv, tokenizer, eos)
         self.requests: dict[str, RequestOutput] = {}
         self.counters = EngineCounters()
         self.observers = list(observers or [])
@@ -122,20 +95,25 @@ class LLMEngine(EngineMoves, EngineBeams):
         self._reported_prefix = self.kv.prefix_stats
         self._in_flight: StepInFlight | None = None
         self._step_began = 0.0  # perf_counter at the start of the current step() (StepTiming's measure)
-        self.disagg: DisaggListener | None = None  # who moves KV in prefill/decode hand-offs (an engine server)
+        self.disagg: DisaggListener | None = None  # who moves KV in hand-offs (attach_disagg: an engine server)
         self._abandoned: set[str] = set()  # aborted mid-hand-off: KV kept until release_kv
         self.stalled = False  # the last step had nothing it could run
         self._stepping: list[Sequence] = []  # the sequences of the step being prepared/run (stepping_request_ids)
-        # async scheduling: forwards run here (the caller's ComputeThread, so that loading and
-        # forwards share one OpenMP pool; see xllm.core.compute_thread), or on a worker of our own
-        self._owns_worker = config.async_scheduling and forward_executor is None
-        self._worker: Executor | None = None
-        if config.async_scheduling:
-            self._worker = forward_executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="xllm-forward")
+        self._worker, self._owns_worker = build_worker(config, forward_executor)  # async scheduling's forwards
         log.info("engine %s: max_model_len=%d kv=%s blocks=%d x %d tokens (%d tokens) prefix_cache=%s "
                  "max_num_seqs=%d", instance_id, self.max_model_len, type(self.kv).__name__, self.layout.num_blocks,
                  self.layout.block_size, self.layout.capacity_tokens, self.layout.enable_prefix_cache,
                  config.max_num_seqs)
+
+    def attach_disagg(self, listener: DisaggListener) -> None:
+        """Serve prefill/decode hand-offs and migrations, reporting them to ``listener`` (the engine
+        service's hand-off side; :mod:`xllm.core.disagg`). Until one is attached, hand-off requests
+        are refused."""
+        self.disagg = listener
+
+    def add_observer(self, observer: StatsObserver) -> None:
+        """Tell ``observer`` about every step from now on (on the engine thread)."""
+        self.observers.append(observer)
 
     # ---- requests -------------------------------------------------------
     def validate(self, req: engine_pb2.GenerateRequest) -> SamplingParams:
@@ -221,6 +199,21 @@ class LLMEngine(EngineMoves, EngineBeams):
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None or bool(self.beams.groups)
+
+    def all_decoding(self) -> bool:
+        """Nothing waits and every running request decodes (one token per step)."""
+        return self.scheduler.all_decoding()
+
+    def unfinished_request_ids(self) -> list[str]:
+        """The requests running, then those waiting."""
+        return self.scheduler.request_ids()
+
+    def add_step_listener(self, listener: Callable[[StepSample], None]) -> None:
+        """``listener`` hears every step the step timing observes (its shape and seconds; engine thread)."""
+        self.step_timing.listeners.append(listener)
+
+    def remove_step_listener(self, listener: Callable[[StepSample], None]) -> None:
+        self.step_timing.listeners.remove(listener)
 
     # ---- the step -------------------------------------------------------
     def step(self) -> list[engine_pb2.GenerateResponse]:
@@ -475,16 +468,6 @@ class LLMEngine(EngineMoves, EngineBeams):
     def _notify(self, stats: StepStats) -> None:
         for obs in self.observers:
             obs.on_step(stats)
-
-    def drain_kv_events(self) -> list[tuple[bool, int]]:
-        """Prefix-cache events (stored?, block hash) since the last call (engine thread only; kept
-        only after ``kv.enable_events()``)."""
-        return self.kv.drain_events()
-
-    def drain_tier_events(self) -> list[tuple[str, bool, int]]:
-        """Lower-tier events ``(tier, stored?, block hash)`` since the last call (any thread: the tiers'
-        store is thread-safe)."""
-        return self.kv.drain_tier_events()
 
     def close(self) -> None:
         """Release the KV memory's OS resources; the engine is unusable afterwards."""

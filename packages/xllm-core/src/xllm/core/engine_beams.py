@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from xllm.core.beam import BeamRunner, BeamStepResult
 from xllm.core.sequence import Phase, Sequence
-from xllm.core.stats import FinishedRequest, StatsObserver, StepStats
+from xllm.engine_api.stats import FinishedRequest, StatsObserver, StepStats
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.enums import finish_reason_name
 
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from xllm.core.kv.base import KVCacheBackend
     from xllm.core.output_processor import RequestOutput
     from xllm.core.scheduler import Scheduler
-    from xllm.core.stats import EngineCounters
     from xllm.core.step import StepInFlight
+    from xllm.engine_api.stats import EngineCounters
 
 
 class EngineBeams:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from xllm.core.disagg import DisaggListener, Handoff, MoveReady, MoveSnapshot, Reservation
 from xllm.core.engine_beams import install_beam_kv
-from xllm.core.errors import InvalidRequestError
 from xllm.core.sequence import Phase, SeqStatus, Sequence
+from xllm.engine_api.errors import InvalidRequestError
 from xllm.proto.engine.v1 import engine_pb2
 
 if TYPE_CHECKING:
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from xllm.core.kv.base import KVCacheBackend
     from xllm.core.output_processor import OutputProcessor, RequestOutput
     from xllm.core.scheduler import Scheduler
-    from xllm.core.stats import EngineCounters
     from xllm.core.step import StepInFlight
+    from xllm.engine_api.stats import EngineCounters
 
 
 class EngineMoves:

@@ -37,9 +37,9 @@ import llguidance
 import numpy as np
 import torch
 
-from xllm.core.errors import InvalidRequestError
-from xllm.core.grammar_spec import grammar_text
 from xllm.core.sequence import Sequence
+from xllm.engine_api.errors import InvalidRequestError
+from xllm.engine_api.grammar_spec import grammar_text
 from xllm.kernels.sampling import apply_token_bitmask
 from xllm.proto.engine.v1 import engine_pb2
 

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from xllm.core.kv.addressing import PageAddress, SlotAddress
-from xllm.core.kv.base import KVCacheBackend
+from xllm.core.kv.contracts import KVTensors
 from xllm.core.model_api import (
     AttentionContext,
     CausalLM,
@@ -80,7 +80,8 @@ class ExtraRows(Protocol):
 
 
 class ModelRunner:
-    """Runs ``model`` on scheduled chunks with KV from ``kv``.
+    """Runs ``model`` on scheduled chunks with KV from ``kv`` (held as its tensor/addressing contract,
+    :class:`~xllm.core.kv.contracts.KVTensors`: the runner never allocates).
 
     Each step picks its graph mode (xLLM §4.2). With the model's fused native forward
     (:class:`~xllm.core.model_api.SupportsFusedForward`) and a backend with slot rows (model-dtype or
@@ -98,7 +99,7 @@ class ModelRunner:
     prefill chunks is worth more than one pass over the weights).
     """
 
-    def __init__(self, model: CausalLM, kv: KVCacheBackend, device: torch.device, native_decode: bool = True) -> None:
+    def __init__(self, model: CausalLM, kv: KVTensors, device: torch.device, native_decode: bool = True) -> None:
         self.model = model
         self.kv = kv
         self.device = device

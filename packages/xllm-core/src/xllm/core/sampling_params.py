@@ -1,17 +1,14 @@
-"""Engine-side sampling parameters, built from the ``SamplingParams`` proto."""
+"""Engine-side sampling parameters, built from the ``SamplingParams`` proto and checked against
+the API bounds (:mod:`xllm.engine_api.bounds`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from xllm.core.errors import InvalidRequestError
+from xllm.engine_api.bounds import MAX_BEAM_WIDTH, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, MIN_TEMPERATURE
+from xllm.engine_api.errors import InvalidRequestError
 from xllm.proto.engine.v1 import engine_pb2
-
-MAX_TOP_LOGPROBS = 20
-MIN_TEMPERATURE = 1e-2  # a positive temperature below this is raised to it (vLLM's floor): 1/T overflows below
-MAX_REPETITION_PENALTY = 100.0
-MAX_BEAM_WIDTH = 1024  # beams of one request (xllm.core.beam; xLLM's recommendation design goes to 512)
 
 
 @dataclass(frozen=True)

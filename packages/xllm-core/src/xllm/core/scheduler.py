@@ -26,7 +26,7 @@ from collections.abc import Collection, Iterable
 from concurrent.futures import FIRST_COMPLETED, wait
 from itertools import islice
 
-from xllm.core.kv.base import KVCacheBackend
+from xllm.core.kv.contracts import KVAllocator
 from xllm.core.kv.lower_tiers import LoadJob
 from xllm.core.sequence import Phase, SeqStatus, Sequence
 from xllm.sched import BatchPolicy, StepPlan
@@ -39,9 +39,12 @@ class Scheduler:
     :meth:`pin` names the sequences of the step in flight; a sequence that finishes meanwhile
     keeps its KV until :meth:`unpin`. Preemption never meets a pinned sequence: the engine lands
     the step in flight before a step that could preempt.
+
+    The KV memory is held as its allocator contract (:class:`~xllm.core.kv.contracts.KVAllocator`):
+    admission, growth, release and lower-tier loads, nothing of its tensors or pages.
     """
 
-    def __init__(self, policy: BatchPolicy, kv: KVCacheBackend) -> None:
+    def __init__(self, policy: BatchPolicy, kv: KVAllocator) -> None:
         self.policy = policy
         self.kv = kv
         self.running: list[Sequence] = []
@@ -161,6 +164,14 @@ class Scheduler:
             self._release_after_unpin.append(seq)
         else:
             self.kv.free(seq)
+
+    def all_decoding(self) -> bool:
+        """Nothing waits and every running sequence computes one token per step (no prompt left)."""
+        return not self.waiting and all(s.num_tokens - s.num_computed_tokens <= 1 for s in self.running)
+
+    def request_ids(self) -> list[str]:
+        """The requests running, then those waiting (in queue order)."""
+        return [s.request_id for s in (*self.running, *self.waiting)]
 
     def has_work(self) -> bool:
         """Anything a step could do (sequences awaiting their KV or handing it off wait for others;

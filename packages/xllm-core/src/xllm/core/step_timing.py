@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from xllm.core.errors import ConfigError
+from xllm.engine_api.errors import ConfigError
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.sched.latency import (
     OnlineCorrection,
@@ -127,11 +127,3 @@ class StepTiming:
             profiled=self.profiled, prediction_error=self.error, token_budget=token_budget,
             measured_seconds=self.measured_seconds, predicted_seconds=self.predicted_seconds)
 
-
-def predictor_from_report(report: instance_pb2.StepTimePredictor) -> StepTimeModel | None:
-    """The corrected step model an instance reported (None: it has none yet), for callers that predict
-    step times on that instance (gateway, simulator)."""
-    if not report.coefficients:
-        return None
-    factor = report.correction if report.correction > 0 else 1.0
-    return StepTimeModel(tuple(factor * c for c in report.coefficients))

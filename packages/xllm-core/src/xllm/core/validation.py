@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xllm.core.errors import InvalidRequestError
-from xllm.core.kv.base import KVCacheLayout
+from xllm.core.kv.layout import KVCacheLayout
 from xllm.core.sampling_params import SamplingParams
+from xllm.engine_api.errors import InvalidRequestError
 from xllm.proto.engine.v1 import engine_pb2
 
 

@@ -1,20 +1,15 @@
-"""The engine as a service: one home for both sides of ``xllm.engine.v1.EngineService``.
-
-Server side (imports torch and the engine runtime):
+"""The engine as a service: the server half of ``xllm.engine.v1.EngineService`` (imports torch and
+the engine runtime).
 
 - :mod:`xllm.engine.instance`: the engine process (``xllm engine`` / ``python -m xllm.engine``):
   load, serve, register, drain and hand back on shutdown;
 - :mod:`xllm.engine.loader`: resolve and load a model and build its engine on a compute thread;
-- :mod:`xllm.engine.server`: :class:`~xllm.engine.server.EngineServer`, the gRPC servicer.
+- :mod:`xllm.engine.config`: the engine's settings (``EngineConfig``, hand-off options) from its flags;
+- :mod:`xllm.engine.server`: :class:`~xllm.engine.server.EngineServer`, the gRPC servicer;
+- :mod:`xllm.engine.handoff`: KV hand-offs between instances and migrations;
+- :mod:`xllm.engine.inprocess`: the client of an engine living in the caller's process;
+- :mod:`xllm.engine.profiler`: ``xllm profile``.
 
-Client side and wire (no torch: a cluster gateway imports only these):
-
-- :mod:`xllm.engine.wire`: metadata keys and the one mapping between engine errors and gRPC statuses;
-- :mod:`xllm.engine.client`: the :class:`~xllm.engine.client.EngineClient` contract and
-  :class:`~xllm.engine.client.GrpcEngineClient`;
-- :mod:`xllm.engine.registration`: registering an instance (agent, publishers, the embedded
-  registry's ``RegistryService`` and the etcd key layout) — both sides of each registry protocol;
-- :mod:`xllm.engine.flags`: the engine's command-line flags (shared with ``xllm serve``).
-
-:mod:`xllm.engine.inprocess` is the client of an engine living in the caller's process.
+The client side and the contract (gRPC client, wire, security, registration, the flags) are
+torch-free and live in :mod:`xllm.engine_api`; a cluster gateway imports only those.
 """

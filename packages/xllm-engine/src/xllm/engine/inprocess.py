@@ -11,7 +11,7 @@ from xllm.proto.registry.v1 import instance_pb2
 
 
 class InProcessEngineClient:
-    """:class:`xllm.engine.client.EngineClient` over an :class:`~xllm.core.AsyncEngine` in this process."""
+    """:class:`xllm.engine_api.client.EngineClient` over an :class:`~xllm.core.AsyncEngine` in this process."""
 
     def __init__(self, engine: AsyncEngine, info: instance_pb2.InstanceInfo) -> None:
         self.engine = engine

@@ -2,7 +2,7 @@
 
 Load the model with :mod:`xllm.models` and build the :class:`~xllm.core.LLMEngine`
 (:mod:`xllm.engine.loader`), serve it with :class:`~xllm.engine.server.EngineServer`, and keep it
-registered with an :class:`~xllm.engine.registration.agent.InstanceAgent` (etcd or a gateway's
+registered with an :class:`~xllm.engine_api.registration.agent.InstanceAgent` (etcd or a gateway's
 embedded registry). On SIGTERM/SIGINT (or when the parent process goes away, with
 ``--exit-with-parent``) it shuts down gracefully: a heartbeat says it drains (gateways stop
 sending new requests at once), late arrivals are refused, running requests are offered to their
@@ -23,15 +23,16 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from xllm.core import AsyncEngine, ComputeThread, ConfigError, EngineConfig, LLMEngine
-from xllm.core.errors import EngineCrashedError
-from xllm.engine import flags
+from xllm.core import AsyncEngine, ComputeThread, EngineConfig, LLMEngine
+from xllm.engine.config import engine_config, handoff_options
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.loader import load_engine
-from xllm.engine.registration.agent import InstanceAgent, Publisher
-from xllm.engine.registration.etcd import DEFAULT_PREFIX
-from xllm.engine.security import NO_SECURITY, ClusterSecurity
 from xllm.engine.server import EngineServer
+from xllm.engine_api import flags
+from xllm.engine_api.errors import ConfigError, EngineCrashedError
+from xllm.engine_api.registration.agent import InstanceAgent, Publisher
+from xllm.engine_api.registration.etcd import DEFAULT_PREFIX
+from xllm.engine_api.security import NO_SECURITY, ClusterSecurity
 from xllm.models import ModelConfigError, ModelNotFoundError, served_name
 from xllm.proto.enums import role_from_name
 from xllm.proto.registry.v1 import instance_pb2
@@ -67,13 +68,13 @@ def default_instance_id() -> str:
 
 def build_publisher(opts: InstanceOptions) -> Publisher | None:
     if opts.etcd:
-        from xllm.engine.registration.etcd import EtcdPublisher
-        from xllm.engine.registration.etcd_client import EtcdClient
+        from xllm.engine_api.registration.etcd import EtcdPublisher
+        from xllm.engine_api.registration.etcd_client import EtcdClient
 
         return EtcdPublisher(EtcdClient(opts.etcd, ssl_context=opts.security.etcd_ssl_context()), opts.etcd_prefix,
                              opts.lease_ttl)
     if opts.registry:
-        from xllm.engine.registration.embedded import GrpcRegistryPublisher
+        from xllm.engine_api.registration.embedded import GrpcRegistryPublisher
 
         return GrpcRegistryPublisher(opts.registry, opts.lease_ttl, security=opts.security)
     return None
@@ -175,14 +176,14 @@ def run_instance(opts: InstanceOptions) -> int:
 
 
 def options(args: argparse.Namespace) -> InstanceOptions:
-    """The instance the flags of :func:`xllm.engine.flags.add_engine_process_arguments` describe."""
+    """The instance the flags of :func:`xllm.engine_api.flags.add_engine_process_arguments` describe."""
     return InstanceOptions(
-        model=args.model, served_model_name=args.served_model_name, engine=flags.engine_config(args),
+        model=args.model, served_model_name=args.served_model_name, engine=engine_config(args),
         instance_id=args.instance_id, host=args.host, port=args.port, advertise_address=args.advertise_address,
         etcd=args.etcd, etcd_prefix=args.etcd_prefix, registry=args.registry, lease_ttl=args.lease_ttl,
         heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
         exit_with_parent=args.exit_with_parent, progress=not args.no_progress, role=args.role,
-        handoff=flags.handoff_options(args), security=flags.cluster_security(args))
+        handoff=handoff_options(args), security=flags.cluster_security(args))
 
 
 def run(args: argparse.Namespace, prog: str = "xllm engine") -> int:

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from xllm.core import ComputeThread, EngineConfig, LLMEngine, StatsObserver
-from xllm.core.errors import ConfigError
+from xllm.core import ComputeThread, EngineConfig, LLMEngine
 from xllm.core.grammar import Grammars
+from xllm.engine_api.errors import ConfigError
+from xllm.engine_api.stats import StatsObserver
 from xllm.kvstore.tier import model_identity
 from xllm.models import Tokenizer, load_model, resolve_model
 from xllm.models.quantize import weight_format

@@ -104,10 +104,10 @@ class _Driver:
         self.vocab = int(engine.model.vocab_size)
         self.observed: list[StepSample] = []
         self.n = 0
-        engine.step_timing.listeners.append(self.observed.append)
+        engine.add_step_listener(self.observed.append)
 
     def close(self) -> None:
-        self.engine.step_timing.listeners.remove(self.observed.append)
+        self.engine.remove_step_listener(self.observed.append)
 
     def tokens(self, n: int) -> list[int]:
         lo = min(100, self.vocab // 2)
@@ -136,14 +136,12 @@ class _Driver:
 
     def settle(self) -> None:
         """Step until nothing waits and every running sequence decodes (one token per step)."""
-        sched = self.engine.scheduler
-        while sched.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in sched.running):
+        while not self.engine.all_decoding():
             self.engine.step()
 
     def abort_all(self) -> None:
-        sched = self.engine.scheduler
-        for seq in [*sched.running, *sched.waiting]:
-            self.engine.abort(seq.request_id)
+        for request_id in self.engine.unfinished_request_ids():
+            self.engine.abort(request_id)
         self.drain()
 
 
@@ -290,7 +288,8 @@ def grid_from_args(args) -> ProfileGrid:
     given = {"decode_contexts": args.decode_contexts, "batches": args.batches, "ladder_tokens": args.ladder_tokens,
              "mixed_chunks": args.mixed_chunks, "prefill_chunks": args.prefill_chunks,
              "prefill_cached": args.prefill_cached, "reps": args.reps, "warmup": args.warmup}
-    return ProfileGrid(**{**base.__dict__, **{k: v for k, v in given.items() if v is not None}})
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
+    return ProfileGrid(**{**base.__dict__, **given})
 
 
 def default_output(model_name: str, dtype: str, threads: int, weights: str | None = None) -> pathlib.Path:
@@ -308,15 +307,15 @@ def command(args) -> int:
 
     from tqdm.auto import tqdm
 
-    from xllm.core import ConfigError
-    from xllm.engine import flags
+    from xllm.engine.config import engine_config
     from xllm.engine.loader import load_engine
+    from xllm.engine_api.errors import ConfigError
     from xllm.models import ModelConfigError, ModelNotFoundError, served_name
     from xllm.sched.latency import relative_errors
 
     try:
         grid = grid_from_args(args)
-        cfg = flags.engine_config(args)
+        cfg = engine_config(args)
         if cfg.async_scheduling:
             log.info("xllm profile runs the engine synchronously (--async-scheduling ignored)")
             cfg.async_scheduling = False

@@ -4,7 +4,7 @@ One engine instance per process in a cluster. The server
 
 - streams ``Generate`` chunks as the engine produces them. A request is validated and queued
   before anything is sent: a rejected one ends with a status and no message; an accepted one
-  first sends the initial metadata ``xllm-accepted: 1`` (statuses and keys: :mod:`xllm.engine.wire`);
+  first sends the initial metadata ``xllm-accepted: 1`` (statuses and keys: :mod:`xllm.engine_api.wire`);
 - serves ``Abort``, ``Health``, ``GetLoad`` and ``GetKVEvents``;
 - keeps the instance's prefix-cache events as versioned deltas (:class:`~xllm.kvstore.KVEventLog`)
   and builds the registry ``Heartbeat`` (load, KV delta, counters) for whoever publishes it;
@@ -24,11 +24,12 @@ One engine instance per process in a cluster. The server
   (:mod:`xllm.engine.handoff.migration`), after which the stream ends with
   ``FINISH_REASON_HANDED_OFF``; a move that fails hands the request back.
 
-KV events are drained from the engine on its own thread: the server is a
-:class:`~xllm.core.stats.StatsObserver` of the engine (it adds itself to ``observers``), and
-after every step it moves ``LLMEngine.drain_kv_events()`` into a thread-safe queue; the event
-loop numbers them. The same hook measures prefill speed and the queued prefill work for the
-load report.
+The server drives the engine through its handle, the :class:`~xllm.core.AsyncEngine` (typed
+commands and read-only facts; it never reaches into the core). KV events are drained from the
+engine on its own thread: the server is a :class:`~xllm.engine_api.stats.StatsObserver` of the
+engine (``AsyncEngine.add_observer``), and after every step it moves ``AsyncEngine.drain_kv_events()``
+into a thread-safe queue; the event loop numbers them. The same hook measures prefill speed and
+the queued prefill work (``AsyncEngine.pending_prefill_tokens()``) for the load report.
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from xllm.core import AsyncEngine, EngineError, StepStats
+from xllm.core import AsyncEngine
 from xllm.engine.handoff import grpc as grpc_transport
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.handoff.manager import HandoffManager
-from xllm.engine.security import NO_SECURITY, ClusterSecurity, bind, new_server
-from xllm.engine.wire import ACCEPTED_KEY, DRAINING, HANDED_BACK, RequestFailedError, Status, status_for
+from xllm.engine_api.errors import EngineError
+from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, bind, new_server
+from xllm.engine_api.stats import StepStats
+from xllm.engine_api.wire import ACCEPTED_KEY, DRAINING, HANDED_BACK, RequestFailedError, Status, status_for
 from xllm.kvstore import KVEventLog
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from xllm.proto.kvstore.v1 import kv_events_pb2
@@ -77,7 +80,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
     """Serves one :class:`AsyncEngine` over gRPC (start it with :meth:`start`).
 
     ``security``: the cluster token and TLS the service requires, and its KV hand-offs to other
-    instances present (:mod:`xllm.engine.security`)."""
+    instances present (:mod:`xllm.engine_api.security`)."""
 
     def __init__(self, engine: AsyncEngine, kv_history: int = 1 << 16, rate_alpha: float = 0.2,
                  handoff: HandoffOptions | None = None, security: ClusterSecurity = NO_SECURITY,
@@ -85,13 +88,12 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         self.engine = engine
         self.security = security
         self.stall_timeout = stall_timeout
-        llm = engine.engine
-        self.instance_id = llm.instance_id
-        self.block_size = llm.layout.block_size
-        llm.kv.enable_events()  # published from now on (drained after every step, see _on_step)
+        self.instance_id = engine.instance_id
+        self.block_size = engine.kv_layout.block_size
+        engine.enable_kv_events()  # published from now on (drained after every step, see _on_step)
         self.kv_log = KVEventLog(self.instance_id, self.block_size, max_history=kv_history)
         self._raw_events: collections.deque[tuple[bool, int]] = collections.deque()
-        tiers = llm.kv.lower_tiers
+        tiers = engine.lower_tiers
         self.kv_log.tier_scopes = tiers.scopes() if tiers is not None else {}  # who shares each tier's storage
         self._rate_alpha = rate_alpha
         self.prefill_tokens_per_s = 0.0
@@ -107,12 +109,11 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         handoff = handoff or HandoffOptions()
         handoff = replace(handoff, transport_options={**handoff.transport_options, "security": security})
         self.handoff = HandoffManager(engine, handoff, self.count, self._hand_back)
-        llm.observers.append(_Observer(self))
+        engine.add_observer(_Observer(self))
 
     # ---- engine thread ------------------------------------------------------------------------
     def _on_step(self, s: StepStats) -> None:
-        llm = self.engine.engine
-        self._raw_events.extend(llm.drain_kv_events())
+        self._raw_events.extend(self.engine.drain_kv_events())
         c = self._counts
         c["prompt_tokens"] += s.prompt_tokens
         c["generation_tokens"] += len(s.ttfts) + len(s.inter_token_latencies)
@@ -142,7 +143,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             a = self._rate_alpha
             self.prefill_tokens_per_s = rate if self.prefill_tokens_per_s == 0 else (
                 (1 - a) * self.prefill_tokens_per_s + a * rate)
-        self.pending_prefill_tokens, self.offline_pending_prefill_tokens = llm.scheduler.pending_prefill_tokens()
+        self.pending_prefill_tokens, self.offline_pending_prefill_tokens = self.engine.pending_prefill_tokens()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None) -> int:
@@ -226,7 +227,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         # lower KV tiers, from their content at start (a host tier outliving the last process) on: they change
         # off the engine thread too (write-down, loads, hand-offs through the store), so they are drained
         # here, on the one thread that records
-        self.kv_log.record_tiers(self.engine.engine.drain_tier_events())
+        self.kv_log.record_tiers(self.engine.drain_tier_events())
 
     def count(self, counter: str, n: int = 1) -> None:
         """Advance one of the cumulative counters of the heartbeats (``EngineCounters`` field names)."""
@@ -252,7 +253,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         """The registry heartbeat: load, the KV delta since version ``kv_since`` (None: a
         snapshot), cumulative counters, whether the instance is draining and, if its engine
         does not work, why."""
-        tiers = [s.to_proto(name) for name, s in self.engine.engine.kv.tier_stats().items()]
+        tiers = [s.to_proto(name) for name, s in self.engine.tier_stats().items()]
         return instance_pb2.Heartbeat(instance_id=self.instance_id, seq=seq, load=self.load_report(),
                                       kv_events=self.kv_events(kv_since), counters=self.counters(),
                                       draining=self.draining, unhealthy_reason=self.health_problem(),

@@ -4,7 +4,8 @@ metrics, and the ``xllm`` CLI that composes them.
 - :mod:`xllm.gateway.app`: the FastAPI app (routes, errors, ``/health``, ``/metrics``);
 - :mod:`xllm.gateway.openai`: request schemas, chat and completion serving, SSE;
 - :mod:`xllm.gateway.dispatch` beside :mod:`xllm.gateway.router`: each request to an instance
-  (KV-aware routing policy), failover and resume;
+  (KV-aware routing policy); its stream asks :mod:`xllm.gateway.failover` (resume or fail) and
+  :mod:`xllm.gateway.moves` (drain moves, role-flip hand-overs);
 - :mod:`xllm.gateway.registry`: the live view of engine instances (embedded or etcd);
 - :mod:`xllm.gateway.metrics`: Prometheus metrics;
 - composition: :mod:`xllm.gateway.embedded` (one process with its engine) and

@@ -8,24 +8,10 @@ import argparse
 import os
 from collections.abc import Mapping
 
-from xllm.common.argtypes import positive_int
+from xllm.common.argtypes import non_negative_int, positive_float, positive_int
 from xllm.gateway.access import API_KEY_ENV, AccessPolicy, parse_keys
 from xllm.gateway.openai.limits import MIB, OPENAI_MAX_N, ApiLimits
 from xllm.gateway.openai.protocol import DEFAULT_OFFLINE_PRIORITY
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def add_api_flags(p: argparse.ArgumentParser) -> None:
@@ -46,10 +32,10 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
                    help="requests with a `priority` of at least N are offline, like `service_tier: flex` ones: "
                         "best-effort work in the capacity online requests leave, within the engines' "
                         "--slo-tpot-ms, preempted first (anyone may ask to be offline)")
-    g.add_argument("--max-inflight-requests", type=_non_negative_int, default=0, metavar="N",
+    g.add_argument("--max-inflight-requests", type=non_negative_int, default=0, metavar="N",
                    help="most generation requests (streams until they end) the gateway holds at once; one more "
                         "gets 503 with Retry-After; 0: unlimited")
-    g.add_argument("--max-body-mib", type=_positive_float, default=d.max_body_bytes / MIB, metavar="MIB",
+    g.add_argument("--max-body-mib", type=positive_float, default=d.max_body_bytes / MIB, metavar="MIB",
                    help="largest HTTP request body, in MiB; a larger one gets 413 before it is read")
     g.add_argument("--max-prompt-chars", type=positive_int, default=d.max_prompt_chars, metavar="N",
                    help="most characters of prompt (messages and tools, or the string prompts) one request may "
@@ -58,7 +44,7 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
                    help="most prompts in one /v1/completions request")
     g.add_argument("--max-n", type=positive_int, default=d.max_n, metavar="N",
                    help=f"most choices (`n`) per prompt (at most {OPENAI_MAX_N})")
-    g.add_argument("--max-logprobs", type=_non_negative_int, default=d.max_logprobs, metavar="N",
+    g.add_argument("--max-logprobs", type=non_negative_int, default=d.max_logprobs, metavar="N",
                    help="most alternatives per token a request may ask for (`top_logprobs`, completions `logprobs`)")
 
 

@@ -1,8 +1,11 @@
 """The ``xllm`` command line: ``xllm serve`` (the gateway, with an embedded engine or over
-engine processes) and ``xllm engine`` (one engine instance process, :mod:`xllm.engine.instance`).
+engine processes), ``xllm engine`` (one engine instance process, :mod:`xllm.engine.instance`) and
+``xllm profile`` (:mod:`xllm.engine.profiler`).
 
-Building the parser imports no torch (flag choices come from name tables): a cluster gateway
-(``xllm serve --etcd`` / ``--instances``) never loads the engine runtime.
+Building the parser imports no torch (the engine's flags and their name tables are
+:mod:`xllm.engine_api`'s): a cluster gateway (``xllm serve --etcd`` / ``--instances``) never loads
+the engine runtime. What loads an engine is imported where its command runs: the embedded
+composition (:mod:`xllm.gateway.embedded`), the engine process and the profiler.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
-from xllm.engine import flags
+from xllm.common.argtypes import int_list_at_least, non_negative_float, positive_float, positive_int
+from xllm.engine_api import flags
 from xllm.gateway.api_flags import access_policy, add_api_flags, api_limits
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from xllm.sched import MOVE_MODES, PD_POLICIES, ROUTING_POLICIES
@@ -50,30 +54,30 @@ def build_parser() -> argparse.ArgumentParser:
                        help="interface to bind; use 0.0.0.0 to accept connections from other machines")
     serve.add_argument("--port", type=int, default=8000, help="TCP port of the HTTP API")
     flags.add_engine_flags(serve)
-    serve.add_argument("--instances", type=flags.positive_int, default=None, metavar="N",
+    serve.add_argument("--instances", type=positive_int, default=None, metavar="N",
                        help="cluster mode on this machine: start N engine processes (gRPC on loopback ports) "
                             "registered with this gateway's embedded registry (or in etcd with --etcd) and "
                             "route between them; default: gateway and one engine in one process")
-    serve.add_argument("--prefill-instances", type=flags.positive_int, default=None, metavar="N",
+    serve.add_argument("--prefill-instances", type=positive_int, default=None, metavar="N",
                        help="prefill/decode disaggregation on this machine: start N prefill engine processes (with "
                             "--decode-instances M decode ones, and --instances K mixed ones if given); the gateway "
                             "routes each request to a prefill and a decode instance and the KV is handed over")
-    serve.add_argument("--decode-instances", type=flags.positive_int, default=None, metavar="M",
+    serve.add_argument("--decode-instances", type=positive_int, default=None, metavar="M",
                        help="the decode engine processes of --prefill-instances (both are needed)")
     flags.add_etcd_flags(serve, "cluster mode with an etcd registry: route to the engine instances registered in "
                                 "etcd (started with `xllm engine --etcd ...`; with --instances the local ones "
                                 "register there too)")
-    serve.add_argument("--etcd-watch-timeout", type=flags.positive_float, default=10.0, metavar="SECONDS",
+    serve.add_argument("--etcd-watch-timeout", type=positive_float, default=10.0, metavar="SECONDS",
                        help="the etcd watch counts as dead (frozen etcd, lost connection) when nothing arrives on "
                             "it for this long; the gateway then re-reads the registry and watches again, routing "
                             "on its last view meanwhile. Instances heartbeat twice a second, so a live watch is "
                             "never silent that long; for an empty prefix, set etcd's "
                             "--experimental-watch-progress-notify-interval below it")
-    serve.add_argument("--engine-idle-timeout", type=flags.positive_float, default=300.0, metavar="SECONDS",
+    serve.add_argument("--engine-idle-timeout", type=positive_float, default=300.0, metavar="SECONDS",
                        help="cluster mode: an engine that sends a request nothing for this long (the wait for its "
                             "first token included) is taken for hung: the request moves to another instance and "
                             "the engine's circuit breaker opens")
-    serve.add_argument("--request-timeout", type=flags.positive_float, default=None, metavar="SECONDS",
+    serve.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
                        help="cluster mode: a deadline on each request's engine call (default: none)")
     serve.add_argument("--routing", default="kv_aware", choices=ROUTING_POLICIES.choices(),
                        help="how the gateway picks an instance: kv_aware (prefix-cache reuse traded against "
@@ -90,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(KV bytes / measured transfer bandwidth vs queued + own tokens / measured prefill "
                             "speed); migrate and recompute force one way; off lets them finish where they are "
                             "(handed back for a recompute at --drain-timeout)")
-    serve.add_argument("--kv-bandwidth-prior", type=flags.positive_float, default=200.0, metavar="MB/S",
+    serve.add_argument("--kv-bandwidth-prior", type=positive_float, default=200.0, metavar="MB/S",
                        help="cluster mode: the KV transfer bandwidth --drain-moves auto assumes until the gateway "
                             "has measured a transfer (PD hand-off or migration)")
     add_pd_role_flags(serve)
@@ -105,17 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_engine_process_arguments(engine)
     add_profile_parser(sub)
     return parser
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """``"128,512"`` -> (128, 512): a comma-separated list of non-negative integers."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected one or more integers >= 0, got {text!r}")
-    return values
 
 
 def add_profile_parser(sub) -> None:
@@ -137,35 +130,25 @@ def add_profile_parser(sub) -> None:
                         "$XLLM_CACHE_DIR or ~/.cache/xllm)")
     g.add_argument("--quick", action="store_true",
                    help="a small grid (short contexts, batches 1-4, two repetitions) for tests and smoke runs")
-    g.add_argument("--reps", type=flags.positive_int, default=None,
+    g.add_argument("--reps", type=positive_int, default=None,
                    help="measured repetitions per grid point, median kept (default: 3; --quick: 2)")
     g.add_argument("--warmup", type=int, default=None,
                    help="unmeasured repetitions before them (default: 1)")
-    g.add_argument("--decode-contexts", type=int_list, default=None, metavar="N,N,...",
+    g.add_argument("--decode-contexts", type=int_list_at_least(0), default=None, metavar="N,N,...",
                    help="prompt lengths of the decode ladders (default: 128,512,1536)")
-    g.add_argument("--batches", type=int_list, default=None, metavar="B,B,...",
+    g.add_argument("--batches", type=int_list_at_least(0), default=None, metavar="B,B,...",
                    help="decode batch sizes of each ladder (default: powers of two up to --max-num-seqs, and "
                         "--max-num-seqs)")
-    g.add_argument("--ladder-tokens", type=flags.positive_int, default=None, metavar="TOKENS",
+    g.add_argument("--ladder-tokens", type=positive_int, default=None, metavar="TOKENS",
                    help="a ladder stops at the batch whose contexts would pass this many tokens in all "
                         "(bounds the prefill spent setting ladders up; default: 8192)")
-    g.add_argument("--mixed-chunks", type=int_list, default=None, metavar="N,N,...",
+    g.add_argument("--mixed-chunks", type=int_list_at_least(0), default=None, metavar="N,N,...",
                    help="prompt chunks added to each ladder's decodes for mixed steps (default: 64,256)")
-    g.add_argument("--prefill-chunks", type=int_list, default=None, metavar="N,N,...",
+    g.add_argument("--prefill-chunks", type=int_list_at_least(0), default=None, metavar="N,N,...",
                    help="prefill-only chunk sizes (default: 32,128,512; capped by --max-num-batched-tokens)")
-    g.add_argument("--prefill-cached", type=int_list, default=None, metavar="N,N,...",
+    g.add_argument("--prefill-cached", type=int_list_at_least(0), default=None, metavar="N,N,...",
                    help="tokens already cached (prefix cache) before each prefill chunk (default: 0,1024,3072)")
     flags.add_common_flags(p)
-
-
-def non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
-    return value
 
 
 def add_pd_role_flags(p: argparse.ArgumentParser) -> None:
@@ -177,22 +160,22 @@ def add_pd_role_flags(p: argparse.ArgumentParser) -> None:
                         "pressure turns a decode instance into a prefill one (its running requests handed over "
                         "as in a drain), TPOT pressure or idle prefill capacity the other way, with hysteresis "
                         "and cool-downs, at least --pd-min-per-role of each role; no restart, no reload")
-    p.add_argument("--pd-flip-window", type=non_negative_seconds, default=5.0, metavar="SECONDS",
+    p.add_argument("--pd-flip-window", type=non_negative_float, default=5.0, metavar="SECONDS",
                    help="--pd-policy dynamic: how long a pressure (at 0.9x its SLO, off again below 0.6x) or idle "
                         "prefill capacity must last before it flips an instance")
-    p.add_argument("--pd-flip-cooldown", type=non_negative_seconds, default=30.0, metavar="SECONDS",
+    p.add_argument("--pd-flip-cooldown", type=non_negative_float, default=30.0, metavar="SECONDS",
                    help="--pd-policy dynamic: an instance flips at most once per this long")
-    p.add_argument("--pd-cluster-cooldown", type=non_negative_seconds, default=10.0, metavar="SECONDS",
+    p.add_argument("--pd-cluster-cooldown", type=non_negative_float, default=10.0, metavar="SECONDS",
                    help="--pd-policy dynamic: at most one flip decision per this long in the whole cluster (and "
                         "none while --pd-max-flips flips are still under way)")
-    p.add_argument("--pd-min-per-role", type=flags.positive_int, default=1, metavar="N",
+    p.add_argument("--pd-min-per-role", type=positive_int, default=1, metavar="N",
                    help="--pd-policy dynamic: prefill and decode instances each role keeps at least")
     p.add_argument("--pd-prefill-overflow", action=argparse.BooleanOptionalAction, default=True,
                    help="PD mode with --slo-ttft-ms, either --pd-policy: a request that every prefill instance is "
                         "predicted to miss the TTFT objective on runs whole on a decode instance predicted to meet "
                         "it (prefilled beside its decodes, no hand-off): a burst of prompts is absorbed at once, "
                         "without waiting for a role flip")
-    p.add_argument("--pd-max-flips", type=flags.positive_int, default=None, metavar="N",
+    p.add_argument("--pd-max-flips", type=positive_int, default=None, metavar="N",
                    help="--pd-policy dynamic: instances one decision may flip together, and flips under way at "
                         "once (default: a tenth of the PD instances, at least 1: one for a small cluster, "
                         "tens at hundreds of instances, where one flip per decision cannot follow the load)")
@@ -259,12 +242,12 @@ def start_local_store(args: argparse.Namespace) -> LocalMooncake | None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from xllm.core.errors import ConfigError
+    from xllm.engine_api.errors import ConfigError
     from xllm.models.config import ModelConfigError
     from xllm.models.source import ModelNotFoundError
 
     try:
-        flags.handoff_options(args)  # checked here, not by each spawned engine
+        flags.check_handoff_flags(args)  # checked here, not by each spawned engine
         api = {"limits": api_limits(args), "access": access_policy(args), "tool_parser": args.tool_call_parser}
         if args.instances or args.etcd or args.prefill_instances:
             from xllm.gateway.cluster import ClusterOptions, build_cluster
@@ -283,10 +266,9 @@ def _serve(args: argparse.Namespace) -> int:
                 moves=MoveOptions(args.drain_moves, args.kv_bandwidth_prior * 1e6), pd_roles=pd_role_options(args),
                 **api))
         else:
-            from xllm.gateway.embedded import ServeOptions, build_embedded
+            from xllm.gateway.embedded import build_embedded, serve_options  # loads the engine runtime
 
-            app = build_embedded(ServeOptions(args.model, args.served_model_name, flags.engine_config(args),
-                                              not args.no_progress, routing=args.routing, **api))
+            app = build_embedded(serve_options(args, **api))
     except (ConfigError, ModelNotFoundError, ModelConfigError, ValueError) as exc:
         print(f"xllm serve: error: {exc}", file=sys.stderr)
         return 2
@@ -302,11 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve(args)
     if args.command == "engine":
-        from xllm.engine.instance import run
+        from xllm.engine.instance import run  # the engine process: loads the engine runtime
 
         return run(args)
     if args.command == "profile":
-        from xllm.engine.profiler import command
+        from xllm.engine.profiler import command  # measures a loaded engine
 
         return command(args)
     return 2

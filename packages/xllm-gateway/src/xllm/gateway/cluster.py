@@ -8,7 +8,7 @@
 - ``xllm serve --etcd HOST:PORT``: joins the engine instances registered in etcd under the
   prefix (started anywhere with ``xllm engine --etcd ...``).
 
-Security (:mod:`xllm.engine.security`): the gateway's engine clients and its embedded registry use
+Security (:mod:`xllm.engine_api.security`): the gateway's engine clients and its embedded registry use
 the cluster token and TLS of ``ClusterOptions.security``; spawned engines get the token through
 their environment (never their command line, which ``ps`` shows) and the TLS flags as arguments.
 With the embedded registry and no token given, a random one is made for this run: only this
@@ -34,12 +34,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xllm.engine.client import GrpcEngineClient
-from xllm.engine.flags import security_args
-from xllm.engine.registration.embedded import serve_registry
-from xllm.engine.registration.etcd import DEFAULT_PREFIX
-from xllm.engine.registration.etcd_client import DEFAULT_WATCH_TIMEOUT, EtcdClient
-from xllm.engine.security import NO_SECURITY, ClusterSecurity
+from xllm.engine_api.client import GrpcEngineClient
+from xllm.engine_api.flags import security_args
+from xllm.engine_api.registration.embedded import serve_registry
+from xllm.engine_api.registration.etcd import DEFAULT_PREFIX
+from xllm.engine_api.registration.etcd_client import DEFAULT_WATCH_TIMEOUT, EtcdClient
+from xllm.engine_api.security import NO_SECURITY, ClusterSecurity
 from xllm.gateway.access import AccessPolicy
 from xllm.gateway.app import GatewayState, create_app
 from xllm.gateway.kv_tier_metrics import KVTierCollector, from_registry

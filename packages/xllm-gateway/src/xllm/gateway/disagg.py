@@ -25,14 +25,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from xllm.engine.wire import InstanceUnavailableError
-from xllm.gateway.router import Ticket
+from xllm.engine_api.wire import InstanceUnavailableError
+from xllm.gateway.router import Router, Ticket
 from xllm.proto.engine.v1 import engine_pb2
 
 if TYPE_CHECKING:
-    from xllm.gateway.dispatch import Dispatcher
+    from xllm.gateway.metrics import PDMetrics
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,27 @@ def phase_request(req: engine_pb2.GenerateRequest, phase: int,
     return out
 
 
+def decodes(stream: object) -> bool:
+    """Whether a request's stream runs its decode phase where it is placed: a :class:`PDStream`
+    once its decode instance streams, any other stream always."""
+    return not isinstance(stream, PDStream) or stream.decoding
+
+
+class PrefillPlacer(Protocol):
+    """What a :class:`PDStream` asks of the dispatcher (:class:`~xllm.gateway.dispatch.Dispatcher`)."""
+
+    async def submit_prefill(self, model: str, req: engine_pb2.GenerateRequest, target: engine_pb2.KVTarget,
+                             session: str | None, exclude: set[str],
+                             ticket: Ticket | None = None) -> tuple[Ticket, object, int]:
+        """The prefill phase of ``req`` sent to another prefill instance: its ticket, stream and the
+        instances tried."""
+        ...
+
+    def background(self, coro) -> asyncio.Future:
+        """``coro`` run detached from the request (kept alive until it ends)."""
+        ...
+
+
 @dataclass
 class PDTimes:
     """Where one request's time to first token went (seconds)."""
@@ -65,12 +86,18 @@ class PDTimes:
 class PDStream:
     """The chunks of one request across its prefill and decode instances (see the module docstring)."""
 
-    def __init__(self, dispatcher: Dispatcher, model: str, req: engine_pb2.GenerateRequest, prefill: Ticket,
-                 prefill_stream, decode: Ticket, decode_iter: AsyncIterator, target: engine_pb2.KVTarget,
-                 session: str | None = None, handoff_grace: float = 5.0, prefill_attempts: int = 1) -> None:
-        """``prefill_attempts``: the prefill instances already tried to send ``prefill_stream``
-        (:meth:`Dispatcher.submit_prefill`'s count)."""
-        self._d = dispatcher
+    def __init__(self, placer: PrefillPlacer, router: Router, metrics: PDMetrics, model: str,
+                 req: engine_pb2.GenerateRequest, prefill: Ticket, prefill_stream, decode: Ticket,
+                 decode_iter: AsyncIterator, target: engine_pb2.KVTarget, session: str | None = None,
+                 handoff_grace: float = 5.0, prefill_attempts: int = 1) -> None:
+        """``placer``: another prefill instance when one fails before the first token; ``router``: the
+        prefill side's accounting and TTFT; ``metrics``: the PD metrics this stream counts (transfers,
+        TTFT breakdown, prefill retries, lost hand-offs, cancelled requests); ``prefill_attempts``: the
+        prefill instances already tried to send ``prefill_stream`` (:meth:`PrefillPlacer.submit_prefill`'s
+        count)."""
+        self._placer = placer
+        self._router = router
+        self._metrics = metrics
         self._model = model
         self._req = req
         self.prefill = prefill
@@ -99,7 +126,7 @@ class PDStream:
             # The prefill stream ends once the decode side confirmed the KV; that end waits for the
             # prefill instance's current step, so it is watched in the background while the decode
             # stream goes on (the next token must not wait for another request's prefill).
-            watcher = self._d.background(self._watch_handoff(p_iter))
+            watcher = self._placer.background(self._watch_handoff(p_iter))
             chunk = await self._first_decode(watcher)
             while True:
                 done = chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
@@ -112,7 +139,7 @@ class PDStream:
                                            "early", self.decode.state.instance_id) from None
         except GeneratorExit:
             if not done:
-                self._d.pd_metrics.cancelled_request(self._model)  # the client left between or during the phases
+                self._metrics.cancelled_request(self._model)  # the client left between or during the phases
             raise
         finally:
             if watcher is None:
@@ -129,7 +156,7 @@ class PDStream:
         """Account the end of the current prefill instance's part (once per instance tried)."""
         if not self._prefill_done:
             self._prefill_done = True
-            self._d.router.finished(self.prefill, got_first)
+            self._router.finished(self.prefill, got_first)
 
     async def _first_token(self, p_iter: AsyncIterator) -> tuple[engine_pb2.GenerateResponse, AsyncIterator]:
         """The prefill instance's first chunk; a prefill instance failing before it is replaced
@@ -141,7 +168,7 @@ class PDStream:
                     raise InstanceUnavailableError(f"prefill instance {self.prefill.state.instance_id} handed "
                                                    "off before a token", self.prefill.state.instance_id)
             except (InstanceUnavailableError, StopAsyncIteration):
-                self._d.router.failed(self.prefill.state)
+                self._router.failed(self.prefill.state)
                 self._finish_prefill(False)
                 with contextlib.suppress(Exception):
                     await p_iter.aclose()
@@ -159,7 +186,7 @@ class PDStream:
                     return True
             return False
         except InstanceUnavailableError:
-            self._d.router.failed(self.prefill.state)
+            self._router.failed(self.prefill.state)
             return False
         except Exception as exc:  # an error chunk, a broken call: the decode side may still have the KV
             log.warning("request %s: the prefill stream ended with %s", self._req.request_id, exc)
@@ -177,7 +204,7 @@ class PDStream:
             if not nxt.done() and not watcher.result():
                 await asyncio.wait({nxt}, timeout=self._grace)
                 if not nxt.done():
-                    self._d.pd_metrics.handoff_lost(self._model)
+                    self._metrics.handoff_lost(self._model)
                     raise InstanceUnavailableError(f"the KV hand-off from {self.prefill.state.instance_id} was "
                                                    "lost", self.prefill.state.instance_id)
             chunk = await nxt
@@ -190,21 +217,21 @@ class PDStream:
         failed = self.prefill.state.instance_id
         if self.prefill_attempts >= MAX_PREFILL_ATTEMPTS:
             raise InstanceUnavailableError(f"prefill failed on {self.prefill_attempts} instances", failed)
-        self._d.pd_metrics.prefill_retry(self._model, failed)
+        self._metrics.prefill_retry(self._model, failed)
         log.warning("request %s: prefill instance %s failed before the first token; retrying on another",
                     self._req.request_id, failed)
-        self.prefill, self._p_stream, attempts = await self._d.submit_prefill(
+        self.prefill, self._p_stream, attempts = await self._placer.submit_prefill(
             self._model, self._req, self.target, self._session, exclude={failed})
         self.prefill_attempts += attempts
         self._prefill_done = False
-        self._d.router.dispatched(self.prefill, 1)
+        self._router.dispatched(self.prefill, 1)
 
     def _on_first_token(self, chunk: engine_pb2.GenerateResponse) -> None:
         self.times.first_token = time.monotonic()
         # the prefill instance's part of the queue is done (its pending prefill drops now, not at the
         # hand-off's end), and its TTFT is one the role policy reads (dynamic PD)
-        self._d.router.first_token(self.prefill, observe=False)
-        self._d.router.latency.ttft(self.prefill.state.instance_id, self.times.first_token - self.times.started)
+        self._router.first_token(self.prefill, observe=False)
+        self._router.observe_ttft(self.prefill.state, self.times.first_token - self.times.started)
         stats = chunk.disagg_stats
         self.times.queue, self.times.prefill = stats.queue_seconds, stats.prefill_seconds
 
@@ -215,8 +242,8 @@ class PDStream:
         t = self.times
         t.transfer = max(stats.transfer_seconds - stats.overlapped_seconds, 0.0)  # what the prefill did not hide
         t.first_decode = max((now - t.first_token) - t.transfer, 0.0) if t.first_token is not None else 0.0
-        self._d.pd_metrics.handoff(self._model, self.target.transport, stats)
-        self._d.pd_metrics.ttft_breakdown(self._model, t)
+        self._metrics.handoff(self._model, self.target.transport, stats)
+        self._metrics.ttft_breakdown(self._model, t)
         log.info("request %s via %s -> %s: ttft %.3fs (queue %.3f, prefill %.3f); transfer %.3fs (%.3fs of it "
                  "during the prefill) of %d bytes over %s%s; first decode %.3fs", self._req.request_id,
                  self.prefill.state.instance_id, self.decode.state.instance_id, (t.first_token or now) - t.started,

@@ -14,6 +14,12 @@ client has, so the text, finish reason and (for sampled requests, whose draws ar
 output index)) the tokens are exactly those of one uninterrupted run. A request on an instance that
 drains, or whose decode instance flips to prefill (:mod:`xllm.gateway.roles`), is moved the same way
 or with its KV, as the :class:`~xllm.gateway.moves.Mover` decides (:mod:`xllm.gateway.moves`).
+
+The stream decides none of this itself: it keeps the request's state
+(:class:`~xllm.gateway.progress.RequestProgress`) and asks the part that decides, each through
+narrow methods (:class:`StreamParts`): the :class:`~xllm.gateway.failover.Failover` whether a broken
+stream is resumed or failed, the :class:`~xllm.gateway.moves.Mover` how a request moves, the
+:class:`~xllm.gateway.router.Router` to account each chunk. Each part counts its own metrics.
 """
 
 from __future__ import annotations
@@ -23,16 +29,20 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
-from xllm.core.errors import EngineOverloadedError
-from xllm.engine.client import EngineClient
-from xllm.engine.wire import InstanceUnavailableError, RequestFailedError
-from xllm.gateway.disagg import PDStream, phase_request
+from xllm.engine_api.client import EngineClient
+from xllm.engine_api.errors import EngineOverloadedError
+from xllm.engine_api.wire import InstanceUnavailableError
+from xllm.gateway.disagg import PDStream, decodes, phase_request
+from xllm.gateway.failover import Failover, FailoverLimits
 from xllm.gateway.metrics import PDMetrics
-from xllm.gateway.moves import Migration, Mover, Recompute, continuation
+from xllm.gateway.moves import Migration, Mover, Recompute
 from xllm.gateway.openai.errors import APIError, model_not_found, to_api_error
+from xllm.gateway.progress import RequestProgress
 from xllm.gateway.registry import NoInstanceError, Registry
+from xllm.gateway.roles import hands_over
 from xllm.gateway.router import Router, Ticket
 from xllm.proto.engine.v1 import engine_pb2
 
@@ -64,11 +74,11 @@ class Dispatcher:
         self.default_model = default_model
         self.router = router or Router(registry)
         self.max_attempts = max_attempts
-        self.max_resumes = max_resumes
-        self.max_crash_strikes = max_crash_strikes
+        self.failover = Failover(self.router, FailoverLimits(max_resumes, max_crash_strikes), self.router.metrics)
         self.pd_metrics = pd_metrics or PDMetrics()
         self.handoff_grace = handoff_grace
         self.mover = mover or Mover(self.router)
+        self._parts = StreamParts(self.router, self.failover, self.mover, self.resume)
         self._background: set[asyncio.Future] = set()  # keeps detached tasks alive until they ran
 
     def resolve_model(self, requested: str | None) -> str:
@@ -90,7 +100,7 @@ class Dispatcher:
                 r.sampling.seed = secrets.randbits(63)
             r.movable = self.mover.enabled and not r.sampling.HasField("beam_width")  # a search is not resumable
         ticket, streams = await self._place(model, prompt, reqs, session)
-        return ticket.state.client, [RoutedStream(self, model, ticket, r, st) for r, st in zip(reqs, streams)]
+        return ticket.state.client, [RoutedStream(self._parts, model, ticket, r, st) for r, st in zip(reqs, streams)]
 
     async def _place(self, model: str, prompt: list[int], reqs: list[engine_pb2.GenerateRequest],
                      session: str | None, exclude: set[str] | None = None) -> tuple[Ticket, list]:
@@ -186,8 +196,8 @@ class Dispatcher:
                     else:  # the other choices follow the first to its prefill instance
                         p_stream = await p_ticket.state.client.submit(
                             phase_request(r, engine_pb2.DISAGG_PHASE_PREFILL, target))
-                    streams.append(PDStream(self, model, r, p_ticket, p_stream, d_ticket, it, target, session,
-                                           self.handoff_grace, attempts))
+                    streams.append(PDStream(self, self.router, self.pd_metrics, model, r, p_ticket, p_stream,
+                                            d_ticket, it, target, session, self.handoff_grace, attempts))
             except BaseException as exc:
                 await self._close_all([it for _, it, _ in reserved])
                 raise to_api_error(exc) from exc
@@ -238,189 +248,215 @@ class Dispatcher:
         for r in reqs:
             self.background(client.abort(r.request_id))
 
-    async def resume(self, model: str, req: engine_pb2.GenerateRequest, generated: list[int], sent_chars: int,
-                     failed: set[str], attempt: int = 1) -> tuple[Ticket, engine_pb2.GenerateRequest, object]:
-        """Continue ``req`` elsewhere after the client received ``generated`` tokens and the first
-        ``sent_chars`` characters of their text: its prompt plus those tokens, marked as earlier
-        output (``resumed_output_tokens``, ``resumed_sent_chars``: the instance replays them, so
-        max_tokens, penalties, stop strings and held-back text continue exactly).
-
-        The continuation runs under its own id, ``<id>#<attempt>``: an instance may still hold what
-        is left of the earlier attempt (a decode instance whose prefill partner died keeps the
-        abandoned reservation until the hand-off ends, and the abort of the broken call can arrive
-        late), and the two must never be taken for one another."""
-        cont = continuation(req, generated, sent_chars, attempt)
+    async def resume(self, model: str, cont: engine_pb2.GenerateRequest, failed: set[str]) -> tuple[Ticket, object]:
+        """Place ``cont``, a request continued from what its client has
+        (:func:`xllm.gateway.progress.continuation`), on an instance not in ``failed`` (routed and
+        accounted as a new request): its ticket and stream."""
         ticket, streams = await self._place(model, list(cont.prompt_token_ids), [cont], None, failed)
-        return ticket, cont, streams[0]
+        return ticket, streams[0]
+
+
+@dataclass(frozen=True)
+class StreamParts:
+    """What a :class:`RoutedStream` asks, each part for what it decides: the router (per-instance
+    accounting and latencies), the failover (a broken stream: resume or fail), the mover (move
+    offers, role-flip hand-overs, their metrics) and ``place`` (a continuation onto another instance:
+    :meth:`Dispatcher.resume`)."""
+
+    router: Router
+    failover: Failover
+    mover: Mover
+    place: Callable[[str, engine_pb2.GenerateRequest, set[str]], Awaitable[tuple[Ticket, object]]]
+
+
+@dataclass
+class _Placement:
+    """One stretch of the request on one instance (its ticket), from placement to the stream's end."""
+
+    ticket: Ticket
+    got_first: bool = False      # its first chunk came (the router was told)
+    accounted: bool = False      # its end was told to the router
+    token_chunks: int = 0        # chunks with tokens (TPOT: the gaps from the third on)
+    migration: Migration | None = None
+    recompute: Recompute | None = None
+    then: str = ""               # how the request goes on once this stream ended: "migrated" or "recompute"
+    handed_over: bool = False    # offered to move for a role flip of its instance (once per placement)
+
+    def take(self, plan: Migration | Recompute | None) -> bool:
+        """Adopt the mover's answer to a move offer; True when the request leaves now (recompute)."""
+        if isinstance(plan, Migration):
+            self.migration = plan
+        elif isinstance(plan, Recompute):
+            self.recompute, self.then = plan, "recompute"
+            return True
+        return False
+
+    def tpot(self, chunk: engine_pb2.GenerateResponse, gap: float) -> float | None:
+        """The TPOT sample of ``chunk`` (``gap`` after the previous chunk): per token, from the third
+        chunk with tokens on (not the gap to the first chunk nor, in PD, the hand-off's)."""
+        if not chunk.token_ids:
+            return None
+        self.token_chunks += 1
+        return gap / len(chunk.token_ids) if self.token_chunks > 2 else None
+
+    def end(self, router: Router) -> None:
+        """Tell the router the request left this instance (once)."""
+        if not self.accounted:
+            self.accounted = True
+            router.finished(self.ticket, self.got_first)
 
 
 class RoutedStream:
     """The chunks of one request as the client sees them, across instance failures and moves.
 
     Iterating it yields the instance's chunks; if the instance breaks the stream off
-    (``InstanceUnavailableError``) the request is resumed on another instance and the chunks
-    continue exactly as one run would have produced them (the final chunk's usage counts the
-    whole request). A request that was a suspect in ``max_crash_strikes`` crashes (it was running
-    when an engine crashed, in the failing step or on an instance that vanished) is failed with
-    an internal error instead of being replayed on yet another instance. A draining instance's
-    move offer moves the request with its KV or by recompute (:mod:`xllm.gateway.moves`), the
-    same way unseen by the client; so does the offer the gateway makes itself when the request's
-    decode instance flips to prefill. Each chunk's gap to the previous one of the same instance
-    is a TPOT sample of that instance (``Router.latency``). Leaving early closes the underlying
-    stream (the engine aborts the request).
+    (``InstanceUnavailableError``) the :class:`~xllm.gateway.failover.Failover` decides: the request
+    is resumed on another instance and the chunks continue exactly as one run would have produced
+    them (the final chunk's usage counts the whole request), or, once it was a suspect in
+    ``max_crash_strikes`` crashes (running when an engine crashed, in the failing step or on an
+    instance that vanished), it is failed with an internal error instead of being replayed on yet
+    another instance. A draining instance's move offer moves the request with its KV or by recompute
+    as the :class:`~xllm.gateway.moves.Mover` decides, the same way unseen by the client; so does the
+    offer the gateway makes itself when the request's decode instance flips to prefill
+    (:func:`xllm.gateway.roles.hands_over`). Each chunk's gap to the previous one of the same
+    instance is a TPOT sample of that instance (:meth:`Router.observe_tpot`). Leaving early closes
+    the underlying stream (the engine aborts the request). The request's state across instances is
+    one :class:`~xllm.gateway.progress.RequestProgress`; each stretch on one instance a
+    :class:`_Placement`.
     """
 
-    def __init__(self, dispatcher: Dispatcher, model: str, ticket: Ticket, req: engine_pb2.GenerateRequest,
+    def __init__(self, parts: StreamParts, model: str, ticket: Ticket, req: engine_pb2.GenerateRequest,
                  stream) -> None:
-        self._d = dispatcher
+        self._router, self._failover, self._mover, self._place = parts.router, parts.failover, parts.mover, parts.place
         self._model = model
         self._ticket = ticket
-        self._req = req
         self._stream = stream
-        self._instance_request_id = req.request_id  # the id it runs under on its instance
         self.request_id = req.request_id
-        self.resumes = 0
-        self.moves = 0
-        self.crash_strikes = 0
-        self._attempts = 0  # continuations named so far (<id>#<n>: each n once, moves that never happened too)
+        self.progress = RequestProgress(req)
 
     @property
     def instance_id(self) -> str:
         return self._ticket.state.instance_id
 
+    @property
+    def resumes(self) -> int:
+        return self.progress.resumes
+
+    @property
+    def moves(self) -> int:
+        return self.progress.moves
+
+    @property
+    def crash_strikes(self) -> int:
+        return self.progress.crash_strikes
+
     async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        d, req = self._d, self._req
-        generated: list[int] = []   # every token streamed so far, across instances
-        sent_chars = 0              # characters of text streamed so far
-        failed: set[str] = set()
-        moved: tuple[str, float] | None = None  # how the request last moved, and its last chunk's time before
-        last_chunk = 0.0
         while True:
-            ticket, got_first, accounted = self._ticket, False, False
-            inner = aiter(self._stream)
-            migration: Migration | None = None
-            recompute: Recompute | None = None
-            then = ""  # how the stream goes on once this one ended: "migrated" or "recompute"
-            handed_over = False  # offered to move for a role flip of its instance (once per placement)
-            token_chunks = 0     # chunks with tokens from this placement (TPOT: the gaps from the second on)
+            at, inner = _Placement(self._ticket), aiter(self._stream)
             try:
                 async for chunk in inner:
-                    if chunk.HasField("move_offer"):
-                        if migration is not None:  # already moving (handed over for a role flip)
-                            continue
-                        plan = self._offer(ticket, generated, sent_chars, chunk.move_offer)
-                        if isinstance(plan, Migration):
-                            migration = plan
-                        elif isinstance(plan, Recompute):
-                            recompute, then = plan, "recompute"
+                    if chunk.HasField("move_offer"):  # (ignored while already moving: handed over for a role flip)
+                        if at.migration is None and at.take(self._offer(at, chunk.move_offer)):
                             break
                         continue
-                    if migration is not None and chunk.finish_reason == HANDED_OFF:
-                        then = "migrated"
+                    if self._migration_ended(at, chunk):
                         break
-                    if migration is not None and migration.failure:
-                        log.warning("request %s: migrating off %s failed (%s); recomputing elsewhere",
-                                    req.request_id, ticket.state.instance_id, migration.failure)
-                        d.mover.metrics.moved(self._model, "migration_failed")
-                        then = "recompute"
-                        break
-                    if not got_first:
-                        got_first = True
-                        d.router.first_token(ticket)
-                        d.router.succeeded(ticket.state)
-                    if chunk.HasField("disagg_stats") and chunk.disagg_stats.transfer_bytes:
-                        d.mover.observe_transfer(chunk.disagg_stats)
-                    now = time.monotonic()
-                    if chunk.token_ids:
-                        token_chunks += 1
-                        if token_chunks > 2:  # not the gap to the first chunk nor, in PD, the hand-off's
-                            d.router.latency.tpot(ticket.state.instance_id, (now - last_chunk) / len(chunk.token_ids))
-                    last_chunk = now
-                    if moved is not None:
-                        d.mover.metrics.paused(self._model, moved[0], last_chunk - moved[1])
-                        moved = None
-                    chunk.request_id = req.request_id  # a continuation's chunks too (it runs as <id>#<n>)
-                    generated.extend(chunk.token_ids)
-                    sent_chars += len(chunk.text)
-                    yield chunk
+                    yield self._deliver(at, chunk)
                     if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                         return
-                    if migration is None and not handed_over and self._handing_over(ticket):
-                        handed_over = True  # its decode instance flips to prefill: moved as a draining one's are
-                        plan = self._offer(ticket, generated, sent_chars, d.mover.handover_offer(
-                            len(self._req.prompt_token_ids) + len(generated), ticket.state))
-                        if isinstance(plan, Migration):
-                            migration = plan
-                        elif isinstance(plan, Recompute):
-                            recompute, then = plan, "recompute"
-                            break
-                if not then:
+                    if self._flips_away(at) and at.take(self._hand_over(at)):
+                        break
+                if not at.then:
                     return
             except InstanceUnavailableError as exc:
-                if exc.instance_id and exc.instance_id != ticket.state.instance_id:
-                    failed.add(exc.instance_id)  # another part of a PD pair (accounted there)
-                else:
-                    d.router.failed(ticket.state)
-                    failed.add(ticket.state.instance_id)
-                self.crash_strikes += exc.suspect
-                if self.crash_strikes >= d.max_crash_strikes:
-                    log.error("request %s failed: it was running when %d instances failed (%s); not replayed",
-                              req.request_id, self.crash_strikes, ", ".join(sorted(failed)))
-                    if d.router.metrics is not None:
-                        d.router.metrics.poisoned(self._model)
-                    raise RequestFailedError(f"the request was running on {self.crash_strikes} instances that "
-                                             "failed; it is not retried") from exc
-                if self.resumes >= d.max_resumes:
+                if not self._failover.broke(self._model, at.ticket, exc, self.progress):
                     raise
-                log.warning("request %s: %s; resuming after %d token(s) on another instance", req.request_id,
-                            exc, len(generated))
-                d.router.finished(ticket, got_first)
-                accounted = True
-                await self._continue(generated, sent_chars, failed)
-                self.resumes += 1
-                if d.router.metrics is not None:
-                    d.router.metrics.resumed(self._model, ticket.state.instance_id)
-                moved = ("resumed", last_chunk)
+                at.end(self._router)
+                await self._continue(self.progress.failed)
+                self._failover.resumed(self._model, at.ticket, self.progress)
+                self.progress.left("resumed")
                 continue
             finally:
-                if migration is not None and then != "migrated":
-                    await migration.cancel()
-                with contextlib.suppress(Exception):
-                    await inner.aclose()
-                if not accounted:
-                    d.router.finished(ticket, got_first)
-            self.moves += 1
-            if then == "migrated":
-                self._ticket, self._stream = migration.ticket, await migration.destination()
-                self._instance_request_id = migration.cont.request_id
-            else:
-                try:
-                    await self._continue(generated, sent_chars, failed | {ticket.state.instance_id})
-                finally:
-                    if recompute is not None:
-                        recompute.release()
-                then = "recomputed"
-            d.mover.metrics.moved(self._model, then)
-            moved = (then, last_chunk)
+                await self._close(at, inner)
+            await self._move(at)
 
-    def _handing_over(self, ticket: Ticket) -> bool:
-        """Whether the request must leave its instance for a role flip (decode to prefill): it
-        decodes there (a PD request once its decode side streams) and moves are on."""
-        flip = ticket.state.flip
-        return (flip is not None and flip.to_role == "prefill" and self._d.mover.enabled
-                and (not isinstance(self._stream, PDStream) or self._stream.decoding))
+    def _deliver(self, at: _Placement, chunk: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
+        """Account ``chunk`` (the router's first token and TPOT, a KV transfer's measurement, the
+        pause a move made) and count it as sent."""
+        if not at.got_first:
+            at.got_first = True
+            self._router.served(at.ticket)
+        if chunk.HasField("disagg_stats") and chunk.disagg_stats.transfer_bytes:
+            self._mover.observe_transfer(chunk.disagg_stats)
+        now = time.monotonic()
+        tpot = at.tpot(chunk, now - self.progress.last_chunk)
+        if tpot is not None:
+            self._router.observe_tpot(at.ticket.state, tpot)
+        pause = self.progress.sent(chunk, now)
+        if pause is not None:
+            self._mover.paused(self._model, *pause)
+        return chunk
 
-    def _offer(self, source: Ticket, generated: list[int], sent_chars: int,
-               offer: engine_pb2.MoveOffer) -> Migration | Recompute | None:
-        cont = continuation(self._req, generated, sent_chars, self._next_attempt())
-        return self._d.mover.offer(self._model, source, self._instance_request_id, cont, offer)
+    def _migration_ended(self, at: _Placement, chunk: engine_pb2.GenerateResponse) -> bool:
+        """Whether the request leaves the instance now: its migration handed it off (``chunk``) or
+        failed (the mover logs and counts it; it is recomputed instead)."""
+        if at.migration is None:
+            return False
+        if chunk.finish_reason == HANDED_OFF:
+            at.then = "migrated"
+        elif at.migration.failure:
+            self._mover.migration_failed(self._model, self.request_id, at.migration)
+            at.then = "recompute"
+        return bool(at.then)
 
-    def _next_attempt(self) -> int:
-        self._attempts += 1
-        return self._attempts
+    def _flips_away(self, at: _Placement) -> bool:
+        """Whether the request must leave its instance for a role flip (decode to prefill): moves
+        are on, it is not moving yet nor was offered for this placement, and it decodes there (a PD
+        request once its decode side streams). Marks the placement offered."""
+        if (at.migration is not None or at.handed_over or not self._mover.enabled
+                or not hands_over(at.ticket.state) or not decodes(self._stream)):
+            return False
+        at.handed_over = True
+        return True
 
-    async def _continue(self, generated: list[int], sent_chars: int, exclude: set[str]) -> None:
+    def _offer(self, at: _Placement, offer: engine_pb2.MoveOffer) -> Migration | Recompute | None:
+        """The mover's answer to the move offer of the request's instance."""
+        return self._mover.offer(self._model, at.ticket, self.progress.instance_request_id,
+                                 self.progress.next_continuation(), offer)
+
+    def _hand_over(self, at: _Placement) -> Migration | Recompute | None:
+        """The mover's answer to the offer it makes itself for a role flip of the request's instance."""
+        return self._mover.handover(self._model, at.ticket, self.progress.instance_request_id,
+                                    self.progress.next_continuation())
+
+    async def _close(self, at: _Placement, inner: AsyncIterator) -> None:
+        """The end of a placement: a migration that did not happen is given up, the instance's call
+        closed (an open one aborts the request there) and the router told."""
+        if at.migration is not None and at.then != "migrated":
+            await at.migration.cancel()
+        with contextlib.suppress(Exception):
+            await inner.aclose()
+        at.end(self._router)
+
+    async def _move(self, at: _Placement) -> None:
+        """Go on where the move of ``at`` leads: the migration's destination, or elsewhere by recompute."""
+        self.progress.moves += 1
+        if at.then == "migrated":
+            self._ticket, self._stream = at.migration.ticket, await at.migration.destination()
+            self.progress.instance_request_id = at.migration.cont.request_id
+            how = "migrated"
+        else:
+            try:
+                await self._continue(self.progress.failed | {at.ticket.state.instance_id})
+            finally:
+                if at.recompute is not None:
+                    at.recompute.release()
+            how = "recomputed"
+        self._mover.moved(self._model, how)
+        self.progress.left(how)
+
+    async def _continue(self, exclude: set[str]) -> None:
         """Resume the request elsewhere by recompute (after a failure or for a move)."""
-        self._ticket, cont, self._stream = await self._d.resume(self._model, self._req, generated, sent_chars,
-                                                                exclude, attempt=self._next_attempt())
-        self._instance_request_id = cont.request_id
+        cont = self.progress.next_continuation()
+        self._ticket, self._stream = await self._place(self._model, cont, exclude)
+        self.progress.instance_request_id = cont.request_id

@@ -1,16 +1,19 @@
 """Composition root for single-machine serving: gateway and one engine in one process.
 
-The only gateway module that loads the engine runtime (torch, the model); a cluster gateway
-(:mod:`xllm.gateway.cluster`) never imports it.
+The only gateway module that loads the engine runtime (torch, the model) and the engine service's
+server half (loader, in-process client, the engine's settings from its flags); a cluster gateway
+(:mod:`xllm.gateway.cluster`) never imports it. The import-linter contract of the gateway names it.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
 from dataclasses import dataclass, field
 
 from xllm.core import AsyncEngine, EngineConfig
+from xllm.engine.config import engine_config
 from xllm.engine.inprocess import InProcessEngineClient
 from xllm.engine.loader import load_engine
 from xllm.gateway.access import AccessPolicy
@@ -37,6 +40,13 @@ class ServeOptions:
     tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (xllm.gateway.openai.tools)
 
 
+def serve_options(args: argparse.Namespace, **api) -> ServeOptions:
+    """The :class:`ServeOptions` of ``xllm serve``'s flags, with the API's ``limits``, ``access`` and
+    ``tool_parser`` in ``api`` (raises ``ConfigError`` or ``ValueError`` naming a flag)."""
+    return ServeOptions(args.model, args.served_model_name, engine_config(args), not args.no_progress,
+                        routing=args.routing, **api)
+
+
 def build_embedded(opts: ServeOptions):
     """Load the model, start one in-process engine and return the FastAPI app."""
     name = served_name(opts.model, opts.served_model_name)
@@ -45,9 +55,9 @@ def build_embedded(opts: ServeOptions):
     loaded = load_engine(opts.model, name, opts.engine, instance_id, opts.progress,
                          observers=[metrics.observer(name, instance_id)])
     engine, compute = loaded.engine, loaded.compute
-    if engine.kv.has_tiers:  # xllm:kv_tier_* series, read at scrape time
-        metrics.registry.register(KVTierCollector(lambda: [(name, instance_id, engine.kv.tier_stats())]))
     async_engine = AsyncEngine(engine, compute=compute)
+    if async_engine.lower_tiers is not None:  # xllm:kv_tier_* series, read at scrape time
+        metrics.registry.register(KVTierCollector(lambda: [(name, instance_id, async_engine.tier_stats())]))
     async_engine.start()
     stop_compute = functools.partial(compute.shutdown, wait=False)
     registry = EmbeddedRegistry()

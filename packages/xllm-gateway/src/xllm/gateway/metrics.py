@@ -19,7 +19,7 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from xllm.core.stats import StepStats
+from xllm.engine_api.stats import StepStats
 from xllm.proto.enums import ROLE_NAMES
 from xllm.proto.registry.v1 import instance_pb2
 

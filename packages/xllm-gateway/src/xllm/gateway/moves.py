@@ -19,8 +19,15 @@ moves off (requests then finish on the draining instance or are handed back at t
 
 The same path hands over the requests of a decode instance flipping to prefill (dynamic PD,
 :mod:`xllm.gateway.roles`): the instance is not draining, so the gateway makes the offer itself
-(:meth:`Mover.handover_offer`), its KV bytes estimated from the bytes per token the hand-offs
+(:meth:`Mover.handover`), its KV bytes estimated from the bytes per token the hand-offs
 measured.
+
+The mover owns the metrics of what it decides: ``xllm:request_moves_total{how}`` (``migrated``,
+``recomputed``, ``migration_failed``, ``stayed``) and the client-visible pause when a request
+leaves an instance, ``xllm:request_move_pause_seconds{how}`` (also ``resumed`` after a failure:
+:class:`~xllm.gateway.failover.Failover`). The request's stream
+(:class:`~xllm.gateway.dispatch.RoutedStream`) reports to it through :meth:`Mover.moved`,
+:meth:`Mover.paused` and :meth:`Mover.migration_failed`.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from xllm.engine.wire import InstanceUnavailableError
+from xllm.engine_api.wire import InstanceUnavailableError
 from xllm.gateway.disagg import phase_request
 from xllm.gateway.metrics import MoveMetrics
 from xllm.gateway.registry import NoInstanceError
@@ -44,6 +51,7 @@ if TYPE_CHECKING:
     from xllm.gateway.router import Router, Ticket
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class MoveOptions:
@@ -58,20 +66,6 @@ class MoveOptions:
             raise ValueError(f"drain moves must be one of {', '.join(MOVE_MODES)}, not {self.mode!r}")
         if self.bandwidth_prior <= 0:
             raise ValueError("the KV bandwidth prior must be positive")
-
-
-def continuation(req: engine_pb2.GenerateRequest, generated: list[int], sent_chars: int,
-                 attempt: int) -> engine_pb2.GenerateRequest:
-    """``req`` continued elsewhere after the client received ``generated`` tokens and the first
-    ``sent_chars`` characters of their text, under the id ``<id>#<attempt>`` (see
-    :meth:`xllm.gateway.dispatch.Dispatcher.resume`)."""
-    cont = engine_pb2.GenerateRequest()
-    cont.CopyFrom(req)
-    cont.request_id = f"{req.request_id}#{attempt}"
-    cont.prompt_token_ids.extend(generated)
-    cont.resumed_output_tokens = len(generated)
-    cont.resumed_sent_chars = sent_chars
-    return cont
 
 
 @dataclass
@@ -187,6 +181,22 @@ class Mover:
         """Whether requests are sent ``movable`` (a draining instance offers to move them)."""
         return self.options.mode != "off"
 
+    def moved(self, model: str, how: str) -> None:
+        """A request landed on its destination: ``migrated`` or ``recomputed`` (counted)."""
+        self.metrics.moved(model, how)
+
+    def paused(self, model: str, how: str, seconds: float) -> None:
+        """The gap a request's client saw when it left an instance (``resumed`` after a failure,
+        ``migrated``, ``recomputed``): its last chunk there to its first from the next."""
+        self.metrics.paused(model, how, seconds)
+
+    def migration_failed(self, model: str, request_id: str, migration: Migration) -> None:
+        """``migration`` could not start or was given up (:attr:`Migration.failure`): the request is
+        recomputed elsewhere instead (logged, counted as ``migration_failed``)."""
+        log.warning("request %s: migrating off %s failed (%s); recomputing elsewhere",
+                    request_id, migration.source.state.instance_id, migration.failure)
+        self.metrics.moved(model, "migration_failed")
+
     def observe_transfer(self, stats: engine_pb2.DisaggStats) -> None:
         """A KV transfer the destination measured (PD hand-off or migration)."""
         if not stats.recomputed:
@@ -202,6 +212,14 @@ class Mover:
         speed = source.load.prefill_tokens_per_s if source.load is not None else 0.0
         return engine_pb2.MoveOffer(num_tokens=num_tokens, kv_bytes=int(self.kv_bytes_per_token * num_tokens),
                                     prefill_tokens_per_s=speed)
+
+    def handover(self, model: str, source: Ticket, source_request_id: str,
+                 cont: engine_pb2.GenerateRequest) -> Migration | Recompute | None:
+        """Move a request off ``source`` for a role flip (decode to prefill): the offer a draining
+        instance would make (:meth:`handover_offer`, the tokens of ``cont``), answered as
+        :meth:`offer` answers one."""
+        return self.offer(model, source, source_request_id, cont,
+                          self.handover_offer(len(cont.prompt_token_ids), source.state))
 
     def offer(self, model: str, source: Ticket, source_request_id: str, cont: engine_pb2.GenerateRequest,
               offer: engine_pb2.MoveOffer) -> Migration | Recompute | None:

@@ -17,13 +17,14 @@ the registered one) and every ``interval`` seconds
 
 A flip **decode → prefill**: the instance leaves both pools at once (no new decode placements, no
 prefills yet); each request decoding there is handed over as a draining instance's requests are —
-:class:`~xllm.gateway.dispatch.RoutedStream` makes the move offer itself on the request's next
-chunk and the :class:`~xllm.gateway.moves.Mover` migrates it with its KV or recomputes it
-elsewhere, whichever it predicts quicker; a request whose prefill is still running elsewhere is
-handed over once it decodes there. When it holds none, it joins the prefill pool. A flip
-**prefill → decode**: no new prefills; the ones in flight finish (they are short); then it takes
-decode placements. Every flip is logged when it starts and when it ends (instance, roles, trigger,
-reason, duration), counted in ``xllm:pd_role_flips_total`` and shown by ``/health``.
+on the request's next chunk its :class:`~xllm.gateway.dispatch.RoutedStream` sees the flip
+(:func:`hands_over`) and the :class:`~xllm.gateway.moves.Mover` makes the move offer itself and
+migrates it with its KV or recomputes it elsewhere, whichever it predicts quicker; a request whose
+prefill is still running elsewhere is handed over once it decodes there. When it holds none, it
+joins the prefill pool. A flip **prefill → decode**: no new prefills; the ones in flight finish
+(they are short); then it takes decode placements. Every flip is logged when it starts and when it
+ends (instance, roles, trigger, reason, duration), counted in ``xllm:pd_role_flips_total`` and shown
+by ``/health``.
 
 The roles live in this gateway only: the registry (etcd included) keeps the role each instance
 registered with, which an instance that restarts or re-registers takes again. Several gateways
@@ -153,6 +154,13 @@ def pool_name(state: InstanceState) -> str:
 
 
 POOLS = ("prefill", "decode", "decode_to_prefill", "prefill_to_decode")
+
+
+def hands_over(state: InstanceState) -> bool:
+    """Whether the requests decoding on ``state`` must leave it: its role flips from decode to
+    prefill. Each is offered to move as a draining instance's are (:meth:`Mover.handover
+    <xllm.gateway.moves.Mover.handover>`), once it decodes there."""
+    return state.flip is not None and state.flip.to_role == "prefill"
 
 
 class RoleController:

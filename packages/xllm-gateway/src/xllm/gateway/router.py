@@ -22,12 +22,11 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from xllm.core.step_timing import predictor_from_report
 from xllm.gateway.registry.base import InstanceState, NoInstanceError, Registry
 from xllm.gateway.roles import LatencyTracker
 from xllm.kvstore import block_hashes
 from xllm.sched import ROUTING_POLICIES, InstanceSnapshot, PDPlacement, RouteDecision, RouteRequest, RoutingPolicy
-from xllm.sched.latency import StepTimeModel
+from xllm.sched.latency import StepTimeModel, predictor_from_report
 
 log = logging.getLogger(__name__)
 
@@ -301,3 +300,19 @@ class Router:
         """``state`` served a request (its first token came): its consecutive failures are forgiven."""
         if state.breaker.failures:
             state.breaker.success()
+
+    def served(self, ticket: Ticket) -> None:
+        """One of the ticket's requests streamed its first chunk: its prefill no longer waits on the
+        instance (:meth:`first_token`) and the instance's consecutive failures are forgiven
+        (:meth:`succeeded`)."""
+        self.first_token(ticket)
+        self.succeeded(ticket.state)
+
+    # ---- latencies this gateway measures (read by the role policy: :mod:`xllm.gateway.roles`) ------
+    def observe_ttft(self, state: InstanceState, seconds: float) -> None:
+        """A time to first token of a request ``state`` prefilled."""
+        self.latency.ttft(state.instance_id, seconds)
+
+    def observe_tpot(self, state: InstanceState, seconds: float) -> None:
+        """A time per output token of a chunk ``state`` streamed."""
+        self.latency.tpot(state.instance_id, seconds)

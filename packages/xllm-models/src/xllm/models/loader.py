@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from xllm.core.dtypes import WEIGHT_QUANTIZATIONS, canonical_quantization
+from xllm.engine_api.names import WEIGHT_QUANTIZATIONS, canonical_quantization
 from xllm.models.config import ModelConfig, ModelConfigError
 from xllm.models.gguf_weights import StoredWeights, read_gguf_weights
 from xllm.models.placement import StreamsWeights, place_weights
@@ -120,7 +120,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     partial outputs of the ranks' ``o_proj``/``down_proj`` sum to the full model's.
     ``mtp`` also loads the model's next-token-prediction layer (``--speculative mtp``; DeepSeek-V3
     checkpoints with ``num_nextn_predict_layers`` > 0, else :class:`ModelConfigError`).
-    ``quantization`` (a name of :data:`xllm.core.dtypes.WEIGHT_QUANTIZATIONS`): ``"none"``/``"auto"`` float
+    ``quantization`` (a name of :data:`xllm.engine_api.names.WEIGHT_QUANTIZATIONS`): ``"none"``/``"auto"`` float
     weights, ``"int8"``/``"int4"``/``"int4_g128"``/``"w8a8"`` the float model's linears quantized after loading
     (:func:`xllm.models.quantize.quantize_model`; for w8a8 after SmoothQuant scales are folded in,
     :mod:`xllm.models.smoothing`). ``gguf_file``: load the weights from this GGUF as stored

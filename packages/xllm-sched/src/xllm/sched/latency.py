@@ -202,6 +202,27 @@ class StepTimeModel:
         return cls(tuple(float(d[name]) for name in FEATURES))
 
 
+class ReportedPredictor(Protocol):
+    """An instance's step-time predictor as its load report carries it (the ``StepTimePredictor``
+    message of ``xllm.proto.registry.v1``): the uncorrected coefficients (empty: no model yet) and
+    the online correction factor (0 read as 1)."""
+
+    @property
+    def coefficients(self) -> Sequence[float]: ...
+
+    @property
+    def correction(self) -> float: ...
+
+
+def predictor_from_report(report: ReportedPredictor) -> StepTimeModel | None:
+    """The corrected step model an instance reported (None: it has none yet), for callers that predict
+    step times on that instance (the gateway's router)."""
+    if not report.coefficients:
+        return None
+    factor = report.correction if report.correction > 0 else 1.0
+    return StepTimeModel(tuple(factor * c for c in report.coefficients))
+
+
 def mean_model(models: Sequence[StepTimeModel]) -> StepTimeModel:
     """The coefficient-wise mean of ``models`` (not empty): the step time of an instance that has no
     model of its own yet, predicted from its peers' (instances serving one model run alike)."""

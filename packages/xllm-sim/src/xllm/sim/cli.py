@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from xllm.common.argtypes import fraction
+from xllm.common.argtypes import fraction, non_negative_float, positive_float, positive_int
 from xllm.sched import BATCH_POLICIES, DEFAULT_OFFLINE_SLO_FRACTION, ROUTING_POLICIES
 from xllm.sched.registry import PD_POLICIES
 from xllm.sim.cluster import Cluster
@@ -38,15 +38,6 @@ from xllm.sim.trace import (
 )
 
 
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0 or (isinstance(value, float) and not math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
-
-
 def _canonical(table):
     def parse(text: str) -> str:
         try:
@@ -54,13 +45,6 @@ def _canonical(table):
         except ValueError:
             return text  # argparse names the choices
     return parse
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def phase_seconds(text: str) -> tuple[float, float]:
@@ -90,7 +74,7 @@ def length_mix(text: str) -> tuple[str, str]:
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
-    g.add_argument("--instances", type=_positive(int), default=2,
+    g.add_argument("--instances", type=positive_int, default=2,
                    help="mixed instances (each prefills and decodes); ignored in PD mode (default 2)")
     g.add_argument("--prefill-instances", type=int, default=0,
                    help="PD mode: prefill instances at the start (with --decode-instances)")
@@ -110,22 +94,22 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pd-policy", default="static", choices=PD_POLICIES.choices(),
                    help="PD role policy (xllm.sched.PD_POLICIES): static, or dynamic (role flips by SLO headroom; "
                         "needs both SLOs) (default static)")
-    g.add_argument("--pd-interval-s", type=_positive(float), default=0.5,
+    g.add_argument("--pd-interval-s", type=positive_float, default=0.5,
                    help="seconds between role-flip decisions (default 0.5, the gateway's)")
     g.add_argument("--drain-moves", default="auto", choices=["auto", "migrate", "recompute", "off"],
                    help="how a decode instance flipping to prefill sheds its requests: by predicted cost "
                         "(xllm.sched.move_cost), always migrate, always recompute, or off (they finish there) "
                         "(default auto)")
-    g.add_argument("--pd-flip-window", type=_non_negative, default=5.0, metavar="SECONDS",
+    g.add_argument("--pd-flip-window", type=non_negative_float, default=5.0, metavar="SECONDS",
                    help="dynamic: how long a pressure must hold before it flips (default 5, the gateway's)")
-    g.add_argument("--pd-flip-cooldown", type=_non_negative, default=30.0, metavar="SECONDS",
+    g.add_argument("--pd-flip-cooldown", type=non_negative_float, default=30.0, metavar="SECONDS",
                    help="dynamic: an instance flips at most once per this (default 30, the gateway's)")
-    g.add_argument("--pd-cluster-cooldown", type=_non_negative, default=10.0, metavar="SECONDS",
+    g.add_argument("--pd-cluster-cooldown", type=non_negative_float, default=10.0, metavar="SECONDS",
                    help="dynamic: seconds between two flip decisions of the cluster (default 10, the gateway's)")
-    g.add_argument("--pd-max-in-progress", type=_positive(int), default=None, metavar="N",
+    g.add_argument("--pd-max-in-progress", type=positive_int, default=None, metavar="N",
                    help="dynamic: flips under way at once (default: a tenth of the instances, at least 1, as the "
                         "gateway's --pd-max-flips)")
-    g.add_argument("--pd-max-flips", type=_positive(int), default=None, metavar="N",
+    g.add_argument("--pd-max-flips", type=positive_int, default=None, metavar="N",
                    help="dynamic: instances one decision may flip together, as the pressure needs and the other "
                         "side can spare (at most --pd-max-in-progress under way; default: a tenth of the "
                         "instances, at least 1, the gateway's)")
@@ -136,33 +120,33 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (each instance)")
     g.add_argument("--profile", type=Path, default=None,
                    help=f"step-time profile written by `xllm profile` (default: the shipped {DEFAULT_PROFILE.name})")
-    g.add_argument("--speed", type=_positive(float), default=1.0,
+    g.add_argument("--speed", type=positive_float, default=1.0,
                    help="instances are this many times faster than the profile (default 1)")
-    g.add_argument("--step-noise", type=_non_negative, default=0.0, metavar="SIGMA",
+    g.add_argument("--step-noise", type=non_negative_float, default=0.0, metavar="SIGMA",
                    help="each step takes the model's time times a lognormal factor of mean 1 and log-deviation "
                         "SIGMA (about 1.25x the mean relative error of the engine's step predictions, "
                         "xllm:step_time_prediction_error_recent); the policies still predict the model's "
                         "(default 0: exactly the model's)")
-    g.add_argument("--max-num-seqs", type=_positive(int), default=64, help="sequences per step (default 64)")
-    g.add_argument("--max-num-batched-tokens", type=_positive(int), default=512,
+    g.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per step (default 64)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
                    help="token budget per step (default 512, the engine's)")
     g.add_argument("--no-chunked-prefill", action="store_true", help="a prompt must fit one step's budget")
-    g.add_argument("--block-size", type=_positive(int), default=SMOLLM2_BLOCK_SIZE,
+    g.add_argument("--block-size", type=positive_int, default=SMOLLM2_BLOCK_SIZE,
                    help=f"KV block size in tokens (default {SMOLLM2_BLOCK_SIZE}: xTensor's for SmolLM2)")
-    g.add_argument("--kv-blocks", type=_positive(int), default=DEFAULT_KV_BLOCKS,
+    g.add_argument("--kv-blocks", type=positive_int, default=DEFAULT_KV_BLOCKS,
                    help=f"KV capacity per instance in blocks (default {DEFAULT_KV_BLOCKS}: 2 GiB of SmolLM2 bf16)")
     g.add_argument("--max-model-len", type=int, default=0, help="longest sequence in tokens (default 0: unbounded)")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
     g = p.add_argument_group("costs")
-    g.add_argument("--kv-bytes-per-token", type=_positive(int), default=SMOLLM2_KV_BYTES_PER_TOKEN,
+    g.add_argument("--kv-bytes-per-token", type=positive_int, default=SMOLLM2_KV_BYTES_PER_TOKEN,
                    help=f"KV bytes per token (default {SMOLLM2_KV_BYTES_PER_TOKEN}: SmolLM2 bf16)")
-    g.add_argument("--kv-bandwidth-gbs", type=_positive(float), default=1.0,
+    g.add_argument("--kv-bandwidth-gbs", type=positive_float, default=1.0,
                    help="KV transfer bandwidth into an instance, GB/s (PD hand-offs, migrations; default 1)")
-    g.add_argument("--transfer-latency-ms", type=_non_negative, default=0.0,
+    g.add_argument("--transfer-latency-ms", type=non_negative_float, default=0.0,
                    help="fixed cost of each KV transfer, ms (default 0)")
-    g.add_argument("--gateway-overhead-ms", type=_non_negative, default=0.0,
+    g.add_argument("--gateway-overhead-ms", type=non_negative_float, default=0.0,
                    help="gateway time before a request is dispatched, ms (default 0)")
-    g.add_argument("--heartbeat-s", type=_non_negative, default=0.5,
+    g.add_argument("--heartbeat-s", type=non_negative_float, default=0.5,
                    help="load reports reach the gateway this often; 0 = policies see live state (default 0.5)")
     g = p.add_argument_group("workload")
     g.add_argument("--trace", default="poisson",
@@ -170,12 +154,12 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                         "alternating: --phase-s, --prefill-mix, --decode-mix), or a CSV file: Azure LLM inference "
                         "trace (TIMESTAMP,ContextTokens,GeneratedTokens) or arrival,prompt_len,output_len "
                         "(default poisson)")
-    g.add_argument("--requests", type=_positive(int), default=1000,
+    g.add_argument("--requests", type=positive_int, default=1000,
                    help="requests to simulate (a trace file: its first R; default 1000)")
-    g.add_argument("--rate", type=_positive(float), default=None,
+    g.add_argument("--rate", type=positive_float, default=None,
                    help="arrival rate, req/s (poisson/gamma: default 1; a trace file: rescale its timestamps to "
                         "this mean rate; default: as recorded)")
-    g.add_argument("--cv", type=_positive(float), default=4.0,
+    g.add_argument("--cv", type=positive_float, default=4.0,
                    help="gamma, phases: coefficient of variation of the gaps (> 1 is bursty; default 4)")
     g.add_argument("--phase-s", type=phase_seconds, default=(60.0, 60.0), metavar="P[,D]",
                    help="phases: seconds of each prefill-heavy period and of each decode-heavy one (one value: "
@@ -198,9 +182,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="fraction of requests that are offline (service_tier flex) (default 0)")
     g.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     g = p.add_argument_group("objectives and output")
-    g.add_argument("--slo-ttft-ms", type=_positive(float), default=None,
+    g.add_argument("--slo-ttft-ms", type=positive_float, default=None,
                    help="online TTFT objective, ms: SLO attainment, goodput, dynamic PD")
-    g.add_argument("--slo-tpot-ms", type=_positive(float), default=None,
+    g.add_argument("--slo-tpot-ms", type=positive_float, default=None,
                    help="online TPOT objective, ms: SLO attainment, goodput, dynamic PD, co-location")
     g.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON to OUT")
     g.add_argument("--records", type=Path, default=None, metavar="FILE",

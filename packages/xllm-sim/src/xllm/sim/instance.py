@@ -100,7 +100,7 @@ class SimInstance:
         self.stats = InstanceStats()
         self.flipping: str | None = None  # the role it is becoming (draining the old one's work)
         self.step_log: list[tuple] | None = None  # (start, end, instance id, ((rid, tokens), ...)) when a list
-        # what the engine measures and reports (EWMAs as xllm.engine.server and xllm.core.stats keep them)
+        # what the engine measures and reports (EWMAs as xllm.engine.server and xllm.engine_api.stats keep them)
         self.prefill_tps = 0.0
         self.recent_ttft = 0.0
         self.recent_tpot = 0.0

@@ -11,7 +11,7 @@ import torch
 
 from xllm.core import EngineConfig, LLMEngine
 from xllm.core.config import parse_dtype
-from xllm.core.kv.base import page_aligned_block_size
+from xllm.core.kv.xtensor import page_aligned_block_size
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.tiny import TinyLM, tiny_tokenizer
 

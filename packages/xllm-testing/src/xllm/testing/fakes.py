@@ -20,7 +20,7 @@ def make_info(instance_id: str = "fake-0", model: str = FAKE_MODEL,
 
 
 class FakeEngineClient:
-    """A scripted :class:`xllm.engine.client.EngineClient`: emits ``tokens`` (cycled) up to
+    """A scripted :class:`xllm.engine_api.client.EngineClient`: emits ``tokens`` (cycled) up to
     ``max_tokens``, one token per chunk.
 
     ``submit_error`` is raised by ``submit``; ``stream_error`` is raised after ``error_after`` chunks.

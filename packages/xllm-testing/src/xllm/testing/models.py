@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from xllm.core import EngineConfig, LLMEngine, StepStats
+from xllm.core import EngineConfig, LLMEngine
+from xllm.engine_api.stats import StepStats
 from xllm.proto.engine.v1 import engine_pb2
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from xllm.engine.registration.embedded import DEFAULT_TTL, LeaseTable
+from xllm.engine_api.registration.embedded import DEFAULT_TTL, LeaseTable
 from xllm.proto.registry.v1 import instance_pb2
 
 
 class LocalPublisher:
-    """An :class:`xllm.engine.registration.agent.Publisher` into a :class:`LeaseTable` of this
+    """An :class:`xllm.engine_api.registration.agent.Publisher` into a :class:`LeaseTable` of this
     process (an ``EmbeddedRegistry``): the agent's behaviour without the gRPC hop."""
 
     def __init__(self, leases: LeaseTable, ttl: float = DEFAULT_TTL) -> None:

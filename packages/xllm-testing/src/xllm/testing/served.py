@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from xllm.core import AsyncEngine, LLMEngine
-from xllm.engine.client import GrpcEngineClient
 from xllm.engine.handoff.base import HandoffOptions
-from xllm.engine.registration.agent import InstanceAgent
-from xllm.engine.registration.embedded import LeaseTable
-from xllm.engine.security import NO_SECURITY, ClusterSecurity
 from xllm.engine.server import EngineServer
+from xllm.engine_api.client import GrpcEngineClient
+from xllm.engine_api.registration.agent import InstanceAgent
+from xllm.engine_api.registration.embedded import LeaseTable
+from xllm.engine_api.security import NO_SECURITY, ClusterSecurity
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.enums import role_from_name
 from xllm.proto.registry.v1 import instance_pb2

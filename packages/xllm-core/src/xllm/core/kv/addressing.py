@@ -32,7 +32,6 @@ from xllm.kernels import (
 from xllm.kernels.attention import write_kv_rows
 
 if TYPE_CHECKING:
-    from xllm.core.model_runner import BatchInputs
     from xllm.core.sequence import Sequence as Seq
 
 Tensorize = Callable[[Sequence[int]], torch.Tensor]
@@ -62,6 +61,20 @@ class PageAddress:
     prefill_block_tables: list[torch.Tensor]
 
 
+class PackedStep(Protocol):
+    """What addressing reads of a packed step (the model runner's
+    :class:`~xllm.core.model_runner.BatchInputs` is one; defined here so that no KV module imports
+    the runner): decode rows first, then prefill chunks; ``address`` is what :meth:`KVAddressing.pack`
+    gave for the step."""
+
+    address: SlotAddress | PageAddress
+    positions: torch.Tensor             # position of every packed row
+    num_decode: int                     # decode rows (one per decoding sequence), first
+    decode_context_lens: torch.Tensor   # context length of each decoding sequence after the step
+    prefill_query_starts: list[int]     # prefill chunk row offsets within the prefill rows (one more than chunks)
+    prefill_context_lens: list[int]     # context length of each chunk's sequence after the step
+
+
 class KVAddressing(ABC):
     """The addressing of one backend (``kv``): packing a step's addresses and attending over them."""
 
@@ -82,10 +95,10 @@ class KVAddressing(ABC):
         step advances ``num_computed_tokens``); ``decodes``/``prefills`` are the chunks' sequences."""
 
     @abstractmethod
-    def context(self, batch: BatchInputs) -> AttentionContext:
+    def context(self, batch: PackedStep) -> AttentionContext:
         """The attention context of the packed step ``batch``."""
 
-    def decode_slots(self, batch: BatchInputs) -> torch.Tensor | None:
+    def decode_slots(self, batch: PackedStep) -> torch.Tensor | None:
         """The slot of each decoding sequence when the backend has slot views, else None."""
         return None
 
@@ -99,10 +112,10 @@ class SlotAddressing(KVAddressing):
                            decode_slots=tensor([s.slot for s in decodes]),
                            prefill_slots=[s.slot for s in prefills])
 
-    def context(self, batch: BatchInputs) -> SlotAttention:
+    def context(self, batch: PackedStep) -> SlotAttention:
         return SlotAttention(self.kv, batch)
 
-    def decode_slots(self, batch: BatchInputs) -> torch.Tensor:
+    def decode_slots(self, batch: PackedStep) -> torch.Tensor:
         return batch.address.decode_slots
 
 
@@ -117,7 +130,7 @@ class PageAddressing(KVAddressing):
             tables = tensor([s.kv_pages + [s.kv_pages[0]] * (width - len(s.kv_pages)) for s in decodes])
         return PageAddress(mapping, tables, [tensor(s.kv_pages) for s in prefills])
 
-    def context(self, batch: BatchInputs) -> PagedAttention:
+    def context(self, batch: PackedStep) -> PagedAttention:
         return PagedAttention(self.kv, batch)
 
 
@@ -132,7 +145,7 @@ class _StepAttention:
     """An :class:`~xllm.core.model_api.AttentionContext` for one packed step: decode rows first, then
     prefill chunks, whose outputs are concatenated in that order."""
 
-    def __init__(self, kv: LayerKV, batch: BatchInputs) -> None:
+    def __init__(self, kv: LayerKV, batch: PackedStep) -> None:
         self.kv = kv
         self.batch = batch
 
@@ -155,7 +168,7 @@ class _PrefillIndex:
 class SlotAttention(_StepAttention):
     """Attention over slot-addressed KV: reads each sequence's region in place."""
 
-    def __init__(self, kv: LayerKV, batch: BatchInputs) -> None:
+    def __init__(self, kv: LayerKV, batch: PackedStep) -> None:
         super().__init__(kv, batch)
         self._prefill: _PrefillIndex | None = None
 

@@ -27,7 +27,7 @@ from xllm.kernels.attention_quant import (
 from xllm.kernels.kv_quant import KVQuantFormat
 
 if TYPE_CHECKING:
-    from xllm.core.kv.base import KVCacheLayout
+    from xllm.core.kv.layout import KVCacheLayout
 
 
 def _no_latent(v) -> None:

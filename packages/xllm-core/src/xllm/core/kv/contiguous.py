@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from xllm.core.kv.addressing_quant import slot_addressing
-from xllm.core.kv.base import KVCacheBackend, KVCacheLayout
+from xllm.core.kv.base import KVCacheBackend
+from xllm.core.kv.layout import KVCacheLayout
 
 
 class ContiguousKVCache(KVCacheBackend):

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from xllm.core.errors import ConfigError
 from xllm.core.kv.page_store import PageStore
+from xllm.engine_api.errors import ConfigError
 from xllm.kvstore.file_tier import FileTier
 from xllm.kvstore.mooncake_tier import MooncakeTier, parse_url
 from xllm.kvstore.tier import DISK, HOST, STORE, KVTier, TierDownError, TierStats, namespace

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from xllm.core.kv.addressing_quant import page_addressing
-from xllm.core.kv.base import KVCacheLayout
+from xllm.core.kv.layout import KVCacheLayout
 from xllm.core.kv.page_store import PageStore
 from xllm.core.kv.prefix import PrefixCachingBackend
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from abc import abstractmethod
 
-from xllm.core.kv.base import KVCacheBackend, KVCacheLayout, PrefixStats
+from xllm.core.kv.base import KVCacheBackend
+from xllm.core.kv.layout import KVCacheLayout, PrefixStats
 from xllm.core.kv.lower_tiers import LoadJob, LowerTiers
 from xllm.core.kv.page_pool import PagePool, PageStatus
 from xllm.kvstore.tier import TierStats
 
 
 class PrefixCachingBackend(KVCacheBackend):
+    prefix_cache = True
+
     def __init__(self, layout: KVCacheLayout) -> None:
         super().__init__(layout)
         self.pool = PagePool(layout.num_blocks)
@@ -64,7 +67,7 @@ class PrefixCachingBackend(KVCacheBackend):
             hits.append(page)
         return hits
 
-    # ---- KVAllocator ---------------------------------------------------------------
+    # ---- KVAllocator (xllm.core.kv.contracts) ---------------------------------------------------------------
     def admit(self, seq, max_new_tokens: int) -> int:
         if seq.kv_pages:
             raise ValueError(f"{seq.request_id} already holds KV pages")

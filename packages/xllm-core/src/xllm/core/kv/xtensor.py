@@ -38,11 +38,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from xllm.core.kv.addressing_quant import slot_addressing
-from xllm.core.kv.base import KVCacheLayout
+from xllm.core.kv.layout import KVCacheLayout
 from xllm.core.kv.page_pool import PageStatus
 from xllm.core.kv.page_store import PageStore
 from xllm.core.kv.prefix import PrefixCachingBackend
-from xllm.core.kv.vmm import OS_PAGE, VirtualMemory, VMMError, free_map_slots
+from xllm.core.kv.vmm import OS_PAGE, VirtualMemory, VMMError, free_map_slots, supported
+from xllm.core.model_api import KVCacheSpec
+from xllm.kernels import kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +58,50 @@ DEFAULT_BLOCK_TOKENS = 128
 
 def default_block_size(unit: int, max_model_len: int) -> int:
     """xTensor's block size when none is asked for: the least multiple of ``unit`` (the page-aligned size,
-    :func:`~xllm.core.kv.base.page_aligned_block_size`) of at least :data:`DEFAULT_BLOCK_TOKENS`, but not past
+    :func:`page_aligned_block_size`) of at least :data:`DEFAULT_BLOCK_TOKENS`, but not past
     ``max_model_len`` rounded up to the unit (a longer block could not be filled). It depends on the model and
     ``max_model_len`` only, so the instances of a cluster agree on it (KV hand-offs and shared tiers need one
     layout) whatever memory each has."""
     longest = -(-max_model_len // unit) * unit
     return max(unit, min(longest, -(-DEFAULT_BLOCK_TOKENS // unit) * unit))
+
+
+def page_aligned_block_size(spec: KVCacheSpec, dtype: torch.dtype, minimum: int = 16, os_page: int = 4096) -> int:
+    """The smallest multiple of ``minimum`` tokens whose per-layer K and V blocks are
+    whole OS pages (what xTensor's mmap needs)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    sizes = [spec.num_kv_heads * d * elem for d in (spec.head_dim, spec.v_head_dim) if d]
+    bs = minimum
+    while any((bs * s) % os_page for s in sizes):
+        bs += minimum
+        if bs > 4096:
+            raise ValueError(f"no block size up to 4096 tokens aligns KV rows of {sizes} bytes to {os_page}")
+    return bs
+
+
+def quantized_block_layout(spec: KVCacheSpec, block_size: int | None, minimum: int = 16, os_page: int = 4096,
+                           max_padding: float = 1 / 16, max_block: int = 256) -> tuple[int, int]:
+    """``(block_size, row_align)`` of a quantized xTensor cache: a block of quantized rows must be whole OS
+    pages, so rows are padded to a multiple of ``os_page / gcd(block_size, os_page)`` bytes. With
+    ``block_size`` given, only the padding is chosen; otherwise the smallest multiple of ``minimum``
+    tokens (up to ``max_block``) whose padding costs at most ``max_padding`` of the row, else the one
+    with the least padding (SmolLM2-135M, 3 KV heads of 64: 204-byte rows, 256-token blocks of 208-byte
+    rows; 8 KV heads of 128: 1056-byte rows, 64-token blocks of 1088-byte rows)."""
+    raw = max(kv_quant.row_bytes(spec.num_kv_heads, d) for d in (spec.head_dim, spec.v_head_dim) if d)
+
+    def align(bs: int) -> int:
+        return os_page // math.gcd(bs, os_page)
+
+    if block_size is not None:
+        return block_size, align(block_size)
+    best = None
+    for bs in range(minimum, max_block + 1, minimum):
+        padded = kv_quant.row_bytes(spec.num_kv_heads, spec.head_dim, align(bs))
+        if padded - raw <= raw * max_padding:
+            return bs, align(bs)
+        if best is None or padded < best[0]:
+            best = (padded, bs)
+    return best[1], align(best[1])
 
 
 class XTensorKVCache(PrefixCachingBackend):
@@ -144,6 +184,28 @@ class XTensorKVCache(PrefixCachingBackend):
         # positions placed but not mapped yet -> page: mapped by _flush, in runs, before anything reads them
         self._unflushed: dict[tuple[int, int], int] = {}
         self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xtensor-map")
+
+    # ---- sizing (asked by build_kv_cache) --------------------------------------------------------
+    @classmethod
+    def substitute(cls, device: torch.device) -> str | None:
+        """The paged backend where virtual memory control is unavailable (non-Linux, or a device other
+        than the CPU for now)."""
+        if device.type == "cpu" and supported():
+            return None
+        log.warning("xTensor needs Linux virtual memory control on the CPU here; using the paged backend")
+        return "paged"
+
+    @classmethod
+    def block_layout(cls, spec: KVCacheSpec, dtype: torch.dtype, max_model_len: int, block_size: int | None,
+                     kv_dtype: str) -> tuple[int, int]:
+        """Blocks whose every layer's K and V are whole OS pages (what the mappings need): by default
+        :func:`default_block_size`; quantized rows padded so that the block asked for (or the one
+        :func:`quantized_block_layout` picks) is whole pages."""
+        if kv_dtype != "auto":
+            return quantized_block_layout(spec, block_size)
+        if block_size is None:
+            return default_block_size(page_aligned_block_size(spec, dtype), max_model_len), 1
+        return block_size, 1
 
     def _range_view(self, base: int, page_bytes: int, head_dim: int) -> torch.Tensor:
         """``[max_num_seqs, max_len, *row]`` over one range's regions (slot ``s``'s at ``base + s *

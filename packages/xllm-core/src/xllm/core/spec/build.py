@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from xllm.core.config import EngineConfig
-from xllm.core.errors import ConfigError
 from xllm.core.model_api import CausalLM
 from xllm.core.model_runner import ModelRunner
 from xllm.core.spec.base import ProposerContext
 from xllm.core.spec.mtp import MTPProposer
-from xllm.core.spec.registry import PROPOSERS
 from xllm.core.spec.speculator import Speculator
+from xllm.engine_api.errors import ConfigError
+from xllm.engine_api.names import PROPOSERS
 
 
 def build_speculator(config: EngineConfig, max_model_len: int, device: torch.device, vocab_size: int,

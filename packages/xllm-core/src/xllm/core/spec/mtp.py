@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from xllm.core.errors import ConfigError
 from xllm.core.model_api import AttentionContext, KVCacheSpec
 from xllm.core.model_runner import BatchInputs
 from xllm.core.sequence import SeqStatus, Sequence
 from xllm.core.spec.base import MTPLayer, ProposerContext, SupportsMTP
 from xllm.core.spec.shadow import TAIL, ShadowDrafter
+from xllm.engine_api.errors import ConfigError
 
 
 @dataclass

@@ -13,9 +13,9 @@ the fused native steps where the target has them.
 
 from __future__ import annotations
 
-from xllm.core.errors import ConfigError
 from xllm.core.spec.base import ProposerContext, SupportsLayerPrefix
 from xllm.core.spec.shadow import ShadowDrafter
+from xllm.engine_api.errors import ConfigError
 
 
 def default_self_layers(num_layers: int) -> int:

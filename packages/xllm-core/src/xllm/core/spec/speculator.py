@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from xllm.core.kv.base import KVCacheBackend
+from xllm.core.kv.contracts import KVAllocator
 from xllm.core.sequence import PLACEHOLDER, Phase, SeqStatus, Sequence
 from xllm.core.spec.base import Proposer
 from xllm.core.spec.costs import DraftCosts, StepCosts, plan_drafts
@@ -157,7 +157,7 @@ class Speculator:
         state = self._state.get(seq)
         return state is None or state.off_steps == 0
 
-    def draft(self, decodes: list[Sequence], kv: KVCacheBackend, budget: int, max_model_len: int
+    def draft(self, decodes: list[Sequence], kv: KVAllocator, budget: int, max_model_len: int
               ) -> dict[Sequence, list[int]]:
         """Drafts for this step's decoding sequences ``decodes`` (each scheduled for its one known
         token), within ``budget`` extra tokens, their KV room reserved. Sequences absent from the

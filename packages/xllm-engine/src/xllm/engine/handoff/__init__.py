@@ -3,16 +3,8 @@
 - :mod:`~xllm.engine.handoff.manager`: :class:`HandoffManager`, both sides of every hand-off of one
   engine (reservations, sending, installing, timeouts, counters);
 - :mod:`~xllm.engine.handoff.base`: the transport contract and the checks byte transports share;
-- transports, by name in :data:`KV_TRANSPORTS` (``--kv-transfer``): ``fd`` (one host: the prefill
+- transports, by name in :data:`xllm.engine_api.names.KV_TRANSPORTS` (``--kv-transfer``): ``fd`` (one host: the prefill
   instance's memfd passed over a Unix socket, pages copied in the kernel), ``grpc`` (blocks streamed
   over the engines' gRPC service, CRC-checked), ``mooncake`` (blocks through a Mooncake store, then
   the commit over gRPC).
 """
-
-from xllm.common import NameRegistry
-
-KV_TRANSPORTS: NameRegistry = NameRegistry("KV transport", {
-    "fd": "xllm.engine.handoff.fd:TRANSPORT",
-    "grpc": "xllm.engine.handoff.grpc:TRANSPORT",
-    "mooncake": "xllm.engine.handoff.mooncake:TRANSPORT",
-})

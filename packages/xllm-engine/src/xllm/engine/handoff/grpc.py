@@ -33,7 +33,7 @@ from xllm.engine.handoff.base import (
     crc32,
     write_pages_checked,
 )
-from xllm.engine.security import NO_SECURITY, ClusterSecurity, open_channel
+from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, open_channel
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from xllm.core import AsyncEngine
 from xllm.core.disagg import Handoff, LayerObserver, MoveReady, PromptFinishing, Reservation
 from xllm.core.kv.lower_tiers import LowerTiers
-from xllm.engine.handoff import KV_TRANSPORTS
 from xllm.engine.handoff.base import (
     TIERS_OPTION,
     Destination,
@@ -45,6 +44,7 @@ from xllm.engine.handoff.base import (
     block_range,
 )
 from xllm.engine.handoff.migration import Migrations
+from xllm.engine_api.names import KV_TRANSPORTS
 from xllm.proto.engine.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
@@ -73,11 +73,11 @@ class HandoffManager:
         self.engine = engine
         self.options = options
         self.count = count
-        llm = engine.engine
-        self.store = llm.kv.page_store()
-        self.block_size = llm.layout.block_size
-        self.num_layers = llm.layout.spec.num_layers
-        self.layout = llm.layout.fingerprint
+        layout = engine.kv_layout
+        self.store = engine.page_store()
+        self.block_size = layout.block_size
+        self.num_layers = layout.spec.num_layers
+        self.layout = layout.fingerprint
         self.address = ""  # this instance's EngineService address (gRPC and Mooncake transports)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reserved: dict[str, _Reserved] = {}
@@ -104,12 +104,12 @@ class HandoffManager:
             if self.options.transport == "mooncake" and not (self.tiers is not None and self.tiers.has_store):
                 log.warning("--kv-transfer mooncake without a cluster KV store tier (--kv-store): hand-offs to "
                             "this instance arrive as pages")
-            self.engine.engine.disagg = self
+            self.engine.attach_disagg(self)
 
     @property
     def tiers(self) -> LowerTiers | None:
         """The engine's KV tiers below its memory (the store path reads and publishes through them)."""
-        return self.engine.engine.kv.lower_tiers
+        return self.engine.lower_tiers
 
     def fetch_from_store(self, hashes: list[int], pages: tuple[int, ...]) -> int:
         tiers = self.tiers
@@ -205,7 +205,7 @@ class HandoffManager:
         if state.expiry is not None:
             state.expiry.cancel()
         if state.abandoned:
-            await self.engine.execute(lambda e: e.release_kv(rid))
+            await self.engine.release_kv(rid)
             return False
         received_bytes += state.staged_bytes
         started = state.staged_from if state.staged_from is not None else started
@@ -226,7 +226,7 @@ class HandoffManager:
             if ok else 0,
             transport=self.options.transport, recomputed=not ok, failure=error,
             overlapped_seconds=overlapped if ok else 0.0, store_blocks=store_blocks if ok else 0)
-        await self.engine.execute(lambda e: e.install_kv(commit, received=ok))
+        await self.engine.install_kv(commit, received=ok)
         return ok
 
     def _staged(self, state: _Reserved, received_bytes: int, error: str, started: float | None) -> bool:
@@ -260,7 +260,7 @@ class HandoffManager:
         del self._reserved[request_id]
         self.count("kv_reservations_expired", 1)
         log.warning("KV reservation %s expired: no prefill instance sent its KV", request_id)
-        self._spawn(self.engine.execute(lambda e: e.release_kv(request_id)))
+        self._spawn(self.engine.release_kv(request_id))
 
     def _abandon(self, request_id: str) -> None:
         out = self._sending.get(request_id)
@@ -278,7 +278,7 @@ class HandoffManager:
             self._reserved.pop(request_id)
             if state.expiry is not None:
                 state.expiry.cancel()
-        self._spawn(self.engine.execute(lambda e: e.release_kv(request_id)))  # either side: nothing reads it
+        self._spawn(self.engine.release_kv(request_id))  # either side: nothing reads it
 
     # ---- prefill side -------------------------------------------------------------------------------
     def sender(self, transport: str) -> KVSender:
@@ -320,7 +320,7 @@ class HandoffManager:
         out = self._sending.get(h.request_id)
         if out is not None and out.task.done():  # the stream failed before the first token (counted there)
             del self._sending[h.request_id]
-            self._spawn(self.engine.execute(lambda e: e.release_kv(h.request_id)))
+            self._spawn(self.engine.release_kv(h.request_id))
             return
         if out is None:  # not streamed: every layer is final now
             out = self._outgoing(h.request_id, h.target, h.num_tokens, h.pages)
@@ -360,7 +360,7 @@ class HandoffManager:
         if not out.committed:  # failed while the prefill ran: the KV is released when its hand-off comes
             return
         self._sending.pop(request_id, None)
-        await self.engine.execute(lambda e: e.release_kv(request_id))
+        await self.engine.release_kv(request_id)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

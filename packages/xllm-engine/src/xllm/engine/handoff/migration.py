@@ -85,7 +85,7 @@ class Migrations:
         first = target.matched_tokens // bs
         try:
             sender = m.sender(target.transport)
-            snap = await m.engine.execute(lambda e: e.move_snapshot(rid))
+            snap = await m.engine.move_snapshot(rid)
             if snap is None:
                 raise TransferError("the request is not running here")
             staged = range(first, max(first, min(snap.num_computed_tokens, num_tokens) // bs))
@@ -93,7 +93,7 @@ class Migrations:
             if staged:
                 sent += (await self._send(sender, target, snap.pages, staged, COPY)).bytes
             self._ready[rid] = asyncio.get_running_loop().create_future()
-            if not await m.engine.execute(lambda e: e.pause_for_move(rid)):
+            if not await m.engine.pause_for_move(rid):
                 raise TransferError("the request stopped running here")
             ready = await asyncio.wait_for(self._ready[rid], m.options.handoff_timeout)
             paused = time.monotonic()
@@ -121,7 +121,7 @@ class Migrations:
                  sent, len(staged), len(rest), len(ready.token_ids) - num_tokens,
                  1e3 * (time.monotonic() - started), 1e3 * (time.monotonic() - paused))
         with contextlib.suppress(Exception):  # the engine stopped: nothing to release
-            await m.engine.execute(lambda e: e.release_kv(rid))
+            await m.engine.release_kv(rid)
 
     async def _send(self, sender, target: engine_pb2.KVTarget, pages: Sequence[int], blocks: range, stage: int,
                     num_tokens: int = 0, appended: Sequence[int] = (), sent_chars: int = 0) -> TransferResult:

@@ -14,7 +14,7 @@ from contextvars import ContextVar
 
 from fastapi.responses import JSONResponse
 
-from xllm.core.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from xllm.engine_api.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-from xllm.core.sampling_params import MAX_BEAM_WIDTH, MAX_TOP_LOGPROBS
+from xllm.engine_api.bounds import MAX_BEAM_WIDTH, MAX_TOP_LOGPROBS
 from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from xllm.gateway.openai.protocol_recommend import RecommendRequest

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from xllm.core.sampling_params import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
+from xllm.engine_api.bounds import MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 
 StopField = str | list[str] | None
 

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from xllm.core.sampling_params import MAX_BEAM_WIDTH
+from xllm.engine_api.bounds import MAX_BEAM_WIDTH
 from xllm.gateway.openai.protocol import INT32_MAX, ChatMessage, Identifier, TokenId, _Strict
 
 

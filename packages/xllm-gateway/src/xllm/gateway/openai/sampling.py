@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xllm.core.sampling_params import MIN_TEMPERATURE
+from xllm.engine_api.bounds import MIN_TEMPERATURE
 from xllm.gateway.openai.protocol import _SamplingFields
 from xllm.proto.engine.v1 import engine_pb2
 

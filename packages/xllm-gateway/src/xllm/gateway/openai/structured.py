@@ -2,7 +2,7 @@
 
 :func:`structured_output` turns the request's fields into one ``StructuredOutput`` message (at most
 one constraint per request: two are a 400 naming the second) and checks it with the grammar
-engine's own validator (:func:`xllm.core.grammar_spec.check`), so an invalid schema, regex or
+engine's own validator (:func:`xllm.engine_api.grammar_spec.check`), so an invalid schema, regex or
 grammar is a 400 naming its field before anything is submitted, in embedded and cluster mode alike.
 The engine compiles the same text (:mod:`xllm.core.grammar`) and enforces it token by token.
 Runs on the preprocessor's threads (a large schema takes milliseconds to check).
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 
-from xllm.core.errors import InvalidRequestError
-from xllm.core.grammar_spec import check
+from xllm.engine_api.errors import InvalidRequestError
+from xllm.engine_api.grammar_spec import check
 from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.protocol import _SamplingFields
 from xllm.proto.engine.v1 import engine_pb2

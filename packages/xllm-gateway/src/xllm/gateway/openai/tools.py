@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from xllm.core.grammar_spec import lark_string
+from xllm.engine_api.grammar_spec import lark_string
 
 
 @dataclass(frozen=True)

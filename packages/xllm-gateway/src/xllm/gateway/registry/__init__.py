@@ -2,7 +2,7 @@
 load and KV contents.
 
 One view (:class:`Registry`), two backends; the instances' side of each backend is in
-:mod:`xllm.engine.registration`:
+:mod:`xllm.engine_api.registration`:
 
 - :class:`EmbeddedRegistry`: the single-machine default, in the gateway process; in-process
   engines are added directly, engine processes register over ``RegistryService`` (gRPC) with

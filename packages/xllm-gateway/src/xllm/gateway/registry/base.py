@@ -4,7 +4,7 @@ A registry backend has two halves speaking the same ``xllm.registry.v1`` message
 
 - the *publisher* side, used by an engine instance: register ``InstanceInfo`` under a lease,
   heartbeat (``Heartbeat``: load, KV cache events, counters) to keep the lease, deregister on
-  shutdown (:mod:`xllm.engine.registration`);
+  shutdown (:mod:`xllm.engine_api.registration`);
 - the *view* side, used by a gateway: :class:`Registry` below. It holds one
   :class:`InstanceState` per live instance (its info, an engine client, the last heartbeat)
   and feeds the instances' KV events into the :class:`~xllm.kvstore.GlobalKVIndex` that
@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from xllm.engine.client import EngineClient, GrpcEngineClient
-from xllm.engine.wire import InstanceUnavailableError
+from xllm.engine_api.client import EngineClient, GrpcEngineClient
+from xllm.engine_api.wire import InstanceUnavailableError
 from xllm.gateway.breaker import CircuitBreaker
 from xllm.kvstore import GAP, GlobalKVIndex
 from xllm.proto.enums import role_name

@@ -3,11 +3,11 @@
 In-process engines are added directly (:meth:`Registry.register`). Engine processes started
 next to the gateway (``xllm serve --instances N``) register over gRPC with the
 ``xllm.registry.v1.RegistryService`` the gateway serves on a loopback port over this registry's
-lease table (:func:`xllm.engine.registration.embedded.serve_registry`, where the engines' side
+lease table (:func:`xllm.engine_api.registration.embedded.serve_registry`, where the engines' side
 lives too): a lease per registration, renewed by every heartbeat, swept when it expires (the
 same semantics as the etcd backend's leases, without etcd). Lease ids are random, TTLs bounded,
 and a live instance id cannot be taken over by another address (the rules are in
-:mod:`xllm.engine.registration.embedded`).
+:mod:`xllm.engine_api.registration.embedded`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from xllm.engine.client import EngineClient
-from xllm.engine.registration.embedded import MAX_TTL, MIN_TTL, LeaseConflictError
+from xllm.engine_api.client import EngineClient
+from xllm.engine_api.registration.embedded import MAX_TTL, MIN_TTL, LeaseConflictError
 from xllm.gateway.registry.base import Registry
 from xllm.proto.registry.v1 import instance_pb2
 
@@ -38,7 +38,7 @@ class _Lease:
 
 class EmbeddedRegistry(Registry):
     """In-process registry; remote engines hold leases renewed by heartbeats
-    (a :class:`xllm.engine.registration.embedded.LeaseTable`)."""
+    (a :class:`xllm.engine_api.registration.embedded.LeaseTable`)."""
 
     backend = "embedded"
 

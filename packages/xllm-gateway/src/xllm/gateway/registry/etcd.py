@@ -1,7 +1,7 @@
 """The gateway side of the etcd registry backend: a watch over the instances registered in etcd.
 
 The key layout and the instance side (lease, info and heartbeat keys) are in
-:mod:`xllm.engine.registration.etcd`. :class:`EtcdRegistry` reads the prefix once, then watches it
+:mod:`xllm.engine_api.registration.etcd`. :class:`EtcdRegistry` reads the prefix once, then watches it
 from the next revision: PUT of an instance key adds or replaces an instance, PUT of a heartbeat
 key applies load and KV events, DELETE of an instance key removes it. When the watch breaks, stays
 silent for ``watch_timeout`` s (a frozen etcd, a dead connection: etcd is asked for progress
@@ -30,9 +30,9 @@ from collections.abc import Callable
 
 import httpx
 
-from xllm.engine.client import EngineClient
-from xllm.engine.registration.etcd import DEFAULT_PREFIX, EtcdLayout
-from xllm.engine.registration.etcd_client import (
+from xllm.engine_api.client import EngineClient
+from xllm.engine_api.registration.etcd import DEFAULT_PREFIX, EtcdLayout
+from xllm.engine_api.registration.etcd_client import (
     DEFAULT_WATCH_TIMEOUT,
     EtcdClient,
     EtcdCompacted,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from xllm.engine.registration.agent import InstanceAgent
-from xllm.engine.registration.etcd_client import EtcdUnavailable
+from xllm.engine_api.registration.agent import InstanceAgent
+from xllm.engine_api.registration.etcd_client import EtcdUnavailable
 from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.testing.processes import until
@@ -16,7 +16,7 @@ INFO = instance_pb2.InstanceInfo(instance_id="e0", address="127.0.0.1:1")
 
 
 class FlakyRegistry:
-    """A :class:`~xllm.engine.registration.agent.Publisher` over a set of leases; while ``down`` every
+    """A :class:`~xllm.engine_api.registration.agent.Publisher` over a set of leases; while ``down`` every
     call raises like an unreachable etcd."""
 
     def __init__(self) -> None:

@@ -21,7 +21,7 @@ draining                      UNAVAILABLE         ``InstanceUnavailableError``;
 handed back at shutdown       UNAVAILABLE         ``InstanceUnavailableError(handed_back)``;
                                                   ``xllm-handed-back: 1``
 wrong/missing cluster token   UNAUTHENTICATED     ``ClusterAuthError`` (a configuration
-(``xllm.engine.security``)    (PERMISSION_DENIED) error: not retried elsewhere)
+(``xllm.engine_api.security``)    (PERMISSION_DENIED) error: not retried elsewhere)
 ============================  ==================  =======================================
 
 Transport failures (UNAVAILABLE without our metadata: the process or the network went away, or a
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from xllm.core.errors import (
+from xllm.engine_api.errors import (
     EngineCrashedError,
     EngineDeadError,
     EngineError,

@@ -15,7 +15,7 @@ import json
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from xllm.core.errors import InvalidRequestError
+from xllm.engine_api.errors import InvalidRequestError
 from xllm.proto.engine.v1 import engine_pb2
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -147,7 +147,7 @@ def test_resumed_request_feeds_its_earlier_output_to_the_grammar(smollm2_fp32, s
 
 
 def test_invalid_constraints_are_refused_naming_their_field(smollm2_fp32, smollm2_tokenizer, grammars, prompts):
-    from xllm.core.errors import InvalidRequestError
+    from xllm.engine_api.errors import InvalidRequestError
 
     eng = engine(smollm2_fp32, smollm2_tokenizer, grammars)
     bad = [engine_pb2.StructuredOutput(json_schema='{"type": "strin"}', field="guided_json"),

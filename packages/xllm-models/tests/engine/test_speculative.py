@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from xllm.core import EngineConfig, LLMEngine
-from xllm.core.errors import ConfigError
+from xllm.engine_api.errors import ConfigError
 from xllm.models import load_model
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.models import IdTokenizer, save_random_hf_model

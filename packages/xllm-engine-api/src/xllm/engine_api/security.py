@@ -234,7 +234,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         return _refusing(handler)
 
 
-# Our clients ping every 10 s (xllm.engine.client); gRPC's server default expects pings at most every 5 min
+# Our clients ping every 10 s (xllm.engine_api.client); gRPC's server default expects pings at most every 5 min
 # while it sends nothing, and after 2 early ones closes the connection with GOAWAY "too_many_pings",
 # failing every call on it. A request queued for long in an overloaded engine did that (seen in
 # `benchmarks kv_tiers`' cluster runs: all streams of both engines failed with UNAVAILABLE "Too many pings").

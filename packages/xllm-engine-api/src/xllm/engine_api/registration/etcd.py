@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from xllm.engine.registration.embedded import DEFAULT_TTL
-from xllm.engine.registration.etcd_client import EtcdClient, EtcdLeaseNotFound
+from xllm.engine_api.registration.embedded import DEFAULT_TTL
+from xllm.engine_api.registration.etcd_client import EtcdClient, EtcdLeaseNotFound
 from xllm.proto.registry.v1 import instance_pb2
 
 DEFAULT_PREFIX = "/xllm"
@@ -73,7 +73,7 @@ class EtcdPublisher:
 
     async def heartbeat(self, hb: instance_pb2.Heartbeat) -> bool:
         """Renew the lease and rewrite the heartbeat key; False when etcd no longer knows the lease
-        (expired, or etcd lost its data); an :class:`~xllm.engine.registration.etcd_client.EtcdError`
+        (expired, or etcd lost its data); an :class:`~xllm.engine_api.registration.etcd_client.EtcdError`
         or an httpx error when etcd cannot be reached."""
         if self.lease is None:
             return False

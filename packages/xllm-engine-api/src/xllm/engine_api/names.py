@@ -1,4 +1,8 @@
-"""The dtypes an engine runs in, by name (torch is imported only when one is resolved)."""
+"""The name tables of the engine's flags: dtypes, weight quantizations, KV cache backends and
+their storage, speculative proposers, KV transports. Each :class:`~xllm.common.NameRegistry` maps
+a name to a ``"module:attribute"`` of the engine (``xllm.core``, ``xllm.engine``), imported only when
+one is resolved: the flags (:mod:`xllm.engine_api.flags`) list the choices without torch, the
+engine builds from the same tables."""
 
 from __future__ import annotations
 
@@ -33,3 +37,26 @@ def canonical_quantization(name: str) -> str:
     if key not in WEIGHT_QUANTIZATIONS:
         raise ValueError(f"unknown quantization {name!r}; known: {', '.join(quantization_choices())}")
     return key
+
+KV_BACKENDS: NameRegistry = NameRegistry("KV cache backend", {  # --kv-cache-backend
+    "xtensor": "xllm.core.kv.xtensor:XTensorKVCache",
+    "paged": "xllm.core.kv.paged:PagedKVCache",
+    "contiguous": "xllm.core.kv.contiguous:ContiguousKVCache",
+})
+
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8", "fp8_e4m3")
+"""``--kv-cache-dtype`` values: ``auto`` stores K/V in the model dtype; ``int8`` and ``fp8_e4m3`` store
+one-byte codes with an fp32 scale per token and KV head (:mod:`xllm.kernels.kv_quant`)."""
+
+PROPOSERS: NameRegistry = NameRegistry("speculative proposer", {  # --speculative (xllm.core.spec)
+    "ngram": "xllm.core.spec.ngram:NgramProposer",
+    "self": "xllm.core.spec.selfspec:SelfProposer",
+    "draft": "xllm.core.spec.draft:DraftProposer",
+    "mtp": "xllm.core.spec.mtp:MTPProposer",
+})
+
+KV_TRANSPORTS: NameRegistry = NameRegistry("KV transport", {  # --kv-transfer (xllm.engine.handoff)
+    "fd": "xllm.engine.handoff.fd:TRANSPORT",
+    "grpc": "xllm.engine.handoff.grpc:TRANSPORT",
+    "mooncake": "xllm.engine.handoff.mooncake:TRANSPORT",
+})

@@ -1,9 +1,9 @@
 """The engine's command-line flags, defined once for ``xllm engine`` (an instance process) and
 ``xllm serve`` (whose embedded or spawned engines take the same engine flags).
 
-No torch here: choices come from the name tables (:data:`xllm.core.DTYPES`,
-:data:`xllm.core.kv.KV_BACKENDS`) and :func:`engine_config` imports the engine runtime only
-when it builds a config.
+No torch here: choices come from the name tables (:mod:`xllm.engine_api.names`). What the engine
+builds from the flags (its ``EngineConfig`` and hand-off options) is the server half's:
+:mod:`xllm.engine.config`.
 """
 
 from __future__ import annotations
@@ -11,22 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from typing import TYPE_CHECKING
 
-from xllm.common.argtypes import fraction, positive_int
-from xllm.core.dtypes import DTYPES, quantization_choices
-from xllm.core.kv.registry import KV_BACKENDS, KV_CACHE_DTYPES
-from xllm.core.spec.registry import PROPOSERS
-from xllm.engine.handoff import KV_TRANSPORTS
-from xllm.engine.handoff.base import HandoffOptions
-from xllm.engine.registration.etcd import DEFAULT_PREFIX
-from xllm.engine.security import TOKEN_ENV, ClusterSecurity, resolve_token
+from xllm.common.argtypes import fraction, positive_float, positive_int
+from xllm.engine_api.names import DTYPES, KV_BACKENDS, KV_CACHE_DTYPES, KV_TRANSPORTS, PROPOSERS, quantization_choices
+from xllm.engine_api.registration.etcd import DEFAULT_PREFIX
+from xllm.engine_api.security import TOKEN_ENV, ClusterSecurity, resolve_token
 from xllm.proto.enums import ROLE_NAMES
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
-
-if TYPE_CHECKING:
-    from xllm.core.config import DEFAULT_TOKEN_BUDGET, EngineConfig
-
 
 ENGINE_DESCRIPTION = ("Run one engine instance serving the xllm.engine.v1.EngineService gRPC contract; with "
                       "--etcd (or --registry) it registers itself and heartbeats load and KV cache events so "
@@ -37,13 +28,6 @@ def context_length(text: str) -> int:
     value = int(text)
     if value < 2:
         raise argparse.ArgumentTypeError(f"must be >= 2 (a prompt token and a generated one), got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 
@@ -208,7 +192,7 @@ def add_etcd_flags(p: argparse.ArgumentParser, what: str) -> None:
 
 def add_security_flags(p: argparse.ArgumentParser) -> None:
     """How the internal gRPC services (engines, embedded registry, KV transfer) are protected
-    (:mod:`xllm.engine.security`); the same flags on ``xllm serve`` and ``xllm engine``."""
+    (:mod:`xllm.engine_api.security`); the same flags on ``xllm serve`` and ``xllm engine``."""
     g = p.add_argument_group("cluster security", "authentication and TLS of the internal gRPC services")
     g.add_argument("--cluster-token", default=None, metavar="TOKEN",
                    help=f"shared secret every engine and gateway of the cluster presents and requires on the "
@@ -229,7 +213,7 @@ def add_security_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cluster_security(args: argparse.Namespace) -> ClusterSecurity:
-    """The :class:`~xllm.engine.security.ClusterSecurity` the security and etcd flags describe (the
+    """The :class:`~xllm.engine_api.security.ClusterSecurity` the security and etcd flags describe (the
     token from ``--cluster-token``, ``--cluster-token-file`` or ``$XLLM_CLUSTER_TOKEN``); raises
     ``ValueError`` naming the flag to fix."""
     return ClusterSecurity(
@@ -297,15 +281,13 @@ def add_handoff_flags(p: argparse.ArgumentParser) -> None:
                         "and the gateway resumes it elsewhere)")
 
 
-def handoff_options(args: argparse.Namespace) -> HandoffOptions:
-    """The hand-off settings the flags describe (``ValueError`` names a missing companion flag)."""
+def check_handoff_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the missing companion flag of ``--kv-transfer`` (``xllm serve`` checks it
+    before it spawns engines; :func:`xllm.engine.config.handoff_options` before it builds the options)."""
     if args.kv_transfer == "mooncake" and not args.kv_store:
         raise ValueError("--kv-transfer mooncake hands KV off through the cluster KV store: it needs --kv-store "
                          "mooncake://HOST:PORT with --mooncake-metadata URL (or `xllm serve --kv-store "
                          "local-mooncake`)")
-    return HandoffOptions(
-        transport=args.kv_transfer, handoff_timeout=args.kv_handoff_timeout,
-        reservation_timeout=args.kv_reservation_timeout, transport_options={"timeout": args.kv_handoff_timeout})
 
 
 def add_engine_process_arguments(p: argparse.ArgumentParser) -> None:
@@ -315,40 +297,6 @@ def add_engine_process_arguments(p: argparse.ArgumentParser) -> None:
     add_security_flags(p)
     add_engine_flags(p)
     add_common_flags(p)
-
-
-def _store_url(value: str | None) -> str | None:
-    from xllm.kvstore.mooncake_local import LOCAL
-
-    if value == LOCAL:
-        raise ValueError(f"--kv-store {LOCAL} starts a store for `xllm serve` and its engines; an engine on its own "
-                         "joins a running one: --kv-store mooncake://HOST:PORT --mooncake-metadata URL")
-    return value
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The :class:`~xllm.core.EngineConfig` the engine flags describe (raises ``ConfigError``)."""
-    from xllm.core.config import EngineConfig  # the engine runtime: only where an engine is built
-
-    quantization = args.quantization
-    if quantization == "auto" and args.dtype is not None:
-        quantization = "none"  # an explicit --dtype asks for a GGUF's weights dequantized (README: Quantization)
-    return EngineConfig(
-        dtype=args.dtype or "bfloat16", quantization=quantization, device=args.device, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        kv_cache_memory_gib=args.kv_cache_memory, max_waiting_requests=args.max_waiting,
-        kv_cache_backend=args.kv_cache_backend, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
-        enable_prefix_cache=not args.no_prefix_cache, async_scheduling=args.async_scheduling,
-        native_decode=not args.no_native_decode, compile_decode=args.compile_decode,
-        num_threads=args.threads, seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-        offline_starvation_s=args.offline_starvation_s, offline_slo_fraction=args.offline_slo_fraction,
-        profile_path=args.profile, speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch,
-        draft_model_path=args.draft_model, speculative_self_layers=args.speculative_self_layers,
-        kv_host_memory_gib=args.kv_host_memory, kv_host_dir=args.kv_host_dir, kv_disk_dir=args.kv_disk_dir,
-        kv_disk_size_gib=args.kv_disk_size, kv_store=_store_url(args.kv_store),
-        kv_store_metadata=args.mooncake_metadata,
-        kv_store_segment_gib=args.kv_store_segment, item_catalog=args.item_catalog)
 
 
 def engine_args(args: argparse.Namespace, instances: int) -> list[str]:

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from xllm.engine.registration.agent import InstanceAgent
-from xllm.engine.registration.embedded import GrpcRegistryPublisher, serve_registry
-from xllm.engine.registration.etcd import EtcdLayout
-from xllm.engine.registration.etcd_client import parse_endpoints, prefix_range_end
+from xllm.engine_api.registration.agent import InstanceAgent
+from xllm.engine_api.registration.embedded import GrpcRegistryPublisher, serve_registry
+from xllm.engine_api.registration.etcd import EtcdLayout
+from xllm.engine_api.registration.etcd_client import parse_endpoints, prefix_range_end
 from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.testing.processes import until
@@ -18,7 +18,7 @@ from xllm.testing.registry import LocalPublisher
 
 
 class Leases:
-    """A lease table (xllm.engine.registration.embedded.LeaseTable) recording what it was told."""
+    """A lease table (xllm.engine_api.registration.embedded.LeaseTable) recording what it was told."""
 
     def __init__(self) -> None:
         self.infos: dict[int, instance_pb2.InstanceInfo] = {}

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from xllm.core import EngineConfig, LLMEngine
-from xllm.core.errors import ConfigError
 from xllm.core.sampling_params import SamplingParams
 from xllm.core.sequence import Sequence
 from xllm.core.spec.base import ProposerContext
 from xllm.core.spec.selfspec import SelfProposer
+from xllm.engine_api.errors import ConfigError
 from xllm.models import load_model
 from xllm.models.config import ModelConfigError
 from xllm.testing.models import IdTokenizer, save_random_hf_model
@@ -146,7 +146,8 @@ def test_invalid_values_name_the_flag(target):
 def test_engine_flags_refuse_bad_values():
     import argparse
 
-    from xllm.engine.flags import add_engine_process_arguments, engine_config
+    from xllm.engine.config import engine_config
+    from xllm.engine_api.flags import add_engine_process_arguments
 
     p = argparse.ArgumentParser()
     add_engine_process_arguments(p)

@@ -16,8 +16,8 @@ from typing import Protocol
 
 import grpc
 
-from xllm.engine.security import NO_SECURITY, ClusterSecurity, open_channel
-from xllm.engine.wire import ACCEPTED_KEY, InstanceUnavailableError, error_from_status
+from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, open_channel
+from xllm.engine_api.wire import ACCEPTED_KEY, InstanceUnavailableError, error_from_status
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
@@ -108,7 +108,7 @@ class GrpcEngineClient:
     """An instance serving ``xllm.engine.v1.EngineService`` at ``info.address``.
 
     The channel is created on first use (inside the caller's event loop), with the cluster token
-    and TLS of ``security`` (:func:`xllm.engine.security.open_channel`).
+    and TLS of ``security`` (:func:`xllm.engine_api.security.open_channel`).
     """
 
     def __init__(self, info: instance_pb2.InstanceInfo, rpc_timeout: float = 5.0,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from xllm.engine.registration.etcd_client import EtcdClient, EtcdError, EtcdUnavailable, EtcdWatchTimeout
+from xllm.engine_api.registration.etcd_client import EtcdClient, EtcdError, EtcdUnavailable, EtcdWatchTimeout
 from xllm.testing.processes import free_port
 
 GUARD = 20.0  # a bound on every call, so a test that fails hangs no longer than this

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xllm.core import EngineConfig, LLMEngine, StepStats
+from xllm.core import EngineConfig, LLMEngine
+from xllm.engine_api.stats import StepStats
 from xllm.models import load_model
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.models import IdTokenizer, save_random_hf_model, tiny_qwen3_config

@@ -9,7 +9,7 @@ it expires.
 Hardening (the registry decides who receives traffic, so it trusts nothing it is told):
 
 - the service requires the cluster token when there is one and binds loopback only without one
-  (:mod:`xllm.engine.security`);
+  (:mod:`xllm.engine_api.security`);
 - a lease id is a random 63-bit number, the capability to heartbeat and deregister: only the
   process that registered knows it;
 - the TTL a client asks for is clamped to ``[MIN_TTL, MAX_TTL]`` (the response says what was
@@ -28,7 +28,7 @@ from typing import Protocol
 
 import grpc
 
-from xllm.engine.security import NO_SECURITY, ClusterSecurity, bind, new_server, open_channel
+from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, bind, new_server, open_channel
 from xllm.proto.registry.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,116 @@
+"""Building the parts of an :class:`~xllm.core.engine.LLMEngine` from its config: the platform, the
+KV memory and the tiers below it, the model runner (and its compiled decode graph), the step-time
+predictor and the scheduler over its batch policy, speculation, beam search, and the forward worker.
+
+Each builder takes what it needs and returns one part; ``LLMEngine.__init__`` calls them in order
+and keeps what they return. Called on the thread that builds the engine (its compute thread).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Executor, ThreadPoolExecutor
+
+import torch
+
+from xllm.core.beam import BeamRunner
+from xllm.core.beam_check import load_catalog
+from xllm.core.config import EngineConfig
+from xllm.core.detokenizer import EngineTokenizer
+from xllm.core.grammar import Grammars
+from xllm.core.graph_runner import build_compiled_decode
+from xllm.core.kv import build_kv_cache
+from xllm.core.kv.base import KVCacheBackend
+from xllm.core.model_api import CausalLM
+from xllm.core.model_runner import ModelRunner
+from xllm.core.platform import Platform, configure_threads, detect_platform
+from xllm.core.scheduler import Scheduler
+from xllm.core.spec.speculator import Speculator
+from xllm.core.step_timing import StepTiming, load_step_model
+from xllm.kernels import native
+from xllm.sched import BATCH_POLICIES, BatchSettings
+
+
+def build_platform(config: EngineConfig, grammars: Grammars | None) -> Platform:
+    """The platform ``config.device`` names (``ValueError`` if it lacks ``config.dtype``), with the
+    torch threads set up; constrained decoding's masks then overlap the forward only on a spare
+    core (an OpenMP team sharing its cores with the grammar thread waits at every barrier) and with
+    kernels that release the GIL (else the grammar thread cannot run until the forward is over)."""
+    platform = detect_platform(config.device)
+    if not platform.supports_dtype(config.dtype):
+        raise ValueError(f"dtype {config.dtype} is not supported on {platform.name}")
+    threads = configure_threads(config.num_threads)
+    if grammars is not None:
+        lib = native.library()
+        grammars.overlap = threads < len(os.sched_getaffinity(0)) and (lib is None or not lib.holds_gil)
+    return platform
+
+
+def build_kv(config: EngineConfig, model: CausalLM, device: torch.device, max_model_len: int) -> KVCacheBackend:
+    """The KV memory ``config`` sizes for ``model``, with the tiers below it (T1 host, T2 disk, T3
+    store; :mod:`xllm.core.kv.lower_tiers`) when ``config.kv_tiers_enabled`` and one opens."""
+    kv = build_kv_cache(config.kv_cache_backend, model.kv_cache_spec(), config.dtype, device, config.max_num_seqs,
+                        max_model_len, config.kv_cache_memory_gib, config.block_size, config.enable_prefix_cache,
+                        config.kv_cache_dtype)
+    if config.kv_tiers_enabled:
+        from xllm.core.kv.lower_tiers import LowerTiers, build_store
+        store = build_store(kv.layout.fingerprint, config.kv_model_identity, config.kv_host_memory_gib,
+                            config.kv_host_dir, config.kv_disk_dir, config.kv_disk_size_gib, config.kv_store,
+                            config.kv_store_metadata, config.kv_store_segment_gib)
+        if store is not None:
+            kv.attach_tiers(LowerTiers(store, kv.page_store()))
+    return kv
+
+
+def build_runner(config: EngineConfig, model: CausalLM, kv: KVCacheBackend, device: torch.device) -> ModelRunner:
+    """The model runner over ``kv``, with a compiled decode graph when ``config.compile_decode``."""
+    runner = ModelRunner(model, kv, device, native_decode=config.native_decode)
+    if config.compile_decode:
+        runner.graph = build_compiled_decode(model, kv, runner, config.max_num_seqs)
+    return runner
+
+
+def build_step_timing(config: EngineConfig) -> StepTiming:
+    """The step-time predictor: ``config.profile_path``'s model corrected online, else one fitted on
+    the engine's own steps."""
+    return StepTiming(load_step_model(config.profile_path) if config.profile_path else None)
+
+
+def build_scheduler(config: EngineConfig, kv: KVCacheBackend, step_timing: StepTiming) -> Scheduler:
+    """The scheduler over ``kv``: online work as decode-first batching, offline (flex) work in what
+    it leaves within the TPOT SLO (the ``colocation`` batch policy, priced by ``step_timing``)."""
+    policy = BATCH_POLICIES.get("colocation").from_settings(BatchSettings(
+        config.max_num_seqs, config.max_num_batched_tokens,
+        slo_tpot_s=config.slo_tpot_ms / 1000 if config.slo_tpot_ms else None,
+        offline_slo_fraction=config.offline_slo_fraction, predict=step_timing.step_seconds,
+        starvation_s=config.offline_starvation_s))
+    return Scheduler(policy, kv)
+
+
+def build_spec(config: EngineConfig, model: CausalLM, draft_model: CausalLM | None, runner: ModelRunner,
+               max_model_len: int, device: torch.device) -> Speculator | None:
+    """Speculative decoding (:mod:`xllm.core.spec`): None unless ``config.speculative`` names a proposer."""
+    if config.speculative is None:
+        return None
+    from xllm.core.spec.build import build_speculator
+    return build_speculator(config, max_model_len, device, int(model.vocab_size), draft_model, target=model,
+                            runner=runner)
+
+
+def build_beams(config: EngineConfig, model: CausalLM, kv: KVCacheBackend, tokenizer: EngineTokenizer,
+                eos: frozenset[int]) -> BeamRunner:
+    """Beam search (:mod:`xllm.core.beam`): groups decoding after their prompt, and the item catalogue."""
+    catalog = load_catalog(config.item_catalog, int(model.vocab_size)) if config.item_catalog else None
+    return BeamRunner(model, kv, tokenizer, eos, catalog, max(config.max_num_batched_tokens, 512))
+
+
+def build_worker(config: EngineConfig, forward_executor: Executor | None) -> tuple[Executor | None, bool]:
+    """Where async scheduling runs forwards, and whether the engine owns it (shuts it down): the
+    caller's ``forward_executor`` (its ComputeThread, so that loading and forwards share one OpenMP
+    pool; see :mod:`xllm.core.compute_thread`), else a worker of the engine's own; none without
+    async scheduling."""
+    if not config.async_scheduling:
+        return None, False
+    if forward_executor is not None:
+        return forward_executor, False
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="xllm-forward"), True

@@ -1,0 +1,52 @@
+"""The engine's settings from its command-line flags (:mod:`xllm.engine_api.flags`): the
+:class:`~xllm.core.EngineConfig` and the :class:`~xllm.engine.handoff.base.HandoffOptions` an engine is
+built with. The server half's side of the flags: the flags themselves are torch-free, these build the
+engine runtime's objects (callers load an engine: ``xllm engine``, ``xllm profile``, ``xllm serve`` on
+one machine)."""
+
+from __future__ import annotations
+
+import argparse
+
+from xllm.core.config import EngineConfig
+from xllm.engine.handoff.base import HandoffOptions
+from xllm.engine_api.flags import check_handoff_flags
+from xllm.kvstore.mooncake_local import LOCAL
+
+
+def _store_url(value: str | None) -> str | None:
+    if value == LOCAL:
+        raise ValueError(f"--kv-store {LOCAL} starts a store for `xllm serve` and its engines; an engine on its own "
+                         "joins a running one: --kv-store mooncake://HOST:PORT --mooncake-metadata URL")
+    return value
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The :class:`~xllm.core.EngineConfig` the engine flags describe (raises ``ConfigError``)."""
+    quantization = args.quantization
+    if quantization == "auto" and args.dtype is not None:
+        quantization = "none"  # an explicit --dtype asks for a GGUF's weights dequantized (README: Quantization)
+    return EngineConfig(
+        dtype=args.dtype or "bfloat16", quantization=quantization, device=args.device, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        kv_cache_memory_gib=args.kv_cache_memory, max_waiting_requests=args.max_waiting,
+        kv_cache_backend=args.kv_cache_backend, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+        enable_prefix_cache=not args.no_prefix_cache, async_scheduling=args.async_scheduling,
+        native_decode=not args.no_native_decode, compile_decode=args.compile_decode,
+        num_threads=args.threads, seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+        offline_starvation_s=args.offline_starvation_s, offline_slo_fraction=args.offline_slo_fraction,
+        profile_path=args.profile, speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch,
+        draft_model_path=args.draft_model, speculative_self_layers=args.speculative_self_layers,
+        kv_host_memory_gib=args.kv_host_memory, kv_host_dir=args.kv_host_dir, kv_disk_dir=args.kv_disk_dir,
+        kv_disk_size_gib=args.kv_disk_size, kv_store=_store_url(args.kv_store),
+        kv_store_metadata=args.mooncake_metadata,
+        kv_store_segment_gib=args.kv_store_segment, item_catalog=args.item_catalog)
+
+
+def handoff_options(args: argparse.Namespace) -> HandoffOptions:
+    """The hand-off settings the flags describe (``ValueError`` names a missing companion flag)."""
+    check_handoff_flags(args)
+    return HandoffOptions(
+        transport=args.kv_transfer, handoff_timeout=args.kv_handoff_timeout,
+        reservation_timeout=args.kv_reservation_timeout, transport_options={"timeout": args.kv_handoff_timeout})
