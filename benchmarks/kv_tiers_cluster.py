@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import pathlib
 import random
 import sys
@@ -35,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from benchmarks.client import stream_routed
+from benchmarks.clusters import share_cluster_token
 from benchmarks.stats import percentile
 
 POLICIES = ("kv_aware", "kv_aware_t0", "least_load")
@@ -209,10 +211,13 @@ async def _warm_up(ports: dict[str, int], prompts: dict[str, list[list[int]]], w
     """Over each engine's own gRPC service: its two prompts in turn, then its first again (evicted by the
     second: loaded from T1); with the store, then the other engine's first prompt (loaded from T3)."""
     from xllm.engine_api.client import GrpcEngineClient
+    from xllm.engine_api.security import TOKEN_ENV, ClusterSecurity
     from xllm.proto.engine.v1 import engine_pb2
     from xllm.proto.registry.v1 import instance_pb2
 
-    clients = {iid: GrpcEngineClient(instance_pb2.InstanceInfo(instance_id=iid, address=f"127.0.0.1:{port}"))
+    security = ClusterSecurity(token=os.environ[TOKEN_ENV])  # the engines' (share_cluster_token)
+    clients = {iid: GrpcEngineClient(instance_pb2.InstanceInfo(instance_id=iid, address=f"127.0.0.1:{port}"),
+                                     security=security)
                for iid, port in ports.items()}
     ids = sorted(ports)
     plan = [(iid, prompts[iid][j]) for iid in ids for j in (0, 1, 0)]
@@ -250,6 +255,7 @@ def run_policy(policy: str, variant: str, s: ClusterSettings, trace: list[list[l
     store = engines = gateway = None
     with tempfile.TemporaryDirectory(prefix="xllm-kvt-", dir="/dev/shm") as shm:
         try:
+            share_cluster_token()
             etcd.start()
             store = start_local_mooncake(logs / "mooncake") if variant == "host+store" else None
             ports = {iid: free_port() for iid in ("e0", "e1")}

@@ -36,6 +36,7 @@ from benchmarks.clusters import (
     healthy,
     kv_blocks,
     most_streams,
+    share_cluster_token,
     wait_idle,
     wait_until,
 )
@@ -287,6 +288,7 @@ class EtcdDrainCluster:
         from xllm.testing.processes import EtcdServer, spawn
 
         self.logs.mkdir(parents=True, exist_ok=True)
+        share_cluster_token()
         self.etcd = EtcdServer(self.logs / "etcd")
         self.etcd.work.mkdir(parents=True, exist_ok=True)
         self.etcd.start()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -26,6 +27,9 @@ from xllm.testing.processes import ensure_etcd, free_port, spawn, stop_process_g
 
 STARTUP_TIMEOUT = 120.0
 STOP_TIMEOUT = 20.0
+# every process these tests start shares one cluster token (through the environment, as an operator would
+# pass it): `--etcd` refuses to start without one (xllm.engine_api.security.ClusterSecurity.check_cluster)
+CLUSTER_ENV = {**os.environ, "XLLM_CLUSTER_TOKEN": os.environ.get("XLLM_CLUSTER_TOKEN") or secrets.token_urlsafe(32)}
 
 
 
@@ -59,7 +63,7 @@ def start_server(log_dir: Path, *extra: str, timeout: float = STARTUP_TIMEOUT) -
     log_path = log_dir / f"xllm-serve-{port}.log"
     cmd = [sys.executable, "-m", "xllm.gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--no-progress", *extra]
-    server = Server(spawn(cmd, log_path), port, log_path)
+    server = Server(spawn(cmd, log_path, CLUSTER_ENV), port, log_path)
     try:
         wait_healthy(server.proc, f"{server.url}/health", timeout, "xllm serve", server.log_tail, interval=0.25)
     except BaseException:
@@ -230,7 +234,7 @@ def engines(tmp_path_factory) -> Iterator[Callable[..., Engine]]:
         log_path = log_dir / f"{instance_id}-{len(started)}.log"
         cmd = [sys.executable, "-m", "xllm.gateway", "engine", "--instance-id", instance_id, "--no-progress",
                *TINY_ENGINE_FLAGS, *flags]
-        engine = Engine(spawn(cmd, log_path), instance_id, log_path)
+        engine = Engine(spawn(cmd, log_path, CLUSTER_ENV), instance_id, log_path)
         started.append(engine)
         return engine
 

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from xllm.testing.hostile import CASES, CHAT, COMPLETIONS, MODEL, PROMPT_CHARS, chat, completion
-from xllm.testing.processes import free_port, wait_for
+from xllm.testing.processes import serving_in_thread
 
 pytestmark = pytest.mark.real_model  # the tiny model carries SmolLM2's tokenizer
 
@@ -62,18 +62,9 @@ def served(tiny_model_dir) -> Iterator[Served]:
         "--max-body-mib", str(BODY_LIMIT / 2**20), "--max-prompt-chars", str(PROMPT_CHARS)])
     app = build_embedded(ServeOptions(args.model, args.served_model_name, engine_config(args), progress=False,
                                       limits=api_limits(args), access=access_policy(args, environ={})))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
-    thread.start()
-    wait_for(lambda: server.started or not thread.is_alive(), WAIT, "the server to start")
-    assert server.started, "the server failed to start"
-    try:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    with serving_in_thread(server, WAIT) as port:
         yield Served(f"http://127.0.0.1:{port}", port, app)
-    finally:
-        server.should_exit = True
-        thread.join(WAIT)
-        assert not thread.is_alive(), "the server did not stop"
 
 
 @pytest.fixture(scope="module")

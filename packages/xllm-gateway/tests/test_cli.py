@@ -32,7 +32,7 @@ ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--quantization", "--kv-cache-dtype
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--item-catalog"]  # generative recommendation (issue 19)
 HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout"]
 CLUSTER_SECURITY_FLAGS = ["--cluster-token", "--cluster-token-file", "--tls-cert", "--tls-key", "--tls-ca",
-                          "--tls-server-name", "--etcd-ca", "--etcd-cert", "--etcd-key"]
+                          "--tls-server-name", "--etcd-ca", "--etcd-cert", "--etcd-key", "--insecure-cluster"]
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", *ENGINE_CONFIG_FLAGS, "--no-progress",
                "--log-level", "--instances", "--etcd", "--etcd-prefix", "--routing", "--drain-moves",
                "--kv-bandwidth-prior", "--prefill-instances", "--decode-instances", "--etcd-watch-timeout",
@@ -50,6 +50,8 @@ PROFILE_FLAGS = ["--model", "--served-model-name", *ENGINE_CONFIG_FLAGS, "--outp
 API_FLAGS = ["--api-key", "--priority-api-key", "--allow-client-priority", "--max-inflight-requests",
              "--max-body-mib", "--max-prompt-chars", "--max-prompts", "--max-n", "--max-logprobs"]
 API_FLAGS = [*API_FLAGS, "--offline-priority"]  # priority from which requests are offline
+API_FLAGS = [*API_FLAGS, "--http-header-timeout-s", "--http-body-timeout-s", "--http-keep-alive-s",
+             "--max-connections-per-client", "--max-connections"]  # HTTP connection bounds (xllm.gateway.http_guard)
 SERVE_FLAGS = [*SERVE_FLAGS, *API_FLAGS]  # the OpenAI API's keys and limits (xllm.gateway.api_flags)
 PD_ROLE_FLAGS = ["--pd-policy", "--pd-flip-window", "--pd-flip-cooldown", "--pd-cluster-cooldown", "--pd-min-per-role",
                  "--pd-max-flips", "--pd-prefill-overflow", "--no-pd-prefill-overflow"]
@@ -120,6 +122,20 @@ def test_engine_args_for_spawned_instances():
 def test_engine_rejects_two_registries(capsys):
     assert main(["engine", "--etcd", "h:1", "--registry", "h:2", "--no-progress"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "engine"])
+def test_etcd_without_a_cluster_credential_refuses_to_start(command, capsys, monkeypatch):
+    """Checked before any model is resolved or loaded; --insecure-cluster gets past the check (and then fails
+    on the missing model, which shows the check passed)."""
+    monkeypatch.delenv("XLLM_CLUSTER_TOKEN", raising=False)
+    argv = [command, "--model", "/nonexistent/model", "--etcd", "127.0.0.1:1", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert all(name in err for name in ("--cluster-token", "--cluster-token-file", "$XLLM_CLUSTER_TOKEN",
+                                        "--insecure-cluster"))
+    assert main([*argv, "--insecure-cluster"]) == 2
+    assert "--insecure-cluster" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [["serve", "--prefill-instances", "1", "--decode-instances", "1"], ["engine"]])
@@ -348,17 +364,17 @@ def test_api_flags_reject_bad_numbers(argv, capsys):
 
 def test_serve_passes_the_api_options_to_the_app(monkeypatch):
     """``xllm serve`` (embedded) hands the limits and keys of its flags to the gateway it builds."""
-    import uvicorn
-
     import xllm.gateway.embedded as embedded
+    import xllm.gateway.http_guard as http_guard
 
     built = []
     monkeypatch.setattr(embedded, "build_embedded", lambda opts: built.append(opts) or "app")
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: built.append(app))
+    monkeypatch.setattr(http_guard, "serve", lambda app, host, port, options, **kw: built.append((app, options)))
     monkeypatch.delenv("XLLM_API_KEY", raising=False)
-    assert main(["serve", "--no-progress", "--api-key", "k", "--priority-api-key", "p", "--max-n", "3"]) == 0
-    opts, app = built
-    assert app == "app"
+    assert main(["serve", "--no-progress", "--api-key", "k", "--priority-api-key", "p", "--max-n", "3",
+                 "--http-header-timeout-s", "7"]) == 0
+    opts, (app, http) = built
+    assert app == "app" and http.header_timeout_s == 7.0
     assert opts.limits.max_n == 3 and opts.access.api_keys == {"k"} and opts.access.priority_keys == {"p"}
 
 

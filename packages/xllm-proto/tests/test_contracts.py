@@ -8,7 +8,10 @@ from xllm.proto.registry.v1 import instance_pb2
 def test_engine_service_methods():
     service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == {"Generate", "Abort", "Health", "GetLoad", "GetKVEvents", "TransferKV", "Migrate"}
+    assert set(methods) == {"Generate", "Abort", "Health", "GetLoad", "GetKVEvents", "TransferKV", "Migrate",
+                            "Prove"}
+    assert not methods["Prove"].client_streaming and not methods["Prove"].server_streaming
+    assert methods["Prove"].output_type.full_name == "xllm.engine.v1.ProveResponse"
     assert not methods["Migrate"].client_streaming and not methods["Migrate"].server_streaming
     assert methods["Migrate"].output_type.full_name == "xllm.engine.v1.MigrateResponse"
     assert methods["TransferKV"].client_streaming and not methods["TransferKV"].server_streaming

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from xllm.core.kv.layout import KVCacheLayout
     from xllm.core.kv.lower_tiers import LowerTiers
     from xllm.core.kv.page_store import PageStore
+    from xllm.core.validation import RequestLimits
     from xllm.engine_api.stats import StatsObserver
     from xllm.kvstore.tier import TierStats
 
@@ -167,6 +168,7 @@ class AsyncEngine:
         first (into the engine's grammar cache; milliseconds for a large schema), never on the loop."""
         grammars = self._engine.grammars
         if req.sampling.HasField("structured") and grammars is not None:
+            self._engine.limits.check(req)  # the cheap checks (sizes, ranges) before the costly compile
             await asyncio.to_thread(grammars.compile, req.sampling.structured)
         return self.submit(req)
 
@@ -231,6 +233,12 @@ class AsyncEngine:
     @property
     def instance_id(self) -> str:
         return self._engine.instance_id
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        """What a request may ask of this engine (context length, KV capacity, the request bounds);
+        immutable (the engine service sizes its messages by it)."""
+        return self._engine.limits
 
     @property
     def kv_layout(self) -> KVCacheLayout:

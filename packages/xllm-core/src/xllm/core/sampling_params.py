@@ -1,5 +1,7 @@
 """Engine-side sampling parameters, built from the ``SamplingParams`` proto and checked against
-the API bounds (:mod:`xllm.engine_api.bounds`)."""
+the API bounds (:mod:`xllm.engine_api.bounds`). The sizes of the proto's repeated fields (stop
+strings, stop ids, ``logit_bias``, the output constraint) are checked before it is converted here
+(:func:`xllm.core.validation.check_sizes`)."""
 
 from __future__ import annotations
 

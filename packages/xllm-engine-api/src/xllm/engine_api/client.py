@@ -16,8 +16,9 @@ from typing import Protocol
 
 import grpc
 
+from xllm.engine_api.credential import new_nonce, proven
 from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, open_channel
-from xllm.engine_api.wire import ACCEPTED_KEY, InstanceUnavailableError, error_from_status
+from xllm.engine_api.wire import ACCEPTED_KEY, ClusterAuthError, InstanceUnavailableError, error_from_status
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
@@ -107,8 +108,13 @@ class RemoteStream:
 class GrpcEngineClient:
     """An instance serving ``xllm.engine.v1.EngineService`` at ``info.address``.
 
-    The channel is created on first use (inside the caller's event loop), with the cluster token
-    and TLS of ``security`` (:func:`xllm.engine_api.security.open_channel`).
+    The channel is created on first use (inside the caller's event loop), with the per-call proofs
+    and TLS of ``security`` (:func:`xllm.engine_api.security.open_channel`). With a cluster token,
+    nothing is sent to the instance before it has proven that it holds the credential too: the first
+    call (of any kind) is preceded by ``Prove`` with a fresh nonce, whose answer must be
+    ``HMAC(prove key, nonce || info.instance_id || info.address)`` (:mod:`xllm.engine_api.credential`).
+    An instance that fails to prove itself gets nothing, and the call raises :class:`ClusterAuthError`
+    (counted in ``prove_failures``); the next call challenges it again.
     """
 
     def __init__(self, info: instance_pb2.InstanceInfo, rpc_timeout: float = 5.0,
@@ -128,6 +134,39 @@ class GrpcEngineClient:
         self.security = security
         self._channel: grpc.aio.Channel | None = None
         self._stub: engine_pb2_grpc.EngineServiceStub | None = None
+        self._proven = not security.keys  # nothing to prove without a credential
+        self._proving: asyncio.Lock | None = None
+        self.prove_failures = 0
+
+    async def _ready(self) -> engine_pb2_grpc.EngineServiceStub:
+        """The stub, once the instance has proven it holds the cluster credential (see the class doc)."""
+        stub = self._get_stub()
+        if self._proven:
+            return stub
+        if self._proving is None:
+            self._proving = asyncio.Lock()
+        async with self._proving:
+            if not self._proven:
+                await self._prove(stub)
+        return stub
+
+    async def _prove(self, stub: engine_pb2_grpc.EngineServiceStub) -> None:
+        iid, address = self.info.instance_id, self.info.address
+        nonce = new_nonce()
+        try:
+            answer = await stub.Prove(engine_pb2.ProveRequest(nonce=nonce), timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise self._unavailable(exc) from None
+            answer = None  # UNIMPLEMENTED and the like: not one of ours
+        if (answer is None or answer.instance_id != iid or answer.address != address
+                or not proven(self.security.keys, nonce, iid, address, answer.mac)):
+            self.prove_failures += 1
+            log.warning("instance %s at %s did not prove it holds the cluster credential: nothing is sent to it",
+                        iid, address)
+            raise ClusterAuthError(f"instance {iid} at {address} did not prove it holds the cluster credential "
+                                   "(a stranger at a registered address, or a different --cluster-token)", iid)
+        self._proven = True
 
     def _get_stub(self) -> engine_pb2_grpc.EngineServiceStub:
         if self._stub is None:
@@ -142,7 +181,8 @@ class GrpcEngineClient:
         return InstanceUnavailableError(f"instance {self.info.instance_id}: {exc.details()}", self.info.instance_id)
 
     async def submit(self, req: engine_pb2.GenerateRequest) -> RemoteStream:
-        call = self._get_stub().Generate(req, timeout=self.request_deadline)
+        stub = await self._ready()  # InstanceUnavailableError (unreachable), ClusterAuthError (no proof)
+        call = stub.Generate(req, timeout=self.request_deadline)
         try:
             metadata = await asyncio.wait_for(call.initial_metadata(), self.stream_idle_timeout)
         except TimeoutError:
@@ -158,37 +198,47 @@ class GrpcEngineClient:
         return RemoteStream(call, self, req.request_id)
 
     async def abort(self, request_id: str) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
-            await self._get_stub().Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=self.rpc_timeout)
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError, InstanceUnavailableError,
+                                 ClusterAuthError):
+            await (await self._ready()).Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=self.rpc_timeout)
 
     async def migrate(self, request_id: str, target: engine_pb2.KVTarget,
                       num_tokens: int) -> engine_pb2.MigrateResponse:
         req = engine_pb2.MigrateRequest(request_id=request_id, kv_target=target, num_tokens=num_tokens)
         try:
-            return await self._get_stub().Migrate(req, timeout=self.rpc_timeout)
+            return await (await self._ready()).Migrate(req, timeout=self.rpc_timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._unavailable(exc) from None
+        except ClusterAuthError as exc:
+            raise InstanceUnavailableError(str(exc), self.info.instance_id) from None
 
     async def health(self) -> engine_pb2.HealthResponse:
         try:
-            return await self._get_stub().Health(engine_pb2.HealthRequest(), timeout=self.rpc_timeout)
+            return await (await self._ready()).Health(engine_pb2.HealthRequest(), timeout=self.rpc_timeout)
         except grpc.aio.AioRpcError as exc:
             return engine_pb2.HealthResponse(healthy=False, status=f"unreachable: {exc.code().name}")
+        except (InstanceUnavailableError, ClusterAuthError) as exc:
+            return engine_pb2.HealthResponse(healthy=False, status=str(exc))
 
     async def load(self) -> instance_pb2.LoadReport:
         try:
-            return await self._get_stub().GetLoad(engine_pb2.GetLoadRequest(), timeout=self.rpc_timeout)
+            return await (await self._ready()).GetLoad(engine_pb2.GetLoadRequest(), timeout=self.rpc_timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._unavailable(exc) from None
+        except ClusterAuthError as exc:
+            raise InstanceUnavailableError(str(exc), self.info.instance_id) from None
 
     async def kv_events(self, since_version: int, epoch: int, snapshot: bool = False) -> kv_events_pb2.KVCacheEvents:
         req = engine_pb2.GetKVEventsRequest(since_version=since_version, epoch=epoch, snapshot=snapshot)
         try:
-            return await self._get_stub().GetKVEvents(req, timeout=self.rpc_timeout)
+            return await (await self._ready()).GetKVEvents(req, timeout=self.rpc_timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._unavailable(exc) from None
+        except ClusterAuthError as exc:
+            raise InstanceUnavailableError(str(exc), self.info.instance_id) from None
 
     async def close(self) -> None:
         if self._channel is not None:
             channel, self._channel, self._stub = self._channel, None, None
+            self._proven = not self.security.keys
             await channel.close()

@@ -201,6 +201,10 @@ def add_security_flags(p: argparse.ArgumentParser) -> None:
                         f"other users can read command lines")
     g.add_argument("--cluster-token-file", default=None, metavar="PATH",
                    help="read the cluster token from this file (surrounding whitespace ignored)")
+    g.add_argument("--insecure-cluster", action="store_true",
+                   help="allow --etcd without a cluster token (refused otherwise): instance records are then "
+                        "not verified, so anyone who can write to etcd can receive user traffic, and anyone who "
+                        "can reach the engines' ports can call them; warned about loudly at start-up")
     g.add_argument("--tls-cert", default=None, metavar="FILE",
                    help="PEM certificate (chain) to serve the internal gRPC services over TLS with (with --tls-key)")
     g.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
@@ -219,7 +223,8 @@ def cluster_security(args: argparse.Namespace) -> ClusterSecurity:
     return ClusterSecurity(
         token=resolve_token(args.cluster_token, args.cluster_token_file), tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_ca=args.tls_ca, tls_server_name=args.tls_server_name,
-        etcd_ca=args.etcd_ca, etcd_cert=args.etcd_cert, etcd_key=args.etcd_key)
+        etcd_ca=args.etcd_ca, etcd_cert=args.etcd_cert, etcd_key=args.etcd_key,
+        insecure=args.insecure_cluster)
 
 
 def security_args(security: ClusterSecurity) -> list[str]:
@@ -232,6 +237,8 @@ def security_args(security: ClusterSecurity) -> list[str]:
                         ("--etcd-key", security.etcd_key)):
         if value:
             out += [flag, value]
+    if security.insecure:
+        out.append("--insecure-cluster")
     return out
 
 

@@ -8,14 +8,19 @@ channel to them is opened by :func:`open_channel`. All three take the process's
 :class:`ClusterSecurity`:
 
 - **cluster token** (``--cluster-token``, ``--cluster-token-file`` or ``$XLLM_CLUSTER_TOKEN``): a
-  shared secret. Channels attach it to every call as the metadata ``authorization: Bearer <token>``
-  (client interceptors installed on the channel, so no call site can forget it); servers check it
-  in constant time in a :class:`TokenCheck` server interceptor and refuse anything else with
-  ``UNAUTHENTICATED`` before a servicer runs.
+  shared secret that never crosses the wire (:mod:`xllm.engine_api.credential`). Channels attach a
+  per-call proof derived from it to every call (metadata ``xllm-proof``: an HMAC over the method, a
+  timestamp and a nonce; client interceptors installed on the channel, so no call site can forget
+  it); servers check it in constant time with a replay window in a :class:`CallCheck` server
+  interceptor and refuse anything else with ``UNAUTHENTICATED`` before a servicer runs. The one
+  exception is ``EngineService.Prove``, the challenge by which an engine proves to its caller that it
+  holds the credential before the caller sends it anything (:class:`xllm.engine_api.client.GrpcEngineClient`).
+- **insecure cluster** (``--insecure-cluster``): an etcd cluster without a token, explicitly; without
+  it ``--etcd`` refuses to start (:meth:`ClusterSecurity.check_cluster`).
 - **TLS** (optional): servers with ``--tls-cert``/``--tls-key`` serve TLS; clients with ``--tls-ca``
   dial TLS and verify the server against that CA (``--tls-server-name``: the name the certificate
-  carries, when it is not the dialled host). The token authenticates the client; TLS keeps it and
-  the traffic private and authenticates the server.
+  carries, when it is not the dialled host). The proofs authenticate the client; TLS keeps the
+  traffic private and authenticates the server.
 - **bind policy** (:meth:`ClusterSecurity.check_bind`): a service refuses to bind an address that is
   not loopback unless a cluster token is set; loopback binds need nothing (the single-machine
   default stays zero-config).
@@ -29,8 +34,7 @@ No torch here.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import functools
 import ipaddress
 import logging
 import os
@@ -41,11 +45,12 @@ from pathlib import Path
 
 import grpc
 
+from xllm.engine_api.credential import PROOF_KEY, ClusterKeys, ProofCheck, make_proof
+
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "XLLM_CLUSTER_TOKEN"
-AUTH_KEY = "authorization"
-SCHEME = "Bearer "
+PROVE_METHOD = "/xllm.engine.v1.EngineService/Prove"  # answered without a proof from the caller
 MIN_TOKEN_LENGTH = 16
 TOKEN_HINT = "generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 REFUSED = "missing or wrong cluster token (every engine and gateway of a cluster needs the same --cluster-token)"
@@ -87,6 +92,7 @@ class ClusterSecurity:
     ``tls_server_name``: the name to verify servers' certificates against instead of the dialled host.
     ``etcd_ca``/``etcd_cert``/``etcd_key``: TLS to etcd (``https://`` endpoints), with an optional
     client certificate (etcd's ``--client-cert-auth``).
+    ``insecure``: ``--insecure-cluster`` was given (an etcd cluster may run without a token).
     The token is never shown in ``repr``.
     """
 
@@ -98,6 +104,7 @@ class ClusterSecurity:
     etcd_ca: str | None = None
     etcd_cert: str | None = None
     etcd_key: str | None = None
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.token is not None:
@@ -117,6 +124,27 @@ class ClusterSecurity:
 
     def with_token(self, token: str) -> ClusterSecurity:
         return replace(self, token=token)
+
+    @functools.cached_property
+    def keys(self) -> ClusterKeys | None:
+        """The keys derived from the token (``None`` without one)."""
+        return ClusterKeys.from_token(self.token) if self.token else None
+
+    def check_cluster(self, etcd: str | None, command: str) -> None:
+        """Refuse a cluster registered in etcd without a credential (raises :class:`SecurityConfigError`
+        naming the flags) unless ``--insecure-cluster`` was given, which logs a loud warning instead."""
+        if not etcd or self.token:
+            return
+        if not self.insecure:
+            raise SecurityConfigError(
+                f"{command} --etcd needs the cluster credential: anyone who can write to etcd could otherwise "
+                f"register an instance and receive user traffic. Give every engine and gateway the same "
+                f"--cluster-token, --cluster-token-file or ${TOKEN_ENV} ({TOKEN_HINT}), or accept the risk "
+                f"explicitly with --insecure-cluster")
+        log.warning("*** --insecure-cluster: instance records in etcd %s are NOT verified and the internal "
+                    "services take calls from anyone who can reach them: whoever can write to etcd can receive "
+                    "user traffic, and any local process can call or abort requests. Use --cluster-token. ***",
+                    etcd)
 
     def environment(self) -> dict[str, str]:
         """What a child process needs in its environment to hold the same token (never its argv,
@@ -201,36 +229,36 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(_refuse)
 
 
-def _digest(value: str | bytes) -> bytes:
-    return hashlib.sha256(value.encode() if isinstance(value, str) else value).digest()
-
-
-class TokenCheck(grpc.aio.ServerInterceptor):
-    """Admits a call only if its metadata carries ``authorization: Bearer <token>``.
-
-    The comparison is constant time (of SHA-256 digests, so not even the length leaks); a refused
-    call ends with ``UNAUTHENTICATED`` before any servicer code runs. Refusals are logged (the first,
-    then every 100th: a scanner cannot flood the log).
+class CallCheck(grpc.aio.ServerInterceptor):
+    """Admits a call only if its metadata carries a valid per-call proof (``xllm-proof``,
+    :class:`xllm.engine_api.credential.ProofCheck`: constant-time MAC, timestamp within the replay
+    window, nonce not seen before); ``EngineService.Prove`` is admitted as is (it is how a server
+    proves itself, and reveals nothing). A refused call ends with ``UNAUTHENTICATED`` before any
+    servicer code runs. Refusals are counted by reason (``refused``) and logged (the first, then
+    every 100th: a scanner cannot flood the log).
     """
 
-    def __init__(self, token: str) -> None:
-        self._expected = _digest(SCHEME + token)
-        self.refused = 0
+    def __init__(self, keys: ClusterKeys) -> None:
+        self.proofs = ProofCheck(keys)
+        self.refused: dict[str, int] = {}
 
-    def admits(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
-        ok = False
-        for key, value in metadata or ():
-            if key == AUTH_KEY:
-                ok |= hmac.compare_digest(_digest(value), self._expected)
-        return ok
+    def admits(self, metadata: Sequence[tuple[str, str | bytes]] | None, method: str) -> str | None:
+        """``None`` if ``metadata`` proves a call of ``method``, else why not."""
+        values = [value for key, value in metadata or () if key == PROOF_KEY]
+        return self.proofs.check(values[0] if len(values) == 1 else None, method)
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         handler = await continuation(handler_call_details)
-        if handler is None or self.admits(handler_call_details.invocation_metadata):
+        method = handler_call_details.method
+        if handler is None or method == PROVE_METHOD:
             return handler
-        self.refused += 1
-        if self.refused % 100 == 1:
-            log.warning("refused %s: %s (%d refused so far)", handler_call_details.method, REFUSED, self.refused)
+        why = self.admits(handler_call_details.invocation_metadata, method)
+        if why is None:
+            return handler
+        self.refused[why] = self.refused.get(why, 0) + 1
+        total = sum(self.refused.values())
+        if total % 100 == 1:
+            log.warning("refused %s: %s: %s (%d refused so far)", method, why, REFUSED, total)
         return _refusing(handler)
 
 
@@ -245,9 +273,9 @@ KEEPALIVE_PERMITS = (("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 
 
 def new_server(security: ClusterSecurity = NO_SECURITY, options: ChannelOptions = ()) -> grpc.aio.Server:
-    """A ``grpc.aio`` server for an internal service (the token check installed when there is a token).
+    """A ``grpc.aio`` server for an internal service (the proof check installed when there is a token).
     Bind it with :func:`bind`."""
-    interceptors = [TokenCheck(security.token)] if security.token else None
+    interceptors = [CallCheck(security.keys)] if security.keys else None
     return grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0), *KEEPALIVE_PERMITS, *options])
 
 
@@ -276,48 +304,51 @@ def _read(path: str | None, flag: str) -> bytes:
 
 
 # ---- client side --------------------------------------------------------------------------------
-class _WithToken:
-    def __init__(self, token: str) -> None:
-        self._pair = (AUTH_KEY, SCHEME + token)
+class _WithProof:
+    def __init__(self, keys: ClusterKeys) -> None:
+        self._keys = keys
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._pair)
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        if method == PROVE_METHOD:  # the callee proves itself first: nothing of ours goes to it
+            return details
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), (PROOF_KEY, make_proof(self._keys, method)))
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                           details.wait_for_ready)
 
 
-class _UnaryUnaryToken(_WithToken, grpc.aio.UnaryUnaryClientInterceptor):
+class _UnaryUnaryProof(_WithProof, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
 
-class _UnaryStreamToken(_WithToken, grpc.aio.UnaryStreamClientInterceptor):
+class _UnaryStreamProof(_WithProof, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
 
-class _StreamUnaryToken(_WithToken, grpc.aio.StreamUnaryClientInterceptor):
+class _StreamUnaryProof(_WithProof, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
         return await continuation(self._details(client_call_details), request_iterator)
 
 
-class _StreamStreamToken(_WithToken, grpc.aio.StreamStreamClientInterceptor):
+class _StreamStreamProof(_WithProof, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(self._details(client_call_details), request_iterator)
 
 
-def token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
-    """Client interceptors attaching ``token`` to every kind of call (gRPC files an interceptor under
-    one call kind only, hence one per kind)."""
-    return [cls(token) for cls in (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)]
+def proof_interceptors(keys: ClusterKeys) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors attaching a fresh per-call proof to every kind of call (gRPC files an
+    interceptor under one call kind only, hence one per kind)."""
+    return [cls(keys) for cls in (_UnaryUnaryProof, _UnaryStreamProof, _StreamUnaryProof, _StreamStreamProof)]
 
 
 def open_channel(address: str, security: ClusterSecurity = NO_SECURITY,
                  options: ChannelOptions = ()) -> grpc.aio.Channel:
     """A ``grpc.aio`` channel to an internal service at ``host:port``: TLS verified against
-    ``--tls-ca`` when set, the cluster token on every call when there is one. Create it inside the
-    event loop that uses it."""
-    interceptors = token_interceptors(security.token) if security.token else None
+    ``--tls-ca`` when set, a per-call proof of the cluster token on every call when there is one
+    (never the token). Create it inside the event loop that uses it."""
+    interceptors = proof_interceptors(security.keys) if security.keys else None
     opts = list(options)
     if not security.dials_tls:
         return grpc.aio.insecure_channel(address, options=opts, interceptors=interceptors)

@@ -28,9 +28,10 @@ Transport failures (UNAVAILABLE without our metadata: the process or the network
 deadline/idle timeout) also read as :class:`InstanceUnavailableError`: "this instance cannot take or
 continue the request; another one may" — marked ``crashed`` and ``suspect``, since the request may be
 what killed it. A status the server did not choose for a reason of ours is a fault of the request,
-not of the instance: RESOURCE_EXHAUSTED without ``xllm-overloaded`` (a message over gRPC's size limit)
-reads as ``InvalidRequestError``; INTERNAL, UNKNOWN and the rest as :class:`RequestFailedError`
-(answered 500, never replayed on another instance).
+not of the instance: RESOURCE_EXHAUSTED without ``xllm-overloaded`` (a message over the engine's size
+bound for its kind, refused unparsed: :mod:`xllm.engine.intake`) reads as ``InvalidRequestError``;
+INTERNAL, UNKNOWN and the rest as :class:`RequestFailedError` (answered 500, never replayed on
+another instance).
 """
 
 from __future__ import annotations

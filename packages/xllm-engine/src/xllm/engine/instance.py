@@ -72,7 +72,7 @@ def build_publisher(opts: InstanceOptions) -> Publisher | None:
         from xllm.engine_api.registration.etcd_client import EtcdClient
 
         return EtcdPublisher(EtcdClient(opts.etcd, ssl_context=opts.security.etcd_ssl_context()), opts.etcd_prefix,
-                             opts.lease_ttl)
+                             opts.lease_ttl, security=opts.security)
     if opts.registry:
         from xllm.engine_api.registration.embedded import GrpcRegistryPublisher
 
@@ -193,6 +193,7 @@ def run(args: argparse.Namespace, prog: str = "xllm engine") -> int:
         return 2
     try:
         opts = options(args)
+        opts.security.check_cluster(opts.etcd, prog)  # --etcd needs a credential or --insecure-cluster
         opts.security.check_bind(opts.host, "the engine service (--host)")  # before the model loads
         opts.security.check_files()
         return run_instance(opts)

@@ -2,6 +2,10 @@
 
 One engine instance per process in a cluster. The server
 
+- bounds its intake (:mod:`xllm.engine.intake`): a request message larger than its kind can need
+  under this engine's limits (context length, the request bounds of :mod:`xllm.engine_api.bounds`,
+  KV page sizes) is refused with ``RESOURCE_EXHAUSTED`` before it is parsed, and request validation
+  (:mod:`xllm.core.validation`) applies the gateway's request limits again, cheapest checks first;
 - streams ``Generate`` chunks as the engine produces them. A request is validated and queued
   before anything is sent: a rejected one ends with a status and no message; an accepted one
   first sends the initial metadata ``xllm-accepted: 1`` (statuses and keys: :mod:`xllm.engine_api.wire`);
@@ -46,6 +50,8 @@ from xllm.core import AsyncEngine
 from xllm.engine.handoff import grpc as grpc_transport
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.handoff.manager import HandoffManager
+from xllm.engine.intake import Intake, message_bounds
+from xllm.engine_api.credential import prove_mac
 from xllm.engine_api.errors import EngineError
 from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, bind, new_server
 from xllm.engine_api.stats import StepStats
@@ -106,9 +112,12 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         self._calls: dict[str, _Call] = {}
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.address = ""
         handoff = handoff or HandoffOptions()
         handoff = replace(handoff, transport_options={**handoff.transport_options, "security": security})
         self.handoff = HandoffManager(engine, handoff, self.count, self._hand_back)
+        store = self.handoff.store  # message size bounds of each call kind (xllm.engine.intake)
+        self.intake = Intake(message_bounds(engine.request_limits, store.page_bytes if store is not None else ()))
         engine.add_observer(_Observer(self))
 
     # ---- engine thread ------------------------------------------------------------------------
@@ -149,12 +158,13 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
     async def start(self, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None) -> int:
         """Bind ``host:port`` (0: a free port) and start serving; returns the bound port. ``advertise``:
         the address other instances reach this one at (for KV hand-offs), if not ``host:port``."""
-        server = new_server(self.security, grpc_transport.CHANNEL_OPTIONS)
-        engine_pb2_grpc.add_EngineServiceServicer_to_server(self, server)
+        server = new_server(self.security, self.intake.bounds.server_options())
+        self.intake.register(self, server)  # every request deserializer bounded by its kind's size
         bound = bind(server, host, port, self.security, "the engine service (--host)")
         await server.start()
         self._server, self.port = server, bound
-        await self.handoff.start(advertise or f"{host}:{bound}")
+        self.address = advertise or f"{host}:{bound}"  # as registered: what Prove answers for
+        await self.handoff.start(self.address)
         log.info("engine %s serving EngineService on %s:%d", self.instance_id, host, bound)
         return bound
 
@@ -338,11 +348,22 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             return engine_pb2.HealthResponse(healthy=False, status="draining")
         return engine_pb2.HealthResponse(healthy=True, status="ok")
 
+    async def Prove(self, request: engine_pb2.ProveRequest, context) -> engine_pb2.ProveResponse:
+        """Prove this instance holds the cluster credential (:mod:`xllm.engine_api.credential`); the
+        only call served without a proof from the caller. Without a credential there is nothing to prove."""
+        keys = self.security.keys
+        if keys is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no cluster credential to prove")
+        if not 16 <= len(request.nonce) <= 64:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "nonce: 16 to 64 bytes")
+        return engine_pb2.ProveResponse(instance_id=self.instance_id, address=self.address,
+                                        mac=prove_mac(keys, request.nonce, self.instance_id, self.address))
+
     async def GetLoad(self, request: engine_pb2.GetLoadRequest, context) -> instance_pb2.LoadReport:
         return self.load_report()
 
     async def TransferKV(self, request_iterator, context) -> engine_pb2.KVTransferAck:
-        return await grpc_transport.receive(self.handoff, request_iterator)
+        return await grpc_transport.receive(self.handoff, request_iterator, self.intake)
 
     async def Migrate(self, request: engine_pb2.MigrateRequest, context) -> engine_pb2.MigrateResponse:
         if request.request_id not in self._calls:

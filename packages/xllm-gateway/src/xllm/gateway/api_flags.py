@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 from xllm.common.argtypes import non_negative_int, positive_float, positive_int
 from xllm.gateway.access import API_KEY_ENV, AccessPolicy, parse_keys
+from xllm.gateway.http_guard import HttpGuardOptions
 from xllm.gateway.openai.limits import MIB, OPENAI_MAX_N, ApiLimits
 from xllm.gateway.openai.protocol import DEFAULT_OFFLINE_PRIORITY
 
@@ -46,6 +47,39 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
                    help=f"most choices (`n`) per prompt (at most {OPENAI_MAX_N})")
     g.add_argument("--max-logprobs", type=non_negative_int, default=d.max_logprobs, metavar="N",
                    help="most alternatives per token a request may ask for (`top_logprobs`, completions `logprobs`)")
+    add_http_flags(p)
+
+
+def add_http_flags(p: argparse.ArgumentParser) -> None:
+    """The HTTP connection bounds of ``xllm serve`` (:mod:`xllm.gateway.http_guard`)."""
+    d = HttpGuardOptions()
+    g = p.add_argument_group("HTTP connections", "how long a client may take to send a request, and how many "
+                             "connections it may hold (refusals counted in xllm:http_refused_total{reason})")
+    g.add_argument("--http-header-timeout-s", type=positive_float, default=d.header_timeout_s, metavar="SECONDS",
+                   help="a request head (request line and headers) must be complete this long after the connection "
+                        "opened, or after the first byte of a later request on a kept-alive connection; else 408 "
+                        "and the connection is closed (slowloris)")
+    g.add_argument("--http-body-timeout-s", type=positive_float, default=d.body_timeout_s, metavar="SECONDS",
+                   help="a request body must be complete this long after its head; else 408 and the connection is "
+                        "closed. Only reading the request is timed: a streamed response runs as long as it needs")
+    g.add_argument("--http-keep-alive-s", type=positive_float, default=d.keep_alive_s, metavar="SECONDS",
+                   help="an idle kept-alive connection (no request under way, no byte of the next) is closed after "
+                        "this long")
+    g.add_argument("--max-connections-per-client", type=non_negative_int, default=d.max_connections_per_client,
+                   metavar="N", help="most connections one remote address may hold open; one more has its request "
+                                     "answered 429 with Retry-After and is closed (behind a reverse proxy every "
+                                     "client is the proxy's address); 0: unlimited")
+    g.add_argument("--max-connections", type=non_negative_int, default=d.max_connections, metavar="N",
+                   help="most HTTP connections open at once; one more has its request answered 503 with Retry-After "
+                        "and is closed; 0: unlimited. The default is three quarters of this process's open-file limit")
+
+
+def http_guard_options(args: argparse.Namespace) -> HttpGuardOptions:
+    """The HTTP connection bounds the flags describe (0 caps: none)."""
+    return HttpGuardOptions(header_timeout_s=args.http_header_timeout_s, body_timeout_s=args.http_body_timeout_s,
+                            keep_alive_s=args.http_keep_alive_s,
+                            max_connections_per_client=args.max_connections_per_client or None,
+                            max_connections=args.max_connections or None)
 
 
 def api_limits(args: argparse.Namespace) -> ApiLimits:

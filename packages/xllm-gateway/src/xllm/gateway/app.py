@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xllm.gateway.access import AccessPolicy, Caller
@@ -30,7 +30,23 @@ from xllm.gateway.openai.errors import RETRY_AFTER_SECONDS, APIError, internal_e
 from xllm.gateway.openai.limits import ApiLimits
 from xllm.gateway.openai.preprocess import Preprocessor
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from xllm.gateway.openai.protocol_openapi import (
+    GENERATION_ERRORS,
+    RETRY_AFTER,
+    RequestBodies,
+    answers,
+    install_openapi,
+)
 from xllm.gateway.openai.protocol_recommend import RecommendRequest
+from xllm.gateway.openai.protocol_responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    Health,
+    ModelList,
+    Recommendation,
+)
 from xllm.gateway.openai.request_body import validation_error
 from xllm.gateway.openai.serving_chat import ChatServing
 from xllm.gateway.openai.serving_completion import CompletionServing
@@ -116,12 +132,14 @@ def create_app(state: GatewayState) -> FastAPI:
     app.state.roles = roles
     app.add_middleware(ApiGuard, access=state.access, max_inflight=state.limits.max_inflight_requests)
     _add_error_handlers(app)
-    _add_openai_routes(app, preprocessor, state.access,
+    bodies = RequestBodies()
+    _add_openai_routes(app, bodies, preprocessor, state.access,
                        ChatServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor,
                                    state.tool_parser),
                        CompletionServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor),
                        RecommendServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor))
     _add_service_routes(app, state, roles)
+    install_openapi(app, bodies, state.access.requires_key, state.limits)
     return app
 
 
@@ -138,8 +156,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http_error(_req: Request, exc: StarletteHTTPException):
+        """404, 405 (its ``Allow`` header kept), ...: OpenAI-style."""
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), kind).response()
+        return APIError(exc.status_code, str(exc.detail), kind, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def _on_error(req: Request, exc: Exception):
@@ -150,8 +169,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return response
 
 
-def _add_openai_routes(app: FastAPI, preprocessor: Preprocessor, access: AccessPolicy, chat: ChatServing,
-                       completions: CompletionServing, recommend: RecommendServing) -> None:
+def _add_openai_routes(app: FastAPI, bodies: RequestBodies, preprocessor: Preprocessor, access: AccessPolicy,
+                       chat: ChatServing, completions: CompletionServing, recommend: RecommendServing) -> None:
+    """The generation routes. Each reads its own body (:meth:`Preprocessor.parse`); its declared
+    schema (``openapi_extra``, ``responses``) only describes it in ``/openapi.json``."""
     anonymous = Caller(False, access.allow_client_priority)
 
     async def parse(raw: Request, model: type[OpenAIRequest]) -> OpenAIRequest:
@@ -159,17 +180,21 @@ def _add_openai_routes(app: FastAPI, preprocessor: Preprocessor, access: AccessP
         access.check_priority(caller_of(raw.scope) or anonymous, req)
         return req
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", operation_id="createChatCompletion",
+              openapi_extra=bodies.json(ChatCompletionRequest),
+              responses=answers(ChatCompletion, *GENERATION_ERRORS, stream=ChatCompletionChunk))
     async def chat_completions(raw: Request):
         req = await parse(raw, ChatCompletionRequest)
         return await chat.create(req, raw, access.scheduling(req))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", operation_id="createCompletion", openapi_extra=bodies.json(CompletionRequest),
+              responses=answers(Completion, *GENERATION_ERRORS, stream=CompletionChunk))
     async def create_completions(raw: Request):
         req = await parse(raw, CompletionRequest)
         return await completions.create(req, raw, access.scheduling(req))
 
-    @app.post("/v1/recommend")
+    @app.post("/v1/recommend", operation_id="createRecommendation", openapi_extra=bodies.json(RecommendRequest),
+              responses=answers(Recommendation, 400, 404, 413, 500, 503))  # (no priority asked: no 403)
     async def create_recommendation(raw: Request):  # generative recommendation over the item catalogue
         return await recommend.create(await preprocessor.parse(raw, RecommendRequest), raw)
 
@@ -177,13 +202,15 @@ def _add_openai_routes(app: FastAPI, preprocessor: Preprocessor, access: AccessP
 def _add_service_routes(app: FastAPI, state: GatewayState, roles: RoleController) -> None:
     """``/v1/models``, ``/health`` and ``/metrics`` over the registry's live instances."""
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", operation_id="listModels", responses=answers(ModelList, 500))
     async def models():
         data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "xllm",
                  "max_model_len": _max_model_len(state, name)} for name in state.registry.served_models()]
         return {"object": "list", "data": data}
 
-    @app.get("/health")
+    unhealthy = {"model": Health, "description": "No healthy instance", "headers": RETRY_AFTER}
+
+    @app.get("/health", operation_id="health", responses=answers(Health, 500) | {503: unhealthy})
     async def health():
         """200 while at least one instance is healthy; the body lists every instance (with its role
         and a role flip under way)."""
@@ -197,7 +224,7 @@ def _add_service_routes(app: FastAPI, state: GatewayState, roles: RoleController
             return JSONResponse(body)
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
-    @app.get("/metrics")
+    @app.get("/metrics", operation_id="metrics", response_class=PlainTextResponse, responses=answers(None, 500))
     async def metrics():
         states = state.registry.states()
         loads = await asyncio.gather(*(_load(s) for s in states))

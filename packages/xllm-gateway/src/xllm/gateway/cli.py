@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from xllm.common.argtypes import int_list_at_least, non_negative_float, positive_float, positive_int
 from xllm.engine_api import flags
-from xllm.gateway.api_flags import access_policy, add_api_flags, api_limits
+from xllm.gateway.api_flags import access_policy, add_api_flags, api_limits, http_guard_options
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from xllm.sched import MOVE_MODES, PD_POLICIES, ROUTING_POLICIES
 
@@ -240,9 +240,8 @@ def start_local_store(args: argparse.Namespace) -> LocalMooncake | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from xllm.engine_api.errors import ConfigError
+    from xllm.gateway import http_guard
     from xllm.models.config import ModelConfigError
     from xllm.models.source import ModelNotFoundError
 
@@ -273,8 +272,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"xllm serve: error: {exc}", file=sys.stderr)
         return 2
     # loop and http "auto": uvloop and httptools (dependencies of this package) where installed; the event
-    # loop shares the engine's cores and the GIL, so its CPU per streamed chunk is on every step's path
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="auto", http="auto")
+    # loop shares the engine's cores and the GIL, so its CPU per streamed chunk is on every step's path.
+    # The HTTP protocol is bounded against slow and numerous clients (xllm.gateway.http_guard)
+    http_guard.serve(app, args.host, args.port, http_guard_options(args), log_level=args.log_level)
     return 0
 
 

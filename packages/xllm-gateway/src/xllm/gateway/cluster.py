@@ -144,6 +144,7 @@ def build_cluster(opts: ClusterOptions):
         raise ValueError("--tls-cert makes the engines this gateway starts serve TLS: give --tls-ca too (the CA "
                          "that signed it; the certificate itself if it is self-signed) so the gateway can dial them")
     opts.security.check_files()
+    opts.security.check_cluster(opts.etcd, "xllm serve")  # --etcd needs a credential or --insecure-cluster
     # a GGUF converts in a child, config and tokenizer only: the engines serve its weights as stored (or, with
     # --dtype / --quantization none, convert its weights themselves: they get the GGUF, not the directory)
     model_dir = resolve_model(opts.model, progress=opts.progress, isolated=True, weights=False)
@@ -159,8 +160,8 @@ def build_cluster(opts: ClusterOptions):
     metrics = EngineMetrics()
     registry = (EtcdRegistry(EtcdClient(opts.etcd, ssl_context=security.etcd_ssl_context()), opts.etcd_prefix,
                              client_factory=clients, watch_timeout=opts.etcd_watch_timeout,
-                             metrics=RegistryMetrics(metrics.registry))
-                if opts.etcd else EmbeddedRegistry(client_factory=clients))
+                             metrics=RegistryMetrics(metrics.registry), credential=security.keys)
+                if opts.etcd else EmbeddedRegistry(client_factory=clients, credential=security.keys))
     metrics.registry.register(KVTierCollector(from_registry(registry)))  # xllm:kv_tier_*, from heartbeats
     state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=metrics, default_model=name,
                          max_model_len=max_len, routing=opts.routing, limits=opts.limits, access=opts.access,

@@ -393,12 +393,39 @@ class RegistryMetrics:
         self.up = Gauge("xllm:registry_watch_up", "1 while the registry watch is established, 0 while the "
                         "gateway is re-reading or waiting for etcd (it routes on its last view meanwhile).",
                         registry=registry)
+        self.refused = Counter("xllm:registry_refused_records", "Instance records refused by the registry view "
+                               "(with a cluster token), by reason: unsigned, bad_signature (another credential "
+                               "or altered), wrong_lease (a stale record written again), stale (too old).",
+                               ["reason"], registry=registry)
+
+    def record_refused(self, reason: str) -> None:
+        self.refused.labels(reason).inc()
 
     def watch_restarted(self, reason: str) -> None:
         self.restarts.labels(reason).inc()
 
     def set_watch_up(self, up: bool) -> None:
         self.up.set(1 if up else 0)
+
+
+class HttpMetrics:
+    """The HTTP front's connection bounds (:mod:`xllm.gateway.http_guard`): connections and requests
+    it refused or cut, by reason, and the connections open now."""
+
+    REASONS = ("header_timeout", "body_timeout", "client_cap", "total_cap")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.refused = Counter("xllm:http_refused", "HTTP connections or requests the server refused or cut, by "
+                               "reason: header_timeout (request head not complete in time: 408), body_timeout "
+                               "(request body not complete in time: 408), client_cap (--max-connections-per-client: "
+                               "429), total_cap (--max-connections: 503).", ["reason"], registry=registry)
+        for reason in self.REASONS:
+            self.refused.labels(reason)
+        self.open = Gauge("xllm:http_connections_open", "HTTP connections open and admitted (within the caps).",
+                          registry=registry)
+
+    def refuse(self, reason: str) -> None:
+        self.refused.labels(reason).inc()
 
 
 class PDMetrics:

@@ -11,8 +11,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +29,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving_in_thread(server, timeout: float) -> Iterator[int]:
+    """Run ``server`` (a ``uvicorn.Server``) on a thread of this process for the ``with`` block (a test that
+    reaches into the app, or blocks its tokenizer, needs it in-process); yields the port it listens on (give
+    the config port 0 for a free one). Stopped, and checked stopped, when the block ends."""
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    wait_for(lambda: server.started or not thread.is_alive(), timeout, "the server to start", interval=0.01)
+    assert server.started, "the server failed to start"
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        assert not thread.is_alive(), "the server did not stop"
 
 
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -10,6 +10,9 @@ Hardening (the registry decides who receives traffic, so it trusts nothing it is
 
 - the service requires the cluster token when there is one and binds loopback only without one
   (:mod:`xllm.engine_api.security`);
+- with a cluster token, a registration's info must be signed with it, at most ``RECORD_MAX_AGE`` s
+  ago (:func:`xllm.engine_api.credential.verify_record`; ``PERMISSION_DENIED`` otherwise):
+  :class:`GrpcRegistryPublisher` signs it;
 - a lease id is a random 63-bit number, the capability to heartbeat and deregister: only the
   process that registered knows it;
 - the TTL a client asks for is clamped to ``[MIN_TTL, MAX_TTL]`` (the response says what was
@@ -28,6 +31,7 @@ from typing import Protocol
 
 import grpc
 
+from xllm.engine_api.credential import RecordRefusedError, sign_record
 from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, bind, new_server, open_channel
 from xllm.proto.registry.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
@@ -52,7 +56,8 @@ class LeaseTable(Protocol):
     def grant(self, info: instance_pb2.InstanceInfo, ttl: float) -> tuple[int, float]:
         """Register ``info`` under a new lease; returns ``(lease_id, ttl granted)``. Raises
         :class:`LeaseConflictError` if another live lease holds the id, ``ValueError`` for a
-        negative or non-finite ``ttl``."""
+        negative or non-finite ``ttl``, :class:`~xllm.engine_api.credential.RecordRefusedError` for a
+        record the table's credential does not verify."""
         ...
 
     def keepalive(self, lease_id: int, heartbeat: instance_pb2.Heartbeat | None = None) -> bool:
@@ -75,6 +80,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             lease_id, ttl = self.leases.grant(request.info, request.ttl_seconds or DEFAULT_TTL)
         except LeaseConflictError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except RecordRefusedError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return registry_pb2.RegisterResponse(lease_id=lease_id, ttl_seconds=ttl)
@@ -123,13 +130,16 @@ class GrpcRegistryPublisher:
 
     async def register(self, info: instance_pb2.InstanceInfo) -> None:
         """Register ``info``; raises :class:`RegistrationRefusedError` when the registry says no (the
-        agent retries: an id still held by a lease that is about to expire becomes free)."""
+        agent retries: an id still held by a lease that is about to expire becomes free). With a
+        cluster token the info is signed (now, no lease: the registry grants it afterwards)."""
+        if self.security.keys is not None:
+            info = sign_record(self.security.keys, info)
         try:
             resp = await self._get_stub().Register(registry_pb2.RegisterRequest(info=info, ttl_seconds=self.ttl),
                                                    timeout=self.rpc_timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ALREADY_EXISTS,
-                              grpc.StatusCode.INVALID_ARGUMENT):
+                              grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
                 raise RegistrationRefusedError(f"{self.describe()} refused {info.instance_id}: "
                                                f"{exc.code().name}: {exc.details()}") from None
             raise

@@ -17,6 +17,11 @@ every lease when a leader is elected), so the next keepalive succeeds and nothin
 restarted without its data, or a lease that expired meanwhile (etcd frozen for longer than the
 TTL expires every lease as it resumes), answers the keepalive with TTL 0 and the agent registers
 again under a new lease, starting with a snapshot of its KV cache.
+
+Trust: with a cluster token, the info key's value is signed for the lease it hangs on; a gateway
+with the token ignores an info key that is unsigned, signed with another credential, or found
+under another lease (a stale record written again), and heartbeat keys not under the lease of
+their instance's verified record.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from xllm.engine_api.credential import sign_record
 from xllm.engine_api.registration.embedded import DEFAULT_TTL
 from xllm.engine_api.registration.etcd_client import EtcdClient, EtcdLeaseNotFound
+from xllm.engine_api.security import NO_SECURITY, ClusterSecurity
 from xllm.proto.registry.v1 import instance_pb2
 
 DEFAULT_PREFIX = "/xllm"
@@ -51,10 +58,14 @@ class EtcdLayout:
 
 
 class EtcdPublisher:
-    """An instance's side of the etcd backend: lease, info key, heartbeat key."""
+    """An instance's side of the etcd backend: lease, info key, heartbeat key. With a cluster token in
+    ``security`` the info is signed for the lease it is written under
+    (:func:`xllm.engine_api.credential.sign_record`): gateways with the token accept nothing else."""
 
-    def __init__(self, etcd: EtcdClient, prefix: str = DEFAULT_PREFIX, ttl: float = DEFAULT_TTL) -> None:
+    def __init__(self, etcd: EtcdClient, prefix: str = DEFAULT_PREFIX, ttl: float = DEFAULT_TTL,
+                 security: ClusterSecurity = NO_SECURITY) -> None:
         self.etcd = etcd
+        self.security = security
         self.prefix = prefix
         self.ttl = ttl
         self.layout = EtcdLayout(prefix)
@@ -64,6 +75,8 @@ class EtcdPublisher:
     async def register(self, info: instance_pb2.InstanceInfo) -> None:
         lease, _ = await self.etcd.grant(self.ttl)
         try:
+            if self.security.keys is not None:
+                info = sign_record(self.security.keys, info, lease)
             await self.etcd.put(self.layout.instances + info.instance_id, info.SerializeToString(), lease)
         except BaseException:
             with contextlib.suppress(Exception):  # etcd may be gone: the lease then expires by itself

@@ -93,6 +93,7 @@ class WatchEvent:
     key: str
     value: bytes
     mod_revision: int
+    lease: int = 0
 
 
 @dataclass(frozen=True)
@@ -303,7 +304,7 @@ def _watch_response(msg: dict) -> WatchResponse:
     if result.get("canceled"):
         raise EtcdError(f"etcd watch canceled: {result.get('cancel_reason', '')}")
     events = tuple(WatchEvent(ev.get("type", "PUT"), _unb64(ev["kv"]["key"]).decode(), _unb64(ev["kv"].get("value")),
-                              int(ev["kv"].get("mod_revision", 0)))
+                              int(ev["kv"].get("mod_revision", 0)), int(ev["kv"].get("lease", 0)))
                    for ev in result.get("events") or [])
     return WatchResponse(int(result.get("header", {}).get("revision", 0)), events, bool(result.get("created")))
 

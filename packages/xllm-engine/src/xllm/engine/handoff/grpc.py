@@ -1,8 +1,9 @@
 """The ``grpc`` transport: KV streamed over the engines' gRPC service (between hosts).
 
 The prefill instance opens the decode instance's ``TransferKV`` when the forward that completes the
-prompt starts, and sends one :class:`KVPages` per (layer, K|V) range — that range's page of every
-block the decode side lacks, with a CRC-32 — as soon as the forward stored the layer, so the
+prompt starts, and sends the :class:`KVPages` of each (layer, K|V) range — that range's page of every
+block the decode side lacks, in messages of at most :data:`~xllm.engine_api.bounds.KV_MESSAGE_BYTES`
+(one page at least) each with its CRC-32 — as soon as the forward stored the layer, so the
 transfer overlaps the rest of the prefill; the :class:`KVCommit` (first token, sampler state)
 follows the sampling. The decode side checks and writes each message into its reservation as it
 arrives; a corrupted or missing range makes it recompute the prompt instead of installing the KV.
@@ -33,12 +34,14 @@ from xllm.engine.handoff.base import (
     crc32,
     write_pages_checked,
 )
+from xllm.engine.intake import Intake, Oversized
+from xllm.engine_api.bounds import KV_MESSAGE_BYTES
 from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, open_channel
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE = 256 << 20  # a block of a large model is several MiB
+MAX_MESSAGE = 256 << 20  # what a sender may send: a KVPages holds at most KV_MESSAGE_BYTES or one page (several MiB)
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
 
 
@@ -73,12 +76,15 @@ class TransferChannels:
 
 def page_messages(store: PageStore, transfer_id: str, pages: tuple[int, ...], first_block: int,
                   ranges: list[int] | None = None) -> Iterator[engine_pb2.KVTransferMessage]:
-    """One :class:`KVPages` per range (``ranges``, default all): its page of each of ``pages``, the blocks
-    ``first_block ..``, with its CRC-32."""
+    """The :class:`KVPages` of each range (``ranges``, default all): its page of each of ``pages``, the
+    blocks ``first_block ..``, in messages of at most :data:`KV_MESSAGE_BYTES` (one page at least; one
+    empty message for a range without pages), each with its CRC-32."""
     for r in range(len(store.page_bytes)) if ranges is None else ranges:
-        data = store.read_pages(r, pages)
-        yield engine_pb2.KVTransferMessage(pages=engine_pb2.KVPages(
-            transfer_id=transfer_id, range=r, first_block=first_block, data=data, crc32=crc32(data)))
+        per = max(1, KV_MESSAGE_BYTES // store.page_bytes[r])
+        for i in range(0, max(len(pages), 1), per):
+            data = store.read_pages(r, pages[i:i + per])
+            yield engine_pb2.KVTransferMessage(pages=engine_pb2.KVPages(
+                transfer_id=transfer_id, range=r, first_block=first_block + i, data=data, crc32=crc32(data)))
 
 
 class GrpcSender(KVSender):
@@ -108,14 +114,21 @@ class GrpcSender(KVSender):
         await self.channels.close()
 
 
-async def receive(sink: HandoffSink, messages: AsyncIterator[engine_pb2.KVTransferMessage]
-                  ) -> engine_pb2.KVTransferAck:
+async def receive(sink: HandoffSink, messages: AsyncIterator[engine_pb2.KVTransferMessage | Oversized],
+                  intake: Intake | None = None) -> engine_pb2.KVTransferAck:
     """Decode side of ``TransferKV``: write the streamed pages (and, for a commit naming store hashes,
-    the blocks read from the store) into the reservation, then install or recompute."""
+    the blocks read from the store) into the reservation, then install or recompute. A message over
+    the service's bound (an :class:`Oversized` marker, never parsed: :mod:`xllm.engine.intake`) ends
+    the transfer unused, counted by ``intake``."""
     dest, error, received, started = None, "", 0, time.monotonic()
     ranges_seen: list[tuple[int, int, int]] = []  # (range, first block, blocks)
     try:
         async for message in messages:
+            if isinstance(message, Oversized):
+                if intake is not None:
+                    intake.note(message)
+                error = message.details
+                break
             if message.HasField("pages"):
                 pages = message.pages
                 if dest is None:
@@ -152,20 +165,27 @@ async def receive(sink: HandoffSink, messages: AsyncIterator[engine_pb2.KVTransf
         return engine_pb2.KVTransferAck(installed=False, error=str(exc))
     if dest is not None:  # the stream broke off before the commit
         sink.cancel_receive(dest.transfer_id)
-    return engine_pb2.KVTransferAck(installed=False, error="the transfer ended without its commit")
+    return engine_pb2.KVTransferAck(installed=False, error=error or "the transfer ended without its commit")
 
 
 def _missing(dest: Destination, commit: engine_pb2.KVCommit, ranges_seen: list[tuple[int, int, int]],
              from_store: int = 0) -> str:
     """What the commit covers but the pages received (after the ``from_store`` blocks read from the
-    store) do not ("" when complete)."""
+    store) do not ("" when complete): every range's messages must tile the paged blocks exactly."""
     paged = commit.num_blocks - from_store
-    expected = [(r, commit.first_block + from_store, paged) for r in range(len(dest.store.page_bytes))]
-    if (paged == 0 and not ranges_seen) or sorted(ranges_seen) == expected:
+    start = commit.first_block + from_store
+    expected = {r: start + paged for r in range(len(dest.store.page_bytes))} if paged else {}
+    covered: dict[int, int] = {}  # range -> the block after the last one received in order
+    tiled = True
+    for r, first, n in sorted(ranges_seen):
+        if n == 0:  # a range without pages
+            continue
+        tiled &= covered.get(r, start) == first
+        covered[r] = first + n
+    if tiled and covered == expected:
         return ""
-    return (f"{commit.transfer_id}: received {len(ranges_seen)} page ranges, expected blocks "
-            f"{commit.first_block + from_store}..{commit.first_block + commit.num_blocks - 1} of {len(expected)} "
-            "ranges")
+    return (f"{commit.transfer_id}: received {len(ranges_seen)} page messages, expected blocks {start}.."
+            f"{start + paged - 1} of {len(dest.store.page_bytes)} ranges")
 
 
 async def _read_store_blocks(sink: HandoffSink, dest: Destination, commit: engine_pb2.KVCommit) -> tuple[int, str]:

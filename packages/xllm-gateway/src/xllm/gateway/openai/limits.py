@@ -14,7 +14,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-from xllm.engine_api.bounds import MAX_BEAM_WIDTH, MAX_TOP_LOGPROBS
+from xllm.engine_api.bounds import (
+    MAX_BEAM_WIDTH,
+    MAX_LOGIT_BIAS,
+    MAX_PROMPT_CHARS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
 from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from xllm.gateway.openai.protocol_recommend import RecommendRequest
@@ -43,6 +51,9 @@ class ApiLimits:
       and completions ``logprobs`` (which OpenAI caps at 5 anyway).
     - ``max_stop`` (16) stop strings of at most ``max_stop_chars`` (256) characters each;
       ``max_stop_token_ids`` (256) stop token ids; ``max_logit_bias`` (300) ``logit_bias`` entries.
+      These defaults (and ``max_prompt_chars``, ``max_logprobs``) are defined once in
+      :mod:`xllm.engine_api.bounds`, whose :class:`~xllm.engine_api.bounds.RequestBounds` the engine
+      applies again to every request it receives.
     - ``max_inflight_requests`` (``--max-inflight-requests``, None: unlimited): generation requests
       (``POST /v1/...``) the gateway holds at once, streams included until they end; one more
       gets 503 with ``Retry-After``.
@@ -50,15 +61,15 @@ class ApiLimits:
 
     max_body_bytes: int = 8 * MIB
     max_json_depth: int = 32
-    max_prompt_chars: int = 1_000_000
+    max_prompt_chars: int = MAX_PROMPT_CHARS
     max_messages: int = 1024
     max_prompts: int = 64
     max_n: int = 16
-    max_logprobs: int = 20
-    max_stop: int = 16
-    max_stop_chars: int = 256
-    max_stop_token_ids: int = 256
-    max_logit_bias: int = 300
+    max_logprobs: int = MAX_TOP_LOGPROBS
+    max_stop: int = MAX_STOP
+    max_stop_chars: int = MAX_STOP_CHARS
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+    max_logit_bias: int = MAX_LOGIT_BIAS
     max_inflight_requests: int | None = None
 
     def __post_init__(self) -> None:

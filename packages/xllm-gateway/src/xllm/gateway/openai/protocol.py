@@ -50,8 +50,27 @@ class Scheduling:
     service_tier: str   # what the response echoes: "flex" (offline), "priority"/"scale" (asked), "default"
 
 
+# What the published JSON schema of a request (/openapi.json) says beyond the field types: these
+# are checked by validators, which a JSON schema does not see.
+_PROPERTY_NAMES = {"logit_bias": {"pattern": "^[0-9]{1,10}$"}}  # token ids (<= INT32_MAX, _bias_keys)
+
+
+def _schema_notes(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """The request's JSON schema as validated: a refused field (:func:`_refuse_set`) reads as
+    null-only with its reason; ``logit_bias`` keys as token ids."""
+    props = schema.get("properties", {})
+    for deco in cls.__pydantic_decorators__.field_validators.values():
+        for name, why in getattr(deco.func, "refusals", {}).items():
+            if name in props:
+                props[name] = {"type": "null", "default": None, "description": f"refused unless null: {why}"}
+    for name, names in _PROPERTY_NAMES.items():
+        for option in props.get(name, {}).get("anyOf", ()):
+            if option.get("type") == "object":
+                option["propertyNames"] = names
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, json_schema_extra=_schema_notes)
 
 
 def _refuse_set(reasons: dict[str, str]):
@@ -62,6 +81,7 @@ def _refuse_set(reasons: dict[str, str]):
             raise ValueError(reasons[info.field_name])
         return value
 
+    check.refusals = reasons  # read by _schema_notes
     return field_validator(*reasons)(classmethod(check))
 
 

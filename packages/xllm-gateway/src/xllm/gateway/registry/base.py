@@ -15,6 +15,13 @@ Backends differ only in how registrations and heartbeats arrive: in-process call
 (:mod:`~xllm.gateway.registry.etcd`). In-process engines (``xllm serve`` on one machine) are
 added with :meth:`Registry.register` and need no lease.
 
+Trust: a view given the cluster credential (``credential``: the keys derived from the cluster token)
+accepts a remote instance's record only when its signature verifies
+(:func:`xllm.engine_api.credential.verify_record`; each backend adds its freshness rule: the etcd
+lease the record is bound to, the age of an embedded registration). Refused records are logged and
+counted by reason (``refused_records``, ``xllm:registry_refused_records``); they never become
+instances, so nothing is ever sent to them. In-process engines need no record.
+
 Everything here runs on the gateway's event loop.
 """
 
@@ -28,8 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from xllm.engine_api.client import EngineClient, GrpcEngineClient
+from xllm.engine_api.credential import ClusterKeys, RecordRefusedError, verify_record
 from xllm.engine_api.wire import InstanceUnavailableError
 from xllm.gateway.breaker import CircuitBreaker
+from xllm.gateway.metrics import RegistryMetrics
 from xllm.kvstore import GAP, GlobalKVIndex
 from xllm.proto.enums import role_name
 from xllm.proto.kvstore.v1 import kv_events_pb2
@@ -113,7 +122,14 @@ class Registry:
     backend = "view"
 
     def __init__(self, client_factory: Callable[[instance_pb2.InstanceInfo], EngineClient] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, credential: ClusterKeys | None = None,
+                 metrics: RegistryMetrics | None = None) -> None:
+        """``credential``: verify remote instances' records with these keys (``None``: accept them
+        unsigned, a cluster without a token); ``metrics``: where refusals (and, for etcd, the watch)
+        are counted."""
+        self.credential = credential
+        self.metrics = metrics
+        self.refused_records: dict[str, int] = {}  # by reason (see RecordRefusedError)
         self._states: dict[str, InstanceState] = {}
         self.kv_index = GlobalKVIndex(clock=clock)
         self._client_factory = client_factory or GrpcEngineClient
@@ -199,7 +215,8 @@ class Registry:
     def _upsert(self, info: instance_pb2.InstanceInfo, client: EngineClient | None = None,
                 local: bool = False) -> InstanceState:
         old = self._states.get(info.instance_id)
-        if old is not None and old.info == info and (client is None or client is old.client):
+        if old is not None and _same_record(old.info, info) and (client is None or client is old.client):
+            old.info.signature.CopyFrom(info.signature)  # signed again (a new lease): the same instance
             return old
         if old is not None:  # re-registered (restart, new address): start over
             self._remove(info.instance_id)
@@ -271,6 +288,33 @@ class Registry:
         finally:
             self._resyncing.discard(state.instance_id)
 
+    def _verified(self, info: instance_pb2.InstanceInfo, lease: int | None = None,
+                  max_age: float | None = None) -> bool:
+        """Whether ``info`` may become an instance (always without a credential); a refusal is counted
+        and logged (the first of each reason, then every 100th)."""
+        try:
+            self.check_record(info, lease, max_age)
+        except RecordRefusedError:
+            return False
+        return True
+
+    def check_record(self, info: instance_pb2.InstanceInfo, lease: int | None = None,
+                     max_age: float | None = None) -> None:
+        """Raise :class:`RecordRefusedError` (counted and logged) unless ``info`` verifies under the
+        view's credential (nothing to check without one)."""
+        if self.credential is None:
+            return
+        try:
+            verify_record(self.credential, info, lease, max_age)
+        except RecordRefusedError as exc:
+            n = self.refused_records[exc.reason] = self.refused_records.get(exc.reason, 0) + 1
+            if self.metrics is not None:
+                self.metrics.record_refused(exc.reason)
+            if n % 100 == 1:
+                log.warning("refused an instance record (%s, %d so far): %s; address %r gets nothing", exc.reason, n,
+                            exc, info.address)
+            raise
+
     # ---- helpers --------------------------------------------------------------------------------
     def _notify(self, event: str, state: InstanceState) -> None:
         for fn in self._listeners:
@@ -284,6 +328,18 @@ class Registry:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def _same_record(a: instance_pb2.InstanceInfo, b: instance_pb2.InstanceInfo) -> bool:
+    """Whether two records describe the same registration (their signatures aside)."""
+    if a.signature == b.signature:
+        return a == b
+    a2, b2 = instance_pb2.InstanceInfo(), instance_pb2.InstanceInfo()
+    a2.CopyFrom(a)
+    b2.CopyFrom(b)
+    a2.ClearField("signature")
+    b2.ClearField("signature")
+    return a2 == b2
 
 
 def _loop_running() -> bool:

@@ -21,7 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from xllm.engine_api.client import EngineClient
+from xllm.engine_api.credential import RECORD_MAX_AGE, ClusterKeys
 from xllm.engine_api.registration.embedded import MAX_TTL, MIN_TTL, LeaseConflictError
+from xllm.gateway.metrics import RegistryMetrics
 from xllm.gateway.registry.base import Registry
 from xllm.proto.registry.v1 import instance_pb2
 
@@ -43,8 +45,9 @@ class EmbeddedRegistry(Registry):
     backend = "embedded"
 
     def __init__(self, client_factory: Callable[[instance_pb2.InstanceInfo], EngineClient] | None = None,
-                 clock: Callable[[], float] = time.monotonic, sweep_interval: float = 0.1) -> None:
-        super().__init__(client_factory, clock)
+                 clock: Callable[[], float] = time.monotonic, sweep_interval: float = 0.1,
+                 credential: ClusterKeys | None = None, metrics: RegistryMetrics | None = None) -> None:
+        super().__init__(client_factory, clock, credential, metrics)
         self._leases: dict[int, _Lease] = {}
         self._sweep_interval = sweep_interval
         self._sweeper: asyncio.Task | None = None
@@ -57,7 +60,10 @@ class EmbeddedRegistry(Registry):
 
         An expired lease of the same instance id, or a live one registered with the same address
         (its holder registering again), is replaced; a live one of another address raises
-        :class:`LeaseConflictError`. A negative or non-finite ``ttl`` raises ``ValueError``."""
+        :class:`LeaseConflictError`. A negative or non-finite ``ttl`` raises ``ValueError``. With a
+        credential, ``info`` must be signed with it at most ``RECORD_MAX_AGE`` s ago (else
+        :class:`~xllm.engine_api.credential.RecordRefusedError`, counted)."""
+        self.check_record(info, max_age=RECORD_MAX_AGE)
         ttl = float(ttl)
         if not math.isfinite(ttl) or ttl < 0:
             raise ValueError(f"ttl_seconds must be a finite number of seconds, got {ttl}")

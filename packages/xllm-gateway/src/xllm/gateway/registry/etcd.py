@@ -18,6 +18,13 @@ answers. A read whose revision is older than one already seen means etcd lost it
 ``rejoin_grace`` s to register again (their agents do at their next heartbeat) before they are
 removed, so a gateway does not drop every instance for the moment between etcd's return and their
 re-registration.
+
+With a credential (the cluster token's keys), an instance key counts only if its record is signed
+with it for the very lease the key hangs on (:func:`xllm.engine_api.credential.verify_record`): an
+unsigned record, one signed with another credential and a stale record written again (under another
+lease or none: the lease it was signed for is gone, and etcd refuses writes under an unknown lease)
+are refused, counted and treated as absent; a heartbeat key counts only under the lease of its
+instance's verified record.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from collections.abc import Callable
 import httpx
 
 from xllm.engine_api.client import EngineClient
+from xllm.engine_api.credential import ClusterKeys
 from xllm.engine_api.registration.etcd import DEFAULT_PREFIX, EtcdLayout
 from xllm.engine_api.registration.etcd_client import (
     DEFAULT_WATCH_TIMEOUT,
@@ -61,8 +69,9 @@ class EtcdRegistry(Registry):
                  client_factory: Callable[[instance_pb2.InstanceInfo], EngineClient] | None = None,
                  clock: Callable[[], float] = time.monotonic, retry_interval: float = 0.5,
                  max_retry_interval: float = 2.0, watch_timeout: float = DEFAULT_WATCH_TIMEOUT,
-                 rejoin_grace: float = 10.0, metrics: RegistryMetrics | None = None) -> None:
-        super().__init__(client_factory, clock)
+                 rejoin_grace: float = 10.0, metrics: RegistryMetrics | None = None,
+                 credential: ClusterKeys | None = None) -> None:
+        super().__init__(client_factory, clock, credential, metrics)
         if watch_timeout <= 0:
             raise ValueError(f"etcd watch timeout must be > 0, got {watch_timeout}")
         self.etcd = etcd
@@ -73,7 +82,6 @@ class EtcdRegistry(Registry):
         self._max_retry_interval = max_retry_interval
         self.watch_timeout = watch_timeout
         self.rejoin_grace = rejoin_grace
-        self.metrics = metrics
         self._watcher: asyncio.Task | None = None
         self._synced = asyncio.Event()
         self._revision = 0                         # the newest store revision seen
@@ -121,7 +129,7 @@ class EtcdRegistry(Registry):
                             self._set_watch_up(True)
                         self._revision = max(self._revision, resp.revision)
                         for ev in resp.events:
-                            self._on_change(ev.type, ev.key, ev.value)
+                            self._on_change(ev.type, ev.key, ev.value, ev.lease)
             except asyncio.CancelledError:
                 self._set_watch_up(False)
                 raise
@@ -175,8 +183,8 @@ class EtcdRegistry(Registry):
         heartbeats = []
         for kv in kvs:
             if kv.key.startswith(self._instances_key):
-                present.add(kv.key[len(self._instances_key):])
-                self._on_change("PUT", kv.key, kv.value)
+                if self._on_change("PUT", kv.key, kv.value, kv.lease):
+                    present.add(kv.key[len(self._instances_key):])
             elif kv.key.startswith(self._heartbeats_key):
                 heartbeats.append(kv)
         missing = {s.instance_id for s in self.states() if not s.local and s.instance_id not in present}
@@ -188,7 +196,7 @@ class EtcdRegistry(Registry):
         for instance_id in missing - self._rejoining:
             self._remove(instance_id)
         for kv in heartbeats:
-            self._on_change("PUT", kv.key, kv.value)
+            self._on_change("PUT", kv.key, kv.value, kv.lease)
 
     def _end_rejoin(self) -> None:
         """The grace after etcd lost its data is over: drop the instances that did not come back."""
@@ -198,18 +206,28 @@ class EtcdRegistry(Registry):
             log.info("instance %s did not register again after etcd lost its data", instance_id)
             self._remove(instance_id)
 
-    def _on_change(self, kind: str, key: str, value: bytes) -> None:
+    def _on_change(self, kind: str, key: str, value: bytes, lease: int = 0) -> bool:
+        """Apply one key's change (``lease``: the one it hangs on); returns whether an instance key
+        now holds an accepted record (a refused one removes the instance it names)."""
         try:
             if key.startswith(self._instances_key):
                 instance_id = key[len(self._instances_key):]
                 self._rejoining.discard(instance_id)
                 if kind == "DELETE":
                     self._remove(instance_id)
-                else:
-                    info = instance_pb2.InstanceInfo.FromString(value)
-                    if info.instance_id == instance_id and info.address:
-                        self._upsert(info)
+                    return False
+                info = instance_pb2.InstanceInfo.FromString(value)
+                if info.instance_id == instance_id and info.address and self._verified(info, lease):
+                    self._upsert(info)
+                    return True
+                self._remove(instance_id)
             elif key.startswith(self._heartbeats_key) and kind != "DELETE":
-                self._heartbeat(instance_pb2.Heartbeat.FromString(value))
+                hb = instance_pb2.Heartbeat.FromString(value)
+                state = self.get(hb.instance_id)
+                if self.credential is None or (state is not None and not state.local
+                                               and lease == state.info.signature.lease
+                                               and key == self._heartbeats_key + hb.instance_id):
+                    self._heartbeat(hb)
         except Exception:  # a malformed value must not stop the watch
             log.exception("etcd registry: cannot apply %s %s", kind, key)
+        return False

@@ -396,3 +396,19 @@ class GetKVEventsRequest(_message.Message):
     epoch: int
     snapshot: bool
     def __init__(self, since_version: _Optional[int] = ..., epoch: _Optional[int] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+
+class ProveRequest(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class ProveResponse(_message.Message):
+    __slots__ = ("instance_id", "address", "mac")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    address: str
+    mac: bytes
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...

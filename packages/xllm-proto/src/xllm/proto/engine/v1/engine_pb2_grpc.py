@@ -71,6 +71,11 @@ class EngineServiceStub:
                 request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.MigrateRequest.SerializeToString,
                 response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.MigrateResponse.FromString,
                 _registered_method=True)
+        self.Prove = channel.unary_unary(
+                '/xllm.engine.v1.EngineService/Prove',
+                request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ProveRequest.SerializeToString,
+                response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ProveResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -124,6 +129,13 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prove(self, request, context):
+        """Prove that this instance holds the cluster credential (answered without any from the caller).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +173,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Migrate,
                     request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.MigrateRequest.FromString,
                     response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.MigrateResponse.SerializeToString,
+            ),
+            'Prove': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prove,
+                    request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ProveRequest.FromString,
+                    response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ProveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +369,33 @@ class EngineService:
             '/xllm.engine.v1.EngineService/Migrate',
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.MigrateRequest.SerializeToString,
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.MigrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xllm.engine.v1.EngineService/Prove',
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ProveRequest.SerializeToString,
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ProveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,18 +32,30 @@ class ModelInfo(_message.Message):
     def __init__(self, served_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "address", "role", "model", "start_time")
+    __slots__ = ("instance_id", "address", "role", "model", "start_time", "signature")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_TIME_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     role: InstanceRole
     model: ModelInfo
     start_time: float
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., start_time: _Optional[float] = ...) -> None: ...
+    signature: RecordSignature
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., start_time: _Optional[float] = ..., signature: _Optional[_Union[RecordSignature, _Mapping]] = ...) -> None: ...
+
+class RecordSignature(_message.Message):
+    __slots__ = ("issued_at", "lease", "mac")
+    ISSUED_AT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    issued_at: float
+    lease: int
+    mac: bytes
+    def __init__(self, issued_at: _Optional[float] = ..., lease: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("instance_id", "num_running", "num_waiting", "kv_usage", "kv_free_tokens", "recent_ttft", "recent_tpot", "timestamp", "pending_prefill_tokens", "prefill_tokens_per_s", "decode_context_tokens", "step_predictor", "offline_longest_wait", "offline_running", "offline_waiting", "offline_pending_prefill_tokens", "tier_load_tokens_per_s")
