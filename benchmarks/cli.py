@@ -24,6 +24,7 @@ REGISTRY: NameRegistry[Scenario] = NameRegistry("benchmark", {
     "pd": "benchmarks.pd:SCENARIO",
     "reliability": "benchmarks.reliability:SCENARIO",
     "moves": "benchmarks.moves:SCENARIO",
+    "chaos": "benchmarks.chaos:SCENARIO",
     "gemm": "benchmarks.gemm:SCENARIO",
     "gemm_quant": "benchmarks.gemm_quant:SCENARIO",
     "gemm_int8": "benchmarks.gemm_int8:SCENARIO",

@@ -17,6 +17,7 @@ asserted."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -388,3 +389,84 @@ def test_a_gateway_killed_mid_stream_and_restarted_loses_only_its_own_streams(pl
     for _ in range(3):
         _served(restarted, "after its restart")
     _kv_reaches(restarted, ga, "restarted -> a")
+
+
+async def _sse_until_text(client: httpx.AsyncClient, body: dict, started: asyncio.Event) -> list[tuple[str, str]]:
+    """A stream's ``(id, data)`` events as read until its connection breaks (or it ends); sets
+    ``started`` once an event with text arrived."""
+    events, eid = [], ""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("id: "):
+                    eid = line[4:]
+                elif line.startswith("data: "):
+                    events.append((eid, line[6:]))
+                    if line != "data: [DONE]" and any(_piece(c) for c in json.loads(line[6:])["choices"]):
+                        started.set()
+    except httpx.HTTPError:
+        pass  # the gateway died
+    return events
+
+
+def _piece(choice: dict) -> str:
+    """The text of a choice of a completion or chat chunk."""
+    return choice["text"] if "text" in choice else choice["delta"].get("content", "")
+
+
+def _summary(events: list[tuple[str, str]]) -> tuple[str, list, dict | None]:
+    """The text, finish reasons and final usage of a stream's events."""
+    chunks = [json.loads(d) for _, d in events if d != "[DONE]" and "choices" in json.loads(d)]
+    text = "".join(_piece(c) for ch in chunks for c in ch["choices"])
+    return text, [c["finish_reason"] for ch in chunks for c in ch["choices"] if c["finish_reason"]], \
+        (chunks[-1].get("usage") if chunks else None)
+
+
+COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def test_a_gateway_killed_mid_stream_its_clients_resume_through_the_other_gateway(plane, launch_server):
+    """SIGKILL of a real gateway process with a greedy completion and a seeded chat stream in flight: each client
+    reconnects to the other gateway with its stream id and ``Last-Event-ID`` and gets the rest, the
+    concatenation equal to an uninterrupted run (text, finish reason, usage), every character once."""
+    ga, gb = plane.gateways
+    max_tokens = 1500  # (a tiny-model stream cannot end between its first text and the kill)
+    story = f"Story ({uuid.uuid4().hex}): once upon a time"
+    bodies = [{"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True},
+               **({"temperature": 0.9, "seed": 77, "messages": [{"role": "user", "content": story}]} if i
+                  else {"temperature": 0.0, "prompt": story})} for i in range(2)]
+
+    async def run() -> tuple[list, list, list, list[httpx.Response]]:
+        async with (httpx.AsyncClient(base_url=ga.url, timeout=180, trust_env=False) as ca,
+                    httpx.AsyncClient(base_url=gb.url, timeout=180, trust_env=False) as cb):
+            never = asyncio.Event()
+            reference = await asyncio.gather(*(_sse_until_text(ca, b, never) for b in bodies))
+            started = [asyncio.Event() for _ in bodies]
+            on_b = [asyncio.ensure_future(_sse_until_text(cb, b, s)) for b, s in zip(bodies, started, strict=True)]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
+            os.killpg(gb.proc.pid, signal.SIGKILL)
+            broken = await asyncio.gather(*on_b)
+            resumed = [await ca.get(f"/v1/streams/{json.loads(ev[0][1])['id']}", headers={"Last-Event-ID": ev[-1][0]})
+                       for ev in broken]
+            rest = [[("", ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: ")] for r in resumed]
+            return reference, broken, rest, resumed
+
+    try:
+        reference, broken, rest, resumed = asyncio.run(run())
+    finally:
+        gb.proc.wait(30)
+        plane.gateways[1] = launch_server(*plane.gateway_args)
+    for ref, first, more, r in zip(reference, broken, rest, resumed, strict=True):
+        assert r.status_code == 200, r.text
+        assert first[-1][1] != "[DONE]" and more[-1][1] == "[DONE]"  # broken off, then finished through A
+        text = _summary(first)[0]
+        rest_text, rest_finish, rest_usage = _summary(more)
+        ref_text, ref_finish, ref_usage = _summary(ref)
+        assert text and text + rest_text == ref_text  # every character once
+        assert rest_finish == ref_finish == ["length"]
+        # (the reference run put the prompt in the prefix cache: cached_tokens differ, not the counts)
+        assert {k: rest_usage[k] for k in COUNTS} == {k: ref_usage[k] for k in COUNTS}
+        assert ref_usage["completion_tokens"] == max_tokens
+    wait_for(lambda: _healthy(plane.gateways[1]) == {"e0", "e1"}, 60, "the restarted gateway's view")

@@ -105,3 +105,21 @@ def test_cheapest_checks_come_first(limits):
     assert too_long.param == "prompt" and "context length" in str(too_long)
     out_of_range = _refused(limits, _request(prompt=bad_tokens))
     assert out_of_range.param == "prompt" and "must be in" in str(out_of_range)
+
+
+def test_an_engine_configured_with_other_bounds_applies_them():
+    """``EngineConfig.request_bounds`` (the request limit flags) reach the engine's own checks: within them a
+    request the defaults refuse passes, past them the engine refuses it alone (no gateway in front)."""
+    raised = RequestBounds(max_stop=64, max_stop_chars=1000, max_grammar_chars=MAX_PROMPT_CHARS * 2)
+    engine = make_engine(kv_cache_backend="paged", block_size=16, kv_cache_memory_gib=0.01, request_bounds=raised)
+    try:
+        configured = engine.limits
+    finally:
+        engine.close()
+    assert configured.bounds == raised
+    configured.check(_request(stop=["x" * 1000] * 64,
+                              structured=engine_pb2.StructuredOutput(grammar="a" * (MAX_PROMPT_CHARS + 1))))
+    assert _refused(configured, _request(stop=["x"] * 65)).param == "stop"
+    assert _refused(configured, _request(stop=["x" * 1001])).param == "stop"
+    assert _refused(configured, _request(structured=engine_pb2.StructuredOutput(
+        grammar="a" * (MAX_PROMPT_CHARS * 2 + 1), field="guided_grammar"))).param == "guided_grammar"

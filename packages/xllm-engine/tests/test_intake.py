@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import socket
+import struct
 import time
 
 import grpc
 import pytest
 
+from xllm.core import AsyncEngine
 from xllm.engine.handoff import grpc as grpc_transport
-from xllm.engine.handoff.base import HandoffOptions
+from xllm.engine.handoff.base import HandoffOptions, TransferError
+from xllm.engine.handoff.fd import FdReceiver
+from xllm.engine.handoff.manager import HandoffManager
 from xllm.engine.intake import SMALL_MESSAGE_BYTES, Oversized, generate_shape, message_bounds
 from xllm.engine_api.bounds import (
     KV_MESSAGE_BYTES,
@@ -315,6 +321,61 @@ def test_the_served_engines_bounds_follow_its_configuration():
     assert default.largest == max(default.generate, default.transfer_kv) and smaller.largest == smaller.transfer_kv
     assert without_kv.transfer_kv == SMALL_MESSAGE_BYTES
     assert dict(default.server_options())["grpc.max_receive_message_length"] == default.largest
+
+
+class RefusingSink:
+    """A decode side awaiting no transfer, bounded like an engine: what an fd receiver asks of it."""
+
+    def __init__(self, message_bytes: int) -> None:
+        self.message_bytes = message_bytes
+        self.begun: list[str] = []
+
+    def begin_receive(self, transfer_id: str, transport: str):
+        self.begun.append(transfer_id)
+        raise TransferError(f"{transfer_id}: nothing awaits this transfer")
+
+
+def test_the_fd_handoff_socket_refuses_a_message_past_the_intake_bound_unread():
+    """The fd transport's socket holds a message to the ``TransferKV`` bound of the gRPC intake (the engine's
+    hand-off manager reports it): a length prefix past it gets a failed ack at once, the 64 MiB body never
+    sent nor read, and the connection is closed; a message within it is parsed and answered."""
+    engine = make_engine(kv_cache_backend="paged", block_size=16, kv_cache_memory_gib=0.01)
+    try:
+        manager = HandoffManager(AsyncEngine(engine), HandoffOptions(transport="fd"), lambda _c, _n: None)
+        bound = manager.message_bytes
+        assert bound == message_bounds(engine.limits, engine.kv.page_store().page_bytes).transfer_kv
+    finally:
+        engine.close()
+
+    def ack(conn: socket.socket) -> engine_pb2.KVTransferAck:
+        (size,) = struct.unpack("!I", conn.recv(4, socket.MSG_WAITALL))
+        return engine_pb2.KVTransferAck.FromString(conn.recv(size, socket.MSG_WAITALL))
+
+    async def main():
+        receiver, sink = FdReceiver({}), RefusingSink(bound)
+        await receiver.start(sink)
+        memfd = os.memfd_create("xllm-test")
+        os.ftruncate(memfd, 4096)  # the sender's pages, mapped by the receiver
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(10)
+                conn.connect("\0" + receiver.address[1:])
+                socket.send_fds(conn, [b"XKV1"], [memfd])
+                within = engine_pb2.KVFdHandoff(commit=engine_pb2.KVCommit(transfer_id="t1")).SerializeToString()
+                conn.sendall(struct.pack("!I", len(within)) + within)
+                first = await asyncio.to_thread(ack, conn)
+                conn.sendall(struct.pack("!I", 64 * MIB))  # the header only: the answer cannot wait for a body
+                refused = await asyncio.to_thread(ack, conn)
+                closed = await asyncio.to_thread(conn.recv, 1)
+            return first, refused, closed, sink.begun
+        finally:
+            os.close(memfd)
+            await receiver.stop()
+
+    first, refused, closed, begun = asyncio.run(main())
+    assert not first.installed and "nothing awaits" in first.error and begun == ["t1"]
+    assert not refused.installed and f"{64 * MIB}-byte" in refused.error and f"bound of {bound} bytes" in refused.error
+    assert closed == b"" and begun == ["t1"]  # closed, and the oversized message never reached the sink
 
 
 @pytest.mark.parametrize("payload", [1, 3 * 1024])

@@ -71,6 +71,8 @@ def test_the_token_is_required_on_every_kind_of_call_and_refusals_never_reach_th
                     # a configuration error: the gateway must not take it for a dead instance and move on
                     assert not isinstance(refused.value, InstanceUnavailableError)
                     assert refused.value.instance_id == "e"
+                    with pytest.raises(ClusterAuthError):  # nor can it continue a stream (Reattach)
+                        await client.reattach("ok", 0)
                     health = await client.health()  # no token: refused; another one: the engine cannot prove
                     assert not health.healthy and ("UNAUTHENTICATED" in health.status if security is NO_SECURITY
                                                    else "did not prove" in health.status)
@@ -85,10 +87,11 @@ def test_the_token_is_required_on_every_kind_of_call_and_refusals_never_reach_th
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await call
                     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                stream = stub.Generate(make_request("raw", PROMPT, **GREEDY))
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stream.read()
-                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                for stream in (stub.Generate(make_request("raw", PROMPT, **GREEDY)),
+                               stub.Reattach(engine_pb2.ReattachRequest(request_id="ok"))):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await stream.read()
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             with pytest.raises(TransferError, match="UNAUTHENTICATED"):  # TransferKV with a wrong token
                 channels = TransferChannels(ClusterSecurity(token=OTHER))
                 try:

@@ -30,6 +30,10 @@ ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--kv-host-memory", "--kv-host-dir"
                        "--kv-store", "--kv-store-segment", "--mooncake-metadata"]
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--quantization", "--kv-cache-dtype"]  # weights and KV quantization
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--item-catalog"]  # generative recommendation (issue 19)
+# the request limits of gateway and engines, defined once (xllm.engine_api.flags.add_request_bound_flags)
+REQUEST_BOUND_FLAGS = ["--max-prompt-chars", "--max-stop", "--max-stop-chars", "--max-stop-token-ids",
+                       "--max-logit-bias"]
+ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, *REQUEST_BOUND_FLAGS]
 HANDOFF_FLAGS = ["--kv-transfer", "--kv-handoff-timeout", "--kv-reservation-timeout"]
 CLUSTER_SECURITY_FLAGS = ["--cluster-token", "--cluster-token-file", "--tls-cert", "--tls-key", "--tls-ca",
                           "--tls-server-name", "--etcd-ca", "--etcd-cert", "--etcd-key", "--insecure-cluster"]
@@ -41,18 +45,20 @@ SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", *ENGINE_CON
 ENGINE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--instance-id", "--advertise-address",
                 "--etcd", "--etcd-prefix", "--registry", "--lease-ttl", "--heartbeat-interval", "--drain-timeout",
                 "--exit-with-parent", "--role", *HANDOFF_FLAGS, *ENGINE_CONFIG_FLAGS, "--no-progress", "--log-level",
-                *CLUSTER_SECURITY_FLAGS]
+                *CLUSTER_SECURITY_FLAGS, "--detached-grace-s"]
 
 PROFILE_FLAGS = ["--model", "--served-model-name", *ENGINE_CONFIG_FLAGS, "--output", "-o", "--quick", "--reps",
                  "--warmup", "--decode-contexts", "--batches", "--ladder-tokens", "--mixed-chunks", "--prefill-chunks",
                  "--prefill-cached", "--no-progress", "--log-level"]  # xllm profile (xllm.engine.profiler)
 
 API_FLAGS = ["--api-key", "--priority-api-key", "--allow-client-priority", "--max-inflight-requests",
-             "--max-body-mib", "--max-prompt-chars", "--max-prompts", "--max-n", "--max-logprobs"]
+             "--max-body-mib", "--max-prompts", "--max-n", "--max-logprobs"]
 API_FLAGS = [*API_FLAGS, "--offline-priority"]  # priority from which requests are offline
 API_FLAGS = [*API_FLAGS, "--http-header-timeout-s", "--http-body-timeout-s", "--http-keep-alive-s",
              "--max-connections-per-client", "--max-connections"]  # HTTP connection bounds (xllm.gateway.http_guard)
 SERVE_FLAGS = [*SERVE_FLAGS, *API_FLAGS]  # the OpenAI API's keys and limits (xllm.gateway.api_flags)
+SERVE_FLAGS = [*SERVE_FLAGS, "--stream-stall-timeout"]  # streams of stopped engines (xllm.gateway.progress)
+ENGINE_FLAGS = [*ENGINE_FLAGS, "--step-timeout"]  # the step watchdog (xllm.engine.server)
 PD_ROLE_FLAGS = ["--pd-policy", "--pd-flip-window", "--pd-flip-cooldown", "--pd-cluster-cooldown", "--pd-min-per-role",
                  "--pd-max-flips", "--pd-prefill-overflow", "--no-pd-prefill-overflow"]
 SERVE_FLAGS = [*SERVE_FLAGS, *PD_ROLE_FLAGS]  # dynamic PD roles (xllm.gateway.roles)
@@ -181,6 +187,25 @@ def test_flags_reach_the_engine_config():
     assert cfg.dtype == torch.float32
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len) == (8, 256, 512)
     assert (cfg.kv_cache_memory_gib, cfg.max_waiting_requests, cfg.num_threads, cfg.seed) == (0.5, 10, 2, 7)
+
+
+def test_request_limit_flags_reach_the_api_limits_the_engine_config_and_spawned_engines():
+    from xllm.engine_api.bounds import RequestBounds
+    from xllm.gateway.api_flags import api_limits
+
+    assert engine_config(build_parser().parse_args(["serve"])).request_bounds == RequestBounds()
+    values = ["--max-prompt-chars", "2000000", "--max-stop", "64", "--max-stop-chars", "1000",
+              "--max-stop-token-ids", "512", "--max-logit-bias", "400"]
+    args = build_parser().parse_args(["serve", "--instances", "2", *values])
+    raised = RequestBounds(max_stop=64, max_stop_chars=1000, max_stop_token_ids=512, max_logit_bias=400,
+                           max_grammar_chars=2000000)
+    limits = api_limits(args)
+    assert (limits.max_prompt_chars, limits.max_stop, limits.max_stop_chars, limits.max_stop_token_ids,
+            limits.max_logit_bias) == (2000000, 64, 1000, 512, 400)
+    assert engine_config(args).request_bounds == raised  # the embedded engine
+    spawned = build_parser().parse_args(["engine", *engine_args(args, 2)])
+    assert engine_config(spawned).request_bounds == raised
+    assert engine_config(build_parser().parse_args(["engine", *values])).request_bounds == raised
 
 
 def test_kv_tier_flags_reach_the_engine_config_and_spawned_engines():

@@ -64,7 +64,7 @@ def test_inflight_bound_answers_503_with_retry_after(app_with, fake_engine):
     with client.stream("POST", "/v1/completions", json=body) as held:
         assert held.status_code == 200
         lines = held.iter_lines()  # kept: a dropped line iterator would close the stream
-        assert next(lines).startswith("data: ")  # the stream is being served
+        assert next(lines).startswith("id: ") and next(lines).startswith("data: ")  # the stream is being served
         r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert r.status_code == 503
         err = r.json()["error"]

@@ -9,7 +9,9 @@ def test_engine_service_methods():
     service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
     methods = {m.name: m for m in service.methods}
     assert set(methods) == {"Generate", "Abort", "Health", "GetLoad", "GetKVEvents", "TransferKV", "Migrate",
-                            "Prove"}
+                            "Prove", "Reattach"}
+    assert methods["Reattach"].server_streaming and not methods["Reattach"].client_streaming
+    assert methods["Reattach"].output_type.full_name == "xllm.engine.v1.GenerateResponse"
     assert not methods["Prove"].client_streaming and not methods["Prove"].server_streaming
     assert methods["Prove"].output_type.full_name == "xllm.engine.v1.ProveResponse"
     assert not methods["Migrate"].client_streaming and not methods["Migrate"].server_streaming
@@ -30,6 +32,8 @@ def test_registry_service_and_kv_events():
     hb = instance_pb2.Heartbeat(instance_id="e0", seq=3, kv_events=kv_events_pb2.KVCacheEvents(
         epoch=1, base_version=2, version=5, stored=[2**64 - 1], removed=[7]))
     assert instance_pb2.Heartbeat.FromString(hb.SerializeToString()) == hb
+    signature = instance_pb2.Heartbeat.DESCRIPTOR.fields_by_name["signature"]  # signed heartbeats (issue 50)
+    assert signature.number == 9 and signature.message_type.full_name == "xllm.registry.v1.RecordSignature"
     assert kv_events_pb2.DESCRIPTOR.package == "xllm.kvstore.v1"
     methods = {m.name: m for m in engine_pb2.DESCRIPTOR.services_by_name["EngineService"].methods}
     assert methods["GetKVEvents"].output_type.full_name == "xllm.kvstore.v1.KVCacheEvents"

@@ -117,8 +117,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.dead_reason: str | None = None
         self.crashed = False  # the loop died of an exception (not a shutdown)
+        self.hung = False  # the step watchdog took it for hung (declare_hung): a step may still hold the engine
         self._closing = threading.Lock()  # orders submit() against the loop's end
         self._busy_since: float | None = None  # monotonic start of the step running now
+        self.steps_done = 0  # steps the loop completed (the step watchdog's sign of progress)
+        self.longest_step = 0.0  # seconds, the longest of them as stalled_for() saw it (the watchdog's margin)
 
     # ---- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -281,6 +284,28 @@ class AsyncEngine:
         busy_since = self._busy_since
         return 0.0 if busy_since is None else time.monotonic() - busy_since
 
+    def declare_hung(self, reason: str) -> bool:
+        """The step watchdog's verdict (any thread): the engine thread is stuck in a step, so the engine
+        is dead from now on, as if its loop had crashed: :meth:`submit` refuses, every open stream
+        and queued request fails with :class:`EngineCrashedError` (``suspect``: the request is in the
+        stuck step) and the loop, should the step ever return, ends without stepping again. False if
+        the engine was already dead."""
+        with self._closing:
+            if self.dead_reason is not None:
+                return False
+            self.dead_reason = reason
+            self.crashed = self.hung = True
+        self._stop.set()
+        self._wake.set()
+        try:
+            suspects = self._engine.stepping_request_ids()
+        except RuntimeError:  # the step changed them as they were read: it is not stuck after all, but too slow
+            suspects = set()
+        log.error("engine hung (%s; requests in the stuck step: %s)", reason, sorted(suspects))
+        self._fail_queued(EngineCrashedError(reason, suspect=False))
+        self._fail_streams(lambda rid: EngineCrashedError(reason, suspect=rid in suspects))
+        return True
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
@@ -292,6 +317,8 @@ class AsyncEngine:
                     continue
                 self._busy_since = time.monotonic()
                 self._deliver(self._engine.step())
+                self.steps_done += 1
+                self.longest_step = max(self.longest_step, time.monotonic() - self._busy_since)
                 if self._engine.stalled:  # nothing could run (e.g. KV held by hand-offs): wait for a change
                     self._wake.wait(self._idle_wait)
                     self._wake.clear()
@@ -354,7 +381,7 @@ class AsyncEngine:
             if stream is None:
                 continue
             if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
-                del self._streams[chunk.request_id]
+                self._streams.pop(chunk.request_id, None)  # (the watchdog may have failed them all meanwhile)
             by_loop[stream._loop].append((stream, chunk))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed event loop: its clients are gone

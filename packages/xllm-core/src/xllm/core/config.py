@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from xllm.common import UnknownNameError
+from xllm.engine_api.bounds import RequestBounds
 from xllm.engine_api.errors import ConfigError
 from xllm.engine_api.names import DTYPES, KV_BACKENDS, KV_CACHE_DTYPES, PROPOSERS, canonical_quantization
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
@@ -102,6 +103,9 @@ class EngineConfig:
     speculative_self_layers: int | None = None
     item_catalog: str | None = None  # generative recommendation's valid items (xllm.recsys.catalog file)
     quantization: str = "none"  # the linears' weight format (xllm.engine_api.names.WEIGHT_QUANTIZATIONS)
+    # what one request may ask for beyond the context length, applied again after the gateway (the request
+    # limit flags, xllm.engine_api.flags.add_request_bound_flags); sizes the largest accepted message too
+    request_bounds: RequestBounds = field(default_factory=RequestBounds)
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)

@@ -78,7 +78,7 @@ class LLMEngine(EngineMoves, EngineBeams):
         self.max_model_len = config.resolve_max_model_len(int(model.max_context_len))
         self.kv = build_kv(config, model, self.platform.device, self.max_model_len)
         self.layout = self.kv.layout
-        self.limits = RequestLimits(int(model.vocab_size), self.max_model_len, self.layout)
+        self.limits = RequestLimits(int(model.vocab_size), self.max_model_len, self.layout, config.request_bounds)
         self.runner = build_runner(config, model, self.kv, self.platform.device)
         eos = frozenset(tokenizer.eos_token_ids)
         self.sampler = Sampler(eos)

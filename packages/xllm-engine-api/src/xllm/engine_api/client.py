@@ -63,7 +63,8 @@ class EngineClient(Protocol):
 
 
 class RemoteStream:
-    """The chunks of one remote request; leaving early cancels the call (the engine aborts it)."""
+    """The chunks of one remote request; leaving early cancels the call and sends ``Abort`` (an
+    explicit abort: the engine does not keep the request for a reattach, see ``EngineService.Reattach``)."""
 
     def __init__(self, call, client: GrpcEngineClient, request_id: str) -> None:
         self._call = call
@@ -79,7 +80,7 @@ class RemoteStream:
                     chunk = await asyncio.wait_for(self._call.read(), self._client.stream_idle_timeout)
                 except TimeoutError:
                     self.finished = True
-                    self._call.cancel()
+                    self._leave()
                     raise InstanceUnavailableError(
                         f"instance {instance_id} sent nothing for {self._client.stream_idle_timeout:g} s",
                         instance_id, crashed=True, suspect=True) from None
@@ -102,7 +103,27 @@ class RemoteStream:
                     return
         finally:
             if not self.finished:
-                self._call.cancel()
+                self._leave()
+
+    def release(self) -> None:
+        """Give the stream up unread without an ``Abort`` (a reattached request is then detached again,
+        for another ``Reattach``)."""
+        self.finished = True
+        self._call.cancel()
+
+    def _leave(self) -> None:
+        """Cancel the call and abort the request (in the background: this may run while a generator closes)."""
+        self._call.cancel()
+        try:
+            task = asyncio.get_running_loop().create_task(self._client.abort(self.request_id))
+        except RuntimeError:  # no running loop (interpreter shutdown): the engine's grace period ends it
+            return
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
+
+_BACKGROUND: set[asyncio.Task] = set()  # abort calls under way (referenced until done)
+_REATTACH_REFUSALS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE)
 
 
 class GrpcEngineClient:
@@ -182,7 +203,25 @@ class GrpcEngineClient:
 
     async def submit(self, req: engine_pb2.GenerateRequest) -> RemoteStream:
         stub = await self._ready()  # InstanceUnavailableError (unreachable), ClusterAuthError (no proof)
-        call = stub.Generate(req, timeout=self.request_deadline)
+        return await self._accepted(stub.Generate(req, timeout=self.request_deadline), req.request_id)
+
+    async def reattach(self, request_id: str, from_token: int) -> RemoteStream:
+        """Continue the detached request ``request_id`` (its gateway died mid-stream) from output token
+        ``from_token`` (a chunk boundary): its chunks from there on (``EngineService.Reattach``). Raises
+        ``InstanceUnavailableError``, ``ClusterAuthError``, or ``LookupError`` when the instance refuses
+        (no such detached request, still attached to a call, not a chunk boundary)."""
+        stub = await self._ready()
+        req = engine_pb2.ReattachRequest(request_id=request_id, from_token=from_token)
+        call = stub.Reattach(req, timeout=self.request_deadline)
+        try:
+            return await self._accepted(call, request_id)
+        except Exception as exc:  # refusals arrive as the status of an unaccepted call
+            if call.done() and await call.code() in _REATTACH_REFUSALS:
+                raise LookupError(f"instance {self.info.instance_id}: {await call.details()}") from exc
+            raise
+
+    async def _accepted(self, call, request_id: str) -> RemoteStream:
+        """The stream of a ``Generate``/``Reattach`` call once the instance accepted it (raises its refusal)."""
         try:
             metadata = await asyncio.wait_for(call.initial_metadata(), self.stream_idle_timeout)
         except TimeoutError:
@@ -195,7 +234,7 @@ class GrpcEngineClient:
         if dict(metadata or ()).get(ACCEPTED_KEY) != "1":
             code = await call.code()
             raise error_from_status(code, await call.details(), await call.trailing_metadata(), self.info.instance_id)
-        return RemoteStream(call, self, req.request_id)
+        return RemoteStream(call, self, request_id)
 
     async def abort(self, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError, InstanceUnavailableError,

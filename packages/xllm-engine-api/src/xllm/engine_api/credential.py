@@ -1,6 +1,6 @@
 """What members of a cluster prove with the cluster token, without ever sending it.
 
-The cluster token (``--cluster-token``; :mod:`xllm.engine_api.security`) never crosses the wire. Three
+The cluster token (``--cluster-token``; :mod:`xllm.engine_api.security`) never crosses the wire. Four
 keys are derived from it, one per use (HMAC-SHA256 of the token over a purpose label, so no key
 serves another purpose and none reveals the token):
 
@@ -9,7 +9,11 @@ serves another purpose and none reveals the token):
   signed and the lease it is written under). A gateway with the credential accepts a record only if
   :func:`verify_record` passes: signed with this key, under the lease it names (etcd: a copy of a
   record written under another lease, or none, is a replay and refused), and not older than a bound
-  when it is registered (the embedded registry's ``Register``).
+  when it is registered (the embedded registry's ``Register``). The same key signs heartbeats
+  (:func:`sign_heartbeat`, labelled apart from records): a MAC over the whole heartbeat (load, KV cache
+  events, counters, draining) with its instance id, seq and lease; a gateway applies one only if
+  :func:`verify_heartbeat` passes for the lease its instance holds and its seq is above the last one
+  applied, so a writer to etcd who reads a live lease can neither forge nor replay one.
 - **call key**: every call to an internal service carries a per-call proof (:func:`make_proof`,
   metadata ``xllm-proof``): an HMAC over the method, a timestamp and a random nonce. Servers check it
   in constant time (:class:`ProofCheck`) and accept each nonce once within a replay window; a
@@ -18,6 +22,8 @@ serves another purpose and none reveals the token):
   ``EngineService.Prove``; the instance answers ``HMAC(prove key, nonce || instance id || address)``
   (:func:`prove_mac`). Only then does the gateway send it anything else, so a stranger at an address
   in the registry never receives a request nor a proof.
+- **stream key**: the gateways' resumable stream ids carry a MAC under it, so any gateway of the cluster
+  can resume a stream another one started, and a client can neither forge one nor name another's.
 
 No torch here.
 """
@@ -62,19 +68,22 @@ class ClusterKeys:
     record: bytes
     call: bytes
     prove: bytes
+    stream: bytes = b""  # the gateways' stream ids (xllm.gateway.openai.stream_ids): any gateway checks any's
 
     def __repr__(self) -> str:
         return "ClusterKeys(...)"
 
     @classmethod
     def from_token(cls, token: str) -> ClusterKeys:
-        return cls(record=_derive(token, "record"), call=_derive(token, "call"), prove=_derive(token, "prove"))
+        return cls(record=_derive(token, "record"), call=_derive(token, "call"), prove=_derive(token, "prove"),
+                   stream=_derive(token, "stream"))
 
 
 # ---- signed instance records --------------------------------------------------------------------
 class RecordRefusedError(ValueError):
     """An instance record failed :func:`verify_record`; ``reason`` is one of ``unsigned``, ``bad_signature``,
-    ``wrong_lease``, ``stale`` (the label of the refusal counter)."""
+    ``wrong_lease``, ``stale`` (the label of the refusal counter); a heartbeat that failed
+    :func:`verify_heartbeat` has one of the ``heartbeat_*`` reasons."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -119,6 +128,45 @@ def verify_record(keys: ClusterKeys, info: instance_pb2.InstanceInfo, lease: int
         if not -max_age <= age <= max_age:
             raise RecordRefusedError("stale", f"instance record {info.instance_id!r} was signed {age:.0f} s ago "
                                      f"(at most {max_age:g} s; check the clocks)")
+
+
+# ---- signed heartbeats ----------------------------------------------------------------------------
+def _heartbeat_content(hb: instance_pb2.Heartbeat) -> bytes:
+    unsigned = instance_pb2.Heartbeat()
+    unsigned.CopyFrom(hb)
+    unsigned.signature.mac = b""
+    return unsigned.SerializeToString(deterministic=True)
+
+
+def sign_heartbeat(keys: ClusterKeys, hb: instance_pb2.Heartbeat, lease: int,
+                   now: float | None = None) -> instance_pb2.Heartbeat:
+    """A copy of ``hb`` signed now for the registry ``lease`` it is sent under (etcd's lease, or the
+    embedded registry's lease id)."""
+    signed = instance_pb2.Heartbeat()
+    signed.CopyFrom(hb)
+    signed.signature.Clear()
+    signed.signature.issued_at = time.time() if now is None else now
+    signed.signature.lease = lease
+    signed.signature.mac = _mac(keys.record, b"heartbeat", _heartbeat_content(signed))
+    return signed
+
+
+def verify_heartbeat(keys: ClusterKeys, hb: instance_pb2.Heartbeat, lease: int, after_seq: int = 0) -> None:
+    """Raise :class:`RecordRefusedError` unless ``hb`` was signed with ``keys`` for ``lease`` and its seq is
+    above ``after_seq`` (the last one applied under that lease). Reasons: ``heartbeat_unsigned``,
+    ``heartbeat_bad_signature``, ``heartbeat_wrong_lease``, ``heartbeat_replayed``."""
+    if not hb.HasField("signature") or not hb.signature.mac:
+        raise RecordRefusedError("heartbeat_unsigned", f"heartbeat of {hb.instance_id!r} carries no signature")
+    expected = _mac(keys.record, b"heartbeat", _heartbeat_content(hb))
+    if not hmac.compare_digest(expected, hb.signature.mac):
+        raise RecordRefusedError("heartbeat_bad_signature", f"heartbeat of {hb.instance_id!r}: the signature does "
+                                 "not verify (not written by a holder of this cluster's credential, or altered)")
+    if hb.signature.lease != lease:
+        raise RecordRefusedError("heartbeat_wrong_lease", f"heartbeat of {hb.instance_id!r} was signed for lease "
+                                 f"{hb.signature.lease:x}, found under {lease:x} (a copy of an old one)")
+    if hb.seq <= after_seq:
+        raise RecordRefusedError("heartbeat_replayed", f"heartbeat of {hb.instance_id!r} has seq {hb.seq}, not above "
+                                 f"{after_seq} already applied (a replay of an old one)")
 
 
 # ---- per-call proofs ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import logging
 import os
 
 from xllm.common.argtypes import fraction, positive_float, positive_int
+from xllm.engine_api.bounds import RequestBounds
 from xllm.engine_api.names import DTYPES, KV_BACKENDS, KV_CACHE_DTYPES, KV_TRANSPORTS, PROPOSERS, quantization_choices
 from xllm.engine_api.registration.etcd import DEFAULT_PREFIX
 from xllm.engine_api.security import TOKEN_ENV, ClusterSecurity, resolve_token
@@ -143,6 +144,37 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "start-up into a compact trie. POST /v1/recommend (and item_catalog engine requests) "
                         "beam-search only these items. Default: none")
     add_kv_tier_flags(p)
+    add_request_bound_flags(p)
+
+
+def add_request_bound_flags(p: argparse.ArgumentParser) -> None:
+    """The request limits the gateway applies and every engine applies again
+    (:class:`~xllm.engine_api.bounds.RequestBounds`; :func:`request_bounds`), defined once: ``xllm serve``
+    gives them to its API limits and to its embedded or spawned engines, ``xllm engine`` to itself, so
+    raising one on the gateway raises it on the engines started with it (start ``xllm engine`` processes
+    with the same values). The engine sizes its largest accepted message by them (xllm.engine.intake)."""
+    d = RequestBounds()
+    g = p.add_argument_group("request limits", "how much one request may ask for; the gateway refuses more with "
+                             "400, engines refuse it again (give gateway and engines the same values)")
+    g.add_argument("--max-prompt-chars", type=positive_int, default=d.max_grammar_chars, metavar="N",
+                   help="most characters of prompt (messages and tools, or the string prompts) one request may "
+                        "send, checked by the gateway before tokenization; also the most characters of an output "
+                        "constraint (JSON schema, regex, grammar, choices), checked again by the engine")
+    g.add_argument("--max-stop", type=positive_int, default=d.max_stop, metavar="N",
+                   help="most stop strings of one request")
+    g.add_argument("--max-stop-chars", type=positive_int, default=d.max_stop_chars, metavar="N",
+                   help="most characters of one stop string")
+    g.add_argument("--max-stop-token-ids", type=positive_int, default=d.max_stop_token_ids, metavar="N",
+                   help="most stop token ids of one request")
+    g.add_argument("--max-logit-bias", type=positive_int, default=d.max_logit_bias, metavar="N",
+                   help="most logit_bias entries of one request")
+
+
+def request_bounds(args: argparse.Namespace) -> RequestBounds:
+    """The request limits :func:`add_request_bound_flags` describes."""
+    return RequestBounds(max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
+                         max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
+                         max_grammar_chars=args.max_prompt_chars)
 
 
 def add_kv_tier_flags(p: argparse.ArgumentParser) -> None:
@@ -262,6 +294,16 @@ def add_instance_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM: how long running requests may finish before the rest are handed "
                         "back to their gateways (which resume them on other instances)")
+    p.add_argument("--detached-grace-s", type=float, default=30.0, metavar="SECONDS",
+                   help="how long a request whose gateway went away without aborting it (its Generate call "
+                        "broke) keeps running, its output kept, for a gateway to continue it (Reattach); "
+                        "then it is aborted. 0: a broken call aborts its request at once")
+    p.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="step watchdog: an engine that has work but completes no step for this long (or 4 times "
+                        "its longest step so far, if more: a big prefill raises it) is taken for hung: its "
+                        "requests fail as in a crash (gateways resume them elsewhere), its health turns bad and "
+                        "the instance deregisters and exits with status 1. Keep it above the slowest step (the "
+                        "first, with its warm-up, included); 0: no watchdog")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="shut down when the process that started this one exits (used by serve --instances)")
     p.add_argument("--role", default="mixed", choices=list(ROLE_NAMES.values()),

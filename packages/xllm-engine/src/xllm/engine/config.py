@@ -10,7 +10,7 @@ import argparse
 
 from xllm.core.config import EngineConfig
 from xllm.engine.handoff.base import HandoffOptions
-from xllm.engine_api.flags import check_handoff_flags
+from xllm.engine_api.flags import check_handoff_flags, request_bounds
 from xllm.kvstore.mooncake_local import LOCAL
 
 
@@ -41,7 +41,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_host_memory_gib=args.kv_host_memory, kv_host_dir=args.kv_host_dir, kv_disk_dir=args.kv_disk_dir,
         kv_disk_size_gib=args.kv_disk_size, kv_store=_store_url(args.kv_store),
         kv_store_metadata=args.mooncake_metadata,
-        kv_store_segment_gib=args.kv_store_segment, item_catalog=args.item_catalog)
+        kv_store_segment_gib=args.kv_store_segment, item_catalog=args.item_catalog,
+        request_bounds=request_bounds(args))
 
 
 def handoff_options(args: argparse.Namespace) -> HandoffOptions:

@@ -55,6 +55,8 @@ class InstanceOptions:
     lease_ttl: float = 3.0
     heartbeat_interval: float = 0.5
     drain_timeout: float = 30.0
+    step_timeout: float = 60.0  # the step watchdog's floor (0: none; xllm.engine.server.EngineServer)
+    detached_grace_s: float = 30.0
     exit_with_parent: bool = False
     progress: bool = True
     role: str = "mixed"
@@ -95,7 +97,8 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
             loop.add_signal_handler(sig, stop.set)
     aeng = AsyncEngine(engine, compute=compute)
     # before the loop starts: it observes every step
-    server = EngineServer(aeng, handoff=opts.handoff, security=opts.security)
+    server = EngineServer(aeng, handoff=opts.handoff, security=opts.security, stall_timeout=opts.step_timeout,
+                          detached_grace_s=opts.detached_grace_s)
     aeng.start()
     agent = None
     watchdog = engine_watch = None
@@ -128,8 +131,9 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
                 await agent.beat()
             await agent.stop(deregister=True)
         await server.stop(1.0)
-        aeng.shutdown()
-        engine.close()
+        aeng.shutdown(0.1 if aeng.hung else 10.0)
+        if not aeng.hung:  # (a stuck step may still use the engine: the process exits without closing it)
+            engine.close()
         if publisher is not None:
             with contextlib.suppress(Exception):
                 await publisher.close()
@@ -181,7 +185,8 @@ def options(args: argparse.Namespace) -> InstanceOptions:
         model=args.model, served_model_name=args.served_model_name, engine=engine_config(args),
         instance_id=args.instance_id, host=args.host, port=args.port, advertise_address=args.advertise_address,
         etcd=args.etcd, etcd_prefix=args.etcd_prefix, registry=args.registry, lease_ttl=args.lease_ttl,
-        heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout,
+        heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout, step_timeout=args.step_timeout,
+        detached_grace_s=args.detached_grace_s,
         exit_with_parent=args.exit_with_parent, progress=not args.no_progress, role=args.role,
         handoff=handoff_options(args), security=flags.cluster_security(args))
 

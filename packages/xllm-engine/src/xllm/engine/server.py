@@ -42,11 +42,12 @@ import asyncio
 import collections
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
 from xllm.core import AsyncEngine
+from xllm.engine.detached import DetachedRequests, ReattachRefused
 from xllm.engine.handoff import grpc as grpc_transport
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.handoff.manager import HandoffManager
@@ -63,6 +64,9 @@ from xllm.proto.registry.v1 import instance_pb2
 
 log = logging.getLogger(__name__)
 
+STEP_MARGIN = 4.0  # the step watchdog allows a step this many times the longest one completed so far
+
+
 @dataclass
 class _Call:
     request_id: str
@@ -70,6 +74,8 @@ class _Call:
     offered: bool = False
     num_tokens: int = 0     # prompt and output tokens streamed so far
     handed_back: bool = False
+    aborted: bool = False   # an explicit Abort: a broken call then does not detach the request
+    history: list[engine_pb2.GenerateResponse] = field(default_factory=list)  # chunks sent (detaching on)
 
 
 class _Observer:
@@ -86,14 +92,21 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
     """Serves one :class:`AsyncEngine` over gRPC (start it with :meth:`start`).
 
     ``security``: the cluster token and TLS the service requires, and its KV hand-offs to other
-    instances present (:mod:`xllm.engine_api.security`)."""
+    instances present (:mod:`xllm.engine_api.security`). ``stall_timeout``: the step watchdog's
+    floor (0: no watchdog): an engine that has had work without completing a step for longer than
+    the larger of it and ``STEP_MARGIN`` times the longest step so far is taken for hung
+    (:meth:`AsyncEngine.declare_hung <xllm.core.AsyncEngine.declare_hung>`: its streams fail as
+    in a crash, which gateways resume elsewhere; its health and heartbeats say why, and the
+    instance process deregisters and stops)."""
 
     def __init__(self, engine: AsyncEngine, kv_history: int = 1 << 16, rate_alpha: float = 0.2,
                  handoff: HandoffOptions | None = None, security: ClusterSecurity = NO_SECURITY,
-                 stall_timeout: float = 60.0) -> None:
+                 stall_timeout: float = 60.0, detached_grace_s: float = 0.0) -> None:
         self.engine = engine
         self.security = security
         self.stall_timeout = stall_timeout
+        self._watchdog: asyncio.Task | None = None
+        self.detached = DetachedRequests(detached_grace_s, engine.abort)  # calls broken without an Abort
         self.instance_id = engine.instance_id
         self.block_size = engine.kv_layout.block_size
         engine.enable_kv_events()  # published from now on (drained after every step, see _on_step)
@@ -165,6 +178,8 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         self._server, self.port = server, bound
         self.address = advertise or f"{host}:{bound}"  # as registered: what Prove answers for
         await self.handoff.start(self.address)
+        if self.stall_timeout > 0:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch_steps())
         log.info("engine %s serving EngineService on %s:%d", self.instance_id, host, bound)
         return bound
 
@@ -214,6 +229,10 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             prefill_tokens_per_s=self.prefill_tokens_per_s))
 
     async def stop(self, grace: float | None = 1.0) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        await self.detached.stop()
         await self.handoff.stop()
         if self._server is not None:
             await self._server.stop(grace)
@@ -270,15 +289,37 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
                                       kv_tiers=tiers)
 
     def health_problem(self) -> str:
-        """Why the engine cannot serve ("" while it can): its loop died, or one step has been
-        running for more than ``stall_timeout`` seconds (heartbeats come from the event loop, so
-        they keep flowing while the engine thread is stuck)."""
+        """Why the engine cannot serve ("" while it can): its loop died (or the step watchdog took it
+        for hung), or one step has been running for more than :meth:`step_bound` seconds (heartbeats
+        come from the event loop, so they keep flowing while the engine thread is stuck)."""
         if not self.engine.is_running:
             return self.engine.dead_reason or "engine stopped"
         stalled = self.engine.stalled_for()
-        if stalled > self.stall_timeout:
+        if self.stall_timeout > 0 and stalled > self.step_bound():
             return f"engine step running for {stalled:.0f} s"
         return ""
+
+    def step_bound(self) -> float:
+        """Seconds a step may run before the watchdog takes the engine for hung (see the class doc):
+        a long legitimate step (a big prefill) raises it for the ones after."""
+        return max(self.stall_timeout, STEP_MARGIN * self.engine.longest_step)
+
+    async def _watch_steps(self) -> None:
+        """The step watchdog (event loop): checks the engine thread's progress a few times a bound.
+        It counts the time it saw the same step running itself, each look adding at most two intervals:
+        a process stopped as a whole (SIGSTOP, then SIGCONT) or an event loop held up is not taken for a
+        stuck engine thread."""
+        interval = min(1.0, self.stall_timeout / 4)
+        stuck, seen, last = 0.0, -1, time.monotonic()
+        while self.engine.is_running:
+            await asyncio.sleep(interval)
+            now, busy, steps = time.monotonic(), self.engine.stalled_for(), self.engine.steps_done
+            stuck = 0.0 if busy == 0 or steps != seen else stuck + min(now - last, 2 * interval)
+            seen, last = steps, now
+            bound = self.step_bound()
+            if stuck > bound:
+                self.engine.declare_hung(f"engine hung: no step completed for {busy:.1f} s with work pending "
+                                         f"(bound {bound:.1f} s)")
 
     # ---- EngineService ------------------------------------------------------------------------
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -305,7 +346,8 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
                     yield engine_pb2.GenerateResponse(request_id=rid, kv_reservation=reserved.result())
             while True:
                 try:
-                    chunk = await pending
+                    chunk = await asyncio.shield(pending)  # a broken call may leave the request detached
+                    pending = None  # consumed
                 except StopAsyncIteration:
                     break
                 if call.handed_back and chunk.finish_reason == engine_pb2.FINISH_REASON_ABORT:
@@ -314,6 +356,8 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
                 stats = self.handoff.take_stats(rid)
                 if stats is not None:
                     chunk.disagg_stats.CopyFrom(stats)
+                if self.detached.enabled:
+                    call.history.append(chunk)
                 yield chunk
                 if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                     break
@@ -323,11 +367,18 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
                     yield offer
         except EngineError as exc:  # rejected on the engine thread (e.g. a duplicate id), or the engine died
             failure = status_for(exc)
+        except (asyncio.CancelledError, GeneratorExit):  # the call broke: an Abort, or its caller is gone
+            if (not call.aborted and not call.handed_back and not self.draining and reserved is None
+                    and request.disagg_phase == engine_pb2.DISAGG_PHASE_NONE
+                    and self.detached.detach(rid, call.history, pending or asyncio.ensure_future(anext(chunks)),
+                                             chunks)):
+                pending = None  # the request runs on, detached (xllm.engine.detached)
+            raise
         except Exception:  # a bug met by this request: fail it alone (the gateway does not replay it)
             log.exception("engine %s: request %s failed", self.instance_id, rid)
             failure = status_for(RequestFailedError("internal error while serving the request"))
         finally:
-            if not pending.done():
+            if pending is not None and not pending.done():
                 pending.cancel()  # the call is gone: leaving the stream aborts the request
             self.handoff.forget(rid)
             if self._calls.get(rid) is call:
@@ -336,7 +387,10 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             await _abort(context, failure)
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
-        known = request.request_id in self._calls
+        call = self._calls.get(request.request_id)
+        if call is not None:
+            call.aborted = True
+        known = call is not None or self.detached.forget(request.request_id)
         self.engine.abort(request.request_id)
         return engine_pb2.AbortResponse(aborted=known)
 
@@ -358,6 +412,23 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "nonce: 16 to 64 bytes")
         return engine_pb2.ProveResponse(instance_id=self.instance_id, address=self.address,
                                         mac=prove_mac(keys, request.nonce, self.instance_id, self.address))
+
+    async def Reattach(self, request: engine_pb2.ReattachRequest, context: grpc.aio.ServicerContext):
+        """Continue a detached request from output token ``from_token`` (:mod:`xllm.engine.detached`)."""
+        try:
+            entry, start = self.detached.attach(request.request_id, request.from_token)
+        except ReattachRefused as exc:
+            await _abort(context, exc.status)
+        ended = False
+        try:
+            await context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
+            async for chunk in self.detached.stream(entry, start):
+                yield chunk
+            ended = True
+        finally:
+            self.detached.release(entry, ended)
+        if entry.failure is not None:
+            await _abort(context, entry.failure)
 
     async def GetLoad(self, request: engine_pb2.GetLoadRequest, context) -> instance_pb2.LoadReport:
         return self.load_report()

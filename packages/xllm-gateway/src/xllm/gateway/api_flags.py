@@ -16,7 +16,9 @@ from xllm.gateway.openai.protocol import DEFAULT_OFFLINE_PRIORITY
 
 
 def add_api_flags(p: argparse.ArgumentParser) -> None:
-    """The API key, priority and request-limit flags of ``xllm serve``."""
+    """The API key, priority and request-limit flags of ``xllm serve``. The limits the engines apply again
+    (``--max-prompt-chars``, ``--max-stop``, ...) are engine flags, defined once for both
+    (:func:`xllm.engine_api.flags.add_request_bound_flags`): the parser has them already."""
     d = ApiLimits()
     g = p.add_argument_group("API security and limits",
                              "who may call the OpenAI API (/v1/*) and how large a request may be")
@@ -38,9 +40,6 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
                         "gets 503 with Retry-After; 0: unlimited")
     g.add_argument("--max-body-mib", type=positive_float, default=d.max_body_bytes / MIB, metavar="MIB",
                    help="largest HTTP request body, in MiB; a larger one gets 413 before it is read")
-    g.add_argument("--max-prompt-chars", type=positive_int, default=d.max_prompt_chars, metavar="N",
-                   help="most characters of prompt (messages and tools, or the string prompts) one request may "
-                        "send, checked before tokenization")
     g.add_argument("--max-prompts", type=positive_int, default=d.max_prompts, metavar="N",
                    help="most prompts in one /v1/completions request")
     g.add_argument("--max-n", type=positive_int, default=d.max_n, metavar="N",
@@ -83,9 +82,12 @@ def http_guard_options(args: argparse.Namespace) -> HttpGuardOptions:
 
 
 def api_limits(args: argparse.Namespace) -> ApiLimits:
-    """The limits the flags describe; ``ValueError`` for values out of range."""
+    """The limits the flags describe (the engines' request bounds among them); ``ValueError`` for values out
+    of range."""
     return ApiLimits(max_body_bytes=max(int(args.max_body_mib * MIB), 1), max_prompt_chars=args.max_prompt_chars,
                      max_prompts=args.max_prompts, max_n=args.max_n, max_logprobs=args.max_logprobs,
+                     max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
+                     max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
                      max_inflight_requests=args.max_inflight_requests or None)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -36,6 +36,7 @@ from xllm.gateway.openai.protocol_openapi import (
     RequestBodies,
     answers,
     install_openapi,
+    sse_event,
 )
 from xllm.gateway.openai.protocol_recommend import RecommendRequest
 from xllm.gateway.openai.protocol_responses import (
@@ -51,7 +52,10 @@ from xllm.gateway.openai.request_body import validation_error
 from xllm.gateway.openai.serving_chat import ChatServing
 from xllm.gateway.openai.serving_completion import CompletionServing
 from xllm.gateway.openai.serving_recommend import RecommendServing
+from xllm.gateway.openai.serving_resume import ResumeServing
+from xllm.gateway.openai.stream_ids import StreamSeal
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER
+from xllm.gateway.progress import StallLimits
 from xllm.gateway.registry import InstanceState, Registry
 from xllm.gateway.roles import PDRoleOptions, RoleController
 from xllm.gateway.router import Router
@@ -83,6 +87,8 @@ class GatewayState:
     moves: MoveOptions = field(default_factory=MoveOptions)  # requests on draining instances
     pd_roles: PDRoleOptions = field(default_factory=PDRoleOptions)  # static or dynamic PD roles
     tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (--tool-call-parser)
+    stall: StallLimits = field(default_factory=StallLimits)  # streams of stopped instances (--stream-stall-timeout)
+    stream_key: bytes | None = None  # resumable stream ids' key (the cluster's; None: random, this gateway only)
 
 
 async def _call(fn: Callable[[], object]) -> None:
@@ -106,7 +112,7 @@ def create_app(state: GatewayState) -> FastAPI:
     for st in state.registry.states():  # registered before the app (the embedded engine)
         on_instance("added", st)
     dispatcher = Dispatcher(state.registry, state.default_model, router, pd_metrics=PDMetrics(state.metrics.registry),
-                            mover=Mover(router, state.moves, MoveMetrics(state.metrics.registry)))
+                            mover=Mover(router, state.moves, MoveMetrics(state.metrics.registry)), stall=state.stall)
     preprocessor = Preprocessor(state.limits)
     roles = RoleController(state.registry, router, state.pd_roles, PDRoleMetrics(state.metrics.registry),
                            on_role=lambda st: state.metrics.set_role(st.model, st.instance_id, st.role))
@@ -133,11 +139,13 @@ def create_app(state: GatewayState) -> FastAPI:
     app.add_middleware(ApiGuard, access=state.access, max_inflight=state.limits.max_inflight_requests)
     _add_error_handlers(app)
     bodies = RequestBodies()
+    seal = StreamSeal(state.stream_key)
     _add_openai_routes(app, bodies, preprocessor, state.access,
                        ChatServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor,
-                                   state.tool_parser),
-                       CompletionServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor),
+                                   state.tool_parser, seal),
+                       CompletionServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor, seal),
                        RecommendServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor))
+    _add_resume_route(app, ResumeServing(state.registry, state.tokenizer, seal))
     _add_service_routes(app, state, roles)
     install_openapi(app, bodies, state.access.requires_key, state.limits)
     return app
@@ -197,6 +205,19 @@ def _add_openai_routes(app: FastAPI, bodies: RequestBodies, preprocessor: Prepro
               responses=answers(Recommendation, 400, 404, 413, 500, 503))  # (no priority asked: no 403)
     async def create_recommendation(raw: Request):  # generative recommendation over the item catalogue
         return await recommend.create(await preprocessor.parse(raw, RecommendRequest), raw)
+
+
+def _add_resume_route(app: FastAPI, resume: ResumeServing) -> None:
+    """``GET /v1/streams/{stream_id}`` (:mod:`xllm.gateway.openai.serving_resume`): the rest of a broken
+    stream after the ``Last-Event-ID`` its client received, through any gateway of the cluster."""
+    stream = {"anyOf": [sse_event(ChatCompletionChunk), sse_event(CompletionChunk)]}
+
+    @app.get("/v1/streams/{stream_id}", operation_id="resumeStream",
+             responses={200: {"description": "The rest of the stream",
+                              "content": {"text/event-stream": {"schema": stream}}},
+                        **answers(None, 400, 404, 500, 503)})
+    async def resume_stream(stream_id: str, last_event_id: str | None = Header(None, max_length=8192)):
+        return await resume.resume(stream_id, last_event_id)
 
 
 def _add_service_routes(app: FastAPI, state: GatewayState, roles: RoleController) -> None:

@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cluster mode: an engine that sends a request nothing for this long (the wait for its "
                             "first token included) is taken for hung: the request moves to another instance and "
                             "the engine's circuit breaker opens")
+    serve.add_argument("--stream-stall-timeout", type=non_negative_float, default=60.0, metavar="SECONDS",
+                       help="cluster mode: a request that streamed its first chunk and then gets nothing from its "
+                            "engine for this long (or 10 times its longest gap so far, if more) is taken for "
+                            "stalled: it resumes on another instance and the engine's circuit breaker opens (0: "
+                            "never). A request whose engine left the registry (its lease expired: a stopped "
+                            "process) is resumed once it sent nothing for 1 s, whatever this says")
     serve.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
                        help="cluster mode: a deadline on each request's engine call (default: none)")
     serve.add_argument("--routing", default="kv_aware", choices=ROUTING_POLICIES.choices(),
@@ -251,6 +257,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.instances or args.etcd or args.prefill_instances:
             from xllm.gateway.cluster import ClusterOptions, build_cluster
             from xllm.gateway.moves import MoveOptions
+            from xllm.gateway.progress import StallLimits
 
             roles = {"mixed": args.instances or 0, "prefill": args.prefill_instances or 0,
                      "decode": args.decode_instances or 0}
@@ -258,6 +265,7 @@ def _serve(args: argparse.Namespace) -> int:
                 model=args.model, served_model_name=args.served_model_name, instances=roles,
                 etcd=args.etcd, etcd_prefix=args.etcd_prefix, etcd_watch_timeout=args.etcd_watch_timeout,
                 engine_idle_timeout=args.engine_idle_timeout, request_timeout=args.request_timeout,
+                stall=StallLimits(no_chunk_s=args.stream_stall_timeout),
                 routing=args.routing,
                 max_model_len=args.max_model_len,
                 engine_args=flags.engine_args(args, max(sum(roles.values()), 1)), log_level=args.log_level,

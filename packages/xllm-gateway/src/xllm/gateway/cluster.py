@@ -47,6 +47,7 @@ from xllm.gateway.metrics import EngineMetrics, RegistryMetrics
 from xllm.gateway.moves import MoveOptions
 from xllm.gateway.openai.limits import ApiLimits
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER
+from xllm.gateway.progress import StallLimits
 from xllm.gateway.registry import EmbeddedRegistry, EtcdRegistry
 from xllm.gateway.roles import PDRoleOptions
 from xllm.models.config import ModelConfig
@@ -78,6 +79,7 @@ class ClusterOptions:
     access: AccessPolicy = field(default_factory=AccessPolicy)  # API keys, priority permission
     security: ClusterSecurity = NO_SECURITY  # cluster token and TLS of the internal gRPC services
     moves: MoveOptions = field(default_factory=MoveOptions)  # requests on draining instances: migrate or recompute
+    stall: StallLimits = field(default_factory=StallLimits)  # streams of stopped instances: broken off, resumed
     pd_roles: PDRoleOptions = field(default_factory=PDRoleOptions)  # static or dynamic PD roles (role flips)
 
 
@@ -165,7 +167,8 @@ def build_cluster(opts: ClusterOptions):
     metrics.registry.register(KVTierCollector(from_registry(registry)))  # xllm:kv_tier_*, from heartbeats
     state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=metrics, default_model=name,
                          max_model_len=max_len, routing=opts.routing, limits=opts.limits, access=opts.access,
-                         moves=opts.moves, pd_roles=opts.pd_roles, tool_parser=opts.tool_parser)
+                         moves=opts.moves, pd_roles=opts.pd_roles, tool_parser=opts.tool_parser, stall=opts.stall,
+                         stream_key=security.keys.stream if security.keys else None)  # any gateway resumes any's
     if any(opts.instances.values()):
         procs = EngineProcesses(opts.instances, engine_command(model_arg, name, opts),
                                 Path(opts.log_dir) if opts.log_dir else None,

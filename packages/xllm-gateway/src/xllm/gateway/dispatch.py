@@ -40,7 +40,7 @@ from xllm.gateway.failover import Failover, FailoverLimits
 from xllm.gateway.metrics import PDMetrics
 from xllm.gateway.moves import Migration, Mover, Recompute
 from xllm.gateway.openai.errors import APIError, model_not_found, to_api_error
-from xllm.gateway.progress import RequestProgress
+from xllm.gateway.progress import RequestProgress, StallLimits, watched
 from xllm.gateway.registry import NoInstanceError, Registry
 from xllm.gateway.roles import hands_over
 from xllm.gateway.router import Router, Ticket
@@ -63,13 +63,15 @@ class Dispatcher:
 
     def __init__(self, registry: Registry, default_model: str, router: Router | None = None,
                  max_attempts: int = 3, max_resumes: int = 2, max_crash_strikes: int = 2,
-                 pd_metrics: PDMetrics | None = None, handoff_grace: float = 5.0, mover: Mover | None = None) -> None:
+                 pd_metrics: PDMetrics | None = None, handoff_grace: float = 5.0, mover: Mover | None = None,
+                 stall: StallLimits | None = None) -> None:
         """``max_attempts``: instances tried to take a request; ``max_resumes``: continuations of a
         broken stream; ``max_crash_strikes``: instance failures a request may be a suspect in before it
         is failed rather than replayed (see :class:`RoutedStream`); ``handoff_grace``: how long a decode
         instance may take to show it has the KV after its prefill instance failed past the first
         token, before the request is resumed elsewhere; ``mover``: answers the move offers of
-        draining instances (default: by predicted cost)."""
+        draining instances (default: by predicted cost); ``stall``: when a stream whose instance
+        stopped stepping (SIGSTOP, gone from the registry) is broken off and resumed elsewhere."""
         self.registry = registry
         self.default_model = default_model
         self.router = router or Router(registry)
@@ -78,7 +80,7 @@ class Dispatcher:
         self.pd_metrics = pd_metrics or PDMetrics()
         self.handoff_grace = handoff_grace
         self.mover = mover or Mover(self.router)
-        self._parts = StreamParts(self.router, self.failover, self.mover, self.resume)
+        self._parts = StreamParts(self.router, self.failover, self.mover, self.resume, stall or StallLimits())
         self._background: set[asyncio.Future] = set()  # keeps detached tasks alive until they ran
 
     def resolve_model(self, requested: str | None) -> str:
@@ -260,13 +262,15 @@ class Dispatcher:
 class StreamParts:
     """What a :class:`RoutedStream` asks, each part for what it decides: the router (per-instance
     accounting and latencies), the failover (a broken stream: resume or fail), the mover (move
-    offers, role-flip hand-overs, their metrics) and ``place`` (a continuation onto another instance:
-    :meth:`Dispatcher.resume`)."""
+    offers, role-flip hand-overs, their metrics), ``place`` (a continuation onto another instance:
+    :meth:`Dispatcher.resume`) and ``stall`` (when its instance is taken for stopped:
+    :func:`~xllm.gateway.progress.watched`)."""
 
     router: Router
     failover: Failover
     mover: Mover
     place: Callable[[str, engine_pb2.GenerateRequest, set[str]], Awaitable[tuple[Ticket, object]]]
+    stall: StallLimits  # when a silent instance is taken for stopped (xllm.gateway.progress)
 
 
 @dataclass
@@ -328,6 +332,7 @@ class RoutedStream:
     def __init__(self, parts: StreamParts, model: str, ticket: Ticket, req: engine_pb2.GenerateRequest,
                  stream) -> None:
         self._router, self._failover, self._mover, self._place = parts.router, parts.failover, parts.mover, parts.place
+        self._stall = parts.stall
         self._model = model
         self._ticket = ticket
         self._stream = stream
@@ -352,7 +357,8 @@ class RoutedStream:
 
     async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
         while True:
-            at, inner = _Placement(self._ticket), aiter(self._stream)
+            at = _Placement(self._ticket)
+            inner = watched(aiter(self._stream), at.ticket.state, self._stall)  # a stopped instance breaks it off
             try:
                 async for chunk in inner:
                     if chunk.HasField("move_offer"):  # (ignored while already moving: handed over for a role flip)

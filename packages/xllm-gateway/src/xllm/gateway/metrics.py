@@ -395,7 +395,9 @@ class RegistryMetrics:
                         registry=registry)
         self.refused = Counter("xllm:registry_refused_records", "Instance records refused by the registry view "
                                "(with a cluster token), by reason: unsigned, bad_signature (another credential "
-                               "or altered), wrong_lease (a stale record written again), stale (too old).",
+                               "or altered), wrong_lease (a stale record written again), stale (too old); "
+                               "heartbeats not applied: heartbeat_unsigned, heartbeat_bad_signature, "
+                               "heartbeat_wrong_lease, heartbeat_replayed (an old seq written again).",
                                ["reason"], registry=registry)
 
     def record_refused(self, reason: str) -> None:

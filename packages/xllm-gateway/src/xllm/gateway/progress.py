@@ -6,13 +6,124 @@ it runs under on its current instance, the instances that failed it, its resumes
 strikes, and when its last chunk went out (TPOT samples, the pause a move or resume makes). The
 parts that decide what becomes of the request (:class:`~xllm.gateway.failover.Failover`,
 :class:`~xllm.gateway.moves.Mover`) are handed it; none of them keeps it.
+
+It also checks that the request progresses on its instance (:func:`watched`, :class:`StallLimits`):
+an instance that stopped stepping without breaking its streams off (a stopped process: SIGSTOP, a
+frozen VM; a partition) breaks them off itself, as ``InstanceUnavailableError(crashed, suspect)``, which
+the failover resumes elsewhere like a crash's.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
+from xllm.engine_api.wire import InstanceUnavailableError
 from xllm.proto.engine.v1 import engine_pb2
+
+if TYPE_CHECKING:
+    from xllm.gateway.registry import InstanceState
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StallLimits:
+    """When a request's stream is taken for stalled on its instance (:func:`watched`):
+
+    - its instance left the registry (its lease expired: no heartbeat for the lease's time) and the
+      stream sent nothing for ``gone_silent_s`` (a removed instance that still streams, say after an
+      etcd restart lost its record, keeps its requests);
+    - once the stream has sent its first chunk, nothing for the larger of ``no_chunk_s`` and
+      ``gap_factor`` times its longest gap between chunks so far (0: never; before the first chunk the
+      request may wait in the instance's queue, bounded by the client's idle timeout alone).
+
+    ``poll_s``: how often a stream waiting for a chunk looks."""
+
+    no_chunk_s: float = 60.0
+    gap_factor: float = 10.0
+    gone_silent_s: float = 1.0
+    poll_s: float = 0.25
+
+    def stalled(self, state: InstanceState, silent: float, longest_gap: float, streaming: bool) -> str:
+        """Why a stream ``silent`` s without a chunk on ``state`` counts as stalled ("" if it does not)."""
+        if state.removed and silent > self.gone_silent_s:
+            return f"instance {state.instance_id} left the registry and sent nothing for {silent:.1f} s"
+        bound = max(self.no_chunk_s, self.gap_factor * longest_gap)
+        if streaming and self.no_chunk_s > 0 and silent > bound:
+            return f"instance {state.instance_id} sent nothing for {silent:.1f} s mid-stream (bound {bound:.1f} s)"
+        return ""
+
+
+async def watched(chunks: AsyncIterator[T], state: InstanceState, limits: StallLimits) -> AsyncIterator[T]:
+    """``chunks`` (a stream from instance ``state``) as they come, broken off with
+    ``InstanceUnavailableError(crashed, suspect)`` once :meth:`StallLimits.stalled` says so (nobody can tell
+    whether the request is what stopped the instance). Closing it closes ``chunks``.
+
+    Nothing per chunk but two clock reads: a timer looks every ``poll_s`` while the iterating task waits
+    for a chunk and, on a stall, cancels that wait as :func:`asyncio.timeout` does (the cancelled read
+    cancels the call), which this turns into the error."""
+    watch = _Watch(state, limits)
+    try:
+        while True:
+            task = watch.task = asyncio.current_task()  # (the task that waits now: the one a stall cancels)
+            watch.waiting_since = time.monotonic()
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if watch.problem and task is not None and task.uncancel() == 0:  # (only the watch's cancel)
+                    raise InstanceUnavailableError(watch.problem, state.instance_id, crashed=True,
+                                                   suspect=True) from None
+                raise
+            finally:
+                watch.waiting_since = None
+            watch.chunk(time.monotonic())
+            yield chunk
+    finally:
+        watch.stop()
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+class _Watch:
+    """The timer of :func:`watched`: one stream's chunk times, looked at every ``poll_s``."""
+
+    def __init__(self, state: InstanceState, limits: StallLimits) -> None:
+        self.state, self.limits = state, limits
+        self.task: asyncio.Task | None = None  # the task waiting for a chunk
+        self.last = time.monotonic()  # the last chunk's time (or the start)
+        self.longest = 0.0  # the longest gap between chunks so far
+        self.streaming = False  # a chunk came
+        self.waiting_since: float | None = None  # the iterating task waits for a chunk since then
+        self.problem = ""
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(limits.poll_s, self._look)
+
+    def chunk(self, now: float) -> None:
+        if self.streaming:
+            self.longest = max(self.longest, now - self.last)
+        self.last, self.streaming = now, True
+
+    def _look(self) -> None:
+        waiting_since = self.waiting_since
+        if waiting_since is not None and self.task is not None and not self.problem:
+            silent = time.monotonic() - max(self.last, waiting_since)  # (not while its client read slowly)
+            self.problem = self.limits.stalled(self.state, silent, self.longest, self.streaming)
+            if self.problem:
+                self._timer = None
+                self.task.cancel()
+                return
+        self._timer = asyncio.get_running_loop().call_later(self.limits.poll_s, self._look)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 def continuation(req: engine_pb2.GenerateRequest, generated: list[int], sent_chars: int,

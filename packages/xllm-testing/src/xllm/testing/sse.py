@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 
 
 def sse_events(text: str) -> list:
-    """The ``data:`` payloads of an SSE body: parsed JSON, or the literal ``[DONE]``."""
+    """The ``data:`` payloads of an SSE body: parsed JSON, or the literal ``[DONE]`` (``id:`` lines skipped)."""
     out = []
     for block in text.split("\n\n"):
         block = block.strip()
+        if block.startswith("id: "):
+            block = block.split("\n", 1)[1]
         if not block:
             continue
         assert block.startswith("data: "), block

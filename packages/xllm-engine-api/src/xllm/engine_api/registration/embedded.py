@@ -21,7 +21,9 @@ Hardening (the registry decides who receives traffic, so it trusts nothing it is
   registration names the same address — only one process can listen there, so that is the holder
   registering again (a restart on a fixed port, a lost ``Register`` answer). Any other claimant
   gets the id once the holder deregisters or its lease expires;
-- a heartbeat counts only for the instance its lease holds.
+- a heartbeat counts only for the instance its lease holds; with a cluster token, only if signed for
+  that lease with a seq above the last one applied (:func:`~xllm.engine_api.credential.verify_heartbeat`;
+  a refused one renews nothing and answers ``ok=False``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Protocol
 
 import grpc
 
-from xllm.engine_api.credential import RecordRefusedError, sign_record
+from xllm.engine_api.credential import RecordRefusedError, sign_heartbeat, sign_record
 from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, bind, new_server, open_channel
 from xllm.proto.registry.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
@@ -150,6 +152,8 @@ class GrpcRegistryPublisher:
     async def heartbeat(self, hb: instance_pb2.Heartbeat) -> bool:
         if self.lease is None:
             return False
+        if self.security.keys is not None:
+            hb = sign_heartbeat(self.security.keys, hb, self.lease)
         resp = await self._get_stub().Heartbeat(registry_pb2.HeartbeatRequest(lease_id=self.lease, heartbeat=hb),
                                                 timeout=self.rpc_timeout)
         if not resp.ok:

@@ -21,7 +21,9 @@ again under a new lease, starting with a snapshot of its KV cache.
 Trust: with a cluster token, the info key's value is signed for the lease it hangs on; a gateway
 with the token ignores an info key that is unsigned, signed with another credential, or found
 under another lease (a stale record written again), and heartbeat keys not under the lease of
-their instance's verified record.
+their instance's verified record. Heartbeats are signed too (:func:`~xllm.engine_api.credential.sign_heartbeat`,
+for the lease, with their seq): a writer who reads the live lease can neither forge one (load, KV events,
+draining) nor write an old one again.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from xllm.engine_api.credential import sign_record
+from xllm.engine_api.credential import sign_heartbeat, sign_record
 from xllm.engine_api.registration.embedded import DEFAULT_TTL
 from xllm.engine_api.registration.etcd_client import EtcdClient, EtcdLeaseNotFound
 from xllm.engine_api.security import NO_SECURITY, ClusterSecurity
@@ -59,8 +61,9 @@ class EtcdLayout:
 
 class EtcdPublisher:
     """An instance's side of the etcd backend: lease, info key, heartbeat key. With a cluster token in
-    ``security`` the info is signed for the lease it is written under
-    (:func:`xllm.engine_api.credential.sign_record`): gateways with the token accept nothing else."""
+    ``security`` the info and every heartbeat are signed for the lease they are written under
+    (:func:`xllm.engine_api.credential.sign_record`, :func:`~xllm.engine_api.credential.sign_heartbeat`):
+    gateways with the token accept nothing else."""
 
     def __init__(self, etcd: EtcdClient, prefix: str = DEFAULT_PREFIX, ttl: float = DEFAULT_TTL,
                  security: ClusterSecurity = NO_SECURITY) -> None:
@@ -94,6 +97,8 @@ class EtcdPublisher:
             if await self.etcd.keepalive(self.lease) <= 0:
                 self.lease = None
                 return False
+            if self.security.keys is not None:
+                hb = sign_heartbeat(self.security.keys, hb, self.lease)
             await self.etcd.put(self.layout.heartbeats + self._instance_id, hb.SerializeToString(), self.lease)
         except EtcdLeaseNotFound:
             self.lease = None

@@ -64,6 +64,11 @@ class Destination:
 class HandoffSink(Protocol):
     """The decode side's part in a transfer (called on the server's event loop)."""
 
+    @property
+    def message_bytes(self) -> int:
+        """The largest hand-off message this side takes (a receiver refuses a larger one before reading it)."""
+        ...
+
     def begin_receive(self, transfer_id: str, transport: str) -> Destination:
         """The pages to write; :class:`TransferError` if nothing awaits this transfer (expired,
         abandoned, unknown). Until :meth:`end_receive` the pages stay reserved."""

@@ -7,7 +7,10 @@ mapping into its own reserved pages: no serialisation, no socket traffic for the
 (gathered and scattered in one torch call pair). Using the sender's pages in place instead would save
 that copy but tie a page's lifetime to another process (docs/architecture.md, "Transports").
 
-The socket lives in the abstract namespace (no file) and accepts only processes of the same user.
+The socket lives in the abstract namespace (no file) and accepts only processes of the same user. A
+message is bounded before it is read: its length prefix is checked against the decode side's hand-off
+bound (``HandoffSink.message_bytes``, the gRPC intake's ``TransferKV`` bound); a larger one is answered
+with a failed ``KVTransferAck`` naming the bound, and the connection is closed unread.
 """
 
 from __future__ import annotations
@@ -43,7 +46,11 @@ log = logging.getLogger(__name__)
 
 _HELLO = b"XKV1"  # first message of a connection, carrying the sender's memfd
 _LENGTH = struct.Struct("!I")
-MAX_MESSAGE = 64 << 20
+MAX_MESSAGE = 64 << 20  # what the sender takes back (an ack): the receiver's bound is its sink's
+
+
+class OversizedMessage(ConnectionError):
+    """A message's length prefix is past the bound: it was not read."""
 
 
 def _send_message(sock: socket.socket, data: bytes) -> None:
@@ -61,10 +68,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(parts)
 
 
-def _recv_message(sock: socket.socket) -> bytes:
+def _recv_message(sock: socket.socket, limit: int = MAX_MESSAGE) -> bytes:
+    """One length-prefixed message; :class:`OversizedMessage` (nothing read past the prefix) when it is
+    longer than ``limit`` bytes."""
     (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
-    if size > MAX_MESSAGE:
-        raise ConnectionError(f"a {size}-byte message is not one of ours")
+    if size > limit:
+        raise OversizedMessage(f"a {size}-byte hand-off message is past this instance's bound of {limit} bytes "
+                               "(its configured context length and KV page sizes)")
     return _recv_exact(sock, size)
 
 
@@ -186,9 +196,14 @@ class FdReceiver(KVReceiver):
                 return
             src_fd = fds[0]
             src = SenderPages(src_fd)
+            limit = self._sink.message_bytes
             while not self._stopping.is_set():
-                handoff = engine_pb2.KVFdHandoff.FromString(_recv_message(conn))
+                handoff = engine_pb2.KVFdHandoff.FromString(_recv_message(conn, limit))
                 _send_message(conn, self._receive(src, handoff).SerializeToString())
+        except OversizedMessage as exc:  # the transfer fails cleanly; the unread rest makes the connection unusable
+            log.warning("fd transport: %s; closing the connection", exc)
+            with contextlib.suppress(OSError):
+                _send_message(conn, engine_pb2.KVTransferAck(installed=False, error=str(exc)).SerializeToString())
         except (ConnectionError, OSError, ValueError):
             pass
         finally:

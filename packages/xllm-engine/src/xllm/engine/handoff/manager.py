@@ -44,6 +44,7 @@ from xllm.engine.handoff.base import (
     block_range,
 )
 from xllm.engine.handoff.migration import Migrations
+from xllm.engine.intake import message_bounds
 from xllm.engine_api.names import KV_TRANSPORTS
 from xllm.proto.engine.v1 import engine_pb2
 
@@ -105,6 +106,13 @@ class HandoffManager:
                 log.warning("--kv-transfer mooncake without a cluster KV store tier (--kv-store): hand-offs to "
                             "this instance arrive as pages")
             self.engine.attach_disagg(self)
+
+    @property
+    def message_bytes(self) -> int:
+        """The largest hand-off message this decode side takes: the ``TransferKV`` bound of the gRPC
+        intake (:func:`xllm.engine.intake.message_bounds`), for transports with an endpoint of their own."""
+        return message_bounds(self.engine.request_limits, self.store.page_bytes if self.store is not None
+                              else ()).transfer_kv
 
     @property
     def tiers(self) -> LowerTiers | None:

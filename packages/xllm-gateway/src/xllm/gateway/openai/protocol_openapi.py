@@ -41,7 +41,10 @@ _ERRORS = {
 GENERATION_ERRORS = (400, 403, 404, 413, 500, 503)
 RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds to wait before retrying"}}
 SSE_DESCRIPTION = ("With `stream: true`: server-sent events, each `data:` line one JSON chunk ({chunk}), an "
-                   "error object (`ErrorResponse`) if the engine fails mid-stream, and `data: [DONE]` last.")
+                   "error object (`ErrorResponse`) if the engine fails mid-stream, and `data: [DONE]` last. Each "
+                   "chunk's event has an `id:` line: the response id, `/`, then each choice's output tokens so "
+                   "far (comma-separated): what a client reconnecting after a lost connection quotes as "
+                   "`Last-Event-ID`.")
 STREAM_END = "[DONE]"
 
 
@@ -83,7 +86,8 @@ def sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
     json_data = {"type": "string", "contentMediaType": "application/json",
                  "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}
     return {"type": "object", "description": SSE_DESCRIPTION.format(chunk=chunk.__name__), "required": ["data"],
-            "properties": {"data": {"anyOf": [{"const": STREAM_END}, json_data]}}}
+            "properties": {"id": {"type": "string", "description": "`<response id>/<tokens>[,<tokens>...]`"},
+                           "data": {"anyOf": [{"const": STREAM_END}, json_data]}}}
 
 
 def error_answer(status: int) -> dict[str, Any]:

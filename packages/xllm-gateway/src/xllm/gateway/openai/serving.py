@@ -140,11 +140,22 @@ _NON_ASCII_BREAKS = ("\x85", "\u2028", "\u2029")
 _encode = json.JSONEncoder(ensure_ascii=False).encode
 
 
-def sse(data: str) -> str:
-    """One server-sent event carrying ``data`` (JSON text) on a single line."""
+def sse(data: str, event_id: str | None = None) -> str:
+    """One server-sent event carrying ``data`` (JSON text) on a single line, with an ``id:`` line
+    when ``event_id`` is given (what a reconnecting client sends back as ``Last-Event-ID``)."""
     if not data.isascii() and any(c in data for c in _NON_ASCII_BREAKS):  # (str.translate: ~6 µs an event)
         data = data.translate(_LINE_BREAKS)
+    if event_id is not None:
+        return f"id: {event_id}\ndata: {data}\n\n"
     return f"data: {data}\n\n"
+
+
+def event_id(rid: str, tokens: list[int]) -> str:
+    """The SSE event id of a streamed response's event: the response id, then for each choice the
+    output tokens (its engine request ``{rid}-{i}``'s ``token_ids``) the events so far carried, e.g.
+    ``chatcmpl-3f2a…/12`` or ``cmpl-9c1b…/12,9`` (n=2). Exactly what ``EngineService.Reattach`` needs
+    to continue each choice after the last event a client received (``from_token``)."""
+    return f"{rid}/{','.join(map(str, tokens))}"
 
 
 class StreamFormat(Protocol):
@@ -170,24 +181,37 @@ class StreamFormat(Protocol):
 
 
 async def sse_stream(fmt: StreamFormat, rid: str, model: str, created: int, include_usage: bool,
-                     streams: list, service_tier: str = "default") -> AsyncIterator[str]:
+                     streams: list, service_tier: str = "default",
+                     received: list[int] | None = None) -> AsyncIterator[str]:
     """The SSE body of a streamed response: ``fmt``'s chunks in arrival order, an error event if
     an engine fails mid-stream, the usage chunk when asked for, then ``[DONE]``. Every chunk echoes
-    the ``service_tier`` the request was served at, as OpenAI's do."""
+    the ``service_tier`` the request was served at, as OpenAI's do. Each chunk's event has an
+    ``id:`` (:func:`event_id`: the response id and the output tokens of each choice so far).
+
+    ``received`` (a resumed stream; ``streams`` then replay each choice from its start): the output
+    tokens of each choice the client already has. Every chunk still goes through ``fmt`` (its state:
+    usage, tool calls), but no event is sent for the opening nor for a choice's chunks up to and
+    including the one that reaches its count: the client gets each character once."""
+    tokens = [0] * len(streams)
+    skipping = [False] * len(streams) if received is None else [n > 0 for n in received]
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": rid, "object": fmt.object, "created": created, "model": model, "choices": choices,
                 "service_tier": service_tier}
         if include_usage:
             body["usage"] = usage
-        return sse(_encode(body))
+        return sse(_encode(body), event_id(rid, tokens))
 
     for choice in fmt.opening():
-        yield chunk([choice])
+        if received is None:
+            yield chunk([choice])
     try:
         async for i, out in merge_streams(streams):
+            tokens[i] += len(out.token_ids)
             choice = fmt.choice(i, out, finish_reason_name(out.finish_reason))
-            if choice is not None:
+            if skipping[i]:
+                skipping[i] = tokens[i] < received[i]
+            elif choice is not None:
                 yield chunk([choice], fmt.chunk_usage(i))
     except Exception as exc:  # an engine failed mid-stream: tell the client, then end the stream
         yield sse(json.dumps(to_api_error(exc).body()))

@@ -15,6 +15,7 @@ from xllm.gateway.openai.preprocess import Preprocessor
 from xllm.gateway.openai.protocol import ChatCompletionRequest, Scheduling
 from xllm.gateway.openai.sampling import sampling_proto
 from xllm.gateway.openai.serving import INSTANCE_HEADER, Choice, collect, engine_request, new_id, sse_stream, usage_dict
+from xllm.gateway.openai.stream_ids import StreamSeal, StreamTicket
 from xllm.gateway.openai.structured import structured_output
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from xllm.gateway.openai.tools import ToolCallStream, ToolChoice, ToolParser
@@ -24,11 +25,14 @@ from xllm.proto.engine.v1 import engine_pb2
 
 class ChatServing:
     """Chat requests: the template rendered and tokenized on the preprocessor's threads (never on
-    the event loop), the ``n`` choices submitted together, the answer streamed or collected."""
+    the event loop), the ``n`` choices submitted together, the answer streamed or collected. A stream
+    without logprobs or tools gets a resumable id from ``seal`` (:mod:`xllm.gateway.openai.stream_ids`)."""
 
     def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, max_model_len: int,
-                 preprocessor: Preprocessor, tool_parser: str = DEFAULT_TOOL_PARSER) -> None:
+                 preprocessor: Preprocessor, tool_parser: str = DEFAULT_TOOL_PARSER,
+                 seal: StreamSeal | None = None) -> None:
         self.dispatcher = dispatcher
+        self.seal = seal or StreamSeal()
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.preprocessor = preprocessor
@@ -77,7 +81,15 @@ class ChatServing:
         max_tokens = req.max_new_tokens()
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt)
-        rid = new_id("chatcmpl")
+        created = int(time.time())
+        tools = ToolChoice.of(req.tools, req.tool_choice).mode != "none"
+        if req.stream and not req.logprobs and not tools and not req.use_beam_search:
+            rid = self.seal.issue(StreamTicket("chatcmpl", model, created, bool(
+                req.stream_options and req.stream_options.include_usage), bool(
+                req.stream_options and req.stream_options.continuous_usage_stats), (len(prompt),), req.n,
+                scheduling.service_tier))
+        else:
+            rid = new_id("chatcmpl")
         if req.use_beam_search:  # one search of n beams; its n best hypotheses are the choices
             reqs = [engine_request(f"{rid}-0", prompt, beam_sampling(req, beam_width(req), max_tokens), model,
                                    scheduling)]
@@ -92,11 +104,9 @@ class ChatServing:
             ]
         client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())
         headers = {INSTANCE_HEADER: client.info.instance_id}
-        created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            fmt = _ChatStream(req, self.tokenizer, len(prompt), len(streams),
-                              self.tool_parser if ToolChoice.of(req.tools, req.tool_choice).mode != "none" else None)
+            fmt = _ChatStream(req, self.tokenizer, len(prompt), len(streams), self.tool_parser if tools else None)
             return StreamingResponse(sse_stream(fmt, rid, model, created, include_usage, streams,
                                                 scheduling.service_tier),
                                      media_type="text/event-stream", headers=headers)

@@ -15,6 +15,7 @@ from xllm.gateway.openai.preprocess import Preprocessor
 from xllm.gateway.openai.protocol import CompletionRequest, Scheduling
 from xllm.gateway.openai.sampling import sampling_proto
 from xllm.gateway.openai.serving import INSTANCE_HEADER, collect, engine_request, new_id, sse_stream, usage_dict
+from xllm.gateway.openai.stream_ids import StreamSeal, StreamTicket
 from xllm.gateway.openai.structured import structured_output
 from xllm.models.tokenizer import Tokenizer
 from xllm.proto.engine.v1 import engine_pb2
@@ -22,11 +23,13 @@ from xllm.proto.engine.v1 import engine_pb2
 
 class CompletionServing:
     """Completion requests: every prompt tokenized (or its token ids checked) on the preprocessor's
-    threads, ``prompts x n`` choices submitted together, the answer streamed or collected."""
+    threads, ``prompts x n`` choices submitted together, the answer streamed or collected. A stream
+    without logprobs or echo gets a resumable id from ``seal`` (:mod:`xllm.gateway.openai.stream_ids`)."""
 
     def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, max_model_len: int,
-                 preprocessor: Preprocessor) -> None:
+                 preprocessor: Preprocessor, seal: StreamSeal | None = None) -> None:
         self.dispatcher = dispatcher
+        self.seal = seal or StreamSeal()
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.preprocessor = preprocessor
@@ -65,7 +68,14 @@ class CompletionServing:
         prompt_lp = max(req.logprobs if echo_lp else 0, req.prompt_logprobs or 0) \
             if echo_lp or req.prompt_logprobs is not None else None
         best_of = max(req.best_of or req.n, req.n)  # choices generated per prompt; the best n returned
-        rid = new_id("cmpl")
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream and not want_lp and not req.echo and req.prompt_logprobs is None:
+            continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+            rid = self.seal.issue(StreamTicket("cmpl", model, created, include_usage, continuous,
+                                               tuple(len(ids) for ids, _ in prompts), req.n, scheduling.service_tier))
+        else:
+            rid = new_id("cmpl")
         reqs, prompt_lens, echoes = [], [], []
         for p_idx, (ids, text) in enumerate(prompts):
             for j in range(best_of):
@@ -78,10 +88,8 @@ class CompletionServing:
                 echoes.append(text if req.echo else "")
         client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())
         headers = {INSTANCE_HEADER: client.info.instance_id}
-        created = int(time.time())
         total_prompt = sum(len(ids) for ids, _ in prompts)
         if req.stream:  # (best_of > 1 is refused with stream)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             fmt = _CompletionStream(req, self.tokenizer, total_prompt, echoes, prompt_lens,
                                     [ids for ids, _ in prompts for _ in range(req.n)])
             return StreamingResponse(sse_stream(fmt, rid, model, created, include_usage, streams,

@@ -20,7 +20,10 @@ accepts a remote instance's record only when its signature verifies
 (:func:`xllm.engine_api.credential.verify_record`; each backend adds its freshness rule: the etcd
 lease the record is bound to, the age of an embedded registration). Refused records are logged and
 counted by reason (``refused_records``, ``xllm:registry_refused_records``); they never become
-instances, so nothing is ever sent to them. In-process engines need no record.
+instances, so nothing is ever sent to them. In-process engines need no record. Such a view applies a
+heartbeat (load, KV events, counters, draining) only when it is signed for the lease its instance holds
+with a seq above the last one applied (:meth:`Registry.heartbeat_trusted`); the rest are counted under
+the ``heartbeat_*`` reasons and change nothing.
 
 Everything here runs on the gateway's event loop.
 """
@@ -35,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from xllm.engine_api.client import EngineClient, GrpcEngineClient
-from xllm.engine_api.credential import ClusterKeys, RecordRefusedError, verify_record
+from xllm.engine_api.credential import ClusterKeys, RecordRefusedError, verify_heartbeat, verify_record
 from xllm.engine_api.wire import InstanceUnavailableError
 from xllm.gateway.breaker import CircuitBreaker
 from xllm.gateway.metrics import RegistryMetrics
@@ -75,6 +78,8 @@ class InstanceState:
     draining: bool = False
     last_heartbeat: float = 0.0       # monotonic time of the last heartbeat
     heartbeats: int = 0
+    hb_lease: int = 0                 # with a credential: the lease and seq of the last heartbeat applied
+    hb_seq: int = 0
     local: bool = False               # an in-process engine (no lease, no heartbeats)
     # kept by the router
     inflight: int = 0                 # requests dispatched here and not finished
@@ -288,6 +293,32 @@ class Registry:
         finally:
             self._resyncing.discard(state.instance_id)
 
+    def heartbeat_trusted(self, state: InstanceState, hb: instance_pb2.Heartbeat, lease: int) -> bool:
+        """Whether ``hb``, found under registry ``lease`` (etcd's lease of the key; the embedded
+        registry's lease id), may be applied to ``state``: always without a credential; with one, it
+        must verify for that lease with a seq above the last one applied under it (a refusal is counted
+        and logged like a record's). The very heartbeat applied last, seen again (a re-read of etcd), is
+        skipped without a count."""
+        if self.credential is None:
+            return True
+        after = state.hb_seq if state.hb_lease == lease else 0
+        if state.hb_lease == lease and hb.seq == after and hb.HasField("signature"):
+            return False  # the last one applied, read again (or a copy of it): nothing new
+        try:
+            verify_heartbeat(self.credential, hb, lease, after)
+        except RecordRefusedError as exc:
+            self._count_refusal(exc, f"heartbeat of instance {state.instance_id!r} not applied")
+            return False
+        state.hb_lease, state.hb_seq = lease, hb.seq
+        return True
+
+    def _count_refusal(self, exc: RecordRefusedError, what: str) -> None:
+        n = self.refused_records[exc.reason] = self.refused_records.get(exc.reason, 0) + 1
+        if self.metrics is not None:
+            self.metrics.record_refused(exc.reason)
+        if n % 100 == 1:
+            log.warning("refused (%s, %d so far): %s; %s", exc.reason, n, exc, what)
+
     def _verified(self, info: instance_pb2.InstanceInfo, lease: int | None = None,
                   max_age: float | None = None) -> bool:
         """Whether ``info`` may become an instance (always without a credential); a refusal is counted
@@ -307,12 +338,7 @@ class Registry:
         try:
             verify_record(self.credential, info, lease, max_age)
         except RecordRefusedError as exc:
-            n = self.refused_records[exc.reason] = self.refused_records.get(exc.reason, 0) + 1
-            if self.metrics is not None:
-                self.metrics.record_refused(exc.reason)
-            if n % 100 == 1:
-                log.warning("refused an instance record (%s, %d so far): %s; address %r gets nothing", exc.reason, n,
-                            exc, info.address)
+            self._count_refusal(exc, f"instance record refused; address {info.address!r} gets nothing")
             raise
 
     # ---- helpers --------------------------------------------------------------------------------

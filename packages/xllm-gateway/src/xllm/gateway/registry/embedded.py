@@ -85,12 +85,16 @@ class EmbeddedRegistry(Registry):
         return lease_id, ttl
 
     def keepalive(self, lease_id: int, heartbeat: instance_pb2.Heartbeat | None = None) -> bool:
-        """Renew a lease and apply its heartbeat; False if the lease is unknown or expired, or the
-        heartbeat names another instance than the lease holds (then nothing is renewed)."""
+        """Renew a lease and apply its heartbeat; False if the lease is unknown or expired, the
+        heartbeat names another instance than the lease holds, or (with a credential) it is not signed
+        for this lease or replays an old seq (then nothing is renewed nor applied)."""
         lease = self._leases.get(lease_id)
         if lease is None or lease.deadline < self.clock():
             return False
         if heartbeat is not None and heartbeat.instance_id and heartbeat.instance_id != lease.instance_id:
+            return False
+        state = self.get(lease.instance_id)
+        if heartbeat is not None and state is not None and not self.heartbeat_trusted(state, heartbeat, lease_id):
             return False
         lease.deadline = self.clock() + lease.ttl
         if heartbeat is not None:

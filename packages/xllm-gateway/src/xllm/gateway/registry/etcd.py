@@ -24,7 +24,9 @@ with it for the very lease the key hangs on (:func:`xllm.engine_api.credential.v
 unsigned record, one signed with another credential and a stale record written again (under another
 lease or none: the lease it was signed for is gone, and etcd refuses writes under an unknown lease)
 are refused, counted and treated as absent; a heartbeat key counts only under the lease of its
-instance's verified record.
+instance's verified record, signed for it, with a seq above the last one applied
+(:meth:`~xllm.gateway.registry.base.Registry.heartbeat_trusted`): a writer who reads the live lease can
+neither forge a heartbeat (load, KV events, draining) nor write an old one again.
 """
 
 from __future__ import annotations
@@ -226,7 +228,8 @@ class EtcdRegistry(Registry):
                 state = self.get(hb.instance_id)
                 if self.credential is None or (state is not None and not state.local
                                                and lease == state.info.signature.lease
-                                               and key == self._heartbeats_key + hb.instance_id):
+                                               and key == self._heartbeats_key + hb.instance_id
+                                               and self.heartbeat_trusted(state, hb, lease)):
                     self._heartbeat(hb)
         except Exception:  # a malformed value must not stop the watch
             log.exception("etcd registry: cannot apply %s %s", kind, key)

@@ -412,3 +412,11 @@ class ProveResponse(_message.Message):
     address: str
     mac: bytes
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...
+
+class ReattachRequest(_message.Message):
+    __slots__ = ("request_id", "from_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    from_token: int
+    def __init__(self, request_id: _Optional[str] = ..., from_token: _Optional[int] = ...) -> None: ...

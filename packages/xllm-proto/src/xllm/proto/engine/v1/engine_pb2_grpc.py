@@ -76,6 +76,11 @@ class EngineServiceStub:
                 request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ProveRequest.SerializeToString,
                 response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ProveResponse.FromString,
                 _registered_method=True)
+        self.Reattach = channel.unary_stream(
+                '/xllm.engine.v1.EngineService/Reattach',
+                request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ReattachRequest.SerializeToString,
+                response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -136,6 +141,13 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reattach(self, request, context):
+        """Continue a request whose Generate call broke without an Abort (see ReattachRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +190,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Prove,
                     request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ProveRequest.FromString,
                     response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ProveResponse.SerializeToString,
+            ),
+            'Reattach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Reattach,
+                    request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ReattachRequest.FromString,
+                    response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +413,33 @@ class EngineService:
             '/xllm.engine.v1.EngineService/Prove',
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ProveRequest.SerializeToString,
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ProveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reattach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/xllm.engine.v1.EngineService/Reattach',
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ReattachRequest.SerializeToString,
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -189,7 +189,7 @@ class EngineCounters(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., kv_handoffs_sent: _Optional[int] = ..., kv_handoffs_installed: _Optional[int] = ..., kv_handoff_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_handoff_timeouts: _Optional[int] = ..., kv_reservations_expired: _Optional[int] = ..., kv_migrations_sent: _Optional[int] = ..., kv_migrations_installed: _Optional[int] = ..., kv_migration_failures: _Optional[int] = ..., offline_requests: _Optional[int] = ..., offline_prompt_tokens: _Optional[int] = ..., offline_generation_tokens: _Optional[int] = ..., offline_preemptions_kv: _Optional[int] = ..., offline_preemptions_batch_full: _Optional[int] = ..., offline_preemptions_slo: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., beam_steps: _Optional[int] = ..., beam_rows: _Optional[int] = ..., beam_candidates_scanned: _Optional[int] = ..., beam_early_terminations: _Optional[int] = ..., kv_handoff_store_blocks: _Optional[int] = ..., kv_handoff_store_fallbacks: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("instance_id", "seq", "load", "kv_events", "counters", "draining", "unhealthy_reason", "kv_tiers")
+    __slots__ = ("instance_id", "seq", "load", "kv_events", "counters", "draining", "unhealthy_reason", "kv_tiers", "signature")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class Heartbeat(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     UNHEALTHY_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_TIERS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     seq: int
     load: LoadReport
@@ -206,7 +207,8 @@ class Heartbeat(_message.Message):
     draining: bool
     unhealthy_reason: str
     kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTierStats]
-    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., kv_events: _Optional[_Union[_kv_events_pb2.KVCacheEvents, _Mapping]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., draining: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStats, _Mapping]]] = ...) -> None: ...
+    signature: RecordSignature
+    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., kv_events: _Optional[_Union[_kv_events_pb2.KVCacheEvents, _Mapping]] = ..., counters: _Optional[_Union[EngineCounters, _Mapping]] = ..., draining: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTierStats, _Mapping]]] = ..., signature: _Optional[_Union[RecordSignature, _Mapping]] = ...) -> None: ...
 
 class KVTierStats(_message.Message):
     __slots__ = ("tier", "queries", "hits", "corrupt", "bytes_read", "bytes_written", "blocks_written", "load_seconds", "evictions", "errors", "up", "used_bytes", "capacity_bytes")
