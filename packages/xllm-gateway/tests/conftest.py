@@ -1,5 +1,6 @@
 """Fixtures of the gateway's tests: an app over a scripted engine client
-(:class:`xllm.testing.fakes.FakeEngineClient`), so the gateway is tested without a model or a server process."""
+(:class:`xllm.testing.fakes.FakeEngineClient`), so the gateway is tested without a model or a server process;
+``etcd``, a real etcd server on loopback for the module (skipped where it cannot be installed)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from xllm.gateway.app import GatewayState, create_app
 from xllm.gateway.metrics import EngineMetrics
 from xllm.gateway.registry import EmbeddedRegistry
 from xllm.testing.fakes import FAKE_MAX_LEN, FAKE_MODEL, FakeEngineClient
+from xllm.testing.processes import EtcdServer, ensure_etcd
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +37,15 @@ def fake_client(fake_state):
 
     with TestClient(create_app(fake_state), raise_server_exceptions=False) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    try:
+        ensure_etcd()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    server.start()
+    yield server
+    server.stop()

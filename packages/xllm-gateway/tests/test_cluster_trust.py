@@ -35,7 +35,7 @@ from xllm.gateway.registry import EmbeddedRegistry, EtcdRegistry
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from xllm.proto.registry.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from xllm.testing.engine import generate, make_engine, make_request
-from xllm.testing.processes import EtcdServer, ensure_etcd, until
+from xllm.testing.processes import until
 from xllm.testing.served import ServedEngine
 from xllm.testing.tiny import TinyLM
 
@@ -84,17 +84,6 @@ def info(iid: str, address: str) -> instance_pb2.InstanceInfo:
                                      model=instance_pb2.ModelInfo(served_name="tiny", block_size=16,
                                                                   max_model_len=64))
 
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    try:
-        ensure_etcd()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_fake_instances_in_etcd_get_nothing_and_a_signed_real_engine_serves(etcd):

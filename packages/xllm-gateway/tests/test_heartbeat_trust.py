@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from xllm.engine_api.credential import ClusterKeys, sign_heartbeat, sign_record
@@ -24,7 +23,7 @@ from xllm.gateway.metrics import RegistryMetrics
 from xllm.gateway.registry import EmbeddedRegistry, EtcdRegistry
 from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
-from xllm.testing.processes import EtcdServer, ensure_etcd, until
+from xllm.testing.processes import until
 
 SECURITY = ClusterSecurity(token=secrets.token_urlsafe(32))
 OTHER = ClusterKeys.from_token(secrets.token_urlsafe(32))
@@ -61,17 +60,6 @@ def forgeries(iid: str, captured: instance_pb2.Heartbeat, lease: int) -> list[in
 def assert_untouched(state, running: int) -> None:
     assert not state.draining and state.load.num_running == running
 
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    try:
-        ensure_etcd()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
-    server.start()
-    yield server
-    server.stop()
 
 
 def test_forged_and_replayed_heartbeats_in_etcd_change_nothing(etcd):
