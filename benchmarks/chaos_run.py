@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from benchmarks.clusters import HEADERS, WAIT, EtcdCluster, body, client, healthy, stream, wait_until, watch_up
-from benchmarks.streamcheck import openai_error_problem
+from benchmarks.streamcheck import send_hostile
 from xllm.testing import hostile
 from xllm.testing.sse import CompletionStream as Stream
 
@@ -145,15 +145,9 @@ def hostile_clients(ec: EtcdCluster, plan: Plan, victim: str) -> dict:
     with httpx.Client(base_url=ec.gateways[0].base_url, timeout=60, trust_env=False, headers=HEADERS) as h:
         while sent < len(hostile.CASES) or time.monotonic() < deadline:
             case = hostile.CASES[sent % len(hostile.CASES)]
-            r = h.post(case.path, content=case.content(), headers={"content-type": "application/json"})
+            status, problem = send_hostile(h, case)
             sent += 1
-            c5xx += r.status_code >= 500
-            try:
-                payload = r.json()
-            except ValueError:
-                payload = None
-            problem = openai_error_problem(r.status_code, r.headers.get("content-type", ""), payload, case.status,
-                                           case.param, case.type_)
+            c5xx += status >= 500
             if problem is not None and len(wrong) < 5:
                 wrong.append(f"{case.name}: {problem}")
     return {"sent": sent, "wrong_answers": wrong, "c5xx": c5xx}

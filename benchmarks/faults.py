@@ -55,7 +55,7 @@ from benchmarks.clusters import (
 )
 from benchmarks.metrics import scrape
 from benchmarks.movecells import move_figures, moved_pauses_ms, pause_note, run_timed
-from benchmarks.streamcheck import Row, compare, openai_error_problem, status_counts
+from benchmarks.streamcheck import Row, compare, send_hostile, status_counts
 from xllm.testing import hostile
 
 STREAM_TOKENS = 32      # streams: output tokens of each of the 256 streams
@@ -138,18 +138,12 @@ def hostile_requests(cl: LocalCluster, s: Settings) -> Row:
     health_failures = []
     with httpx.Client(base_url=cl.url, timeout=60, trust_env=False, headers=HEADERS) as h:
         for case in hostile.CASES:
-            r = h.post(case.path, content=case.content(), headers={"content-type": "application/json"})
+            status, problem = send_hostile(h, case)
             row.cases += 1
-            if 400 <= r.status_code < 500:
+            if 400 <= status < 500:
                 row.c4xx += 1
-            elif r.status_code >= 500:
+            elif status >= 500:
                 row.c5xx += 1
-            try:
-                payload = r.json()
-            except ValueError:
-                payload = None
-            problem = openai_error_problem(r.status_code, r.headers.get("content-type", ""), payload, case.status,
-                                           case.param, case.type_)
             health = h.get("/health").status_code
             if health != 200:
                 health_failures.append(f"{case.name}: /health {health}")

@@ -1,14 +1,20 @@
 """What clients saw, checked: one row of a fault scenario's table, streams against a reference run
 (character diff, greedy near-ties), HTTP status counts and OpenAI error bodies. Shared by the reliability
-scenario (:mod:`benchmarks.faults`, :mod:`benchmarks.reliability`) and the moves cells
-(:mod:`benchmarks.movecells`)."""
+scenario (:mod:`benchmarks.faults`, :mod:`benchmarks.reliability`), the moves cells
+(:mod:`benchmarks.movecells`) and the chaos soak (:mod:`benchmarks.chaos_run`)."""
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from xllm.testing.sse import CompletionStream as Stream
+
+if TYPE_CHECKING:
+    import httpx
+
+    from xllm.testing.hostile import HostileCase
 
 NEAR_TIE = 1e-3  # a greedy stream may part from its reference where the top-2 logprobs are this close
 
@@ -104,3 +110,15 @@ def openai_error_problem(status: int, content_type: str, payload, want_status: i
     if (err["type"], err["param"]) != (want_type, want_param):
         return f"type/param {err['type']}/{err['param']}, expected {want_type}/{want_param}"
     return None
+
+
+def send_hostile(client: httpx.Client, case: HostileCase) -> tuple[int, str | None]:
+    """Send one hostile request (its body as it is, as JSON) and check the answer: its HTTP status and what
+    is wrong with it (:func:`openai_error_problem` against the case's expected status, type and param)."""
+    r = client.post(case.path, content=case.content(), headers={"content-type": "application/json"})
+    try:
+        payload = r.json()
+    except ValueError:
+        payload = None
+    return r.status_code, openai_error_problem(r.status_code, r.headers.get("content-type", ""), payload,
+                                               case.status, case.param, case.type_)

@@ -12,7 +12,7 @@ import argparse
 import logging
 import os
 
-from xllm.common.argtypes import fraction, positive_float, positive_int
+from xllm.common.argtypes import fraction, non_negative_float, positive_float, positive_int
 from xllm.engine_api.bounds import RequestBounds
 from xllm.engine_api.names import DTYPES, KV_BACKENDS, KV_CACHE_DTYPES, KV_TRANSPORTS, PROPOSERS, quantization_choices
 from xllm.engine_api.registration.etcd import DEFAULT_PREFIX
@@ -294,11 +294,11 @@ def add_instance_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM: how long running requests may finish before the rest are handed "
                         "back to their gateways (which resume them on other instances)")
-    p.add_argument("--detached-grace-s", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--detached-grace-s", type=non_negative_float, default=30.0, metavar="SECONDS",
                    help="how long a request whose gateway went away without aborting it (its Generate call "
                         "broke) keeps running, its output kept, for a gateway to continue it (Reattach); "
                         "then it is aborted. 0: a broken call aborts its request at once")
-    p.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--step-timeout", type=non_negative_float, default=60.0, metavar="SECONDS",
                    help="step watchdog: an engine that has work but completes no step for this long (or 4 times "
                         "its longest step so far, if more: a big prefill raises it) is taken for hung: its "
                         "requests fail as in a crash (gateways resume them elsewhere), its health turns bad and "
