@@ -255,15 +255,16 @@ def _isolate(cluster, plan, results: dict) -> tuple[list, object]:
     from dataclasses import replace
 
     from benchmarks import chaos_net, chaos_run
+    from xllm.testing.netns import Namespace, probe
 
-    netns, netem = chaos_net.probe()
+    netns, netem = probe()
     results["skipped"]["network delay and loss"] = netem or "netem works here, but delay/loss are not scheduled yet"
     if "partition" not in plan.faults:
         return [], plan
     if netns:
         results["skipped"]["partition"] = netns
         return [], replace(plan, faults=tuple(f for f in plan.faults if f != "partition"))
-    ns = chaos_net.Namespace(1).create()
+    ns = Namespace(1).create()
     relay = chaos_net.Relay(ns.host_ip, cluster.etcd.client_port).start()
     cluster.netns = ns
     chaos_net.move_engine(cluster, chaos_run.NETNS_ENGINE, ns, cluster.etcd.client_port, 120.0)

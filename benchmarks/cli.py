@@ -42,6 +42,7 @@ REGISTRY: NameRegistry[Scenario] = NameRegistry("benchmark", {
     "grammar_engines": "benchmarks.grammar_engines:SCENARIO",
     "grammar_cost": "benchmarks.grammar_cost:SCENARIO",
     "spec": "benchmarks.spec:SCENARIO",
+    "parallel": "benchmarks.parallel:SCENARIO",
     "quant": "benchmarks.quant:SCENARIO",
     "perplexity": "benchmarks.perplexity:SCENARIO",
     "hugepages": "benchmarks.hugepages:SCENARIO",

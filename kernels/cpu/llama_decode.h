@@ -196,11 +196,12 @@ static void CAT(residual_norm_, SFX)(const T *h, const T *r_in, T *r_out, int st
 /* phase_s: NULL, or FORWARD_PHASES doubles to which the call adds the wall time of each phase over all
  * layers, as the general step does (llama_forward.h); here q/k norm, RoPE and the KV store are inside the
  * attention phase (index 3) and index 2 stays 0. */
-void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *layers, int64_t B,
-                                  const int64_t *slots, const int64_t *positions, const float *cos_table,
-                                  const float *sin_table, T *hidden, T *residual, T *work, double *phase_s) {
+int CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *layers, int64_t B,
+                                 const int64_t *slots, const int64_t *positions, const float *cos_table,
+                                 const float *sin_table, T *hidden, T *residual, T *work, double *phase_s) {
     const int64_t Hd = c->hidden, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, I = c->inter;
     const int64_t qkv_dim = (nh + 2 * nkv) * hd, rd = c->rotary_dim, G = nh / nkv;
+    int status = XSHM_OK;
     T *r_alt = work, *qkv = r_alt + B * Hd, *attn = qkv + B * qkv_dim, *act = attn + B * nh * hd;
     T *gu = act + B * I; /* [B, 2I]: the gate/up projection when it goes through the blocked GEMM */
     int64_t max_len = 0;
@@ -286,6 +287,7 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
             MARK(3);
             CAT(project_team_, SFX)(attn, B, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, &L->o_q, Hd,
                                     (const T *)L->o_b, hidden);
+            TP_ALL_REDUCE(hidden, B * Hd)
             MARK(4);
             /* residual add + post-attention norm (r_next -> r_cur) */
             CAT(residual_norm_, SFX)(hidden, r_next, r_cur, store, (const T *)L->ln2, B, Hd, c->eps, 0, x, tmp);
@@ -304,10 +306,12 @@ void CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
             MARK(6);
             CAT(project_team_, SFX)(act, B, I, (const T *)L->down_w, (const T *)L->down_wp, &L->down_q, Hd, NULL,
                                     hidden);
+            TP_ALL_REDUCE(hidden, B * Hd)
             MARK(7);
         }
         free(x);
         free(tmp);
         free(scores);
     }
+    return status;
 }

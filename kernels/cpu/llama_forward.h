@@ -17,6 +17,8 @@
  * work: T * (qkv_dim + n_heads * head_dim + 3 * inter + hidden) elements of T.
  * phase_s: NULL, or FORWARD_PHASES doubles to which the call adds the wall time of each phase over
  * all layers (taken by thread 0 after each phase's closing barrier): the step's profile by part.
+ * A tensor-parallel shard (c->comm) all-reduces the O and down GEMMs' outputs (counted in their phases).
+ * Returns 0, or a failed collective's XSHM_* code.
  */
 
 
@@ -135,13 +137,14 @@ static void CAT(rope_store_rows_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLay
     }
 }
 
-void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *layers, int64_t M,
-                                   const int64_t *token_slots, const int64_t *positions, int64_t S,
-                                   const int64_t *seq_starts, const int64_t *ctx_lens, const int64_t *seq_slots,
-                                   const float *cos_table, const float *sin_table, T *hidden, T *residual,
-                                   T *work, double *phase_s) {
+int CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *layers, int64_t M,
+                                  const int64_t *token_slots, const int64_t *positions, int64_t S,
+                                  const int64_t *seq_starts, const int64_t *ctx_lens, const int64_t *seq_slots,
+                                  const float *cos_table, const float *sin_table, T *hidden, T *residual,
+                                  T *work, double *phase_s) {
     const int64_t Hd = c->hidden, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, I = c->inter;
     const int64_t qkv_dim = (nh + 2 * nkv) * hd;
+    int status = XSHM_OK;
     T *qkv = work, *attn = qkv + M * qkv_dim, *gu = attn + M * nh * hd, *act = gu + M * 2 * I, *x = act + M * I;
     int64_t max_ctx = 1;
     for (int64_t s = 0; s < S; s++) max_ctx = ctx_lens[s] > max_ctx ? ctx_lens[s] : max_ctx;
@@ -172,6 +175,7 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
             MARK(3);
             CAT(linear_team_, SFX)(attn, M, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, &L->o_q, Hd,
                                    (const T *)L->o_b, hidden);
+            TP_ALL_REDUCE(hidden, M * Hd)
             MARK(4);
             CAT(residual_norm_rows_, SFX)(hidden, residual, (const T *)L->ln2, M, Hd, c->eps, 0, x);
             MARK(5);
@@ -193,8 +197,10 @@ void CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *
             MARK(6);
             CAT(linear_team_, SFX)(act, M, I, (const T *)L->down_w, (const T *)L->down_wp, &L->down_q, Hd, NULL,
                                    hidden);
+            TP_ALL_REDUCE(hidden, M * Hd)
             MARK(7);
         }
         free(scratch);
     }
+    return status;
 }

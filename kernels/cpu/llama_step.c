@@ -20,12 +20,18 @@
  * bytes). Then both steps encode each new K/V head with kvq_encode_row (bit-identical to the eager
  * store) and attend over the codes with the eager path's kernels: kvq_attend_group for decode rows,
  * kvq_varlen_attention_team (kv_quant_varlen.h) for the general step.
+ *
+ * Tensor parallelism (cfg->comm non-NULL): the weights are a rank's shard (its heads, its slice of the
+ * intermediate), so the O and down GEMMs give partial sums; both steps all-reduce them through the
+ * shared-memory group inside the OpenMP team (xllm_shm_all_reduce_team: bit-identical sums on every rank)
+ * before the residual add. Both return 0, or the failed collective's XSHM_* code (the step is then void).
  */
 #include <omp.h>
 #include <stdlib.h>
 
 #include "attend.h"
 #include "gemm_quant.h"
+#include "shm_allreduce.h"
 
 #define MAX_B 8
 /* per-phase timers of both steps (phase_s): thread 0 adds the time since the last mark after each phase */
@@ -38,6 +44,16 @@
             last = now_;                                                         \
         }                                                                        \
     } while (0)
+/* all-reduce hidden[rows, Hd] over the shard's group (no-op in one process), inside the team; on a failure
+ * every thread leaves the layer loop (the code is the same on all threads) */
+#define TP_ALL_REDUCE(hidden, n)                                                                      \
+    if (c->comm != NULL) {                                                                            \
+        const int rc_ = xllm_shm_all_reduce_team(c->comm, hidden, n, IS_BF16 ? XSHM_BF16 : XSHM_F32); \
+        if (rc_ != XSHM_OK) {                                                                         \
+            _Pragma("omp single nowait") status = rc_;                                                \
+            break;                                                                                    \
+        }                                                                                             \
+    }
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -49,6 +65,10 @@ typedef struct {
     /* 0: K/V rows in the model dtype (strides in elements of T); 1 / 2: quantized int8 / fp8_e4m3 rows
      * (kv_quant.h: per head head_dim codes + an fp32 scale; strides in bytes) */
     int32_t kv_quant;
+    /* a tensor-parallel shard's shared-memory group (shm_allreduce.h), or NULL (one process): the O and down
+     * projections then produce this rank's partial sums (its heads / its intermediate slice), all-reduced
+     * inside the team before each residual add; the counts above are the rank's local ones */
+    XllmShm *comm;
 } XllmLlamaCfg;
 
 typedef struct {

@@ -30,6 +30,7 @@ ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--kv-host-memory", "--kv-host-dir"
                        "--kv-store", "--kv-store-segment", "--mooncake-metadata"]
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--quantization", "--kv-cache-dtype"]  # weights and KV quantization
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--item-catalog"]  # generative recommendation (issue 19)
+ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--tensor-parallel-size", "--tp-comm"]  # tensor parallelism (issue 45)
 # the request limits of gateway and engines, defined once (xllm.engine_api.flags.add_request_bound_flags)
 REQUEST_BOUND_FLAGS = ["--max-prompt-chars", "--max-stop", "--max-stop-chars", "--max-stop-token-ids",
                        "--max-logit-bias"]

@@ -249,7 +249,7 @@ def test_bad_quantization_requests_are_refused(tiny_dir, tmp_path_factory):
     with pytest.raises(ValueError, match="bfloat16 or float32"):
         load_model(tiny_dir, torch.float16, progress=False, gguf_file=path)
     with pytest.raises(ValueError, match="on the CPU"):
-        load_model(tiny_dir, torch.float32, progress=False, quantization="int8", tp_size=2, tp_rank=0)
+        load_model(tiny_dir, torch.float32, progress=False, quantization="int8", device="meta")
 
 
 # ---- the bundled SmolLM2 GGUF as stored ------------------------------------------------------

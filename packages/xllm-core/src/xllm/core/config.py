@@ -9,7 +9,7 @@ import torch
 from xllm.common import UnknownNameError
 from xllm.engine_api.bounds import RequestBounds
 from xllm.engine_api.errors import ConfigError
-from xllm.engine_api.names import DTYPES, KV_BACKENDS, KV_CACHE_DTYPES, PROPOSERS, canonical_quantization
+from xllm.engine_api.names import DTYPES, KV_BACKENDS, KV_CACHE_DTYPES, PROPOSERS, TP_COMMS, canonical_quantization
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
 
 
@@ -62,6 +62,11 @@ class EngineConfig:
     Mooncake store shared by the cluster, to which this engine lends ``kv_store_segment_gib``.
     Blocks are shared only within ``kv_model_identity`` (the model's weights; the loader sets it
     from the model directory) and the KV layout.
+    ``tensor_parallel_size``: ranks the model is split over on this host (:mod:`xllm.core.executor`; rank 0
+    is the engine process, ranks 1..N-1 worker processes; ``num_threads`` is then per rank, by default the
+    cores divided by N). With more than one rank, KV tiers, prefill/decode hand-offs, the ``mtp`` and
+    ``self`` proposers and ``compile_decode`` are refused (a ``ConfigError`` naming the flag), and so are
+    beam-search requests (a 400 naming ``beam_width``).
     ``quantization`` (:data:`xllm.engine_api.names.WEIGHT_QUANTIZATIONS`): the linears' weight format the loader
     builds (``"auto"``: a GGUF's stored formats; ``"none"``: float in ``dtype``; ``"int8"``/``"int4"``/
     ``"int4_g128"``/``"w8a8"``: quantized at load); quantized weights need bfloat16/float32 and no ``compile_decode``.
@@ -103,6 +108,8 @@ class EngineConfig:
     speculative_self_layers: int | None = None
     item_catalog: str | None = None  # generative recommendation's valid items (xllm.recsys.catalog file)
     quantization: str = "none"  # the linears' weight format (xllm.engine_api.names.WEIGHT_QUANTIZATIONS)
+    tensor_parallel_size: int = 1  # ranks the model is split over (xllm.core.executor)
+    tp_comm: str = "auto"  # the ranks' all-reduce: auto, shm or gloo (xllm.engine_api.names.TP_COMMS)
     # what one request may ask for beyond the context length, applied again after the gateway (the request
     # limit flags, xllm.engine_api.flags.add_request_bound_flags); sizes the largest accepted message too
     request_bounds: RequestBounds = field(default_factory=RequestBounds)
@@ -137,6 +144,25 @@ class EngineConfig:
             raise ConfigError(f"offline_slo_fraction must be in (0, 1], got {self.offline_slo_fraction}")
         self._check_speculative()
         self._check_kv_tiers()
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        if int(n) < 1:
+            raise ConfigError(f"tensor_parallel_size (--tensor-parallel-size) must be >= 1, got {n}")
+        if self.tp_comm not in TP_COMMS:
+            raise ConfigError(f"tp_comm (--tp-comm) must be one of {', '.join(TP_COMMS)}, got {self.tp_comm!r}")
+        if n == 1:
+            return
+        refused = []
+        if self.kv_tiers_enabled:
+            refused.append("KV tiers (--kv-host-memory, --kv-disk-dir, --kv-store)")
+        if self.speculative in ("mtp", "self"):
+            refused.append(f"--speculative {self.speculative}")
+        if self.compile_decode:
+            refused.append("--compile-decode")
+        if refused:
+            raise ConfigError(f"--tensor-parallel-size {n} does not support {', '.join(refused)} yet")
 
     def _check_quantization(self) -> None:
         try:

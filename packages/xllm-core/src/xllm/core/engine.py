@@ -22,6 +22,7 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
 from xllm.core.beam_check import check_beam_request
 from xllm.core.config import EngineConfig
@@ -57,6 +58,9 @@ from xllm.proto.registry.v1 import instance_pb2
 from xllm.sched import StepPlan
 from xllm.sched.latency import StepSample, step_shape
 
+if TYPE_CHECKING:
+    from xllm.core.executor.group import RankGroup
+
 log = logging.getLogger(__name__)
 
 
@@ -67,8 +71,21 @@ class LLMEngine(EngineMoves, EngineBeams):
     def __init__(self, model: CausalLM, tokenizer: EngineTokenizer, config: EngineConfig,
                  observers: list[StatsObserver] | None = None, instance_id: str = "engine-0",
                  forward_executor: Executor | None = None, grammars: Grammars | None = None,
-                 draft_model: CausalLM | None = None) -> None:
-        """Build the engine's parts (:mod:`xllm.core.engine_build`) in order and keep them."""
+                 draft_model: CausalLM | None = None, ranks: RankGroup | None = None) -> None:
+        """Build the engine's parts (:mod:`xllm.core.engine_build`) in order and keep them. ``ranks``: the
+        worker ranks of a tensor-parallel instance (``config.tensor_parallel_size`` > 1; ``model`` is then
+        rank 0's shard), which the engine stops when it closes (also when building it fails)."""
+        try:
+            self._build(model, tokenizer, config, observers, instance_id, forward_executor, grammars, draft_model,
+                        ranks)
+        except BaseException:
+            if ranks is not None:
+                ranks.close()
+            raise
+
+    def _build(self, model: CausalLM, tokenizer: EngineTokenizer, config: EngineConfig,
+               observers: list[StatsObserver] | None, instance_id: str, forward_executor: Executor | None,
+               grammars: Grammars | None, draft_model: CausalLM | None, ranks: RankGroup | None) -> None:
         self.config = config
         self.grammars = grammars  # constrained decoding (xllm.core.grammar); None: such requests are refused
         self.instance_id = instance_id
@@ -79,7 +96,7 @@ class LLMEngine(EngineMoves, EngineBeams):
         self.kv = build_kv(config, model, self.platform.device, self.max_model_len)
         self.layout = self.kv.layout
         self.limits = RequestLimits(int(model.vocab_size), self.max_model_len, self.layout, config.request_bounds)
-        self.runner = build_runner(config, model, self.kv, self.platform.device)
+        self.runner = build_runner(config, model, self.kv, self.platform.device, ranks)
         eos = frozenset(tokenizer.eos_token_ids)
         self.sampler = Sampler(eos)
         self.outputs = OutputProcessor(tokenizer, eos, self.max_model_len)
@@ -108,7 +125,11 @@ class LLMEngine(EngineMoves, EngineBeams):
     def attach_disagg(self, listener: DisaggListener) -> None:
         """Serve prefill/decode hand-offs and migrations, reporting them to ``listener`` (the engine
         service's hand-off side; :mod:`xllm.core.disagg`). Until one is attached, hand-off requests
-        are refused."""
+        are refused; a tensor-parallel instance never attaches one (its workers' KV would not move)."""
+        if self.config.tensor_parallel_size > 1:
+            log.info("engine %s: --tensor-parallel-size %d serves no prefill/decode hand-offs or migrations",
+                     self.instance_id, self.config.tensor_parallel_size)
+            return
         self.disagg = listener
 
     def add_observer(self, observer: StatsObserver) -> None:
@@ -121,6 +142,9 @@ class LLMEngine(EngineMoves, EngineBeams):
         Raises :class:`InvalidRequestError` naming the offending parameter. An output constraint is
         compiled here (into the grammar cache), off the engine thread."""
         params = self.limits.check(req)
+        if params.beam_width is not None and self.config.tensor_parallel_size > 1:
+            raise InvalidRequestError(f"beam search is not supported with --tensor-parallel-size "
+                                      f"{self.config.tensor_parallel_size} yet", "beam_width")
         if req.sampling.HasField("structured") and self.grammars is not None:
             self.grammars.compile(req.sampling.structured)
         return params
@@ -470,9 +494,18 @@ class LLMEngine(EngineMoves, EngineBeams):
             obs.on_step(stats)
 
     def close(self) -> None:
-        """Release the KV memory's OS resources; the engine is unusable afterwards."""
+        """Release the KV memory's OS resources and stop the worker ranks of a tensor-parallel instance;
+        the engine is unusable afterwards. A step in flight that failed (the loop already died of it) does
+        not stop the rest."""
         if self._in_flight is not None:
-            self._in_flight.wait()
+            try:
+                self._in_flight.wait()
+            except Exception:
+                log.warning("engine %s: the step in flight at close failed", self.instance_id, exc_info=True)
+            self._in_flight = None
+        close_runner = getattr(self.runner, "close", None)
+        if close_runner is not None:
+            close_runner()
         if self._owns_worker and self._worker is not None:
             self._worker.shutdown(wait=True)
         if self.grammars is not None:

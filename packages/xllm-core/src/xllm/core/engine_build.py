@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,7 +28,11 @@ from xllm.core.platform import Platform, configure_threads, detect_platform
 from xllm.core.scheduler import Scheduler
 from xllm.core.spec.speculator import Speculator
 from xllm.core.step_timing import StepTiming, load_step_model
+from xllm.engine_api.errors import ConfigError
 from xllm.kernels import native
+
+if TYPE_CHECKING:
+    from xllm.core.executor.group import RankGroup
 from xllm.sched import BATCH_POLICIES, BatchSettings
 
 
@@ -39,11 +44,19 @@ def build_platform(config: EngineConfig, grammars: Grammars | None) -> Platform:
     platform = detect_platform(config.device)
     if not platform.supports_dtype(config.dtype):
         raise ValueError(f"dtype {config.dtype} is not supported on {platform.name}")
-    threads = configure_threads(config.num_threads)
+    threads = configure_threads(config.num_threads or default_rank_threads(config.tensor_parallel_size))
     if grammars is not None:
         lib = native.library()
         grammars.overlap = threads < len(os.sched_getaffinity(0)) and (lib is None or not lib.holds_gil)
     return platform
+
+
+def default_rank_threads(tensor_parallel_size: int) -> int | None:
+    """A rank's torch threads when ``--threads`` is not given: the cores this process may use divided among
+    the ranks (None with one rank: all of them)."""
+    if tensor_parallel_size <= 1:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // tensor_parallel_size)
 
 
 def build_kv(config: EngineConfig, model: CausalLM, device: torch.device, max_model_len: int) -> KVCacheBackend:
@@ -62,8 +75,17 @@ def build_kv(config: EngineConfig, model: CausalLM, device: torch.device, max_mo
     return kv
 
 
-def build_runner(config: EngineConfig, model: CausalLM, kv: KVCacheBackend, device: torch.device) -> ModelRunner:
-    """The model runner over ``kv``, with a compiled decode graph when ``config.compile_decode``."""
+def build_runner(config: EngineConfig, model: CausalLM, kv: KVCacheBackend, device: torch.device,
+                 ranks: RankGroup | None = None) -> ModelRunner:
+    """The model runner over ``kv``, with a compiled decode graph when ``config.compile_decode``. With
+    ``config.tensor_parallel_size`` above 1, rank 0's runner over ``ranks`` (the worker ranks the loader
+    started, :mod:`xllm.core.executor`); one rank: the plain runner."""
+    if config.tensor_parallel_size > 1:
+        if ranks is None or ranks.size != config.tensor_parallel_size:
+            raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size}: the engine needs its "
+                              f"{config.tensor_parallel_size - 1} worker rank(s) (xllm.engine.loader starts them)")
+        from xllm.core.executor.runner import TensorParallelRunner
+        return TensorParallelRunner(model, kv, device, ranks, native_decode=config.native_decode)
     runner = ModelRunner(model, kv, device, native_decode=config.native_decode)
     if config.compile_decode:
         runner.graph = build_compiled_decode(model, kv, runner, config.max_num_seqs)

@@ -253,3 +253,10 @@ def prove_mac(keys: ClusterKeys, nonce: bytes, instance_id: str, address: str) -
 def proven(keys: ClusterKeys, nonce: bytes, instance_id: str, address: str, mac: bytes) -> bool:
     """Whether ``mac`` answers the challenge ``nonce`` for ``instance_id`` at ``address`` (constant time)."""
     return hmac.compare_digest(prove_mac(keys, nonce, instance_id, address), mac)
+
+
+# ---- ranks of one instance ------------------------------------------------------------------------
+def rank_mac(keys: ClusterKeys, transcript: bytes, rank: int) -> bytes:
+    """Rank ``rank``'s proof over ``transcript`` (every rank's fresh nonce, in rank order) that it holds
+    the cluster credential (:func:`xllm.core.parallel.trust.prove_group`)."""
+    return _mac(keys.prove, b"tp-rank", transcript, str(rank).encode())

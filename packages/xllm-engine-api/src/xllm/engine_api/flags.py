@@ -14,7 +14,15 @@ import os
 
 from xllm.common.argtypes import fraction, non_negative_float, positive_float, positive_int
 from xllm.engine_api.bounds import RequestBounds
-from xllm.engine_api.names import DTYPES, KV_BACKENDS, KV_CACHE_DTYPES, KV_TRANSPORTS, PROPOSERS, quantization_choices
+from xllm.engine_api.names import (
+    DTYPES,
+    KV_BACKENDS,
+    KV_CACHE_DTYPES,
+    KV_TRANSPORTS,
+    PROPOSERS,
+    TP_COMMS,
+    quantization_choices,
+)
 from xllm.engine_api.registration.etcd import DEFAULT_PREFIX
 from xllm.engine_api.security import TOKEN_ENV, ClusterSecurity, resolve_token
 from xllm.proto.enums import ROLE_NAMES
@@ -95,7 +103,19 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda[:N], npu[:N] or auto")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: all cores available to the process; with "
-                        "--instances N, the cores divided among the N engines)")
+                        "--instances N, the cores divided among the N engines; with --tensor-parallel-size N, "
+                        "per rank, the cores divided by N)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="split the model over N ranks on this host (tensor parallelism): this process and N-1 "
+                        "worker processes, each holding 1/N of the attention heads, MLP and vocabulary and its "
+                        "own KV memory for its heads; --threads is then per rank (default: the cores divided by "
+                        "N). Not yet with KV tiers, prefill/decode roles, --speculative mtp/self, "
+                        "--compile-decode or beam search")
+    p.add_argument("--tp-comm", choices=TP_COMMS, default="auto",
+                   help="the ranks' all-reduce with --tensor-parallel-size: shm (native shared memory between "
+                        "the ranks of this host, inside the fused native steps), gloo (torch.distributed over "
+                        "TCP: slower, ~0.5 ms a call; the fused steps then run eager) or auto (shm where the "
+                        "native kernels are built, else gloo)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
     p.add_argument("--slo-ttft-ms", type=positive_float, default=None, metavar="MS",
                    help="online time-to-first-token target in ms (dynamic PD flips roles against it; "
@@ -353,7 +373,7 @@ def engine_args(args: argparse.Namespace, instances: int) -> list[str]:
 
     Derived from :func:`add_engine_flags` and :func:`add_handoff_flags` themselves, so a new engine
     flag reaches spawned engines without being listed twice; ``--threads`` defaults to this process's
-    cores split ``instances`` ways.
+    cores split ``instances`` ways (and among each instance's ``--tensor-parallel-size`` ranks).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     flags = argparse.ArgumentParser(add_help=False)
@@ -362,8 +382,8 @@ def engine_args(args: argparse.Namespace, instances: int) -> list[str]:
     out: list[str] = []
     for action in flags._actions:
         value = getattr(args, action.dest)
-        if action.dest == "threads" and value is None:
-            value = max(1, cores // instances)
+        if action.dest == "threads" and value is None:  # per rank with --tensor-parallel-size
+            value = max(1, cores // instances // getattr(args, "tensor_parallel_size", 1))
         if action.nargs == 0:  # store_true switches
             out += [action.option_strings[0]] if value else []
         elif value is not None:

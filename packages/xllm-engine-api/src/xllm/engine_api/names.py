@@ -60,3 +60,7 @@ KV_TRANSPORTS: NameRegistry = NameRegistry("KV transport", {  # --kv-transfer (x
     "grpc": "xllm.engine.handoff.grpc:TRANSPORT",
     "mooncake": "xllm.engine.handoff.mooncake:TRANSPORT",
 })
+
+TP_COMMS: tuple[str, ...] = ("auto", "shm", "gloo")
+"""``--tp-comm`` values, the tensor-parallel ranks' all-reduce (:mod:`xllm.engine.ranks`): ``shm`` the native
+shared-memory one (ranks of one host), ``gloo`` ``torch.distributed`` over TCP, ``auto`` shm where it is built."""

@@ -10,6 +10,7 @@ import argparse
 
 from xllm.core.config import EngineConfig
 from xllm.engine.handoff.base import HandoffOptions
+from xllm.engine_api.errors import ConfigError
 from xllm.engine_api.flags import check_handoff_flags, request_bounds
 from xllm.kvstore.mooncake_local import LOCAL
 
@@ -22,7 +23,12 @@ def _store_url(value: str | None) -> str | None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The :class:`~xllm.core.EngineConfig` the engine flags describe (raises ``ConfigError``)."""
+    """The :class:`~xllm.core.EngineConfig` the engine flags describe (raises ``ConfigError``; with
+    ``--tensor-parallel-size`` above 1 also for a prefill/decode ``--role``, which it does not support yet)."""
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp > 1 and getattr(args, "role", "mixed") != "mixed":
+        raise ConfigError(f"--tensor-parallel-size {tp} does not support --role {args.role} (prefill/decode "
+                          "hand-offs) yet")
     quantization = args.quantization
     if quantization == "auto" and args.dtype is not None:
         quantization = "none"  # an explicit --dtype asks for a GGUF's weights dequantized (README: Quantization)
@@ -42,6 +48,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_disk_size_gib=args.kv_disk_size, kv_store=_store_url(args.kv_store),
         kv_store_metadata=args.mooncake_metadata,
         kv_store_segment_gib=args.kv_store_segment, item_catalog=args.item_catalog,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), tp_comm=getattr(args, "tp_comm", "auto"),
         request_bounds=request_bounds(args))
 
 

@@ -11,6 +11,8 @@ import torch
 
 from xllm.core import ComputeThread, EngineConfig, LLMEngine
 from xllm.core.grammar import Grammars
+from xllm.core.platform import detect_platform
+from xllm.engine.ranks import model_kwargs, start_ranks
 from xllm.engine_api.errors import ConfigError
 from xllm.engine_api.stats import StatsObserver
 from xllm.kvstore.tier import model_identity
@@ -39,25 +41,38 @@ def load_engine(model: str | None, name: str, cfg: EngineConfig | None, instance
     """Resolve ``model`` (converting a GGUF once), then load it (a GGUF's quantized weights as stored with
     ``cfg.quantization`` ``"auto"``, see :func:`stored_gguf`) and build the engine on a new
     :class:`ComputeThread`, so loading and every step share one OpenMP pool (see
-    :mod:`xllm.core.compute_thread`). ``name`` is the name it is served as."""
+    :mod:`xllm.core.compute_thread`). ``name`` is the name it is served as. With ``cfg.tensor_parallel_size``
+    N > 1 the model is split over N ranks (:mod:`xllm.engine.ranks`): this process loads rank 0's shard and
+    the engine holds the worker ranks (``engine.close()`` stops them)."""
     cfg = cfg or EngineConfig()
     stored = stored_gguf(model, cfg)
     model_dir = resolve_model(model, progress=progress, weights=stored is None)  # as stored: config + tokenizer
     if cfg.kv_tiers_enabled and not cfg.kv_model_identity:  # KV tiers share blocks only within these weights
         cfg.kv_model_identity = model_identity(model_dir) + weights_suffix(cfg, stored)
     tokenizer = Tokenizer(model_dir)
+    # --tensor-parallel-size N: the worker ranks start (and load their shards) while this process loads rank 0's
+    ranks = start_ranks(model_dir, cfg, stored) if cfg.tensor_parallel_size > 1 else None
+    device = detect_platform(cfg.device).device  # the weights go where the engine runs (ValueError if absent)
     compute = ComputeThread()
-    weights = compute.call(load_model, model_dir, cfg.dtype, progress=progress, mtp=cfg.speculative == "mtp",
-                           quantization=cfg.quantization, gguf_file=stored)
-    draft = None
-    if cfg.speculative == "draft" and cfg.draft_model_path:  # speculative decoding's draft model
-        draft_stored = stored_gguf(cfg.draft_model_path, cfg)
-        draft_dir = resolve_model(cfg.draft_model_path, progress=progress, weights=draft_stored is None)
-        draft = compute.call(load_model, draft_dir, cfg.dtype, progress=progress, quantization=cfg.quantization,
-                             gguf_file=draft_stored)
-    engine = compute.call(LLMEngine, weights, tokenizer, cfg, observers=observers, instance_id=instance_id,
-                          forward_executor=compute, grammars=load_grammars(model_dir, tokenizer, weights.vocab_size),
-                          draft_model=draft)
+    try:
+        shard = model_kwargs(0, cfg.tensor_parallel_size, ranks.comm) if ranks is not None else {}
+        weights = compute.call(load_model, model_dir, cfg.dtype, progress=progress, mtp=cfg.speculative == "mtp",
+                               quantization=cfg.quantization, gguf_file=stored, device=device, **shard)
+        draft = None
+        if cfg.speculative == "draft" and cfg.draft_model_path:  # speculative decoding's draft model
+            draft_stored = stored_gguf(cfg.draft_model_path, cfg)
+            draft_dir = resolve_model(cfg.draft_model_path, progress=progress, weights=draft_stored is None)
+            draft = compute.call(load_model, draft_dir, cfg.dtype, progress=progress, quantization=cfg.quantization,
+                                 gguf_file=draft_stored, device=device)
+        engine = compute.call(LLMEngine, weights, tokenizer, cfg, observers=observers, instance_id=instance_id,
+                              forward_executor=compute,
+                              grammars=load_grammars(model_dir, tokenizer, weights.vocab_size), draft_model=draft,
+                              ranks=ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        compute.shutdown(wait=False)
+        raise
     if cfg.profile_path:
         warn_profile_mismatch(cfg, weights, compute)
     info = instance_pb2.InstanceInfo(

@@ -55,7 +55,10 @@ class LlamaCfg(ctypes.Structure):
         "hidden", "n_heads", "n_kv_heads", "head_dim", "inter", "n_layers",
         "k_slot_stride", "k_tok_stride", "v_slot_stride", "v_tok_stride")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("qk_norm", ctypes.c_int32),
-        ("rotary_dim", ctypes.c_int32), ("kv_quant", ctypes.c_int32)]
+        ("rotary_dim", ctypes.c_int32), ("kv_quant", ctypes.c_int32),
+        # the rank's shared-memory group (xllm_shm_* context, :meth:`xllm.core.parallel.shm.ShmComm.native_handle`)
+        # of a tensor-parallel shard: the steps all-reduce the O and down projections' partial sums; None: one process
+        ("comm", ctypes.c_void_p)]
 
 #: ``XllmLlamaCfg.kv_quant`` of each KV row format (None: the model dtype; strides then in elements)
 KV_QUANT_TAGS: dict[str | None, int] = {None: 0, "int8": 1, "fp8_e4m3": 2}
@@ -115,9 +118,12 @@ class NativeLibrary:
             getattr(lib, f"xllm_rope_{sfx}").argtypes = [vp, i64, i64, i64, i64, vp, vp, vp, i64]
         lib.xllm_argmax_f32.argtypes = [vp, i64, i64, vp]
         lib.xllm_argmax_f32.restype = None
-        for name in ("gemm", "decode_attention", "llama_decode", "llama_forward", "add_rmsnorm", "silu_mul", "rope"):
+        for name in ("gemm", "decode_attention", "add_rmsnorm", "silu_mul", "rope"):
             for sfx in ("bf16", "f32"):
                 getattr(lib, f"xllm_{name}_{sfx}").restype = None
+        for name in ("llama_decode", "llama_forward"):  # 0, or a failed collective's XSHM_* code (shm_allreduce.h)
+            for sfx in ("bf16", "f32"):
+                getattr(lib, f"xllm_{name}_{sfx}").restype = ctypes.c_int
 
     def fn(self, name: str, argtypes: list, restype=None):
         """The C function ``name`` with its signature declared (once; kernel modules declare their own)."""
@@ -191,13 +197,23 @@ def unavailable_reason() -> str | None:
     return _variant_reason(_AVX512)
 
 
+def _parent_includes(src: pathlib.Path) -> list[str]:
+    """The parent directory's C files that ``src``'s sources include (``#include "../name.c"``): part of the key."""
+    names = set()
+    for f in src.glob("*.c"):
+        for line in f.read_text().splitlines():
+            if line.startswith('#include "../') and line.rstrip().endswith('.c"'):
+                names.add(line.split('"')[1][3:])
+    return sorted(n for n in names if (src.parent / n).is_file())
+
+
 def _build(src: pathlib.Path, cflags: list[str], name: str) -> pathlib.Path:
     """The shared library of ``src``'s top-level C files, compiled with ``cflags`` into a cache directory keyed
     by the sources, the flags and the CPU's features (built once, under a file lock across processes)."""
     cc = os.environ.get("CC", "gcc")
     files = sorted(src.glob("*.c")) + sorted(src.glob("*.h"))
-    if (src.parent / "quant_formats.h").is_file():  # (avx2/ includes ../quant_formats.h)
-        files += sorted(src.parent.glob("*.h"))
+    if (src.parent / "quant_formats.h").is_file():  # (avx2/ includes ../quant_formats.h, ../shm_allreduce.c)
+        files += sorted(src.parent.glob("*.h")) + [src.parent / n for n in _parent_includes(src)]
     key = hashlib.sha256()
     for f in files:
         key.update(f.name.encode() + f.read_bytes())

@@ -31,14 +31,15 @@ import torch
 from torch import nn
 
 from xllm.core.model_api import AttentionContext, KVCacheSpec
-from xllm.kernels import RotaryTable, RoutingConfig, linear
-from xllm.kernels.linear import linear_argmax
+from xllm.kernels import RotaryTable, RoutingConfig
 from xllm.models.config import ModelConfig, ModelConfigError
-from xllm.models.layers import Linear, RMSNorm
+from xllm.models.layers import Linear, LMHead, RMSNorm, TiedLMHead
 from xllm.models.llama import LlamaMLP, LlamaModel
 from xllm.models.mla import MLADims, MLAttention, build_mla_rotary
 from xllm.models.moe import SparseMoeBlock
 from xllm.models.prefix import layer_prefix_view
+from xllm.models.tensor_parallel import SHARED_INTERMEDIATE_KEY, TPShard
+from xllm.models.tp_layers import local_vocab, parallel_head
 from xllm.models.weights import StackedName, load_named_weights
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -46,14 +47,19 @@ _MTP_OWN = ("enorm", "hnorm", "eh_proj", "shared_head")  # an MTP layer's tensor
 
 
 class DeepseekDecoderLayer(nn.Module):
-    """Pre-norm block: MLA attention then a dense or MoE MLP, residual carried fused with the norms."""
+    """Pre-norm block: MLA attention then a dense or MoE MLP, residual carried fused with the norms.
+    On a tensor-parallel rank each part's output (its heads' ``o_proj`` columns; its channels of the
+    dense MLP, or of every routed and shared expert) is all-reduced over ``tp.comm`` before the
+    residual add."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, attn: MLAttention, mlp: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, attn: MLAttention, mlp: nn.Module,
+                 tp: TPShard | None = None) -> None:
         super().__init__()
         self.self_attn = attn
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.comm = tp.comm if tp is not None and tp.parallel else None
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +69,13 @@ class DeepseekDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, ctx)
+        if self.comm is not None:
+            hidden = self.comm.all_reduce(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.comm is not None:
+            hidden = self.comm.all_reduce(hidden)
+        return hidden, residual
 
 
 class SharedHead(nn.Module):
@@ -83,13 +94,14 @@ class DeepseekMTPModule(nn.Module):
     README_WEIGHTS: shared), so the checkpoint's copy is not loaded. The block's attention is KV
     layer 0 of the MTP's own cache."""
 
-    def __init__(self, cfg: ModelConfig, dims: MLADims, interleaved: bool, mlp: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, dims: MLADims, interleaved: bool, mlp: nn.Module,
+                 tp: TPShard | None = None) -> None:
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.shared_head = SharedHead(cfg)
-        self.block = DeepseekDecoderLayer(cfg, 0, MLAttention(cfg, 0, dims, interleaved), mlp)
+        self.shared_head = SharedHead(cfg)  # (replicated on tensor-parallel ranks)
+        self.block = DeepseekDecoderLayer(cfg, 0, MLAttention(cfg, 0, dims, interleaved), mlp, tp)
 
 
 class DeepseekMTP:
@@ -142,27 +154,33 @@ class DeepseekV2ForCausalLM(nn.Module):
         *LlamaMLP.stacked_names,
     )
 
-    def __init__(self, cfg: ModelConfig, mtp: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, mtp: bool = False, tp: TPShard | None = None) -> None:
         """``mtp``: also build (and load) the first next-token-prediction layer (V3 checkpoints with
-        ``num_nextn_predict_layers`` > 0; :class:`ModelConfigError` otherwise)."""
+        ``num_nextn_predict_layers`` > 0; :class:`ModelConfigError` otherwise). ``tp``: this process's
+        tensor-parallel shard (``cfg`` its local config), as :class:`~xllm.models.llama.LlamaForCausalLM`
+        takes it: heads split, the latent KV whole on every rank."""
         super().__init__()
         cfg.require_silu(type(self).__name__)
         self.cfg = cfg
+        self.tp = tp or TPShard()
         self.dims = MLADims.from_config(cfg)
         self.max_context_len = cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
         interleaved = self.version == 2 or bool(cfg.get("rope_interleave", True))
-        layers = [DeepseekDecoderLayer(cfg, i, MLAttention(cfg, i, self.dims, interleaved), self.build_mlp(cfg, i))
-                  for i in range(cfg.num_layers)]
-        self.model = LlamaModel(cfg, layers)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        layers = [DeepseekDecoderLayer(cfg, i, MLAttention(cfg, i, self.dims, interleaved), self.build_mlp(cfg, i),
+                                       self.tp) for i in range(cfg.num_layers)]
+        self.model = LlamaModel(cfg, layers, self.tp)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, local_vocab(cfg, self.tp),
+                                                                   bias=False)
+        self._tied_head: TiedLMHead | None = None
         self.rotary: RotaryTable | None = None
         self.mtp = nn.ModuleList()  # the loaded MTP layer (only with mtp=True)
         if mtp:
             if self.version != 3 or int(cfg.get("num_nextn_predict_layers") or 0) < 1:
                 raise ModelConfigError(f"{cfg.architecture} has no multi-token-prediction layers "
                                        "(num_nextn_predict_layers is 0): --speculative mtp needs them")
-            self.mtp.append(DeepseekMTPModule(cfg, self.dims, interleaved, self.build_mlp(cfg, cfg.num_layers)))
+            self.mtp.append(DeepseekMTPModule(cfg, self.dims, interleaved, self.build_mlp(cfg, cfg.num_layers),
+                                              self.tp))
         self._mtp_layers: list[DeepseekMTP] = []
 
     # ---- construction ---------------------------------------------------------------------
@@ -186,7 +204,8 @@ class DeepseekV2ForCausalLM(nn.Module):
             return LlamaMLP(cfg.hidden_size, int(cfg.raw["intermediate_size"]), bias)
         inter = int(cfg.raw["moe_intermediate_size"])
         n_shared = int(cfg.get("n_shared_experts") or 0)
-        shared = LlamaMLP(cfg.hidden_size, inter * n_shared, bias) if n_shared else None
+        shared_inter = int(cfg.get(SHARED_INTERMEDIATE_KEY) or inter * n_shared)  # (a rank's: its channels)
+        shared = LlamaMLP(cfg.hidden_size, shared_inter, bias) if n_shared else None
         return SparseMoeBlock(cfg.hidden_size, experts, inter, self.routing(cfg), fp32_router=True,
                               correction_bias=self.version == 3, shared=shared)
 
@@ -228,15 +247,20 @@ class DeepseekV2ForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head.logits(hidden)
-        return linear(hidden, self.model.embed_tokens.weight, widen=True)
+        return self._head().logits(hidden)
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """``compute_logits(hidden).argmax(-1)`` exactly, without the logits where the kernels allow."""
-        if self.lm_head is not None:
-            return self.lm_head.greedy(hidden)
-        return linear_argmax(hidden, self.model.embed_tokens.weight)
+        return self._head().greedy(hidden)
+
+    def _head(self) -> LMHead:
+        """The LM head (over the full vocabulary on every tensor-parallel rank)."""
+        head = self.lm_head
+        if head is None:
+            if self._tied_head is None:
+                self._tied_head = TiedLMHead(self.model.embed_tokens.weight)
+            head = self._tied_head
+        return parallel_head(head, self.tp)
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the parameters; every parameter must be set.

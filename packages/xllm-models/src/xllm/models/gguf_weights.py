@@ -20,6 +20,7 @@ import torch
 
 from xllm.kernels.quant import GGUF_FORMATS, QuantizedWeight, from_gguf
 from xllm.models.gguf_import import GGUFImportError, dequantize_float32, hf_tensor_name, qk_heads, unpermute_rows
+from xllm.models.tensor_parallel import TPShard
 
 
 @dataclass
@@ -39,6 +40,13 @@ class StoredWeights:
         out = list(self.floats.items())
         out += [(name, dequantize(qw)) for name, qw in self.quantized.items() if name not in skip]
         return out
+
+    def sharded(self, shard: TPShard) -> StoredWeights:
+        """The part of these weights tensor-parallel rank ``shard`` holds (:mod:`xllm.models.tensor_parallel`):
+        quantized weights sliced as stored (rows; or columns on whole blocks, else
+        :class:`~xllm.models.config.ModelConfigError`), float ones as the safetensors path slices them."""
+        return StoredWeights({name: shard.shard_quantized(name, qw) for name, qw in self.quantized.items()},
+                             {name: shard.shard(name, t) for name, t in self.floats.items()}, dict(self.formats))
 
 
 def row_unpermutation(rows: int, n_heads: int) -> torch.Tensor:

@@ -26,6 +26,8 @@ from xllm.models.layers import (
 )
 from xllm.models.llama_native import FusedLlamaForward
 from xllm.models.prefix import layer_prefix_view
+from xllm.models.tensor_parallel import TPShard
+from xllm.models.tp_layers import local_vocab, parallel_head, vocab_embedding
 from xllm.models.weights import StackedName, load_named_weights
 
 
@@ -78,12 +80,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool, mlp: nn.Module) -> None:
+    """Pre-norm block. On a tensor-parallel rank the attention's and the MLP's outputs are the rank's
+    partial sums (its heads' ``o_proj`` columns, its channels' ``down_proj`` columns): ``tp.comm``
+    all-reduces each before the residual add."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, qk_norm: bool, mlp: nn.Module,
+                 tp: TPShard | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer, qkv_bias, qk_norm)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.comm = tp.comm if tp is not None and tp.parallel else None
 
     def forward(self, hidden, residual, rope, ctx):
         if residual is None:
@@ -92,20 +100,32 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, rope, ctx)
+        if self.comm is not None:
+            hidden = self.comm.all_reduce(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.comm is not None:
+            hidden = self.comm.all_reduce(hidden)
+        return hidden, residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], tp: TPShard | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg, tp or TPShard())
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only LM with the HF Llama weight names (fused at load time)."""
+    """Decoder-only LM with the HF Llama weight names (fused at load time).
+
+    ``tp``: this process's tensor-parallel shard (default: the whole model in one process). A rank's
+    ``cfg`` is its local config (:meth:`TPShard.local_config`: its heads and MLP channels); its
+    embedding and LM head hold its vocabulary rows (:mod:`xllm.models.tp_layers`); ``tp.comm`` joins
+    the partial results, so every rank's ``forward`` / ``compute_logits`` / ``compute_greedy`` return
+    the full model's. ``model.tp`` is public (fused forwards read it).
+    """
 
     qkv_bias = False
     qk_norm = False
@@ -116,20 +136,22 @@ class LlamaForCausalLM(nn.Module):
         *LlamaMLP.stacked_names,
     )
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPShard | None = None) -> None:
         super().__init__()
         cfg.require_silu(type(self).__name__)
         self.cfg = cfg
+        self.tp = tp or TPShard()
         self.max_context_len = cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
         # HF Llama/Mistral put a bias on q, k, v and o alike when ``attention_bias`` is set.
         qkv_bias = self.qkv_bias or bool(cfg.get("attention_bias", False))
         layers = [
-            LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm, self.build_mlp(cfg, i))
+            LlamaDecoderLayer(cfg, i, qkv_bias, self.qk_norm, self.build_mlp(cfg, i), self.tp)
             for i in range(cfg.num_layers)
         ]
-        self.model = LlamaModel(cfg, layers)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, layers, self.tp)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, local_vocab(cfg, self.tp),
+                                                                   bias=False)
         self.rotary: RotaryTable | None = None
         self._fused: FusedLlamaForward | None = None
         self._tied_head: TiedLMHead | QuantTiedHead | None = None  # the LM head reading the embedding (tied)
@@ -196,14 +218,18 @@ class LlamaForCausalLM(nn.Module):
         """What the kernels stream every step, in module order (the embedding, each layer's projections:
         packed copies made here, then the plain weights) and the LM head last
         (:class:`xllm.models.placement.StreamsWeights`)."""
-        return [t for part in [*self.modules(), self._head()] for t in streamed_tensors(part)]
+        return [t for part in [*self.modules(), self._local_head()] for t in streamed_tensors(part)]
 
-    def _head(self) -> LMHead:
+    def _local_head(self) -> LMHead:
+        """The LM head over this rank's vocabulary rows (all of them in one process)."""
         if self.lm_head is not None:
             return self.lm_head
         if self._tied_head is None:
             self._tied_head = tied_lm_head(self.model.embed_tokens)
         return self._tied_head
+
+    def _head(self) -> LMHead:
+        return parallel_head(self._local_head(), self.tp)
 
     def load_weights(self, weights) -> None:
         """Copy ``(hf_name, tensor)`` pairs into the parameters; every parameter must be set."""

@@ -21,6 +21,13 @@ KV rows are the backend's model-dtype rows or its quantized rows (``--kv-cache-d
 the kernels encode each new K/V head as the eager store does and attend over the codes with the eager
 path's quantized attention kernels, :mod:`xllm.kernels.kv_quant`).
 
+A tensor-parallel shard (``model.tp`` with ``size > 1``) keeps the fused path when its communicator is a
+:class:`~xllm.core.parallel.shm.ShmComm`: the config struct carries the group's native handle and both
+kernels all-reduce the O and down projections' partial sums inside their OpenMP team (the embedding's
+all-reduce and the final norm stay in Python, as in one process); a failed collective raises
+:class:`~xllm.core.parallel.comm.CollectiveError` naming the ranks that did not arrive. Other
+communicators (gloo) take the eager path.
+
 It applies only where the C kernel's layout assumptions hold; :meth:`model_supported` says so and
 the caller falls back to the eager module path otherwise. It is the
 :class:`xllm.core.model_api.FusedForward` of Llama-family models.
@@ -36,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from xllm.core.model_api import SlotKV, StepTokens
+from xllm.core.parallel.shm import ShmComm
 from xllm.kernels import native, quant_native, rms_norm
 from xllm.kernels.linear import MAX_NATIVE_ROWS
 from xllm.kernels.quant import QuantizedWeight
@@ -91,6 +99,9 @@ class FusedLlamaForward:
         from xllm.models.llama import LlamaMLP
 
         cfg = model.cfg
+        tp = getattr(model, "tp", None)
+        if tp is not None and tp.size > 1 and not isinstance(tp.comm, ShmComm):
+            return False  # the kernels all-reduce through the shared-memory group only (gloo: the eager path)
         if not all(isinstance(layer.mlp, LlamaMLP) for layer in model.model.layers):
             return False  # MoE or other MLPs: the kernel implements the dense SwiGLU block only
         quantized = [lin for layer in model.model.layers for lin in _projections(layer) if isinstance(lin, QuantLinear)]
@@ -163,7 +174,7 @@ class FusedLlamaForward:
             k_slot_stride=k0.stride(0), k_tok_stride=k0.stride(1), v_slot_stride=v0.stride(0),
             v_tok_stride=v0.stride(1), eps=float(layers[0].input_layernorm.eps), scale=float(attn0.scale),
             qk_norm=int(attn0.q_norm is not None), rotary_dim=m.rotary.cos.shape[-1],
-            kv_quant=native.KV_QUANT_TAGS[kind])
+            kv_quant=native.KV_QUANT_TAGS[kind], comm=self._comm_handle())
         packed = self._packed_weights()
         arr = (native.LlamaLayer * len(layers))()
 
@@ -199,9 +210,23 @@ class FusedLlamaForward:
                 down_q=quant[3])
         return _Binding(cfg, arr, keep=keep)
 
+    def _comm_handle(self) -> int | None:
+        """The shard's shared-memory group for the kernels' all-reduces (None: one process)."""
+        tp = getattr(self.model, "tp", None)
+        if tp is None or tp.size == 1:
+            return None
+        if not isinstance(tp.comm, ShmComm):
+            raise ValueError("the fused steps of a tensor-parallel shard need a ShmComm communicator")
+        return tp.comm.native_handle()
+
     def _kernel(self, name: str, dtype: torch.dtype):
         lib = native.library().lib
         return getattr(lib, f"xllm_llama_{name}_{'bf16' if dtype == torch.bfloat16 else 'f32'}")
+
+    def _check(self, rc: int, what: str) -> None:
+        """Raise CollectiveError for a kernel's failed all-reduce (XSHM_* code ``rc``)."""
+        if rc != 0:
+            raise self.model.tp.comm.error_for(rc, f"the fused {what} step's all_reduce")
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -226,10 +251,11 @@ class FusedLlamaForward:
         work = bound.workspace(self.max_batch * per_row, hidden.dtype)
         slots = slots.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
-        self._kernel("decode", hidden.dtype)(
+        rc = self._kernel("decode", hidden.dtype)(
             ctypes.byref(c), bound.layers, b, slots.data_ptr(), positions.data_ptr(), self._cos.data_ptr(),
             self._sin.data_ptr(), hidden.data_ptr(), residual.data_ptr(), work.data_ptr(),
             None if self.phase_seconds is None else self.phase_seconds.data_ptr())
+        self._check(rc, "decode")
         norm = m.model.norm
         out, _ = rms_norm(hidden, norm.weight, norm.eps, residual)
         return out
@@ -252,11 +278,12 @@ class FusedLlamaForward:
         ints = [x.to(torch.int64).contiguous() for x in (tokens.token_slots, tokens.positions, tokens.seq_starts,
                                                            tokens.context_lens, tokens.seq_slots)]
         token_slots, positions, starts, lens, seq_slots = ints
-        self._kernel("forward", hidden.dtype)(
+        rc = self._kernel("forward", hidden.dtype)(
             ctypes.byref(c), bound.layers, t, token_slots.data_ptr(), positions.data_ptr(), lens.numel(),
             starts.data_ptr(), lens.data_ptr(), seq_slots.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(),
             hidden.data_ptr(), residual.data_ptr(), work.data_ptr(),
             None if self.phase_seconds is None else self.phase_seconds.data_ptr())
+        self._check(rc, "general")
         rows = tokens.sample_rows
         norm = m.model.norm
         out, _ = rms_norm(hidden[rows].contiguous(), norm.weight, norm.eps, residual[rows].contiguous())

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from xllm.core.parallel.comm import Communicator
 from xllm.engine_api.names import WEIGHT_QUANTIZATIONS, canonical_quantization
 from xllm.models.config import ModelConfig, ModelConfigError
 from xllm.models.gguf_weights import StoredWeights, read_gguf_weights
@@ -110,14 +111,16 @@ def _no_init(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", progress: bool = True, tp_rank: int = 0,
                tp_size: int = 1, mtp: bool = False, quantization: str = "none",
-               gguf_file: str | pathlib.Path | None = None) -> torch.nn.Module:
+               gguf_file: str | pathlib.Path | None = None, comm: Communicator | None = None) -> torch.nn.Module:
     """Build the model class for ``model_dir``'s architecture and load its weights.
 
     Parameters are allocated directly in ``dtype`` on ``device`` (no random
     init), then filled in file order. With ``tp_size > 1`` the model is built
-    with rank ``tp_rank``'s local sizes and every sharded checkpoint tensor is
-    sliced before it is copied (see :mod:`xllm.models.tensor_parallel`); the
-    partial outputs of the ranks' ``o_proj``/``down_proj`` sum to the full model's.
+    with rank ``tp_rank``'s local sizes and every sharded checkpoint tensor (float, or quantized as
+    stored) is sliced before it is copied (see :mod:`xllm.models.tensor_parallel`); ``comm`` (rank
+    ``tp_rank`` of a group of ``tp_size``) joins the ranks' partial results, so every rank's outputs are
+    the full model's. Without ``comm`` the collectives are no-ops: the rank's partial outputs (the
+    ranks' ``o_proj``/``down_proj`` outputs and embedding lookups sum to the full model's).
     ``mtp`` also loads the model's next-token-prediction layer (``--speculative mtp``; DeepSeek-V3
     checkpoints with ``num_nextn_predict_layers`` > 0, else :class:`ModelConfigError`).
     ``quantization`` (a name of :data:`xllm.engine_api.names.WEIGHT_QUANTIZATIONS`): ``"none"``/``"auto"`` float
@@ -137,30 +140,31 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         raise ModelConfigError(str(exc)) from None
     if fmt is not None and gguf_file is not None:
         raise ModelConfigError(f"quantization {quantization!r}: a GGUF file loaded as stored keeps its own formats")
-    if (fmt is not None or gguf_file is not None) and (tp_size != 1 or torch.device(device).type != "cpu"):
-        raise ModelConfigError("quantized weights run on the CPU without tensor parallelism (use "
-                               "--quantization none)")
+    if (fmt is not None or gguf_file is not None) and torch.device(device).type != "cpu":
+        raise ModelConfigError("quantized weights run on the CPU (use --quantization none)")
+    shard = None
+    if tp_size != 1 or tp_rank != 0:
+        shard = TPShard.for_config(cfg, tp_rank, tp_size, comm)
     if gguf_file is not None:
         if mtp:
             raise ModelConfigError(f"{gguf_file}: a GGUF model has no multi-token-prediction layers")
         start = time.perf_counter()
         stored = read_gguf_weights(gguf_file, cfg.num_heads, cfg.num_kv_heads)
-        model = load_stored(model_dir, stored, dtype)
+        model = load_stored(model_dir, stored if shard is None else stored.sharded(shard), dtype, shard)
         log.info("loaded %s (%s activations; %s) from %s as stored in %.2fs", cfg.architecture, dtype,
                  ", ".join(f"{n} {k}" for k, n in sorted(stored.formats.items())), gguf_file,
                  time.perf_counter() - start)
         return model
     start = time.perf_counter()
     weights = iter_safetensors(shard_files(model_dir), progress)
-    if tp_size != 1 or tp_rank != 0:
-        shard = TPShard.for_architecture(cfg.architecture, tp_rank, tp_size)
+    if shard is not None:
         cfg = shard.local_config(cfg)
         weights = shard.shard_stream(weights)
     if mtp and not int(cfg.get("num_nextn_predict_layers") or 0):
         raise ModelConfigError(f"{model_dir}: {cfg.architecture} has no multi-token-prediction layers "
                                "(num_nextn_predict_layers): --speculative mtp needs them")
     with torch.device("meta"), _skip_init():
-        model = cls(cfg, mtp=True) if mtp else cls(cfg)
+        model = _build(cls, cfg, shard, mtp)
     _materialize(model, dtype, torch.device(device))
     model.load_weights(weights)
     if fmt == "w8a8":  # outliers moved into the weights first (a calibration forward: post_load's state)
@@ -186,18 +190,30 @@ def _place(model: torch.nn.Module) -> None:
         release_freed_memory()
 
 
-def load_stored(model_dir: str | pathlib.Path, stored: StoredWeights, dtype: torch.dtype) -> torch.nn.Module:
+def _build(cls: type, cfg: ModelConfig, shard: TPShard | None, mtp: bool = False) -> torch.nn.Module:
+    """``cls`` over (local) ``cfg``, on rank ``shard`` when tensor-parallel."""
+    kwargs: dict = {} if shard is None else {"tp": shard}
+    if mtp:
+        kwargs["mtp"] = True
+    return cls(cfg, **kwargs)
+
+
+def load_stored(model_dir: str | pathlib.Path, stored: StoredWeights, dtype: torch.dtype,
+                shard: TPShard | None = None) -> torch.nn.Module:
     """The model of ``model_dir``'s config over ``stored`` weights (a GGUF's, :mod:`xllm.models.gguf_weights`):
     quantized linears and embedding swapped in on the meta device (never materialized as float,
     :func:`xllm.models.quantize.install_quantized`), the other parameters materialized in ``dtype`` (the
-    activations' dtype: bfloat16 or float32) and loaded. Returns the model in eval mode."""
+    activations' dtype: bfloat16 or float32) and loaded. ``shard``: the tensor-parallel rank ``stored``
+    was sliced for (:meth:`StoredWeights.sharded`). Returns the model in eval mode."""
     cfg = ModelConfig.from_dir(pathlib.Path(model_dir))
     cls = model_class(cfg.architecture)
     if dtype not in (torch.bfloat16, torch.float32):
         raise ModelConfigError(f"quantized weights run with bfloat16 or float32 activations, not {dtype} (or serve "
                                "them dequantized: --quantization none)")
+    if shard is not None:
+        cfg = shard.local_config(cfg)
     with torch.device("meta"), _skip_init():
-        model = cls(cfg)
+        model = _build(cls, cfg, shard)
     used = install_quantized(model, stored.quantized, model.stacked_names, dtype)
     _materialize(model, dtype, torch.device("cpu"))
     model.load_weights(stored.float_items(skip=used))

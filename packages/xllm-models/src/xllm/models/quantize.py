@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from xllm.kernels.quant import QuantizedWeight, cat_rows, quantize, supports
-from xllm.models.layers import Linear, MergedLinear, QuantEmbedding, QuantLinear
+from xllm.models.layers import Linear, MergedLinear, QuantLinear
+from xllm.models.tp_layers import quant_embedding
 from xllm.models.weights import StackedName, WeightLoadError
 
 # The format of a tied embedding (the LM head) under each --quantization format: the head is the layer
@@ -73,7 +74,7 @@ def quantize_model(model: nn.Module, fmt: str) -> list[str]:
     if _tied_embedding_is_head(model):
         embed, head_fmt = model.model.embed_tokens, HEAD_FORMAT.get(fmt, fmt)
         if isinstance(embed, nn.Embedding) and supports(head_fmt, embed.embedding_dim):
-            model.model.embed_tokens = QuantEmbedding(quantize(embed.weight.data, head_fmt), embed.weight.dtype)
+            model.model.embed_tokens = quant_embedding(embed, quantize(embed.weight.data, head_fmt), embed.weight.dtype)
             model._tied_head = None
             done.append("model.embed_tokens")
     return done
@@ -116,7 +117,7 @@ def install_quantized(model: nn.Module, quantized: dict[str, QuantizedWeight], s
         embed = model.model.embed_tokens
         if (qw.n, qw.k) != (embed.num_embeddings, embed.embedding_dim):
             raise WeightLoadError(f"{embed_name}: quantized checkpoint shape {(qw.n, qw.k)} does not fit")
-        model.model.embed_tokens = QuantEmbedding(qw, dtype)
+        model.model.embed_tokens = quant_embedding(embed, qw, dtype)
         used.add(embed_name)
     return used
 

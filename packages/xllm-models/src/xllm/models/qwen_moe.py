@@ -15,6 +15,7 @@ from xllm.kernels import RoutingConfig
 from xllm.models.config import ModelConfig, ModelConfigError
 from xllm.models.llama import LlamaForCausalLM, LlamaMLP
 from xllm.models.moe import SparseMoeBlock
+from xllm.models.tensor_parallel import TPShard
 
 
 def _sparse_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -28,10 +29,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     qk_norm = True
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPShard | None = None) -> None:
         if cfg.get("use_sliding_window"):
             raise ModelConfigError("Qwen3-MoE with use_sliding_window=true is not supported")
-        super().__init__(cfg)
+        super().__init__(cfg, tp)
 
     def build_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         if not _sparse_layer(cfg, layer):

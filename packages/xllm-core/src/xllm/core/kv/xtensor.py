@@ -33,6 +33,7 @@ import logging
 import math
 import mmap
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -104,6 +105,14 @@ def quantized_block_layout(spec: KVCacheSpec, block_size: int | None, minimum: i
     return best[1], align(best[1])
 
 
+@dataclasses.dataclass
+class _MappingLog:
+    """The mapping changes of an xTensor backend, in the order they took effect (record_mappings)."""
+
+    ops: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
 class XTensorKVCache(PrefixCachingBackend):
     """The xTensor KV backend (Linux; needs ``memfd_create``).
 
@@ -134,6 +143,7 @@ class XTensorKVCache(PrefixCachingBackend):
         super().__init__(layout)
         self.map_budget = map_budget
         self._mapped: dict[tuple[int, int], None] = {}  # positions mapped now, oldest first
+        self._map_log: _MappingLog | None = None  # record_mappings(): tensor parallelism's mirror
         self.addressing = slot_addressing(self, layout)
         self.vm = VirtualMemory()
         self.blocks_per_slot = math.ceil(layout.max_model_len / bs)
@@ -276,9 +286,17 @@ class XTensorKVCache(PrefixCachingBackend):
         if page_id is not None:
             self.pool.pages[page_id].mapped_at.discard((slot, block))
             self._slot_pages[slot][block] = None
+        if self._map_log is None:
+            self._unmap_now(slot, block)
+        else:
+            with self._map_log.lock:
+                self._unmap_now(slot, block)
+                self._map_log.ops.append((slot, block, -1, 1))
+        del self._mapped[(slot, block)]
+
+    def _unmap_now(self, slot: int, block: int) -> None:
         for base, page_bytes, _ in self._ranges:
             self.vm.unmap_to_reserve(self._address(base, page_bytes, slot, block), page_bytes)
-        del self._mapped[(slot, block)]
 
     def _place(self, slot: int, block: int, page_id: int, sync: bool = True) -> bool:
         """Make ``page_id`` the page mapped at (slot, block) in every range; False (nothing changed) when
@@ -303,10 +321,56 @@ class XTensorKVCache(PrefixCachingBackend):
         return True
 
     def _map_now(self, slot: int, block: int, page_id: int, run: int = 1) -> None:
-        """Map pages ``page_id ..`` at blocks ``block ..`` of ``slot`` (``run`` of them) in every range."""
+        """Map pages ``page_id ..`` at blocks ``block ..`` of ``slot`` (``run`` of them) in every range
+        (recorded while :meth:`record_mappings` is on: under the log's lock, so the log has the order the
+        mappings took effect in, the mapper thread's among the engine thread's)."""
+        log_ = self._map_log
+        if log_ is None:
+            self._map_fixed(slot, block, page_id, run)
+            return
+        with log_.lock:
+            self._map_fixed(slot, block, page_id, run)
+            log_.ops.append((slot, block, page_id, run))
+
+    def _map_fixed(self, slot: int, block: int, page_id: int, run: int) -> None:
         for base, page_bytes, fd_base in self._ranges:
             self.vm.map_fixed(self._address(base, page_bytes, slot, block), run * page_bytes, self.fd,
                               fd_base + page_id * page_bytes)
+
+    # ---- tensor parallelism: worker ranks mirror rank 0's mappings -------------------------
+    def record_mappings(self) -> None:
+        """From now on log every mapping change (:meth:`drain_mappings`): rank 0 of a tensor-parallel
+        instance does, and each worker rank's backend (same layout, its own KV heads) applies the log
+        (:meth:`apply_mappings`) before the step that follows, so every rank's slot rows show the same
+        pages. Safe with the mapper thread (the log is appended to under its lock)."""
+        if self._map_log is None:
+            self._map_log = _MappingLog()
+
+    def drain_mappings(self) -> list[tuple[int, int, int, int]]:
+        """The mapping changes since the last drain, in the order they took effect: ``(slot, block,
+        page, run)`` maps pages ``page..page+run-1`` at blocks ``block..`` of ``slot``; ``page`` -1 unmaps
+        (slot, block). Empty unless :meth:`record_mappings` is on."""
+        log_ = self._map_log
+        if log_ is None or not log_.ops:
+            return []
+        with log_.lock:
+            ops, log_.ops = log_.ops, []
+        return ops
+
+    def apply_mappings(self, ops) -> None:
+        """A mirror's side of :meth:`drain_mappings`: apply rank 0's ``(slot, block, page, run)`` operations in
+        order to this backend's own memfd. The mirror places nothing itself (its page pool is unused), so
+        only the mappings change; ``ValueError`` for an operation outside the layout."""
+        nslots, nblocks, npages = self.layout.max_num_seqs, self.blocks_per_slot, self.layout.num_blocks
+        for slot, block, page_id, run in (tuple(int(x) for x in op) for op in ops):
+            if not (0 <= slot < nslots and block >= 0 and block + run <= nblocks and run >= 1
+                    and page_id >= -1 and page_id + run <= npages):
+                raise ValueError(f"apply_mappings: ({slot}, {block}, {page_id}, {run}) is outside the layout "
+                                 f"({nslots} slots x {nblocks} blocks, {npages} pages)")
+            if page_id < 0:
+                self._unmap_now(slot, block)
+            else:
+                self._map_fixed(slot, block, page_id, run)
 
     def _flush(self) -> None:
         """Map every placed position not mapped yet: neighbouring blocks of a slot on consecutive pages

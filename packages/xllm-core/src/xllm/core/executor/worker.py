@@ -1,0 +1,69 @@
+"""A worker rank's loop: take rank 0's step plans and run the same forward on this rank's shard.
+
+:func:`serve_rank` runs in the worker process once its model shard is loaded and it joined the group
+(:mod:`xllm.engine.ranks` starts it; the core never imports a model): it builds its KV memory from rank
+0's ``SETUP`` (same layout, its own KV heads; :func:`~xllm.core.executor.group.mirror_kv`), agrees the
+paths with the other ranks, then per ``STEP`` message applies rank 0's KV mapping operations, checks it
+takes rank 0's path and executes; ``SHUTDOWN`` ends it. Rank 0's death (the plan channel's liveness
+check) or a failed collective ends it with :class:`~xllm.core.executor.channel.RankFailed`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from xllm.core.executor.channel import OPS, SETUP, SHUTDOWN, STEP, PlanChannel, RankFailed
+from xllm.core.executor.group import RankSetup, agree_capabilities, mirror_kv
+from xllm.core.executor.plan import choose_mode, decode_ops, decode_step
+from xllm.core.model_api import CausalLM
+from xllm.core.model_runner import ModelRunner
+from xllm.core.parallel.comm import Communicator
+
+log = logging.getLogger(__name__)
+
+
+def parent_alive(parent_pid: int) -> Callable[[], bool]:
+    """Whether the process that started this one still runs (its children are re-parented when it dies)."""
+    return lambda: os.getppid() == parent_pid
+
+
+def serve_rank(model: CausalLM, comm: Communicator, channel: PlanChannel, device: torch.device,
+               alive: Callable[[], bool]) -> int:
+    """Run rank ``comm.rank``'s side of every step until ``SHUTDOWN``; the steps it ran."""
+    kind, payload = channel.receive(alive)
+    if kind == SHUTDOWN:
+        return 0
+    if kind != SETUP:
+        raise RankFailed(f"rank {comm.rank}: expected the set-up message, got kind {kind}")
+    setup: RankSetup = pickle.loads(payload)
+    kv = mirror_kv(setup, model.kv_cache_spec())
+    steps = 0
+    try:
+        runner = ModelRunner(model, kv, device, native_decode=setup.native_decode)
+        agree_capabilities(runner, comm)
+        while True:
+            kind, payload = channel.receive(alive)
+            if kind == SHUTDOWN:
+                return steps
+            words = np.frombuffer(payload, dtype=np.int64)
+            if kind == OPS:
+                kv.apply_mappings(decode_ops(words))
+                continue
+            if kind != STEP:
+                raise RankFailed(f"rank {comm.rank}: unknown message kind {kind}")
+            msg = decode_step(words, device)
+            if len(msg.kv_ops):
+                kv.apply_mappings(msg.kv_ops)
+            mode = choose_mode(runner, msg.batch)
+            if mode != msg.mode:  # a different path calls different collectives: fail now, not deadlock
+                raise RankFailed(f"rank {comm.rank} would run step {steps} {mode}, rank 0 runs it {msg.mode}")
+            runner.execute(msg.batch, greedy=msg.greedy)
+            steps += 1
+    finally:
+        kv.close()

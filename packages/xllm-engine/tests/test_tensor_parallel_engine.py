@@ -1,0 +1,194 @@
+"""One engine instance over two ranks (``--tensor-parallel-size 2``): rank 0 here, rank 1 a spawned worker
+process, a tiny random Llama split 6+3 query / 2+1 KV heads (SmolLM2's 9:3 GQA).
+
+Oracle: the one-process engine (TP=1) of the same weights and flags: greedy and seeded-sampling outputs
+identical token for token, through chunked prefill (a small token budget), prefix-cache hits, preemption
+(KV memory for a few sequences), ngram speculation and a JSON-schema constrained output, on the xTensor
+(the worker mirrors rank 0's page mappings) and paged KV backends; and Hugging Face ``generate`` for the
+greedy tokens. A worker SIGKILLed mid-stream fails the instance within seconds (its streams end with a
+crash error), never hangs it. Flags TP does not support yet are refused at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+
+from xllm.core.async_engine import AsyncEngine
+from xllm.core.config import EngineConfig
+from xllm.engine.config import engine_config
+from xllm.engine.loader import LoadedEngine, load_engine
+from xllm.engine_api import flags
+from xllm.engine_api.errors import ConfigError, EngineCrashedError, InvalidRequestError
+from xllm.models import resolve_model
+from xllm.proto.engine.v1 import engine_pb2
+from xllm.testing.engine import Collected, make_request
+from xllm.testing.models import TOKENIZER_FILES, save_random_hf_model
+
+transformers = pytest.importorskip("transformers")
+
+SYSTEM = list(range(1000, 1140))  # a shared prefix longer than one xTensor block (128 tokens)
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp") / "llama_9q3kv"
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=144, intermediate_size=192, num_hidden_layers=2,
+                                   num_attention_heads=9, num_key_value_heads=3, head_dim=16,
+                                   max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
+                                   eos_token_id=2, rms_norm_eps=1e-5)
+    save_random_hf_model(path, cfg, std=0.3)
+    smol = resolve_model(None, progress=False)
+    for name in TOKENIZER_FILES:
+        if (smol / name).is_file():
+            shutil.copy(smol / name, path / name)
+    return path
+
+
+def config(backend: str, tp: int, blocks: int = 3, overlapped: bool = False, **extra) -> EngineConfig:
+    # ``blocks`` 128-token blocks' KV on rank 0 (2 of 3 KV heads of 16, fp32, 2 layers: 512 B per token); 3: the
+    # workload preempts
+    memory = blocks * 128 * 512 / 2**30
+    return EngineConfig(dtype=torch.float32, quantization="none", kv_cache_backend=backend, max_num_seqs=6,
+                        max_num_batched_tokens=64, kv_cache_memory_gib=memory, max_model_len=512,
+                        speculative="ngram", num_speculative_tokens=3, num_threads=1, tensor_parallel_size=tp,
+                        async_scheduling=overlapped, **extra)
+
+
+def load(model_dir, backend: str, tp: int, blocks: int = 3, overlapped: bool = False) -> LoadedEngine:
+    return load_engine(str(model_dir), "tiny", config(backend, tp, blocks, overlapped), f"tp{tp}-{backend}",
+                       progress=False)
+
+
+def workload() -> list[engine_pb2.GenerateRequest]:
+    reqs = []
+    for i in range(4):  # a shared prefix (hits once it is cached), long enough to be chunked
+        reqs.append(make_request(f"greedy{i}", SYSTEM + [2000 + 7 * i + j for j in range(6 + i)], max_tokens=24))
+    for i in range(3):  # a prompt that repeats itself: the ngram proposer drafts from it
+        reqs.append(make_request(f"sampled{i}", SYSTEM[:60] * 2 + [3000 + i], temperature=0.8, top_p=0.95,
+                                 seed=11 + i, max_tokens=24))
+    # a token biased far above the rest: its output repeats it, so the ngram proposer drafts it and verify steps
+    # accept the drafts (the random model's own text never repeats itself)
+    reqs.append(make_request("biased", SYSTEM[:20], max_tokens=24, logit_bias={500: 100.0}))
+    schema = engine_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA))
+    reqs.append(make_request("json", [4000 + j for j in range(20)], max_tokens=40, structured=schema))
+    return reqs
+
+
+def serve(loaded: LoadedEngine, reqs) -> tuple[Collected, dict]:
+    engine = loaded.engine
+    got = Collected()
+
+    def drive():
+        for r in reqs:
+            got.add(engine.add_request(r))
+        while engine.has_work():
+            got.add(engine.step())
+        return engine.counters, dict(engine.runner.mode_steps), engine.kv.prefix_stats, engine.spec.counters
+
+    # synchronous: the engine steps on its compute thread (as AsyncEngine runs it); overlapped, the forwards go
+    # to that thread and the loop runs on another (here, this one)
+    counters, modes, prefix, spec = drive() if engine.config.async_scheduling else loaded.compute.call(drive)
+    return got, {"counters": counters, "modes": modes, "prefix": prefix, "spec": spec}
+
+
+@pytest.mark.parametrize(("backend", "overlapped"), [("xtensor", False), ("paged", False), ("xtensor", True)],
+                         ids=["xtensor", "paged", "xtensor-async"])
+def test_two_ranks_generate_what_one_does(model_dir, backend, overlapped):
+    reqs = workload()
+    one = load(model_dir, backend, 1, overlapped=overlapped)
+    try:
+        want, _ = serve(one, reqs)
+    finally:
+        one.engine.close()
+        one.compute.shutdown()
+    two = load(model_dir, backend, 2, overlapped=overlapped)
+    try:
+        assert two.engine.runner.group.size == 2
+        got, stats = serve(two, reqs)
+    finally:
+        two.engine.close()
+        two.compute.shutdown()
+    assert set(got.final) == {r.request_id for r in reqs}
+    for r in reqs:
+        assert got.tokens[r.request_id] == want.tokens[r.request_id], r.request_id
+    assert got.text["json"].startswith('{"name": "')  # constrained (the random model's string runs on)
+    assert stats["prefix"].hits > 0, "no prefix-cache hit"
+    assert stats["counters"].num_preemptions > 0, "no preemption"
+    assert stats["spec"].num_accepted_tokens > 0, "no draft accepted"
+
+
+def test_greedy_tokens_match_hugging_face_at_two_ranks(model_dir):
+    prompt = SYSTEM[:30]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    want = out[0, len(prompt):].tolist()
+    two = load(model_dir, "xtensor", 2)
+    try:
+        got, _ = serve(two, [make_request("hf", prompt, max_tokens=16, ignore_eos=True)])
+        with pytest.raises(InvalidRequestError, match="tensor-parallel-size") as info:
+            two.engine.validate(make_request("beams", prompt, max_tokens=4, beam_width=2))
+        assert info.value.param == "beam_width"
+    finally:
+        two.engine.close()
+        two.compute.shutdown()
+    assert got.tokens["hf"] == want
+
+
+def test_a_killed_worker_fails_the_instance_within_seconds(model_dir):
+    two = load(model_dir, "xtensor", 2, blocks=8)
+    worker = two.engine.runner.group.processes[0]
+    aeng = AsyncEngine(two.engine, compute=two.compute)
+    aeng.start()
+
+    async def stream() -> tuple[int, BaseException | None, float]:
+        s = aeng.submit(make_request("long", SYSTEM[:20], max_tokens=400, ignore_eos=True))
+        n, killed_at = 0, 0.0
+        try:
+            async for chunk in s:
+                n += len(chunk.token_ids)
+                if n >= 3 and not killed_at:
+                    os.kill(worker.pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+        except EngineCrashedError as exc:
+            return n, exc, time.monotonic() - killed_at
+        return n, None, time.monotonic() - killed_at
+
+    try:
+        n, err, after = asyncio.run(asyncio.wait_for(stream(), 60))
+        assert err is not None and n < 400, "the stream did not fail"
+        assert after < 10
+        assert aeng.crashed and "RankFailed" in (aeng.dead_reason or "")
+    finally:
+        aeng.shutdown(5)
+        two.engine.close()
+        two.compute.shutdown()
+    assert worker.exitcode == -signal.SIGKILL
+
+
+def test_unsupported_flags_and_requests_are_refused(model_dir):
+    for extra, flag in [(dict(compile_decode=True), "--compile-decode"),
+                        (dict(speculative="self", num_speculative_tokens=2), "--speculative self"),
+                        (dict(kv_disk_dir="/tmp/x"), "KV tiers")]:
+        with pytest.raises(ConfigError, match=f"--tensor-parallel-size 2 does not support .*{flag}"):
+            EngineConfig(tensor_parallel_size=2, **{**dict(speculative=None), **extra})
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+    parser = argparse.ArgumentParser()
+    flags.add_engine_process_arguments(parser)
+    args = parser.parse_args(["--tensor-parallel-size", "2", "--role", "prefill"])
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 2 does not support --role prefill"):
+        engine_config(args)
+    assert engine_config(parser.parse_args(["--tensor-parallel-size", "2"])).tensor_parallel_size == 2
