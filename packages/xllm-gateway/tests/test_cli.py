@@ -60,6 +60,7 @@ API_FLAGS = [*API_FLAGS, "--http-header-timeout-s", "--http-body-timeout-s", "--
 SERVE_FLAGS = [*SERVE_FLAGS, *API_FLAGS]  # the OpenAI API's keys and limits (xllm.gateway.api_flags)
 SERVE_FLAGS = [*SERVE_FLAGS, "--stream-stall-timeout"]  # streams of stopped engines (xllm.gateway.progress)
 ENGINE_FLAGS = [*ENGINE_FLAGS, "--step-timeout"]  # the step watchdog (xllm.engine.server)
+ENGINE_FLAGS = [*ENGINE_FLAGS, "--nnodes", "--node-rank", "--master-addr", "--master-port"]  # TP over hosts (issue 45)
 PD_ROLE_FLAGS = ["--pd-policy", "--pd-flip-window", "--pd-flip-cooldown", "--pd-cluster-cooldown", "--pd-min-per-role",
                  "--pd-max-flips", "--pd-prefill-overflow", "--no-pd-prefill-overflow"]
 SERVE_FLAGS = [*SERVE_FLAGS, *PD_ROLE_FLAGS]  # dynamic PD roles (xllm.gateway.roles)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from xllm.core.kv.contracts import KVTransfer
     from xllm.core.kv.layout import KVCacheLayout
     from xllm.core.kv.lower_tiers import LowerTiers
-    from xllm.core.kv.page_store import PageStore
+    from xllm.core.kv.page_store import PageAccess
     from xllm.core.validation import RequestLimits
     from xllm.engine_api.stats import StatsObserver
     from xllm.kvstore.tier import TierStats
@@ -246,12 +246,13 @@ class AsyncEngine:
     @property
     def kv_layout(self) -> KVCacheLayout:
         """The KV memory's sizes (block size, layers, the ``fingerprint`` peers must share)."""
-        return self._kv.layout
+        return self._engine.transfer_layout
 
-    def page_store(self) -> PageStore | None:
+    def page_store(self) -> PageAccess | None:
         """The KV pages as bytes, what hand-off transports read and write (None: a backend without
-        pages, which cannot hand KV off)."""
-        return self._kv.page_store()
+        pages, which cannot hand KV off). A tensor-parallel instance's: every rank's KV heads, in
+        :attr:`kv_layout`."""
+        return self._engine.transfer_store()
 
     @property
     def lower_tiers(self) -> LowerTiers | None:

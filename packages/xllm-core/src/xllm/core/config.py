@@ -8,6 +8,7 @@ import torch
 
 from xllm.common import UnknownNameError
 from xllm.engine_api.bounds import RequestBounds
+from xllm.engine_api.credential import ClusterKeys
 from xllm.engine_api.errors import ConfigError
 from xllm.engine_api.names import DTYPES, KV_BACKENDS, KV_CACHE_DTYPES, PROPOSERS, TP_COMMS, canonical_quantization
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
@@ -64,9 +65,16 @@ class EngineConfig:
     from the model directory) and the KV layout.
     ``tensor_parallel_size``: ranks the model is split over on this host (:mod:`xllm.core.executor`; rank 0
     is the engine process, ranks 1..N-1 worker processes; ``num_threads`` is then per rank, by default the
-    cores divided by N). With more than one rank, KV tiers, prefill/decode hand-offs, the ``mtp`` and
-    ``self`` proposers and ``compile_decode`` are refused (a ``ConfigError`` naming the flag), and so are
-    beam-search requests (a 400 naming ``beam_width``).
+    cores divided by N). With more than one rank, KV tiers, the ``mtp`` and ``self`` proposers and
+    ``compile_decode`` are refused (a ``ConfigError`` naming the flag), and so are beam-search requests (a 400
+    naming ``beam_width``); prefill/decode hand-offs move every rank's KV heads in the one-rank layout
+    (:mod:`xllm.core.executor.kv_pages`; not with a quantized ``kv_cache_dtype``).
+    ``nnodes`` hosts share those ranks, ``tensor_parallel_size / nnodes`` each (:mod:`xllm.engine.nodes`): this
+    process is node ``node_rank``'s (node 0 holds ranks ``0..N/H-1`` and the engine, node R ranks
+    ``R*N/H..(R+1)*N/H-1`` and no engine); the ranks meet at ``master_addr:master_port`` (rank 0's
+    rendezvous; ``None``: a free port, one host only), collectives and plans over gloo. ``cluster_keys``: the
+    cluster token's keys every rank proves before the group is used (:mod:`xllm.core.parallel.trust`; needed
+    for a ``master_addr`` beyond loopback); never shown.
     ``quantization`` (:data:`xllm.engine_api.names.WEIGHT_QUANTIZATIONS`): the linears' weight format the loader
     builds (``"auto"``: a GGUF's stored formats; ``"none"``: float in ``dtype``; ``"int8"``/``"int4"``/
     ``"int4_g128"``/``"w8a8"``: quantized at load); quantized weights need bfloat16/float32 and no ``compile_decode``.
@@ -110,6 +118,11 @@ class EngineConfig:
     quantization: str = "none"  # the linears' weight format (xllm.engine_api.names.WEIGHT_QUANTIZATIONS)
     tensor_parallel_size: int = 1  # ranks the model is split over (xllm.core.executor)
     tp_comm: str = "auto"  # the ranks' all-reduce: auto, shm or gloo (xllm.engine_api.names.TP_COMMS)
+    nnodes: int = 1  # hosts the ranks are spread over (xllm.engine.nodes)
+    node_rank: int = 0  # this host's node (0: the engine's)
+    master_addr: str = "127.0.0.1"  # rank 0's rendezvous host
+    master_port: int | None = None  # ... and port (None: a free one; one host only)
+    cluster_keys: ClusterKeys | None = field(default=None, repr=False, compare=False)  # the ranks' credential
     # what one request may ask for beyond the context length, applied again after the gateway (the request
     # limit flags, xllm.engine_api.flags.add_request_bound_flags); sizes the largest accepted message too
     request_bounds: RequestBounds = field(default_factory=RequestBounds)
@@ -152,6 +165,7 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size (--tensor-parallel-size) must be >= 1, got {n}")
         if self.tp_comm not in TP_COMMS:
             raise ConfigError(f"tp_comm (--tp-comm) must be one of {', '.join(TP_COMMS)}, got {self.tp_comm!r}")
+        self._check_nodes()
         if n == 1:
             return
         refused = []
@@ -163,6 +177,27 @@ class EngineConfig:
             refused.append("--compile-decode")
         if refused:
             raise ConfigError(f"--tensor-parallel-size {n} does not support {', '.join(refused)} yet")
+
+    def _check_nodes(self) -> None:
+        n, hosts, node = self.tensor_parallel_size, self.nnodes, self.node_rank
+        if int(hosts) < 1:
+            raise ConfigError(f"nnodes (--nnodes) must be >= 1, got {hosts}")
+        if not 0 <= int(node) < hosts:
+            raise ConfigError(f"node_rank (--node-rank) must be in 0..{hosts - 1} (below --nnodes {hosts}), got {node}")
+        if self.master_port is not None and not 0 < int(self.master_port) < 65536:
+            raise ConfigError(f"master_port (--master-port) must be in 1..65535, got {self.master_port}")
+        if not self.master_addr:
+            raise ConfigError("master_addr (--master-addr) must name rank 0's host")
+        if hosts == 1:
+            return
+        if n % hosts:
+            raise ConfigError(f"--tensor-parallel-size {n} does not split over --nnodes {hosts}: each host holds "
+                              "the same number of ranks")
+        if self.master_port is None:
+            raise ConfigError(f"--nnodes {hosts} needs --master-port (rank 0's rendezvous port, the same on every "
+                              "node)")
+        if self.tp_comm == "shm":
+            raise ConfigError(f"--tp-comm shm is one host's: --nnodes {hosts} takes --tp-comm gloo (or auto)")
 
     def _check_quantization(self) -> None:
         try:

@@ -60,6 +60,8 @@ from xllm.sched.latency import StepSample, step_shape
 
 if TYPE_CHECKING:
     from xllm.core.executor.group import RankGroup
+    from xllm.core.kv.layout import KVCacheLayout
+    from xllm.core.kv.page_store import PageAccess
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +127,25 @@ class LLMEngine(EngineMoves, EngineBeams):
     def attach_disagg(self, listener: DisaggListener) -> None:
         """Serve prefill/decode hand-offs and migrations, reporting them to ``listener`` (the engine
         service's hand-off side; :mod:`xllm.core.disagg`). Until one is attached, hand-off requests
-        are refused; a tensor-parallel instance never attaches one (its workers' KV would not move)."""
-        if self.config.tensor_parallel_size > 1:
-            log.info("engine %s: --tensor-parallel-size %d serves no prefill/decode hand-offs or migrations",
-                     self.instance_id, self.config.tensor_parallel_size)
+        are refused; a tensor-parallel instance without a :meth:`transfer_store` never attaches one."""
+        if self.config.tensor_parallel_size > 1 and self.transfer_store() is None:
+            log.info("engine %s: --tensor-parallel-size %d with this KV cache (--kv-cache-backend %s, "
+                     "--kv-cache-dtype %s) serves no prefill/decode hand-offs or migrations", self.instance_id,
+                     self.config.tensor_parallel_size, self.config.kv_cache_backend, self.config.kv_cache_dtype)
             return
         self.disagg = listener
+
+    @property
+    def transfer_layout(self) -> KVCacheLayout:
+        """The KV layout hand-offs speak: the whole model's KV heads (a tensor-parallel instance's rank 0
+        holds some; its :meth:`transfer_store` gathers every rank's)."""
+        return getattr(self.runner, "transfer_layout", self.layout)
+
+    def transfer_store(self) -> PageAccess | None:
+        """The KV pages hand-offs read and write, in :attr:`transfer_layout` (None: no hand-offs)."""
+        if self.config.tensor_parallel_size > 1:
+            return self.runner.transfer_store()  # type: ignore[attr-defined]
+        return self.kv.page_store()
 
     def add_observer(self, observer: StatsObserver) -> None:
         """Tell ``observer`` about every step from now on (on the engine thread)."""
@@ -163,7 +178,7 @@ class LLMEngine(EngineMoves, EngineBeams):
             raise InvalidRequestError("this engine does not serve prefill/decode hand-offs", "disagg_phase")
         if phase is Phase.PREFILL and not req.HasField("kv_target"):
             raise InvalidRequestError("a prefill-phase request needs its kv_target", "kv_target")
-        if phase is not Phase.MIXED and self.kv.page_store() is None:
+        if phase is not Phase.MIXED and self.transfer_store() is None:
             raise InvalidRequestError(f"the {self.config.kv_cache_backend} KV backend cannot hand KV off",
                                       "disagg_phase")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)

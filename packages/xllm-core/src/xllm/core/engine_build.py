@@ -44,7 +44,8 @@ def build_platform(config: EngineConfig, grammars: Grammars | None) -> Platform:
     platform = detect_platform(config.device)
     if not platform.supports_dtype(config.dtype):
         raise ValueError(f"dtype {config.dtype} is not supported on {platform.name}")
-    threads = configure_threads(config.num_threads or default_rank_threads(config.tensor_parallel_size))
+    threads = configure_threads(config.num_threads or
+                                default_rank_threads(config.tensor_parallel_size // max(1, config.nnodes)))
     if grammars is not None:
         lib = native.library()
         grammars.overlap = threads < len(os.sched_getaffinity(0)) and (lib is None or not lib.holds_gil)

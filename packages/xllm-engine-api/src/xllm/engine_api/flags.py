@@ -12,7 +12,7 @@ import argparse
 import logging
 import os
 
-from xllm.common.argtypes import fraction, non_negative_float, positive_float, positive_int
+from xllm.common.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
 from xllm.engine_api.bounds import RequestBounds
 from xllm.engine_api.names import (
     DTYPES,
@@ -106,8 +106,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "--instances N, the cores divided among the N engines; with --tensor-parallel-size N, "
                         "per rank, the cores divided by N)")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
-                   help="split the model over N ranks on this host (tensor parallelism): this process and N-1 "
-                        "worker processes, each holding 1/N of the attention heads, MLP and vocabulary and its "
+                   help="split the model over N ranks on this host (tensor parallelism; `xllm engine --nnodes`: "
+                        "over several hosts): this process and N-1 worker processes, each"
+                        " holding 1/N of the attention heads, MLP and vocabulary and its "
                         "own KV memory for its heads; --threads is then per rank (default: the cores divided by "
                         "N). Not yet with KV tiers, prefill/decode roles, --speculative mtp/self, "
                         "--compile-decode or beam search")
@@ -359,12 +360,33 @@ def check_handoff_flags(args: argparse.Namespace) -> None:
                          "local-mooncake`)")
 
 
+def add_node_flags(p: argparse.ArgumentParser) -> None:
+    """Where the ranks of a tensor-parallel instance run when they span hosts (``xllm engine`` only:
+    :mod:`xllm.engine.nodes`). Every node runs the same command line but ``--node-rank``."""
+    g = p.add_argument_group("tensor parallelism over hosts",
+                             "one instance's --tensor-parallel-size ranks on several hosts: run the same `xllm "
+                             "engine` command on each (same model, flags and cluster token) but --node-rank")
+    g.add_argument("--nnodes", type=positive_int, default=1, metavar="H",
+                   help="hosts the --tensor-parallel-size N ranks are spread over, N/H each (collectives and "
+                        "step plans over gloo/TCP between every rank; a master address beyond loopback needs "
+                        "the cluster token on every host)")
+    g.add_argument("--node-rank", type=non_negative_int, default=0, metavar="R",
+                   help="this host's node, 0..H-1: node 0 runs the engine service with ranks 0..N/H-1; node R "
+                        "runs only ranks R*N/H..(R+1)*N/H-1 (no service) and exits nonzero when they fail")
+    g.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+                   help="node 0's address the ranks meet at (rank 0's gloo rendezvous), the same on every node")
+    g.add_argument("--master-port", type=positive_int, default=None, metavar="PORT",
+                   help="node 0's rendezvous port, the same on every node (default: a free port, one host only; "
+                        "required with --nnodes above 1)")
+
+
 def add_engine_process_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag of an engine instance process (``xllm engine``, ``python -m xllm.engine``)."""
     add_model_flags(p)
     add_instance_flags(p)
     add_security_flags(p)
     add_engine_flags(p)
+    add_node_flags(p)
     add_common_flags(p)
 
 

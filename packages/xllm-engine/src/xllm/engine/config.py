@@ -10,8 +10,10 @@ import argparse
 
 from xllm.core.config import EngineConfig
 from xllm.engine.handoff.base import HandoffOptions
+from xllm.engine_api.credential import ClusterKeys
 from xllm.engine_api.errors import ConfigError
 from xllm.engine_api.flags import check_handoff_flags, request_bounds
+from xllm.engine_api.security import resolve_token
 from xllm.kvstore.mooncake_local import LOCAL
 
 
@@ -24,11 +26,12 @@ def _store_url(value: str | None) -> str | None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The :class:`~xllm.core.EngineConfig` the engine flags describe (raises ``ConfigError``; with
-    ``--tensor-parallel-size`` above 1 also for a prefill/decode ``--role``, which it does not support yet)."""
+    ``--tensor-parallel-size`` above 1 also for a prefill/decode ``--role`` with a quantized
+    ``--kv-cache-dtype``: hand-offs reshard KV by heads, which quantized rows are not)."""
     tp = getattr(args, "tensor_parallel_size", 1)
-    if tp > 1 and getattr(args, "role", "mixed") != "mixed":
-        raise ConfigError(f"--tensor-parallel-size {tp} does not support --role {args.role} (prefill/decode "
-                          "hand-offs) yet")
+    if tp > 1 and getattr(args, "role", "mixed") != "mixed" and args.kv_cache_dtype != "auto":
+        raise ConfigError(f"--tensor-parallel-size {tp} with --role {args.role} (prefill/decode hand-offs) does "
+                          f"not support --kv-cache-dtype {args.kv_cache_dtype} yet (use --kv-cache-dtype auto)")
     quantization = args.quantization
     if quantization == "auto" and args.dtype is not None:
         quantization = "none"  # an explicit --dtype asks for a GGUF's weights dequantized (README: Quantization)
@@ -48,8 +51,19 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_disk_size_gib=args.kv_disk_size, kv_store=_store_url(args.kv_store),
         kv_store_metadata=args.mooncake_metadata,
         kv_store_segment_gib=args.kv_store_segment, item_catalog=args.item_catalog,
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1), tp_comm=getattr(args, "tp_comm", "auto"),
+        tensor_parallel_size=tp, tp_comm=getattr(args, "tp_comm", "auto"), **node_options(args, tp),
         request_bounds=request_bounds(args))
+
+
+def node_options(args: argparse.Namespace, tp: int) -> dict:
+    """The ranks' hosts and rendezvous (``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port``:
+    ``xllm engine`` only) and, with several ranks, the cluster token's keys they prove to each other."""
+    token = resolve_token(args.cluster_token, args.cluster_token_file) if tp > 1 and hasattr(args, "cluster_token") \
+        else None
+    keys = ClusterKeys.from_token(token) if token else None
+    return dict(nnodes=getattr(args, "nnodes", 1), node_rank=getattr(args, "node_rank", 0),
+                master_addr=getattr(args, "master_addr", "127.0.0.1"), master_port=getattr(args, "master_port", None),
+                cluster_keys=keys)
 
 
 def handoff_options(args: argparse.Namespace) -> HandoffOptions:

@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 
 from xllm.core import AsyncEngine, ComputeThread, EngineConfig, LLMEngine
+from xllm.core.parallel.comm import CollectiveError
 from xllm.engine.config import engine_config, handoff_options
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.loader import load_engine
@@ -198,6 +199,11 @@ def run(args: argparse.Namespace, prog: str = "xllm engine") -> int:
         return 2
     try:
         opts = options(args)
+        if opts.engine is not None and opts.engine.node_rank > 0:  # --nnodes: another host's ranks, no service
+            from xllm.engine.nodes import run_node
+
+            opts.security.check_files()
+            return run_node(opts.model, opts.engine, opts.progress)
         opts.security.check_cluster(opts.etcd, prog)  # --etcd needs a credential or --insecure-cluster
         opts.security.check_bind(opts.host, "the engine service (--host)")  # before the model loads
         opts.security.check_files()
@@ -205,6 +211,9 @@ def run(args: argparse.Namespace, prog: str = "xllm engine") -> int:
     except (ConfigError, ModelNotFoundError, ModelConfigError, ValueError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    except CollectiveError as exc:  # the ranks of --tensor-parallel-size could not form their group
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,10 +9,11 @@ same collectives in the same order; rank 0 alone samples. Rank 0's side:
 :class:`~xllm.core.executor.group.RankGroup`; a worker's: :func:`~xllm.core.executor.worker.serve_rank`.
 """
 
-from xllm.core.executor.channel import ChannelSpec, PlanChannel, RankFailed
+from xllm.core.executor.channel import ChannelSpec, PlanChannel, RankFailed, StepChannel
 from xllm.core.executor.group import RankGroup, RankSetup
+from xllm.core.executor.net_channel import NetChannelSpec, NetPlanChannel
 from xllm.core.executor.runner import TensorParallelRunner
 from xllm.core.executor.worker import parent_alive, serve_rank
 
-__all__ = ["ChannelSpec", "PlanChannel", "RankFailed", "RankGroup", "RankSetup", "TensorParallelRunner",
-           "parent_alive", "serve_rank"]
+__all__ = ["ChannelSpec", "NetChannelSpec", "NetPlanChannel", "PlanChannel", "RankFailed", "RankGroup", "RankSetup",
+           "StepChannel", "TensorParallelRunner", "parent_alive", "serve_rank"]

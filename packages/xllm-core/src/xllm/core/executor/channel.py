@@ -11,6 +11,10 @@ message overwritten while it reads it.
 
 Every wait is bounded: a writer whose readers stop acknowledging, or a reader whose parent died,
 raises :class:`RankFailed` instead of blocking forever.
+
+:class:`StepChannel` is the contract rank 0's runner and a worker's loop use; :class:`PlanChannel` is its
+one-host implementation, :class:`~xllm.core.executor.net_channel.NetPlanChannel` the one for ranks on
+several hosts (``torch.distributed`` broadcasts).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,6 +44,47 @@ _SLOT_HEADER = 4  # int64 words per slot: sequence, kind, payload bytes, spare
 class RankFailed(CollectiveError):
     """A rank of a tensor-parallel instance died or stopped answering: the instance cannot run another
     step (every rank takes part in every forward). Fatal: the engine stops serving."""
+
+
+class ChannelLimits(Protocol):
+    """What a channel's writer must know of it: ``size`` ranks, messages of at most ``slot_bytes``."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def slot_bytes(self) -> int: ...
+
+
+class StepChannel(Protocol):
+    """The step-plan channel of one tensor-parallel instance: rank 0 writes, ranks ``1..size-1`` read, every
+    reader every message, in order.
+
+    - ``publish(kind, payload, timeout_s, check)`` (rank 0): send one message (at most ``spec.slot_bytes``,
+      else ``ValueError``); its sequence number (1, 2, ...). It may return before the readers took it, but
+      waits (at most ``timeout_s``, calling ``check`` between waits: it raises for a dead rank) for earlier
+      messages to be taken as far as it needs, else :class:`RankFailed`;
+    - ``wait_acked(seq, timeout_s, check)`` (rank 0): return once every reader took message ``seq``, else
+      :class:`RankFailed` after ``timeout_s``;
+    - ``receive(alive)`` (a reader): the next message ``(kind, payload)``; blocks until there is one, for as
+      long as rank 0 lives: :class:`RankFailed` once ``alive()`` is False or rank 0's side is gone;
+    - ``close()``: leave the channel (idempotent).
+    """
+
+    rank: int
+    seq: int
+
+    @property
+    def spec(self) -> ChannelLimits: ...
+
+    def publish(self, kind: int, payload: bytes | np.ndarray, timeout_s: float,
+                check: Callable[[], None] | None = None) -> int: ...
+
+    def wait_acked(self, seq: int, timeout_s: float, check: Callable[[], None] | None = None) -> None: ...
+
+    def receive(self, alive: Callable[[], bool]) -> tuple[int, bytes]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

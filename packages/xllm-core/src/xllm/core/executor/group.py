@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from xllm.core.executor.channel import SHUTDOWN, PlanChannel, RankFailed
+from xllm.core.executor.channel import SHUTDOWN, RankFailed, StepChannel
 from xllm.core.kv.layout import KVCacheLayout
 from xllm.core.model_api import FusedForward, KVCacheSpec
 from xllm.core.model_runner import ModelRunner
@@ -32,12 +32,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RankGroup:
-    """Rank 0's handle on its instance's ranks. ``processes[i]`` is rank ``i + 1``'s process (a
+    """Rank 0's handle on its instance's ranks. ``processes``: this host's worker ranks, in rank order (each a
     ``multiprocessing`` process: ``sentinel``, ``exitcode``, ``pid``, ``join``, ``kill``). ``timeout_s``
     bounds a hand-off of a step plan to the workers."""
 
     comm: Communicator
-    channel: PlanChannel
+    channel: StepChannel
     processes: list[Any]
     timeout_s: float = 30.0
     _closed: bool = False
@@ -51,7 +51,8 @@ class RankGroup:
 
     @property
     def size(self) -> int:
-        return len(self.processes) + 1
+        """Every rank of the group (``processes`` are this host's workers only when ranks span hosts)."""
+        return self.comm.size
 
     def check(self) -> None:
         """Raise :class:`RankFailed` if a worker process has exited (one ``select`` over their sentinels)."""
@@ -77,14 +78,14 @@ class RankGroup:
         with contextlib.suppress(Exception):
             if all(p.exitcode is None for p in self.processes):
                 self.channel.publish(SHUTDOWN, b"", min(timeout_s, 1.0), self.check)
-        for p in self.processes:
-            p.join(timeout_s)
-            if p.exitcode is None:
+        for p, reaper in zip(self.processes, self._watchers):
+            # the reaper returns once the process exited and it recorded the status (a process reaped there
+            # must not be joined or killed here: its pid may already be another process's)
+            reaper.join(timeout_s)
+            if reaper.is_alive():  # not reaped: the pid is still this process (running, or a zombie)
                 log.warning("rank process %d did not stop; killing it", p.pid)
                 p.kill()
-                p.join(timeout_s)
-        for t in self._watchers:
-            t.join(timeout_s)
+                reaper.join(timeout_s)
         with contextlib.suppress(Exception):
             self.comm.close()
         self.channel.close()

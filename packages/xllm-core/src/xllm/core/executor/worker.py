@@ -4,7 +4,8 @@
 (:mod:`xllm.engine.ranks` starts it; the core never imports a model): it builds its KV memory from rank
 0's ``SETUP`` (same layout, its own KV heads; :func:`~xllm.core.executor.group.mirror_kv`), agrees the
 paths with the other ranks, then per ``STEP`` message applies rank 0's KV mapping operations, checks it
-takes rank 0's path and executes; ``SHUTDOWN`` ends it. Rank 0's death (the plan channel's liveness
+takes rank 0's path and executes; ``KV_READ`` / ``KV_WRITE`` move its KV heads of some pages for a hand-off
+(:mod:`xllm.core.executor.kv_pages`); ``SHUTDOWN`` ends it. Rank 0's death (the plan channel's liveness
 check) or a failed collective ends it with :class:`~xllm.core.executor.channel.RankFailed`.
 """
 
@@ -18,8 +19,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from xllm.core.executor.channel import OPS, SETUP, SHUTDOWN, STEP, PlanChannel, RankFailed
+from xllm.core.executor.channel import OPS, SETUP, SHUTDOWN, STEP, RankFailed, StepChannel
 from xllm.core.executor.group import RankSetup, agree_capabilities, mirror_kv
+from xllm.core.executor.kv_pages import KV_READ, KV_WRITE, agree_kv_heads, serve_kv_message
 from xllm.core.executor.plan import choose_mode, decode_ops, decode_step
 from xllm.core.model_api import CausalLM
 from xllm.core.model_runner import ModelRunner
@@ -33,7 +35,7 @@ def parent_alive(parent_pid: int) -> Callable[[], bool]:
     return lambda: os.getppid() == parent_pid
 
 
-def serve_rank(model: CausalLM, comm: Communicator, channel: PlanChannel, device: torch.device,
+def serve_rank(model: CausalLM, comm: Communicator, channel: StepChannel, device: torch.device,
                alive: Callable[[], bool]) -> int:
     """Run rank ``comm.rank``'s side of every step until ``SHUTDOWN``; the steps it ran."""
     kind, payload = channel.receive(alive)
@@ -47,6 +49,8 @@ def serve_rank(model: CausalLM, comm: Communicator, channel: PlanChannel, device
     try:
         runner = ModelRunner(model, kv, device, native_decode=setup.native_decode)
         agree_capabilities(runner, comm)
+        heads = agree_kv_heads(model, comm)
+        pages = None  # this rank's KV pages, opened at the first hand-off
         while True:
             kind, payload = channel.receive(alive)
             if kind == SHUTDOWN:
@@ -54,6 +58,11 @@ def serve_rank(model: CausalLM, comm: Communicator, channel: PlanChannel, device
             words = np.frombuffer(payload, dtype=np.int64)
             if kind == OPS:
                 kv.apply_mappings(decode_ops(words))
+                continue
+            if kind in (KV_READ, KV_WRITE):
+                if pages is None:
+                    pages = kv.page_store()
+                serve_kv_message(kind, words, pages, heads, comm, kv.layout.block_size)
                 continue
             if kind != STEP:
                 raise RankFailed(f"rank {comm.rank}: unknown message kind {kind}")

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from xllm.core.kv.page_store import PageStore
+from xllm.core.kv.page_store import PageAccess
 from xllm.proto.engine.v1 import engine_pb2
 
 
@@ -56,7 +56,7 @@ class Destination:
     """Decode side: where one reservation's blocks go."""
 
     transfer_id: str
-    store: PageStore
+    store: PageAccess
     pages: tuple[int, ...]  # the reserved page of every prompt block
     first_block: int        # blocks before it were in the local prefix cache: not received
 
@@ -152,7 +152,7 @@ class KVSender(ABC):
         self.options = options
 
     @abstractmethod
-    async def send(self, target: engine_pb2.KVTarget, store: PageStore, out: Outgoing) -> TransferResult:
+    async def send(self, target: engine_pb2.KVTarget, store: PageAccess, out: Outgoing) -> TransferResult:
         """Send ``out``'s blocks and then its commit to ``target``; raises :class:`TransferError`
         when the decode side cannot be reached."""
 
@@ -209,7 +209,5 @@ def write_pages_checked(dest: Destination, r: int, first_block: int, data: bytes
                             "pages this reservation receives")
     if crc32(data) != expected_crc:
         raise TransferError(f"{dest.transfer_id}: range {r} is corrupted (CRC mismatch)")
-    view, pb = memoryview(data), page_bytes[r]
-    for i in range(n):
-        dest.store.write_page(r, dest.pages[first_block + i], view[i * pb:(i + 1) * pb])
+    dest.store.write_pages(r, dest.pages[first_block:first_block + n], data)
     return len(data)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from xllm.core.kv.page_store import PageStore
+from xllm.core.kv.page_store import PageAccess
 from xllm.engine.handoff.base import (
     Destination,
     HandoffSink,
@@ -119,7 +119,8 @@ def copy_pages(src: SenderPages, src_offsets: Sequence[int], src_page_bytes: Seq
     0.8 s that way, 80 ms this way; 27 and 18 ms with nothing running.) Returns the bytes copied."""
     store = dest.store
     if store.memfd_map is None:
-        raise TransferError("this instance's KV is not in a memfd (the fd transport needs xTensor)")
+        raise TransferError("this instance's KV is not in a memfd (the fd transport needs xTensor and "
+                            "--tensor-parallel-size 1)")
     if tuple(src_page_bytes) != store.page_bytes or len(src_offsets) != len(store.memfd_offsets):
         raise TransferError("the sender's KV pages are laid out differently")
     blocks = range(first_block, first_block + len(source_pages))
@@ -250,9 +251,10 @@ class FdSender(KVSender):
         self._lock = threading.Lock()
         self._closed = False  # connections in use when the sender closed are closed after their hand-off
 
-    async def send(self, target: engine_pb2.KVTarget, store: PageStore, out: Outgoing) -> TransferResult:
+    async def send(self, target: engine_pb2.KVTarget, store: PageAccess, out: Outgoing) -> TransferResult:
         if store.memfd is None:
-            raise TransferError("the fd transport needs the xTensor KV backend (pages in a memfd)")
+            raise TransferError("the fd transport needs the xTensor KV backend (pages in a memfd) and "
+                                "--tensor-parallel-size 1")
         commit = await out.commit()  # one message once the prefill is over: the copy takes milliseconds
         return await asyncio.to_thread(self._send, target.address, store, list(out.pages), commit)
 
@@ -271,7 +273,7 @@ class FdSender(KVSender):
             raise TransferError(f"cannot reach {address}: {exc}") from exc
         return sock
 
-    def _send(self, address: str, store: PageStore, pages: list[int], commit: engine_pb2.KVCommit) -> TransferResult:
+    def _send(self, address: str, store: PageAccess, pages: list[int], commit: engine_pb2.KVCommit) -> TransferResult:
         sock = self._connect(address, store.memfd)
         message = engine_pb2.KVFdHandoff(commit=commit, source_pages=pages, memfd_offsets=store.memfd_offsets,
                                          page_bytes=store.page_bytes)

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from xllm.core.kv.page_store import PageStore
+from xllm.core.kv.page_store import PageAccess
 from xllm.engine.handoff.base import (
     Destination,
     HandoffSink,
@@ -74,7 +74,7 @@ class TransferChannels:
         self._stubs.clear()
 
 
-def page_messages(store: PageStore, transfer_id: str, pages: tuple[int, ...], first_block: int,
+def page_messages(store: PageAccess, transfer_id: str, pages: tuple[int, ...], first_block: int,
                   ranges: list[int] | None = None) -> Iterator[engine_pb2.KVTransferMessage]:
     """The :class:`KVPages` of each range (``ranges``, default all): its page of each of ``pages``, the
     blocks ``first_block ..``, in messages of at most :data:`KV_MESSAGE_BYTES` (one page at least; one
@@ -95,7 +95,7 @@ class GrpcSender(KVSender):
         super().__init__(options)
         self.channels = TransferChannels(options.get("security"))
 
-    async def send(self, target: engine_pb2.KVTarget, store: PageStore, out: Outgoing) -> TransferResult:
+    async def send(self, target: engine_pb2.KVTarget, store: PageAccess, out: Outgoing) -> TransferResult:
         sent = 0
 
         async def messages() -> AsyncIterator[engine_pb2.KVTransferMessage]:

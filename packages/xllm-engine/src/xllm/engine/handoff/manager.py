@@ -102,6 +102,9 @@ class HandoffManager:
             if receiver_cls is not None:
                 self._receiver = receiver_cls(self.options.transport_options)
                 await self._receiver.start(self)
+            if self.options.transport == "fd" and self.store.memfd is None:
+                log.warning("--kv-transfer fd needs this instance's KV pages in a memfd (--kv-cache-backend xtensor, "
+                            "--tensor-parallel-size 1): hand-offs to it fail; --kv-transfer grpc moves any KV")
             if self.options.transport == "mooncake" and not (self.tiers is not None and self.tiers.has_store):
                 log.warning("--kv-transfer mooncake without a cluster KV store tier (--kv-store): hand-offs to "
                             "this instance arrive as pages")

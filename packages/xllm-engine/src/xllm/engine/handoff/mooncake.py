@@ -30,7 +30,7 @@ import asyncio
 import logging
 
 from xllm.core.kv.lower_tiers import LowerTiers
-from xllm.core.kv.page_store import PageStore
+from xllm.core.kv.page_store import PageAccess
 from xllm.engine.handoff.base import TIERS_OPTION, KVSender, Outgoing, TransferResult, Transport
 from xllm.engine.handoff.grpc import TransferChannels, page_messages
 from xllm.proto.engine.v1 import engine_pb2
@@ -46,7 +46,7 @@ class StoreSender(KVSender):
         self.tiers: LowerTiers | None = options.get(TIERS_OPTION)
         self.channels = TransferChannels(options.get("security"))
 
-    async def send(self, target: engine_pb2.KVTarget, store: PageStore, out: Outgoing) -> TransferResult:
+    async def send(self, target: engine_pb2.KVTarget, store: PageAccess, out: Outgoing) -> TransferResult:
         commit = await out.commit()
         full = list(out.block_hashes[:len(out.pages)])
         published = 0
@@ -67,7 +67,7 @@ class StoreSender(KVSender):
         return TransferResult(ack.installed, sent if ack.installed else 0, ack.error,
                               store_blocks=published if ack.installed else 0, fallback=fallback)
 
-    async def _transfer(self, target: engine_pb2.KVTarget, store: PageStore, out: Outgoing,
+    async def _transfer(self, target: engine_pb2.KVTarget, store: PageAccess, out: Outgoing,
                         commit: engine_pb2.KVCommit, from_store: int) -> tuple[engine_pb2.KVTransferAck, int]:
         """One ``TransferKV`` call: the pages of the blocks after the first ``from_store``, then ``commit``;
         returns the answer and the bytes moved (store blocks counted at their size)."""
