@@ -112,6 +112,11 @@ def allreduce_table(args: argparse.Namespace) -> dict:
                                iters=args.allreduce_iters)
 
 
+def _warm(base_url: str, model_name: str, bank) -> bool:
+    warm_up(base_url, model_name, bank)
+    return True  # (attempt() reads None as a failure)
+
+
 def run_model(name: str, model_dir: pathlib.Path, args: argparse.Namespace, out: pathlib.Path, bank,
               results: dict, save) -> None:
     from benchmarks.peers import vllm
@@ -128,7 +133,7 @@ def run_model(name: str, model_dir: pathlib.Path, args: argparse.Namespace, out:
             if attempt(results["errors"], f"{name}/{system}", "parallel", stack.enter_context, server) is None:
                 continue
             results["servers"][f"{name}/{system}"]["startup_s"] = server.startup_seconds
-            if attempt(results["errors"], f"{name}/{system}/warm-up", "parallel", warm_up, server.base_url,
+            if attempt(results["errors"], f"{name}/{system}/warm-up", "parallel", _warm, server.base_url,
                        model_dir.name, bank) is None:
                 continue
             servers[system] = server

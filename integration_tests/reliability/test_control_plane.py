@@ -397,7 +397,7 @@ async def _sse_until_text(client: httpx.AsyncClient, body: dict, started: asynci
     events, eid = [], ""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     try:
-        async with client.stream("POST", path, json=body) as r:
+        async with client.stream("POST", path, json=body, headers={"accept": "text/event-stream"}) as r:
             async for line in r.aiter_lines():
                 if line.startswith("id: "):
                     eid = line[4:]

@@ -61,7 +61,7 @@ def test_inflight_bound_answers_503_with_retry_after(app_with, fake_engine):
     client = app_with(limits=ApiLimits(max_inflight_requests=1))
     fake_engine.chunk_delay = 0.01
     body = {"prompt": "x", "max_tokens": 10_000, "stream": True}
-    with client.stream("POST", "/v1/completions", json=body) as held:
+    with client.stream("POST", "/v1/completions", json=body, headers={"accept": "text/event-stream"}) as held:
         assert held.status_code == 200
         lines = held.iter_lines()  # kept: a dropped line iterator would close the stream
         assert next(lines).startswith("id: ") and next(lines).startswith("data: ")  # the stream is being served

@@ -30,6 +30,7 @@ MODEL = "tiny"
 KEY = b"k" * 32  # both gateways' stream key (the cluster's, derived from its token)
 PROMPT = tiny_tokenizer().encode_pieces(list("the cat sat on the mat and the dog sat on the cat"))  # token ids
 TIMEOUT = 30.0
+SSE = {"accept": "text/event-stream"}  # an SSE client: its events carry ids (Last-Event-ID)
 
 
 class Hold:
@@ -141,7 +142,7 @@ async def _break_off(node, hold: Hold, gateway: Gateway, http, url: str, body: d
     sees it) with the engine held: the events the client got, the stream id and its ``Last-Event-ID``."""
     lines = []
     hold.arm()
-    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+    async with http.stream("POST", url + "/v1/completions", json=body, headers=SSE) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
             lines.append(line)
@@ -175,7 +176,7 @@ def test_a_stream_whose_gateway_died_is_finished_through_another_gateway_exactly
         assert r.status_code == 200, r.text
         rest = _events(r.text.splitlines())
         again = await http.get(f"{url_b}/v1/streams/{stream_id}", headers={"Last-Event-ID": last_id})
-        reference = _events((await http.post(f"{url_b}/v1/completions", json=body)).text.splitlines())
+        reference = _events((await http.post(f"{url_b}/v1/completions", json=body, headers=SSE)).text.splitlines())
         return first, rest, reference, again
 
     first, rest, reference, again = _run(test, smollm2_tokenizer)

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -150,6 +150,14 @@ def sse(data: str, event_id: str | None = None) -> str:
     return f"data: {data}\n\n"
 
 
+def wants_event_ids(headers: Mapping[str, str]) -> bool:
+    """Whether a streaming request's events carry ``id:`` lines: when its ``Accept`` header names
+    ``text/event-stream`` (browsers' ``EventSource`` and other SSE clients, which keep the last id and send
+    it back as ``Last-Event-ID``). Clients that split events and parse each as ``data: <json>`` alone (vLLM's
+    benchmark client, many scripts) break on an ``id:`` line, and OpenAI's servers send none."""
+    return "text/event-stream" in headers.get("accept", "").lower()
+
+
 def event_id(rid: str, tokens: list[int]) -> str:
     """The SSE event id of a streamed response's event: the response id, then for each choice the
     output tokens (its engine request ``{rid}-{i}``'s ``token_ids``) the events so far carried, e.g.
@@ -182,11 +190,12 @@ class StreamFormat(Protocol):
 
 async def sse_stream(fmt: StreamFormat, rid: str, model: str, created: int, include_usage: bool,
                      streams: list, service_tier: str = "default",
-                     received: list[int] | None = None) -> AsyncIterator[str]:
+                     received: list[int] | None = None, event_ids: bool = True) -> AsyncIterator[str]:
     """The SSE body of a streamed response: ``fmt``'s chunks in arrival order, an error event if
     an engine fails mid-stream, the usage chunk when asked for, then ``[DONE]``. Every chunk echoes
-    the ``service_tier`` the request was served at, as OpenAI's do. Each chunk's event has an
-    ``id:`` (:func:`event_id`: the response id and the output tokens of each choice so far).
+    the ``service_tier`` the request was served at, as OpenAI's do. With ``event_ids`` each chunk's event
+    has an ``id:`` (:func:`event_id`: the response id and the output tokens of each choice so far; see
+    :func:`wants_event_ids`).
 
     ``received`` (a resumed stream; ``streams`` then replay each choice from its start): the output
     tokens of each choice the client already has. Every chunk still goes through ``fmt`` (its state:
@@ -200,7 +209,7 @@ async def sse_stream(fmt: StreamFormat, rid: str, model: str, created: int, incl
                 "service_tier": service_tier}
         if include_usage:
             body["usage"] = usage
-        return sse(_encode(body), event_id(rid, tokens))
+        return sse(_encode(body), event_id(rid, tokens) if event_ids else None)
 
     for choice in fmt.opening():
         if received is None:

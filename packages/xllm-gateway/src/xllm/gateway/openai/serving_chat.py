@@ -14,7 +14,16 @@ from xllm.gateway.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
 from xllm.gateway.openai.preprocess import Preprocessor
 from xllm.gateway.openai.protocol import ChatCompletionRequest, Scheduling
 from xllm.gateway.openai.sampling import sampling_proto
-from xllm.gateway.openai.serving import INSTANCE_HEADER, Choice, collect, engine_request, new_id, sse_stream, usage_dict
+from xllm.gateway.openai.serving import (
+    INSTANCE_HEADER,
+    Choice,
+    collect,
+    engine_request,
+    new_id,
+    sse_stream,
+    usage_dict,
+    wants_event_ids,
+)
 from xllm.gateway.openai.stream_ids import StreamSeal, StreamTicket
 from xllm.gateway.openai.structured import structured_output
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
@@ -108,7 +117,7 @@ class ChatServing:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             fmt = _ChatStream(req, self.tokenizer, len(prompt), len(streams), self.tool_parser if tools else None)
             return StreamingResponse(sse_stream(fmt, rid, model, created, include_usage, streams,
-                                                scheduling.service_tier),
+                                                scheduling.service_tier, event_ids=wants_event_ids(raw.headers)),
                                      media_type="text/event-stream", headers=headers)
         choices = await collect(streams, [len(prompt)] * len(reqs), raw)
         if req.use_beam_search:

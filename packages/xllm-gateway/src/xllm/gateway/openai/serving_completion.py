@@ -14,7 +14,15 @@ from xllm.gateway.openai.logprobs import completion_logprobs, echo_logprobs, joi
 from xllm.gateway.openai.preprocess import Preprocessor
 from xllm.gateway.openai.protocol import CompletionRequest, Scheduling
 from xllm.gateway.openai.sampling import sampling_proto
-from xllm.gateway.openai.serving import INSTANCE_HEADER, collect, engine_request, new_id, sse_stream, usage_dict
+from xllm.gateway.openai.serving import (
+    INSTANCE_HEADER,
+    collect,
+    engine_request,
+    new_id,
+    sse_stream,
+    usage_dict,
+    wants_event_ids,
+)
 from xllm.gateway.openai.stream_ids import StreamSeal, StreamTicket
 from xllm.gateway.openai.structured import structured_output
 from xllm.models.tokenizer import Tokenizer
@@ -93,7 +101,7 @@ class CompletionServing:
             fmt = _CompletionStream(req, self.tokenizer, total_prompt, echoes, prompt_lens,
                                     [ids for ids, _ in prompts for _ in range(req.n)])
             return StreamingResponse(sse_stream(fmt, rid, model, created, include_usage, streams,
-                                                scheduling.service_tier),
+                                                scheduling.service_tier, event_ids=wants_event_ids(raw.headers)),
                                      media_type="text/event-stream", headers=headers)
         generated = await collect(streams, prompt_lens, raw)
         strings = self.tokenizer.token_strings
