@@ -68,7 +68,8 @@ def qwen05_dir(smollm2: pathlib.Path) -> pathlib.Path:
     cfg = transformers.Qwen2Config(**QWEN05, torch_dtype=torch.bfloat16)
     print("[parallel] making the random Qwen2.5-0.5B-shaped model (once) ...", flush=True)
     model = save_random_hf_model(tmp, cfg, seed=0, std=0.02)
-    model.to(torch.bfloat16).save_pretrained(tmp)
+    model.to(torch.bfloat16).save_pretrained(tmp)  # one bf16 file: the float32 shards' index must go with them
+    (tmp / "model.safetensors.index.json").unlink(missing_ok=True)
     for name in TOKENIZER_FILES:
         if (smollm2 / name).is_file():
             shutil.copy(smollm2 / name, tmp / name)
@@ -251,8 +252,8 @@ def markdown(results: dict) -> str:
         lines.append("")
     for key, why in (results.get("skipped") or {}).items():
         lines.append(f"- skipped {key}: {why}")
-    for key, err in (results.get("errors") or {}).items():
-        lines.append(f"- **error** {key}: {err[:300]}")
+    for key, err in (results.get("errors") or {}).items():  # the first line (the full text is in results.json)
+        lines.append(f"- **error** {key}: {err.splitlines()[0][:300] if err else ''}")
     return "\n".join(lines) + "\n"
 
 
