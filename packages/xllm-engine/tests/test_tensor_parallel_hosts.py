@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -41,7 +40,7 @@ from xllm.engine_api.security import SecurityConfigError
 from xllm.models import resolve_model
 from xllm.testing import netns
 from xllm.testing.engine import Collected, make_request
-from xllm.testing.models import TOKENIZER_FILES, save_random_hf_model
+from xllm.testing.models import save_llama_9q3kv
 
 transformers = pytest.importorskip("transformers")
 log = logging.getLogger(__name__)
@@ -52,17 +51,7 @@ SYSTEM = list(range(1000, 1140))  # a shared prefix longer than one xTensor bloc
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tp_hosts") / "llama_9q3kv"
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=144, intermediate_size=192, num_hidden_layers=2,
-                                   num_attention_heads=9, num_key_value_heads=3, head_dim=16,
-                                   max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
-                                   eos_token_id=2, rms_norm_eps=1e-5)
-    save_random_hf_model(path, cfg, std=0.3)
-    smol = resolve_model(None, progress=False)
-    for name in TOKENIZER_FILES:
-        if (smol / name).is_file():
-            shutil.copy(smol / name, path / name)
-    return path
+    return save_llama_9q3kv(tmp_path_factory.mktemp("tp_hosts") / "llama_9q3kv", resolve_model(None, progress=False))
 
 
 @dataclass

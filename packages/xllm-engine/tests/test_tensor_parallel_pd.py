@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 
 import numpy as np
 import pytest
@@ -31,7 +30,7 @@ from xllm.engine_api.errors import ConfigError
 from xllm.models import resolve_model
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.engine import Collected, make_request
-from xllm.testing.models import TOKENIZER_FILES, save_random_hf_model
+from xllm.testing.models import save_llama_9q3kv
 from xllm.testing.processes import until
 from xllm.testing.served import DECODE, HANDED_OFF, PREFILL, ServedEngine, pd_generate, pd_request
 
@@ -47,17 +46,7 @@ REQUESTS = [  # (id, prompt, sampling): the second and third share the first's p
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tp_pd") / "llama_9q3kv"
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=144, intermediate_size=192, num_hidden_layers=2,
-                                   num_attention_heads=9, num_key_value_heads=3, head_dim=16,
-                                   max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
-                                   eos_token_id=2, rms_norm_eps=1e-5)
-    save_random_hf_model(path, cfg, std=0.3)
-    smol = resolve_model(None, progress=False)
-    for name in TOKENIZER_FILES:
-        if (smol / name).is_file():
-            shutil.copy(smol / name, path / name)
-    return path
+    return save_llama_9q3kv(tmp_path_factory.mktemp("tp_pd") / "llama_9q3kv", resolve_model(None, progress=False))
 
 
 def load(model_dir, tp: int, name: str, backend: str = "xtensor", comm: str = "auto") -> LoadedEngine:

@@ -63,6 +63,24 @@ def save_tiny_llama(path: pathlib.Path, tokenizer_dir: pathlib.Path) -> pathlib.
     return path
 
 
+
+def save_llama_9q3kv(path: pathlib.Path, tokenizer_dir: pathlib.Path) -> pathlib.Path:
+    """A 2-layer random Llama with SmolLM2's head counts (9 query, 3 KV heads of 16: over 2 ranks they split
+    unevenly, 6+3 / 2+1) and vocabulary, saved in ``path`` with ``tokenizer_dir``'s tokenizer files: the
+    tensor-parallel tests' model. Weights wide enough (std 0.3) for clear greedy margins; seed 0."""
+    import shutil
+
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=144, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=16, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    save_random_hf_model(path, cfg, std=0.3)
+    for name in TOKENIZER_FILES:
+        if (pathlib.Path(tokenizer_dir) / name).is_file():
+            shutil.copy(pathlib.Path(tokenizer_dir) / name, pathlib.Path(path) / name)
+    return pathlib.Path(path)
+
 class IdTokenizer:
     """The tokenizer of random models: no EOS, a token's text is its id."""
 
