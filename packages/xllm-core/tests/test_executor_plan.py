@@ -13,7 +13,7 @@ import torch
 
 from xllm.core.executor.channel import SETUP, SHUTDOWN, STEP, PlanChannel, RankFailed
 from xllm.core.executor.group import _CappedFused, agree_capabilities
-from xllm.core.executor.plan import choose_mode, decode_step, encode_step
+from xllm.core.executor.plan import decode_step, encode_step
 from xllm.core.kv import KVCacheLayout
 from xllm.core.kv.addressing import PageAddress, SlotAddress
 from xllm.core.kv.paged import PagedKVCache
@@ -126,7 +126,7 @@ class FakeFused:
         return torch.zeros(len(tokens.sample_rows), self.hidden)
 
 
-def test_choose_mode_is_the_path_execute_takes():
+def test_path_is_the_one_execute_takes():
     model = TinyLM()
     kv = XTensorKVCache(layout(model.kv_cache_spec(), num_blocks=32, max_num_seqs=8))
     try:
@@ -142,10 +142,10 @@ def test_choose_mode_is_the_path_execute_takes():
             runner.fused = fused
             for batch in batches:
                 before = dict(runner.mode_steps)
-                mode = choose_mode(runner, batch)
+                mode = runner.path(batch)
                 runner.execute(batch)
                 assert {k for k in runner.mode_steps if runner.mode_steps[k] != before[k]} == {mode}
-        seen = [choose_mode(runner, b) for b in batches]
+        seen = [runner.path(b) for b in batches]
         assert seen == ["native", "native_step", "native_verify", "native_step", "eager"]
     finally:
         kv.close()

@@ -227,6 +227,23 @@ class ModelRunner:
             return self.model.compute_greedy(hidden)
         return argmax_rows(self.model.compute_logits(hidden))
 
+    def path(self, batch: BatchInputs, listening: bool = False) -> str:
+        """The path :meth:`execute` takes for ``batch`` without extra rows (a key of ``mode_steps``):
+        ``native``, ``native_verify`` or ``native_step`` (the fused forward, unless a caller listens to each
+        layer, ``listening``, or ``hidden_sink`` is set), ``compiled`` (a pure decode step the graph covers),
+        else ``eager``. Tensor-parallel ranks compare it before a step: every rank must take the same one."""
+        pure_decode = batch.num_decode == len(batch.input_ids)
+        if self.fused is not None and not listening and self.hidden_sink is None:
+            if pure_decode and batch.num_decode <= self.fused.max_batch:
+                return "native"
+            if self._skinny_verify(batch):
+                return "native_verify"
+            if len(batch.input_ids) <= self.fused.max_step_tokens:
+                return "native_step"
+        if pure_decode and self.graph is not None and self.hidden_sink is None and self.graph.covers(batch.num_decode):
+            return "compiled"
+        return "eager"
+
     @torch.inference_mode()
     def execute(self, batch: BatchInputs, on_layer: Callable[[int], None] | None = None,
                 extra: ExtraRows | None = None, greedy: bool = False) -> torch.Tensor:
@@ -246,33 +263,25 @@ class ModelRunner:
             hidden = self.model.forward(extra.input_ids, extra.positions, extra.ctx)
             return torch.cat([own, self.model.compute_logits(hidden)]) if len(own) else \
                 self.model.compute_logits(hidden)
-        pure_decode = batch.num_decode == len(batch.input_ids)
-        if self.fused is not None and on_layer is None and self.hidden_sink is None:
-            if pure_decode and batch.num_decode <= self.fused.max_batch:
-                slots = self.kv.addressing.decode_slots(batch)
-                hidden = self.fused(batch.input_ids, batch.positions, slots, self.kv)
-                self.mode_steps["native"] += 1
-                return self._head(hidden, greedy)
-            if self._skinny_verify(batch):
-                # decode rows and verify chunks only, few rows: the decode kernel streams the weights
-                # once for all of them; a verify chunk's rows share its slot at consecutive positions,
-                # which the kernel attends causally. Every row is a logit row, in logit_rows order.
-                hidden = self.fused(batch.input_ids, batch.positions, batch.address.token_slots, self.kv)
-                self.mode_steps["native_verify"] += 1
-                return self._head(hidden, greedy)
-            if len(batch.input_ids) <= self.fused.max_step_tokens:
-                self.mode_steps["native_step"] += 1
-                if not batch.needs_logits:
-                    self.fused.step(self.step_tokens(batch), self.kv)
-                    return _no_rows(greedy)
-                return self._head(self.fused.step(self.step_tokens(batch), self.kv), greedy)
-        if pure_decode:
-            slots = self.kv.addressing.decode_slots(batch)
-            if self.graph is not None and self.hidden_sink is None and self.graph.covers(batch.num_decode):
-                self.mode_steps["compiled"] += 1
-                logits = self.graph(batch.input_ids, batch.positions, slots)
-                return argmax_rows(logits) if greedy else logits
-        self.mode_steps["eager"] += 1
+        mode = self.path(batch, listening=on_layer is not None)
+        self.mode_steps[mode] += 1
+        if mode == "native":
+            hidden = self.fused(batch.input_ids, batch.positions, self.kv.addressing.decode_slots(batch), self.kv)
+            return self._head(hidden, greedy)
+        if mode == "native_verify":
+            # decode rows and verify chunks only, few rows: the decode kernel streams the weights
+            # once for all of them; a verify chunk's rows share its slot at consecutive positions,
+            # which the kernel attends causally. Every row is a logit row, in logit_rows order.
+            hidden = self.fused(batch.input_ids, batch.positions, batch.address.token_slots, self.kv)
+            return self._head(hidden, greedy)
+        if mode == "native_step":
+            if not batch.needs_logits:
+                self.fused.step(self.step_tokens(batch), self.kv)
+                return _no_rows(greedy)
+            return self._head(self.fused.step(self.step_tokens(batch), self.kv), greedy)
+        if mode == "compiled":
+            logits = self.graph(batch.input_ids, batch.positions, self.kv.addressing.decode_slots(batch))
+            return argmax_rows(logits) if greedy else logits
         ctx = self.kv.addressing.context(batch)
         if on_layer is not None:
             ctx = _ReportingContext(ctx, on_layer)

@@ -153,7 +153,7 @@ class _CappedFused:
 def agree_capabilities(runner: ModelRunner, comm: Communicator) -> None:
     """Every rank calls this once, before any step: the ranks' runners take the fused paths only if every
     rank has one, within every rank's row limits, so that every rank chooses the same path for a step
-    (:func:`xllm.core.executor.plan.choose_mode`). ``ValueError`` (on every rank alike) when the ranks' KV
+    (:meth:`~xllm.core.model_runner.ModelRunner.path`). ``ValueError`` (on every rank alike) when the ranks' KV
     layouts differ in blocks or block size."""
     fused, layout = runner.fused, runner.kv.layout
     mine = torch.tensor([fused is not None, fused.max_batch if fused else 0, fused.max_step_tokens if fused else 0,

@@ -8,9 +8,9 @@ spans, prompt spans, chunks), the mode rank 0 chose, ``greedy``, and the KV mapp
 backend made since the previous step (:meth:`~xllm.core.kv.xtensor.XTensorKVCache.drain_mappings`).
 Decoded, sequence-valued fields are placeholder lists of the right length (a worker never samples).
 
-:func:`choose_mode` is :meth:`ModelRunner.execute`'s choice of path, as a function: rank 0 sends its
-choice and a worker checks that its own is the same before any collective runs (different paths call
-different collectives: the ranks would deadlock).
+Rank 0 sends the path its runner takes (:meth:`ModelRunner.path`) and a worker checks that its own is
+the same before any collective runs (different paths call different collectives: the ranks would
+deadlock).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from xllm.core.kv.addressing import PageAddress, SlotAddress
-from xllm.core.model_runner import BatchInputs, ModelRunner
+from xllm.core.model_runner import BatchInputs
 
 MODES = ("native", "native_verify", "native_step", "compiled", "eager")
 _MAGIC = 0x584C4C4D_504C414E  # "XLLMPLAN"
@@ -42,24 +42,6 @@ class StepMessage:
     mode: str
     greedy: bool
     kv_ops: np.ndarray  # int64 [n, 4]
-
-
-def choose_mode(runner: ModelRunner, batch: BatchInputs) -> str:
-    """The path :meth:`ModelRunner.execute` takes for ``batch`` (no ``on_layer``, no extra rows: tensor
-    parallelism runs neither). Mirrors its checks in order; ``test_executor_plan`` holds it to them."""
-    pure_decode = batch.num_decode == len(batch.input_ids)
-    fused = runner.fused
-    if fused is not None and runner.hidden_sink is None:
-        if pure_decode and batch.num_decode <= fused.max_batch:
-            return "native"
-        if runner._skinny_verify(batch):
-            return "native_verify"
-        if len(batch.input_ids) <= fused.max_step_tokens:
-            return "native_step"
-    if (pure_decode and runner.graph is not None and runner.hidden_sink is None
-            and runner.graph.covers(batch.num_decode)):
-        return "compiled"
-    return "eager"
 
 
 def _ints(t) -> np.ndarray:

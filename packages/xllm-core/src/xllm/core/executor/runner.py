@@ -27,7 +27,7 @@ import torch
 from xllm.core.executor.channel import OPS, SETUP, STEP, RankFailed
 from xllm.core.executor.group import RankGroup, RankSetup, agree_capabilities
 from xllm.core.executor.kv_pages import KVHeads, ShardedPageStore, agree_kv_heads
-from xllm.core.executor.plan import HEADER_WORDS, OP_WORDS, choose_mode, encode_ops, encode_step
+from xllm.core.executor.plan import HEADER_WORDS, OP_WORDS, encode_ops, encode_step
 from xllm.core.kv.contracts import KVTensors
 from xllm.core.kv.layout import KVCacheLayout
 from xllm.core.model_api import CausalLM
@@ -89,7 +89,7 @@ class TensorParallelRunner(ModelRunner):
         the path it takes."""
         g = self.group
         g.check()
-        mode = choose_mode(self, batch)
+        mode = self.path(batch)
         ops = self._kv_ops()
         msg = encode_step(batch, mode, greedy, ops)
         if msg.nbytes > g.channel.spec.slot_bytes and len(ops):

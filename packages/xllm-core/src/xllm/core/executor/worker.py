@@ -22,7 +22,7 @@ import torch
 from xllm.core.executor.channel import OPS, SETUP, SHUTDOWN, STEP, RankFailed, StepChannel
 from xllm.core.executor.group import RankSetup, agree_capabilities, mirror_kv
 from xllm.core.executor.kv_pages import KV_READ, KV_WRITE, agree_kv_heads, serve_kv_message
-from xllm.core.executor.plan import choose_mode, decode_ops, decode_step
+from xllm.core.executor.plan import decode_ops, decode_step
 from xllm.core.model_api import CausalLM
 from xllm.core.model_runner import ModelRunner
 from xllm.core.parallel.comm import Communicator
@@ -69,7 +69,7 @@ def serve_rank(model: CausalLM, comm: Communicator, channel: StepChannel, device
             msg = decode_step(words, device)
             if len(msg.kv_ops):
                 kv.apply_mappings(msg.kv_ops)
-            mode = choose_mode(runner, msg.batch)
+            mode = runner.path(msg.batch)
             if mode != msg.mode:  # a different path calls different collectives: fail now, not deadlock
                 raise RankFailed(f"rank {comm.rank} would run step {steps} {mode}, rank 0 runs it {msg.mode}")
             runner.execute(msg.batch, greedy=msg.greedy)
