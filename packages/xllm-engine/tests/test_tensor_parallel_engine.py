@@ -12,11 +12,9 @@ crash error), never hangs it. Flags TP does not support yet are refused at start
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -26,10 +24,10 @@ from xllm.core.config import EngineConfig
 from xllm.engine.config import engine_config
 from xllm.engine.loader import LoadedEngine, load_engine
 from xllm.engine_api import flags
-from xllm.engine_api.errors import ConfigError, EngineCrashedError, InvalidRequestError
+from xllm.engine_api.errors import ConfigError, InvalidRequestError
 from xllm.models import resolve_model
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.engine import Collected, make_request
+from xllm.testing.engine import Collected, make_request, stream_until_killed
 from xllm.testing.models import save_llama_9q3kv
 
 transformers = pytest.importorskip("transformers")
@@ -141,22 +139,8 @@ def test_a_killed_worker_fails_the_instance_within_seconds(model_dir):
     worker = two.engine.runner.group.processes[0]
     aeng = AsyncEngine(two.engine, compute=two.compute)
     aeng.start()
-
-    async def stream() -> tuple[int, BaseException | None, float]:
-        s = aeng.submit(make_request("long", SYSTEM[:20], max_tokens=400, ignore_eos=True))
-        n, killed_at = 0, 0.0
-        try:
-            async for chunk in s:
-                n += len(chunk.token_ids)
-                if n >= 3 and not killed_at:
-                    os.kill(worker.pid, signal.SIGKILL)
-                    killed_at = time.monotonic()
-        except EngineCrashedError as exc:
-            return n, exc, time.monotonic() - killed_at
-        return n, None, time.monotonic() - killed_at
-
     try:
-        n, err, after = asyncio.run(asyncio.wait_for(stream(), 60))
+        n, err, after = stream_until_killed(aeng, SYSTEM[:20], lambda: os.kill(worker.pid, signal.SIGKILL))
         assert err is not None and n < 400, "the stream did not fail"
         assert after < 10
         assert aeng.crashed and "RankFailed" in (aeng.dead_reason or "")

@@ -13,7 +13,6 @@ Flag combinations that cannot work are refused naming the flag.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import signal
@@ -35,11 +34,11 @@ from xllm.engine.config import engine_config
 from xllm.engine.loader import LoadedEngine, load_engine
 from xllm.engine_api import flags
 from xllm.engine_api.credential import ClusterKeys
-from xllm.engine_api.errors import ConfigError, EngineCrashedError
+from xllm.engine_api.errors import ConfigError
 from xllm.engine_api.security import SecurityConfigError
 from xllm.models import resolve_model
 from xllm.testing import netns
-from xllm.testing.engine import Collected, make_request
+from xllm.testing.engine import Collected, make_request, stream_until_killed
 from xllm.testing.models import save_llama_9q3kv
 
 transformers = pytest.importorskip("transformers")
@@ -306,22 +305,9 @@ def test_a_killed_node_fails_the_instance_within_seconds(pair):
     loaded, node1 = pair
     aeng = AsyncEngine(loaded.engine, compute=loaded.compute)
     aeng.start()
-
-    async def stream() -> tuple[int, BaseException | None, float]:
-        s = aeng.submit(make_request("long", SYSTEM[:20], max_tokens=400, ignore_eos=True))
-        n, killed_at = 0, 0.0
-        try:
-            async for chunk in s:
-                n += len(chunk.token_ids)
-                if n >= 3 and not killed_at:
-                    os.killpg(node1.pid, signal.SIGKILL)  # the node and its rank
-                    killed_at = time.monotonic()
-        except EngineCrashedError as exc:
-            return n, exc, time.monotonic() - killed_at
-        return n, None, time.monotonic() - killed_at
-
     try:
-        n, err, after = asyncio.run(asyncio.wait_for(stream(), 60))
+        kill = lambda: os.killpg(node1.pid, signal.SIGKILL)  # noqa: E731  (the node and its rank)
+        n, err, after = stream_until_killed(aeng, SYSTEM[:20], kill)
         assert err is not None and n < 400, "the stream did not fail"
         assert after < 10
         assert aeng.crashed and "RankFailed" in (aeng.dead_reason or "")

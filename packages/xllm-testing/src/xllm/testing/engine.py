@@ -160,3 +160,29 @@ def generate(engine: LLMEngine, requests) -> Collected:
     got = run_to_completion(engine)
     got.add(ready)
     return got
+
+
+def stream_until_killed(aeng, prompt: list[int], kill, after_tokens: int = 3, max_tokens: int = 400,
+                        timeout: float = 60.0) -> tuple[int, BaseException | None, float]:
+    """Stream one long greedy request through the started ``AsyncEngine`` ``aeng`` and call ``kill()`` once
+    ``after_tokens`` tokens arrived: (tokens received, the ``EngineCrashedError`` that ended the stream or
+    None if it finished, seconds from the kill to the stream's end)."""
+    import asyncio
+
+    from xllm.engine_api.errors import EngineCrashedError
+
+    async def stream() -> tuple[int, BaseException | None, float]:
+        s = aeng.submit(make_request("long", prompt, max_tokens=max_tokens, ignore_eos=True))
+        n, killed_at = 0, 0.0
+        try:
+            async for chunk in s:
+                n += len(chunk.token_ids)
+                if n >= after_tokens and not killed_at:
+                    kill()
+                    killed_at = time.monotonic()
+        except EngineCrashedError as exc:
+            return n, exc, time.monotonic() - killed_at
+        return n, None, time.monotonic() - killed_at
+
+    return asyncio.run(asyncio.wait_for(stream(), timeout))
+
