@@ -33,6 +33,7 @@ from multiprocessing.context import BaseContext
 
 import torch
 
+from xllm.common.net import free_port
 from xllm.core.config import EngineConfig
 from xllm.core.engine_build import default_rank_threads
 from xllm.core.executor import ChannelSpec, PlanChannel, RankGroup, parent_alive, serve_rank
@@ -189,17 +190,11 @@ def plan_slot_bytes(cfg: EngineConfig) -> int:
     return max(PLAN_SLOT_MIN_BYTES, 8 * (64 + 6 * rows + 8 * cfg.max_num_seqs + tables))
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def gloo_spec(cfg: EngineConfig, timeout_s: float) -> CommSpec:
     """The gloo group at ``--master-addr:--master-port`` (a free port when none is given: one host), after
     :func:`~xllm.core.parallel.trust.check_group_address` (beyond loopback only with the cluster token)."""
     check_group_address(cfg.master_addr, cfg.cluster_keys)
-    port = cfg.master_port or _free_port(cfg.master_addr)
+    port = cfg.master_port or free_port(cfg.master_addr)
     return CommSpec("gloo", timeout_s, address=GroupAddress(cfg.master_addr, port, timeout_s))
 
 

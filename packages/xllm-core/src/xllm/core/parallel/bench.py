@@ -4,23 +4,17 @@ Used by ``python -m benchmarks parallel``; not a test (timings on a shared machi
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Sequence
 
 import torch
 
+from xllm.common.net import free_port
 from xllm.core.parallel.comm import Communicator, GlooComm, GroupAddress
 from xllm.core.parallel.shm import ShmComm
 
 DEFAULT_SIZES: tuple[tuple[int, int], ...] = ((1, 576), (16, 576), (64, 576), (512, 576))
 _WARMUP = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _time_sizes(comm: Communicator, sizes: Sequence[tuple[int, int]], iters: int) -> list[tuple[float, float]]:
@@ -66,7 +60,7 @@ def allreduce_latencies(sizes: Sequence[tuple[int, int]] = DEFAULT_SIZES, iters:
     import torch.multiprocessing as mp
 
     sizes = [(int(r), int(c)) for r, c in sizes]
-    port = _free_port()
+    port = free_port()
     shm, name = ShmComm.create(2, timeout_s=120) if ShmComm.available() else (None, None)
     peer = mp.get_context("spawn").Process(target=_peer, args=(name, port, sizes, iters), daemon=True)
     peer.start()
