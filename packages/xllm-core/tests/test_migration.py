@@ -17,36 +17,12 @@ import functools
 import pytest
 
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.engine import Collected, generate, make_engine, make_request
+from xllm.testing.engine import Collected, MigrationListener, generate, make_engine, make_request
 from xllm.testing.tiny import tiny_tokenizer
 
 DECODE = engine_pb2.DISAGG_PHASE_DECODE
 HANDED_OFF = engine_pb2.FINISH_REASON_HANDED_OFF
 FINAL = engine_pb2.MIGRATION_STAGE_FINAL
-
-
-class Listener:
-    """A DisaggListener that records what the engine reports."""
-
-    def __init__(self) -> None:
-        self.reserved: dict = {}
-        self.ready: dict = {}
-        self.abandoned: list[str] = []
-
-    def on_reserved(self, reservation) -> None:
-        self.reserved[reservation.request_id] = reservation
-
-    def on_prompt_finishing(self, prompts):
-        return None
-
-    def on_handoff(self, handoff) -> None:
-        raise AssertionError("no prefill hand-off in a migration")
-
-    def on_move_ready(self, ready) -> None:
-        self.ready[ready.request_id] = ready
-
-    def on_abandoned(self, request_id: str) -> None:
-        self.abandoned.append(request_id)
 
 
 def copy(src, dst, src_pages, dst_pages, blocks: range) -> None:
@@ -105,8 +81,8 @@ def run_moved(model, params: dict, prompt: list[int], *, moved_after: int, decod
     engine = functools.partial(make_engine, model, kv_backend=backend, async_scheduling=overlapped,
                                kv_cache_memory_gib=0.01)  # a few hundred blocks: the paged backend allocates them
     src, dst = engine(), engine()
-    src.attach_disagg(Listener())
-    dst.attach_disagg(Listener())
+    src.attach_disagg(MigrationListener())
+    dst.attach_disagg(MigrationListener())
     req = make_request("r", prompt, **params)
     if warm_destination:  # the destination has served the same prompt: its prefix cache holds part of it
         generate(dst, [make_request("warm", prompt, max_tokens=1)])
@@ -191,7 +167,7 @@ def test_the_paged_backend_migrates_too(tiny_model):
 
 def test_only_a_running_request_can_be_paused(tiny_model):
     src = make_engine(tiny_model)
-    src.attach_disagg(Listener())
+    src.attach_disagg(MigrationListener())
     assert not src.pause_for_move("unknown") and src.move_snapshot("unknown") is None
     src.add_request(make_request("r", [3, 4, 5], max_tokens=2, ignore_eos=True))
     assert src.move_snapshot("r") is None  # queued: nothing computed

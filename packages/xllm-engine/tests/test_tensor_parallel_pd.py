@@ -29,7 +29,7 @@ from xllm.engine_api import flags
 from xllm.engine_api.errors import ConfigError
 from xllm.models import resolve_model
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.engine import Collected, make_request
+from xllm.testing.engine import Collected, MigrationListener, make_request
 from xllm.testing.models import save_llama_9q3kv
 from xllm.testing.processes import until
 from xllm.testing.served import DECODE, HANDED_OFF, PREFILL, ServedEngine, pd_generate, pd_request
@@ -200,29 +200,6 @@ def test_the_fd_transport_refuses_a_tensor_parallel_sender(model_dir, caplog):
     assert "--tensor-parallel-size 1" in caplog.text
 
 
-class _Listener:
-    """The engine's hand-off reports a migration needs (the engine service's side, without a transport)."""
-
-    def __init__(self) -> None:
-        self.reserved: dict = {}
-        self.ready: dict = {}
-
-    def on_reserved(self, reservation) -> None:
-        self.reserved[reservation.request_id] = reservation
-
-    def on_prompt_finishing(self, prompts):
-        return None
-
-    def on_handoff(self, handoff) -> None:
-        raise AssertionError("no prefill hand-off in a migration")
-
-    def on_move_ready(self, ready) -> None:
-        self.ready[ready.request_id] = ready
-
-    def on_abandoned(self, request_id: str) -> None:
-        pass
-
-
 def _copy(src, dst, src_pages, dst_pages, blocks: range) -> None:
     s, d = src.transfer_store(), dst.transfer_store()
     for j in blocks:
@@ -238,8 +215,8 @@ def test_a_request_migrated_between_tensor_parallel_sizes_equals_one_engine(mode
     try:
         dst_l = load(model_dir, dst_tp, "dst")
         src, dst = src_l.engine, dst_l.engine
-        src.attach_disagg(_Listener())
-        dst.attach_disagg(_Listener())
+        src.attach_disagg(MigrationListener())
+        dst.attach_disagg(MigrationListener())
         req = make_request(rid, prompt, **sampling)
         client = Collected()
         client.add(src.add_request(req))

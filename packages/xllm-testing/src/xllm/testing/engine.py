@@ -186,3 +186,28 @@ def stream_until_killed(aeng, prompt: list[int], kill, after_tokens: int = 3, ma
 
     return asyncio.run(asyncio.wait_for(stream(), timeout))
 
+
+class MigrationListener:
+    """A ``DisaggListener`` for migration tests: records reservations, ready moves and abandoned requests
+    (the engine service's side, without a transport); a prefill hand-off fails the test."""
+
+    def __init__(self) -> None:
+        self.reserved: dict = {}
+        self.ready: dict = {}
+        self.abandoned: list[str] = []
+
+    def on_reserved(self, reservation) -> None:
+        self.reserved[reservation.request_id] = reservation
+
+    def on_prompt_finishing(self, prompts):
+        return None
+
+    def on_handoff(self, handoff) -> None:
+        raise AssertionError("no prefill hand-off in a migration")
+
+    def on_move_ready(self, ready) -> None:
+        self.ready[ready.request_id] = ready
+
+    def on_abandoned(self, request_id: str) -> None:
+        self.abandoned.append(request_id)
+
