@@ -236,45 +236,47 @@ class GrpcEngineClient:
             raise error_from_status(code, await call.details(), await call.trailing_metadata(), self.info.instance_id)
         return RemoteStream(call, self, request_id)
 
+    async def _unary(self, method: str, req):
+        """One unary call after the proof. Raises ``InstanceUnavailableError`` when the instance is
+        unreachable, fails its proof, or the channel was closed under the call (the instance left the
+        registry while the call was in flight: grpc then cancels the call locally, which must not read
+        as the caller's own cancellation)."""
+        try:
+            stub = await self._ready()
+            return await getattr(stub, method)(req, timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._unavailable(exc) from None
+        except ClusterAuthError as exc:
+            raise InstanceUnavailableError(str(exc), self.info.instance_id) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller is being cancelled
+            raise InstanceUnavailableError(f"instance {self.info.instance_id}: its connection was closed",
+                                           self.info.instance_id) from None
+
     async def abort(self, request_id: str) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError, InstanceUnavailableError,
-                                 ClusterAuthError):
-            await (await self._ready()).Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=self.rpc_timeout)
+        with contextlib.suppress(asyncio.TimeoutError, InstanceUnavailableError):
+            await self._unary("Abort", engine_pb2.AbortRequest(request_id=request_id))
 
     async def migrate(self, request_id: str, target: engine_pb2.KVTarget,
                       num_tokens: int) -> engine_pb2.MigrateResponse:
         req = engine_pb2.MigrateRequest(request_id=request_id, kv_target=target, num_tokens=num_tokens)
-        try:
-            return await (await self._ready()).Migrate(req, timeout=self.rpc_timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise self._unavailable(exc) from None
-        except ClusterAuthError as exc:
-            raise InstanceUnavailableError(str(exc), self.info.instance_id) from None
+        return await self._unary("Migrate", req)
 
     async def health(self) -> engine_pb2.HealthResponse:
+        """The instance's health; an unreachable, closed or unproven instance reads as unhealthy."""
         try:
-            return await (await self._ready()).Health(engine_pb2.HealthRequest(), timeout=self.rpc_timeout)
-        except grpc.aio.AioRpcError as exc:
-            return engine_pb2.HealthResponse(healthy=False, status=f"unreachable: {exc.code().name}")
-        except (InstanceUnavailableError, ClusterAuthError) as exc:
-            return engine_pb2.HealthResponse(healthy=False, status=str(exc))
+            return await self._unary("Health", engine_pb2.HealthRequest())
+        except InstanceUnavailableError as exc:
+            return engine_pb2.HealthResponse(healthy=False, status=f"unreachable: {exc}")
 
     async def load(self) -> instance_pb2.LoadReport:
-        try:
-            return await (await self._ready()).GetLoad(engine_pb2.GetLoadRequest(), timeout=self.rpc_timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise self._unavailable(exc) from None
-        except ClusterAuthError as exc:
-            raise InstanceUnavailableError(str(exc), self.info.instance_id) from None
+        return await self._unary("GetLoad", engine_pb2.GetLoadRequest())
 
     async def kv_events(self, since_version: int, epoch: int, snapshot: bool = False) -> kv_events_pb2.KVCacheEvents:
         req = engine_pb2.GetKVEventsRequest(since_version=since_version, epoch=epoch, snapshot=snapshot)
-        try:
-            return await (await self._ready()).GetKVEvents(req, timeout=self.rpc_timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise self._unavailable(exc) from None
-        except ClusterAuthError as exc:
-            raise InstanceUnavailableError(str(exc), self.info.instance_id) from None
+        return await self._unary("GetKVEvents", req)
 
     async def close(self) -> None:
         if self._channel is not None:
