@@ -7,6 +7,7 @@ import pytest
 from xllm.engine_api.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.testing.fakes import FAKE_MAX_LEN, FAKE_MODEL
+from xllm.testing.metrics import metric_value, parse_metrics
 from xllm.testing.sse import sse_events
 
 MSG = [{"role": "user", "content": "Hi"}]
@@ -67,6 +68,25 @@ def test_metrics_gauges_come_from_the_live_load_report(fake_client, fake_engine)
     fake_engine.load_report = instance_pb2.LoadReport(instance_id="fake-0")
     assert f'xllm:num_requests_running{{instance="fake-0",model_name="{FAKE_MODEL}"}} 0.0' in \
         fake_client.get("/metrics").text
+
+
+def test_the_gateway_counts_what_clients_saw_per_instance(fake_client, fake_engine):
+    """Finished requests by reason, end-to-end latency and TPOT samples (``xllm:router_*``), measured by the
+    gateway in every mode (a cluster's engines report no latency histograms), one per request streamed."""
+    reasons = []
+    for i, max_tokens in enumerate((3, 6, 6)):
+        r = fake_client.post("/v1/completions", json={"model": FAKE_MODEL, "prompt": f"p{i}",
+                                                      "max_tokens": max_tokens})
+        assert r.status_code == 200, r.text
+        reasons.append(r.json()["choices"][0]["finish_reason"])
+    m = parse_metrics(fake_client.get("/metrics").text)
+    labels = {"model_name": FAKE_MODEL, "instance": "fake-0"}
+    assert reasons == ["length"] * 3
+    assert metric_value(m, "xllm:router_finished_requests_total", finished_reason="length", **labels) == 3
+    assert metric_value(m, "xllm:router_request_latency_seconds_count", **labels) == 3
+    # one token a chunk: TPOT samples from each request's third chunk on (1 + 4 + 4)
+    assert metric_value(m, "xllm:router_time_per_output_token_seconds_count", **labels) == 9
+    assert metric_value(m, "xllm:router_time_to_first_token_seconds_count", **labels) == 3
 
 
 # ---- chat ------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from xllm.gateway.registry import NoInstanceError, Registry
 from xllm.gateway.roles import hands_over
 from xllm.gateway.router import Router, Ticket
 from xllm.proto.engine.v1 import engine_pb2
+from xllm.proto.enums import finish_reason_name
 
 log = logging.getLogger(__name__)
 
@@ -338,6 +339,7 @@ class RoutedStream:
         self._stream = stream
         self.request_id = req.request_id
         self.progress = RequestProgress(req)
+        self._arrived = time.monotonic()
 
     @property
     def instance_id(self) -> str:
@@ -401,6 +403,9 @@ class RoutedStream:
         pause = self.progress.sent(chunk, now)
         if pause is not None:
             self._mover.paused(self._model, *pause)
+        if chunk.finish_reason not in (engine_pb2.FINISH_REASON_UNSPECIFIED, HANDED_OFF):
+            self._router.completed(at.ticket.state, finish_reason_name(chunk.finish_reason) or "stop",
+                                   now - self._arrived)
         return chunk
 
     def _migration_ended(self, at: _Placement, chunk: engine_pb2.GenerateResponse) -> bool:

@@ -316,8 +316,10 @@ class _InstanceObserver:
 
 class RouterMetrics:
     """What the gateway's router did, per instance: requests routed (by reason), prompt tokens and
-    how many of them the global KV index expected to be cached there, time to first token seen by
-    the gateway, failures and resumed requests."""
+    how many of them the global KV index expected to be cached there, failures and resumed requests;
+    and what the clients saw, measured by the gateway in every mode (embedded or cluster, PD or not):
+    time to first token, time per output token, end-to-end latency and finished requests by reason,
+    labelled with the instance that streamed them."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r, labels = registry, ["model_name", "instance"]
@@ -331,6 +333,16 @@ class RouterMetrics:
         self.ttft_seconds = Histogram("xllm:router_time_to_first_token_seconds",
                               "Time from routing to the first chunk, seen by the gateway.", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot_seconds = Histogram("xllm:router_time_per_output_token_seconds",
+                                      "Gap between a request's chunks per token, from its third chunk with tokens on, "
+                                      "seen by the gateway.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e_seconds = Histogram("xllm:router_request_latency_seconds",
+                                     "Time from a request's arrival at the gateway to its last chunk (across "
+                                     "failovers and moves), by the instance that finished it.", labels,
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished_count = Counter("xllm:router_finished_requests", "Requests streamed to their end, by the "
+                                      "instance that finished them and finish reason.", [*labels, "finished_reason"],
+                                      registry=r)
         self.failure_count = Counter("xllm:router_instance_failures",
                                 "Requests an instance could not take or broke off (unreachable, draining).", labels,
                                 registry=r)
@@ -349,6 +361,13 @@ class RouterMetrics:
 
     def first_token(self, model: str, instance: str, seconds: float) -> None:
         self.ttft_seconds.labels(model, instance).observe(seconds)
+
+    def time_per_output_token(self, model: str, instance: str, seconds: float) -> None:
+        self.tpot_seconds.labels(model, instance).observe(seconds)
+
+    def finished(self, model: str, instance: str, reason: str, seconds: float) -> None:
+        self.finished_count.labels(model, instance, reason).inc()
+        self.e2e_seconds.labels(model, instance).observe(seconds)
 
     def failure(self, model: str, instance: str) -> None:
         self.failure_count.labels(model, instance).inc()

@@ -316,3 +316,10 @@ class Router:
     def observe_tpot(self, state: InstanceState, seconds: float) -> None:
         """A time per output token of a chunk ``state`` streamed."""
         self.latency.tpot(state.instance_id, seconds)
+        if self.metrics is not None:
+            self.metrics.time_per_output_token(state.model, state.instance_id, seconds)
+
+    def completed(self, state: InstanceState, reason: str, seconds: float) -> None:
+        """A request ended with ``reason`` on ``state``, ``seconds`` after it reached the gateway."""
+        if self.metrics is not None:
+            self.metrics.finished(state.model, state.instance_id, reason, seconds)
