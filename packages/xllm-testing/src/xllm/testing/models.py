@@ -170,3 +170,47 @@ def run_engine(model, tokenizer, prompts: list[list[int]], max_tokens: int, dtyp
     run.mode_steps = dict(engine.runner.mode_steps)
     run.greedy_head_steps = engine.runner.greedy_head_steps
     return run
+
+
+def tiny_tp_arch_configs() -> dict[str, object]:
+    """name -> transformers config of the tensor-parallel engine tests' tiny models beyond Llama (SmolLM2's
+    vocabulary, 2 layers, 512 positions): over 2 ranks Qwen2's one KV head is replicated (2 query heads each),
+    Qwen3's 6 query / 3 KV heads split 4+2 / 2+1, DeepSeek-V2's 3 MLA heads split 2+1 (greedy top-2 of 6
+    experts, 2 shared), DeepSeek-V3 has q LoRA, sigmoid routing with correction bias and 4 groups (top 2)."""
+    import transformers as t
+
+    common = dict(vocab_size=49152, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2)
+    return {
+        "qwen2": t.Qwen2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1,
+                               tie_word_embeddings=True, **common),
+        "qwen3": t.Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=6, num_key_value_heads=3,
+                               head_dim=16, tie_word_embeddings=False, **common),
+        "qwen3_moe": t.Qwen3MoeConfig(hidden_size=64, intermediate_size=80, moe_intermediate_size=48,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
+                                      num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+                                      tie_word_embeddings=False, **common),
+        "deepseek_v2": t.DeepseekV2Config(hidden_size=72, intermediate_size=96, moe_intermediate_size=32,
+                                          num_attention_heads=3, n_routed_experts=6, num_experts_per_tok=2,
+                                          n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=None,
+                                          kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+                                          topk_method="greedy", tie_word_embeddings=True, **common),
+        "deepseek_v3": t.DeepseekV3Config(hidden_size=72, intermediate_size=88, moe_intermediate_size=36,
+                                          num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                                          num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1,
+                                          n_group=4, topk_group=2, q_lora_rank=40, kv_lora_rank=20,
+                                          qk_nope_head_dim=20, qk_rope_head_dim=12, v_head_dim=28,
+                                          routed_scaling_factor=2.5, **common),
+    }
+
+
+def save_tp_arch_model(path: pathlib.Path, name: str, tokenizer_dir: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """The random model ``name`` of :func:`tiny_tp_arch_configs` (std 0.3: clear greedy margins) saved in
+    ``path`` with ``tokenizer_dir``'s tokenizer files (SmolLM2's)."""
+    import shutil
+
+    save_random_hf_model(path, tiny_tp_arch_configs()[name], seed=seed, std=0.3)
+    for file in TOKENIZER_FILES:
+        if (pathlib.Path(tokenizer_dir) / file).is_file():
+            shutil.copy(pathlib.Path(tokenizer_dir) / file, pathlib.Path(path) / file)
+    return pathlib.Path(path)
