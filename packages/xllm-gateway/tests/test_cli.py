@@ -30,7 +30,8 @@ ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--kv-host-memory", "--kv-host-dir"
                        "--kv-store", "--kv-store-segment", "--mooncake-metadata"]
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--quantization", "--kv-cache-dtype"]  # weights and KV quantization
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--item-catalog"]  # generative recommendation (issue 19)
-ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--tensor-parallel-size", "--tp-comm"]  # tensor parallelism (issue 45)
+ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--tensor-parallel-size", "--tp-comm",
+                       "--tp-overlap"]  # tensor parallelism (issue 45)
 # the request limits of gateway and engines, defined once (xllm.engine_api.flags.add_request_bound_flags)
 REQUEST_BOUND_FLAGS = ["--max-prompt-chars", "--max-stop", "--max-stop-chars", "--max-stop-token-ids",
                        "--max-logit-bias"]
@@ -60,6 +61,7 @@ API_FLAGS = [*API_FLAGS, "--http-header-timeout-s", "--http-body-timeout-s", "--
 SERVE_FLAGS = [*SERVE_FLAGS, *API_FLAGS]  # the OpenAI API's keys and limits (xllm.gateway.api_flags)
 SERVE_FLAGS = [*SERVE_FLAGS, "--stream-stall-timeout"]  # streams of stopped engines (xllm.gateway.progress)
 ENGINE_FLAGS = [*ENGINE_FLAGS, "--step-timeout"]  # the step watchdog (xllm.engine.server)
+ENGINE_FLAGS = [*ENGINE_FLAGS, "--metrics-port", "--metrics-host"]  # the engine's own /metrics (engine_api.metrics)
 ENGINE_FLAGS = [*ENGINE_FLAGS, "--nnodes", "--node-rank", "--master-addr", "--master-port"]  # TP over hosts (issue 45)
 PD_ROLE_FLAGS = ["--pd-policy", "--pd-flip-window", "--pd-flip-cooldown", "--pd-cluster-cooldown", "--pd-min-per-role",
                  "--pd-max-flips", "--pd-prefill-overflow", "--no-pd-prefill-overflow"]

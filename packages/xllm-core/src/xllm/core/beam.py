@@ -31,6 +31,8 @@ lookup thread touches only the immutable catalogue.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -133,11 +135,16 @@ class BeamPass:
 
 
 class BeamRunner:
-    """The beam groups of one engine and their decode steps."""
+    """The beam groups of one engine and their decode steps. ``forward``: the logits of beam rows in a forward
+    of their own (a tensor-parallel instance's runner runs them on every rank,
+    :meth:`~xllm.core.executor.runner.TensorParallelRunner.forward_beams`); None: ``model``'s forward here."""
 
     def __init__(self, model: CausalLM, kv: KVTensors, decoder: TokenDecoder, eos_token_ids: frozenset[int],
-                 catalog: ItemCatalog | None = None, max_rows: int = 512) -> None:
+                 catalog: ItemCatalog | None = None, max_rows: int = 512,
+                 forward: Callable[[BeamRows], torch.Tensor] | None = None) -> None:
         self.model = model
+        self.forward = forward
+        self._keys = itertools.count()  # BeamKV.key: a group's name to tensor-parallel workers
         self.kv = kv
         self.decoder = decoder
         self.eos_token_ids = eos_token_ids
@@ -177,7 +184,7 @@ class BeamRunner:
         else:
             spec = self.kv.layout.spec
             group.kv = BeamKV(spec.num_layers, p.beam_width, max_tokens - 1, spec.num_kv_heads, spec.head_dim,
-                              spec.v_head_dim, self.kv.layout.dtype)
+                              spec.v_head_dim, self.kv.layout.dtype, key=next(self._keys))
             self.groups.append(group)
         return result
 
@@ -254,8 +261,11 @@ class BeamRunner:
     def _run(self, groups: list[BeamGroup], result: BeamStepResult) -> None:
         """One step of ``groups`` in a forward of their own."""
         inputs = self._inputs(groups)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.ctx)
-        self._land(inputs, self.model.compute_logits(hidden), result)
+        if self.forward is not None:
+            logits = self.forward(inputs)
+        else:
+            logits = self.model.compute_logits(self.model.forward(inputs.input_ids, inputs.positions, inputs.ctx))
+        self._land(inputs, logits, result)
 
     def _land(self, inputs: BeamRows, logits: torch.Tensor, result: BeamStepResult) -> None:
         """Select the next beams of each group from its rows of ``logits``."""

@@ -25,12 +25,16 @@ from xllm.kernels import kv_quant
 
 
 class BeamKV:
-    """The decoded tokens' KV of one group's beams (row ``b`` is live beam ``b``)."""
+    """The decoded tokens' KV of one group's beams (row ``b`` is live beam ``b``). ``key`` names the group
+    to a tensor-parallel instance's workers, which mirror the buffer with their own KV heads
+    (:mod:`xllm.core.beam_mirror`); :attr:`reordered` is the last :meth:`reorder` they have not seen yet."""
 
     def __init__(self, layers: int, width: int, max_tokens: int, kv_heads: int, head_dim: int,
-                 v_head_dim: int, dtype: torch.dtype) -> None:
+                 v_head_dim: int, dtype: torch.dtype, key: int = 0) -> None:
         self.k = torch.empty(layers, width, max_tokens, kv_heads, head_dim, dtype=dtype)
         self.v = torch.empty(layers, width, max_tokens, kv_heads, v_head_dim, dtype=dtype) if v_head_dim else None
+        self.key = key
+        self.reordered: tuple[list[int], int] = ([], 0)  # (parents, length) of the last reorder
 
     @property
     def nbytes(self) -> int:
@@ -41,10 +45,16 @@ class BeamKV:
         of its parent (the only copy beam search makes: decoded rows, never the prompt's)."""
         if length == 0 or not len(parents):
             return
+        self.reordered = (parents.tolist(), length)
         n = len(parents)
         for buf in (self.k, self.v):
             if buf is not None:
                 buf[:, :n, :length] = buf[:, parents, :length]
+
+    def take_reordered(self) -> tuple[list[int], int]:
+        """The last :meth:`reorder`'s ``(parents, length)`` not taken yet (``([], 0)``: none), taken."""
+        out, self.reordered = self.reordered, ([], 0)
+        return out
 
 
 @dataclass

@@ -65,16 +65,19 @@ class EngineConfig:
     from the model directory) and the KV layout.
     ``tensor_parallel_size``: ranks the model is split over on this host (:mod:`xllm.core.executor`; rank 0
     is the engine process, ranks 1..N-1 worker processes; ``num_threads`` is then per rank, by default the
-    cores divided by N). With more than one rank, KV tiers, the ``mtp`` and ``self`` proposers and
-    ``compile_decode`` are refused (a ``ConfigError`` naming the flag), and so are beam-search requests (a 400
-    naming ``beam_width``); prefill/decode hand-offs move every rank's KV heads in the one-rank layout
-    (:mod:`xllm.core.executor.kv_pages`; not with a quantized ``kv_cache_dtype``).
+    cores divided by N). With more than one rank, the ``mtp`` proposer, ``compile_decode`` and KV
+    tiers over a quantized ``kv_cache_dtype`` are refused (a ``ConfigError`` naming the flag); prefill/decode
+    hand-offs and the KV tiers move every rank's KV heads in the one-rank layout
+    (:mod:`xllm.core.executor.kv_pages`; hand-offs not with a quantized ``kv_cache_dtype``), beam groups
+    decode on every rank (:mod:`xllm.core.beam_mirror`) and so does the ``self`` proposer's draft
+    (:mod:`xllm.core.executor.draft_rank`).
     ``nnodes`` hosts share those ranks, ``tensor_parallel_size / nnodes`` each (:mod:`xllm.engine.nodes`): this
     process is node ``node_rank``'s (node 0 holds ranks ``0..N/H-1`` and the engine, node R ranks
     ``R*N/H..(R+1)*N/H-1`` and no engine); the ranks meet at ``master_addr:master_port`` (rank 0's
     rendezvous; ``None``: a free port, one host only), collectives and plans over gloo. ``cluster_keys``: the
     cluster token's keys every rank proves before the group is used (:mod:`xllm.core.parallel.trust`; needed
     for a ``master_addr`` beyond loopback); never shown.
+    ``tp_overlap`` (``--tp-overlap``: auto/on/off): eager TP steps as two overlapped micro-batches (xllm.core.overlap).
     ``quantization`` (:data:`xllm.engine_api.names.WEIGHT_QUANTIZATIONS`): the linears' weight format the loader
     builds (``"auto"``: a GGUF's stored formats; ``"none"``: float in ``dtype``; ``"int8"``/``"int4"``/
     ``"int4_g128"``/``"w8a8"``: quantized at load); quantized weights need bfloat16/float32 and no ``compile_decode``.
@@ -118,6 +121,7 @@ class EngineConfig:
     quantization: str = "none"  # the linears' weight format (xllm.engine_api.names.WEIGHT_QUANTIZATIONS)
     tensor_parallel_size: int = 1  # ranks the model is split over (xllm.core.executor)
     tp_comm: str = "auto"  # the ranks' all-reduce: auto, shm or gloo (xllm.engine_api.names.TP_COMMS)
+    tp_overlap: str = "auto"  # eager TP steps as two overlapped micro-batches: auto, on or off (xllm.core.overlap)
     nnodes: int = 1  # hosts the ranks are spread over (xllm.engine.nodes)
     node_rank: int = 0  # this host's node (0: the engine's)
     master_addr: str = "127.0.0.1"  # rank 0's rendezvous host
@@ -169,10 +173,11 @@ class EngineConfig:
         if n == 1:
             return
         refused = []
-        if self.kv_tiers_enabled:
-            refused.append("KV tiers (--kv-host-memory, --kv-disk-dir, --kv-store)")
-        if self.speculative in ("mtp", "self"):
-            refused.append(f"--speculative {self.speculative}")
+        if self.kv_tiers_enabled and self.kv_cache_dtype != "auto":  # quantized rows are not resharded
+            refused.append(f"KV tiers (--kv-host-memory, --kv-disk-dir, --kv-store) with --kv-cache-dtype "
+                           f"{self.kv_cache_dtype}")
+        if self.speculative == "mtp":
+            refused.append("--speculative mtp")
         if self.compile_decode:
             refused.append("--compile-decode")
         if refused:

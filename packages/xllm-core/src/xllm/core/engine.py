@@ -30,6 +30,7 @@ from xllm.core.detokenizer import EngineTokenizer
 from xllm.core.disagg import DisaggListener, PromptFinishing
 from xllm.core.engine_beams import EngineBeams, beam_stats
 from xllm.core.engine_build import (
+    attach_tiers,
     build_beams,
     build_kv,
     build_platform,
@@ -99,6 +100,8 @@ class LLMEngine(EngineMoves, EngineBeams):
         self.layout = self.kv.layout
         self.limits = RequestLimits(int(model.vocab_size), self.max_model_len, self.layout, config.request_bounds)
         self.runner = build_runner(config, model, self.kv, self.platform.device, ranks)
+        if config.kv_tiers_enabled:  # through the transfer store: every rank's KV heads with tensor parallelism
+            attach_tiers(config, self.kv, self.transfer_store())
         eos = frozenset(tokenizer.eos_token_ids)
         self.sampler = Sampler(eos)
         self.outputs = OutputProcessor(tokenizer, eos, self.max_model_len)
@@ -106,7 +109,7 @@ class LLMEngine(EngineMoves, EngineBeams):
         self.scheduler = build_scheduler(config, self.kv, self.step_timing)
         self.spec: Speculator | None = build_spec(config, model, draft_model, self.runner, self.max_model_len,
                                                   self.platform.device)
-        self.beams = build_beams(config, model, self.kv, tokenizer, eos)
+        self.beams = build_beams(config, model, self.kv, tokenizer, eos, self.runner)
         self.requests: dict[str, RequestOutput] = {}
         self.counters = EngineCounters()
         self.observers = list(observers or [])
@@ -157,9 +160,6 @@ class LLMEngine(EngineMoves, EngineBeams):
         Raises :class:`InvalidRequestError` naming the offending parameter. An output constraint is
         compiled here (into the grammar cache), off the engine thread."""
         params = self.limits.check(req)
-        if params.beam_width is not None and self.config.tensor_parallel_size > 1:
-            raise InvalidRequestError(f"beam search is not supported with --tensor-parallel-size "
-                                      f"{self.config.tensor_parallel_size} yet", "beam_width")
         if req.sampling.HasField("structured") and self.grammars is not None:
             self.grammars.compile(req.sampling.structured)
         return params

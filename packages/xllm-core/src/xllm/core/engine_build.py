@@ -2,8 +2,9 @@
 KV memory and the tiers below it, the model runner (and its compiled decode graph), the step-time
 predictor and the scheduler over its batch policy, speculation, beam search, and the forward worker.
 
-Each builder takes what it needs and returns one part; ``LLMEngine.__init__`` calls them in order
-and keeps what they return. Called on the thread that builds the engine (its compute thread).
+Each builder takes what it needs and returns one part (:func:`attach_tiers` attaches one, once the runner
+exists); ``LLMEngine.__init__`` calls them in order and keeps what they return. Called on the thread that
+builds the engine (its compute thread).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from xllm.kernels import native
 
 if TYPE_CHECKING:
     from xllm.core.executor.group import RankGroup
+    from xllm.core.kv.page_store import PageAccess
 from xllm.sched import BATCH_POLICIES, BatchSettings
 
 
@@ -61,19 +63,31 @@ def default_rank_threads(tensor_parallel_size: int) -> int | None:
 
 
 def build_kv(config: EngineConfig, model: CausalLM, device: torch.device, max_model_len: int) -> KVCacheBackend:
-    """The KV memory ``config`` sizes for ``model``, with the tiers below it (T1 host, T2 disk, T3
-    store; :mod:`xllm.core.kv.lower_tiers`) when ``config.kv_tiers_enabled`` and one opens."""
-    kv = build_kv_cache(config.kv_cache_backend, model.kv_cache_spec(), config.dtype, device, config.max_num_seqs,
-                        max_model_len, config.kv_cache_memory_gib, config.block_size, config.enable_prefix_cache,
-                        config.kv_cache_dtype)
-    if config.kv_tiers_enabled:
-        from xllm.core.kv.lower_tiers import LowerTiers, build_store
-        store = build_store(kv.layout.fingerprint, config.kv_model_identity, config.kv_host_memory_gib,
-                            config.kv_host_dir, config.kv_disk_dir, config.kv_disk_size_gib, config.kv_store,
-                            config.kv_store_metadata, config.kv_store_segment_gib)
-        if store is not None:
-            kv.attach_tiers(LowerTiers(store, kv.page_store()))
-    return kv
+    """The KV memory ``config`` sizes for ``model`` (the tiers below it attach once the runner exists:
+    :func:`attach_tiers`)."""
+    return build_kv_cache(config.kv_cache_backend, model.kv_cache_spec(), config.dtype, device, config.max_num_seqs,
+                          max_model_len, config.kv_cache_memory_gib, config.block_size, config.enable_prefix_cache,
+                          config.kv_cache_dtype)
+
+
+def attach_tiers(config: EngineConfig, kv: KVCacheBackend, pages: PageAccess | None) -> None:
+    """Attach the tiers below ``kv`` (T1 host, T2 disk, T3 store; :mod:`xllm.core.kv.lower_tiers`) when
+    ``config.kv_tiers_enabled`` and one opens. ``pages``: the KV pages they read and write, in the layout their
+    blocks are stored in (its fingerprint names their namespace): the engine's transfer store, a
+    tensor-parallel instance's every rank's heads (:meth:`~xllm.core.executor.runner.TensorParallelRunner.
+    transfer_store`); ``ConfigError`` when there is none (quantized KV rows are not resharded)."""
+    if not config.kv_tiers_enabled:
+        return
+    if pages is None:
+        raise ConfigError(f"KV tiers (--kv-host-memory, --kv-disk-dir, --kv-store) with --tensor-parallel-size "
+                          f"{config.tensor_parallel_size} need model-dtype KV pages: --kv-cache-dtype "
+                          f"{config.kv_cache_dtype} rows are not resharded (use --kv-cache-dtype auto)")
+    from xllm.core.kv.lower_tiers import LowerTiers, build_store
+    store = build_store(pages.layout, config.kv_model_identity, config.kv_host_memory_gib, config.kv_host_dir,
+                        config.kv_disk_dir, config.kv_disk_size_gib, config.kv_store, config.kv_store_metadata,
+                        config.kv_store_segment_gib)
+    if store is not None:
+        kv.attach_tiers(LowerTiers(store, pages))
 
 
 def build_runner(config: EngineConfig, model: CausalLM, kv: KVCacheBackend, device: torch.device,
@@ -86,7 +100,9 @@ def build_runner(config: EngineConfig, model: CausalLM, kv: KVCacheBackend, devi
             raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size}: the engine needs its "
                               f"{config.tensor_parallel_size - 1} worker rank(s) (xllm.engine.loader starts them)")
         from xllm.core.executor.runner import TensorParallelRunner
-        return TensorParallelRunner(model, kv, device, ranks, native_decode=config.native_decode)
+        tp_runner = TensorParallelRunner(model, kv, device, ranks, native_decode=config.native_decode)
+        tp_runner.set_overlap(config.tp_overlap)  # --tp-overlap (xllm.core.overlap)
+        return tp_runner
     runner = ModelRunner(model, kv, device, native_decode=config.native_decode)
     if config.compile_decode:
         runner.graph = build_compiled_decode(model, kv, runner, config.max_num_seqs)
@@ -116,15 +132,33 @@ def build_spec(config: EngineConfig, model: CausalLM, draft_model: CausalLM | No
     if config.speculative is None:
         return None
     from xllm.core.spec.build import build_speculator
-    return build_speculator(config, max_model_len, device, int(model.vocab_size), draft_model, target=model,
+    spec = build_speculator(config, max_model_len, device, int(model.vocab_size), draft_model, target=model,
                             runner=runner)
+    if config.tensor_parallel_size > 1 and config.speculative == "self":
+        tp_self_draft(spec, runner, device, config.native_decode)
+    return spec
+
+
+def tp_self_draft(spec: Speculator, runner: ModelRunner, device: torch.device, native_decode: bool) -> None:
+    """``--speculative self`` with tensor parallelism: the draft (rank 0's view of its shard's first layers,
+    over its own KV memory) runs on every rank, through a draft runner on the served model's ranks and lock
+    (:class:`~xllm.core.executor.runner.TensorParallelRunner` with ``draft_layers``)."""
+    from xllm.core.executor.runner import TensorParallelRunner
+    proposer = spec.proposer
+    if not isinstance(runner, TensorParallelRunner):
+        raise ConfigError("--speculative self with --tensor-parallel-size needs the tensor-parallel runner")
+    proposer.runner = TensorParallelRunner(proposer.model, proposer.kv, device, runner.group,  # type: ignore[attr-defined]
+                                           native_decode=native_decode, lock=runner.lock,
+                                           draft_layers=proposer.num_layers)  # type: ignore[attr-defined]
 
 
 def build_beams(config: EngineConfig, model: CausalLM, kv: KVCacheBackend, tokenizer: EngineTokenizer,
-                eos: frozenset[int]) -> BeamRunner:
-    """Beam search (:mod:`xllm.core.beam`): groups decoding after their prompt, and the item catalogue."""
+                eos: frozenset[int], runner: ModelRunner) -> BeamRunner:
+    """Beam search (:mod:`xllm.core.beam`): groups decoding after their prompt, and the item catalogue. A
+    tensor-parallel ``runner`` runs the beam rows' own forwards on every rank (its ``forward_beams``)."""
     catalog = load_catalog(config.item_catalog, int(model.vocab_size)) if config.item_catalog else None
-    return BeamRunner(model, kv, tokenizer, eos, catalog, max(config.max_num_batched_tokens, 512))
+    return BeamRunner(model, kv, tokenizer, eos, catalog, max(config.max_num_batched_tokens, 512),
+                      forward=getattr(runner, "forward_beams", None))
 
 
 def build_worker(config: EngineConfig, forward_executor: Executor | None) -> tuple[Executor | None, bool]:

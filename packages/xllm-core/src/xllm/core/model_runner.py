@@ -19,6 +19,7 @@ from xllm.core.model_api import (
     SupportsFusedForward,
     SupportsGreedyHead,
 )
+from xllm.core.overlap import MicroBatch, OverlapChooser, overlap_chooser, split_step
 from xllm.core.sequence import Sequence
 from xllm.kernels.sampling import argmax_rows
 
@@ -97,6 +98,10 @@ class ModelRunner:
     has at most ``share_max_rows`` rows of its own or no fused path; a larger step runs its own rows
     fused and the extra rows in an eager forward after it (the fused general step's speed on
     prefill chunks is worth more than one pass over the weights).
+
+    A tensor-parallel shard may run an eager step of two or more sequences as two interleaved micro-batches
+    ("overlap": one's all-reduce in flight while the other computes, :mod:`xllm.core.overlap`) when
+    :meth:`set_overlap` armed a chooser (rank 0's; the workers take rank 0's choice from the plan).
     """
 
     def __init__(self, model: CausalLM, kv: KVTensors, device: torch.device, native_decode: bool = True) -> None:
@@ -111,7 +116,8 @@ class ModelRunner:
         # hears every forward's final hidden states ``[rows, hidden]`` (the ``mtp`` proposer); while
         # set, every step runs eager (the fused and compiled paths return the sampled rows only)
         self.hidden_sink: Callable[[BatchInputs, torch.Tensor], None] | None = None
-        self.mode_steps = {"native": 0, "native_verify": 0, "native_step": 0, "compiled": 0, "eager": 0, "beams": 0}
+        self.mode_steps = {"native": 0, "native_verify": 0, "native_step": 0, "compiled": 0, "eager": 0, "beams": 0,
+                           "overlap": 0}
         self.greedy_head_steps = 0  # steps whose tokens came from the model's greedy head (no logits)
         self._greedy_head = isinstance(model, SupportsGreedyHead)  # (a protocol check costs ~25 us a step)
         # a step with extra rows shares one eager forward with them up to this many rows of its own;
@@ -119,6 +125,12 @@ class ModelRunner:
         # decode rows, ~21 ms at 64, 140 ms at 15 decodes + a 512-token chunk; a forward of the extra rows
         # alone costs one more pass over the weights (~30 ms for SmolLM2)
         self.share_max_rows = 64
+        self.overlap: OverlapChooser | None = None  # decides eager vs overlapped steps (set_overlap)
+
+    def set_overlap(self, mode: str) -> None:
+        """``--tp-overlap`` ``mode`` (``auto``, ``on``, ``off``): whether eager steps may run overlapped
+        (only a model that supports it here, :func:`~xllm.core.overlap.overlap_chooser`)."""
+        self.overlap = overlap_chooser(mode, self.model)
 
     @property
     def native_decode(self) -> bool:
@@ -231,7 +243,9 @@ class ModelRunner:
         """The path :meth:`execute` takes for ``batch`` without extra rows (a key of ``mode_steps``):
         ``native``, ``native_verify`` or ``native_step`` (the fused forward, unless a caller listens to each
         layer, ``listening``, or ``hidden_sink`` is set), ``compiled`` (a pure decode step the graph covers),
-        else ``eager``. Tensor-parallel ranks compare it before a step: every rank must take the same one."""
+        ``overlap`` (an eager step of two or more sequences that :attr:`overlap` chooses to overlap), else
+        ``eager``. Tensor-parallel ranks compare it before a step: every rank must take the same one (a
+        worker, which has no chooser, takes rank 0's ``overlap`` for its ``eager``)."""
         pure_decode = batch.num_decode == len(batch.input_ids)
         if self.fused is not None and not listening and self.hidden_sink is None:
             if pure_decode and batch.num_decode <= self.fused.max_batch:
@@ -242,28 +256,39 @@ class ModelRunner:
                 return "native_step"
         if pure_decode and self.graph is not None and self.hidden_sink is None and self.graph.covers(batch.num_decode):
             return "compiled"
+        if (self.overlap is not None and not listening and self.hidden_sink is None
+                and batch.num_decode + batch.num_prefill_seqs >= 2
+                and self.overlap.choose(len(batch.input_ids)) == "overlap"):
+            return "overlap"
         return "eager"
 
     @torch.inference_mode()
     def execute(self, batch: BatchInputs, on_layer: Callable[[int], None] | None = None,
-                extra: ExtraRows | None = None, greedy: bool = False) -> torch.Tensor:
+                extra: ExtraRows | None = None, greedy: bool = False, mode: str | None = None) -> torch.Tensor:
         """Forward the packed batch; float32 logits of :attr:`BatchInputs.logit_rows` (one per sampled
         sequence, then the prompt-logprob rows), ``[rows, vocab]``; with ``greedy``, their argmax instead
         (int64 ``[rows]``, first index on ties: the logits' argmax exactly, not written where the model has
         a greedy head). ``on_layer`` hears each layer's index once the forward stored its KV (such a step
         runs eager). ``extra`` rows join the forward after the batch's (one pass over the weights for
-        both); their logits follow the batch's, every row of them (not with ``greedy``)."""
+        both); their logits follow the batch's, every row of them (not with ``greedy``). ``mode``: the path
+        rank 0 chose (a tensor-parallel worker's; default :meth:`path`'s)."""
         if extra is not None and greedy:
             raise ValueError("execute: extra rows need their logits (greedy is for the batch's rows alone)")
         if extra is not None:
             if (self.fused is None or on_layer is not None or self.hidden_sink is not None
                     or len(batch.input_ids) <= self.share_max_rows):
                 return self._execute_with(batch, on_layer, extra)
-            own = self.execute(batch)  # fused, then the extra rows in a forward of their own
+            # fused, then the extra rows in a forward of their own; a tensor-parallel worker runs the same nested
+            # call without a chooser, so rank 0's runs without one too (the same path, the same collectives)
+            chooser, self.overlap = self.overlap, None
+            try:
+                own = self.execute(batch)
+            finally:
+                self.overlap = chooser
             hidden = self.model.forward(extra.input_ids, extra.positions, extra.ctx)
             return torch.cat([own, self.model.compute_logits(hidden)]) if len(own) else \
                 self.model.compute_logits(hidden)
-        mode = self.path(batch, listening=on_layer is not None)
+        mode = mode or self.path(batch, listening=on_layer is not None)
         self.mode_steps[mode] += 1
         if mode == "native":
             hidden = self.fused(batch.input_ids, batch.positions, self.kv.addressing.decode_slots(batch), self.kv)
@@ -282,15 +307,30 @@ class ModelRunner:
         if mode == "compiled":
             logits = self.graph(batch.input_ids, batch.positions, self.kv.addressing.decode_slots(batch))
             return argmax_rows(logits) if greedy else logits
-        ctx = self.kv.addressing.context(batch)
-        if on_layer is not None:
-            ctx = _ReportingContext(ctx, on_layer)
-        hidden = self.model.forward(batch.input_ids, batch.positions, ctx)
+        timed = self.overlap is not None and batch.num_decode + batch.num_prefill_seqs >= 2
+        start = self.overlap.clock() if timed else 0.0
+        if mode == "overlap":
+            hidden = self._forward_overlapped(batch)
+        else:
+            ctx = self.kv.addressing.context(batch)
+            if on_layer is not None:
+                ctx = _ReportingContext(ctx, on_layer)
+            hidden = self.model.forward(batch.input_ids, batch.positions, ctx)
         if self.hidden_sink is not None:
             self.hidden_sink(batch, hidden)
-        if not batch.needs_logits:
-            return _no_rows(greedy)
-        return self._head(hidden[batch.logit_rows], greedy)
+        out = self._head(hidden[batch.logit_rows], greedy) if batch.needs_logits else _no_rows(greedy)
+        if timed:
+            self.overlap.record(len(batch.input_ids), mode, self.overlap.clock() - start)
+        return out
+
+    def _forward_overlapped(self, batch: BatchInputs) -> torch.Tensor:
+        """The eager forward of ``batch`` as two micro-batches by whole sequences, each attending through its
+        own context, their all-reduces interleaved (:mod:`xllm.core.overlap`)."""
+        parts = split_step(batch, batch.input_ids)
+        if parts is None:
+            raise ValueError("an overlapped step needs two or more sequences")
+        return self.model.forward_overlapped(  # type: ignore[attr-defined]
+            [MicroBatch(p.input_ids, p.positions, self.kv.addressing.context(p)) for p in parts])
 
     def _execute_with(self, batch: BatchInputs, on_layer: Callable[[int], None] | None,
                       extra: ExtraRows) -> torch.Tensor:

@@ -117,6 +117,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "the ranks of this host, inside the fused native steps), gloo (torch.distributed over "
                         "TCP: slower, ~0.5 ms a call; the fused steps then run eager) or auto (shm where the "
                         "native kernels are built, else gloo)")
+    p.add_argument("--tp-overlap", choices=("auto", "on", "off"), default="auto",
+                   help="with --tensor-parallel-size: run an eager step of two or more sequences as two micro-batches "
+                        "whose layers interleave, one's all-reduce in flight while the other computes (it pays with "
+                        "--tp-comm gloo, whose all-reduce runs in its own threads; the shm all-reduce and the fused "
+                        "native steps run on the rank's own thread). auto: per step size, rank 0 times both ways for "
+                        "a few steps, keeps the faster and logs both; on: always; off: never (default auto)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
     p.add_argument("--slo-ttft-ms", type=positive_float, default=None, metavar="MS",
                    help="online time-to-first-token target in ms (dynamic PD flips roles against it; "
@@ -325,6 +331,13 @@ def add_instance_flags(p: argparse.ArgumentParser) -> None:
                         "requests fail as in a crash (gateways resume them elsewhere), its health turns bad and "
                         "the instance deregisters and exits with status 1. Keep it above the slowest step (the "
                         "first, with its warm-up, included); 0: no watchdog")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve this engine's step distributions (TTFT, inter-token latency, batch sizes, step-time "
+                        "model error, finished requests) at http://--metrics-host:PORT/metrics for Prometheus (0: a "
+                        "free port, printed); its counters and load reach the gateways' /metrics through its "
+                        "heartbeats (none: no endpoint)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="interface of --metrics-port (unauthenticated, read-only: loopback by default)")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="shut down when the process that started this one exits (used by serve --instances)")
     p.add_argument("--role", default="mixed", choices=list(ROLE_NAMES.values()),

@@ -51,7 +51,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_disk_size_gib=args.kv_disk_size, kv_store=_store_url(args.kv_store),
         kv_store_metadata=args.mooncake_metadata,
         kv_store_segment_gib=args.kv_store_segment, item_catalog=args.item_catalog,
-        tensor_parallel_size=tp, tp_comm=getattr(args, "tp_comm", "auto"), **node_options(args, tp),
+        tensor_parallel_size=tp, tp_comm=getattr(args, "tp_comm", "auto"),
+        tp_overlap=getattr(args, "tp_overlap", "auto"), **node_options(args, tp),
         request_bounds=request_bounds(args))
 
 

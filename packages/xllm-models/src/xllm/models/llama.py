@@ -6,10 +6,15 @@ takes those as options, so those models only change their config reading.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from xllm.core.model_api import AttentionContext, KVCacheSpec
+from xllm.core.overlap import MicroBatch
+from xllm.core.parallel.comm import PendingReduce, Reduced
 from xllm.kernels import RopeBatch, RotaryTable, apply_rotary, silu_and_mul
 from xllm.models.config import ModelConfig
 from xllm.models.layers import (
@@ -94,19 +99,40 @@ class LlamaDecoderLayer(nn.Module):
         self.comm = tp.comm if tp is not None and tp.parallel else None
 
     def forward(self, hidden, residual, rope, ctx):
+        hidden, residual = self.attend(hidden, residual, rope, ctx)
+        if self.comm is not None:
+            hidden = self.comm.all_reduce(hidden)
+        hidden, residual = self.feed_forward(hidden, residual)
+        if self.comm is not None:
+            hidden = self.comm.all_reduce(hidden)
+        return hidden, residual
+
+    def attend(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeBatch,
+               ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's first half: the attention output (a rank's partial sum) and the residual."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, ctx)
-        if self.comm is not None:
-            hidden = self.comm.all_reduce(hidden)
+        return self.self_attn(hidden, rope, ctx), residual
+
+    def feed_forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's second half over the (summed) attention output: the MLP's output (a rank's partial
+        sum) and the residual."""
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        hidden = self.mlp(hidden)
-        if self.comm is not None:
-            hidden = self.comm.all_reduce(hidden)
-        return hidden, residual
+        return self.mlp(hidden), residual
+
+
+@dataclass
+class _InFlight:
+    """One micro-batch of :meth:`LlamaForCausalLM.forward_overlapped`: its last half-layer's output,
+    being summed (``pending``), its residual, RoPE rows and attention."""
+
+    pending: PendingReduce
+    residual: torch.Tensor | None
+    rope: RopeBatch
+    ctx: AttentionContext
 
 
 class LlamaModel(nn.Module):
@@ -197,6 +223,30 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, rope, ctx)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
+
+    def overlap_supported(self) -> bool:
+        """Whether :meth:`forward_overlapped` runs here: a tensor-parallel shard (all-reduces to hide) of this
+        class's forward over Llama decoder layers (a subclass that changes ``forward`` must say for itself)."""
+        return (self.tp.parallel and type(self).forward is LlamaForCausalLM.forward
+                and all(isinstance(layer, LlamaDecoderLayer) for layer in self.model.layers))
+
+    def forward_overlapped(self, parts: Sequence[MicroBatch]) -> torch.Tensor:
+        """``forward`` of each part (its own rows, positions and attention), concatenated in part order, with
+        the parts' half-layers interleaved: a part's all-reduce (``comm.all_reduce_start``) is waited on
+        only when that part needs the sum, after the other parts computed their half-layer
+        (:mod:`xllm.core.overlap`). Every rank must call it with the same parts' row counts."""
+        comm = self.tp.comm
+        embedded = self.model.embed_tokens(torch.cat([p.input_ids for p in parts]))
+        flights = [_InFlight(Reduced(h), None, RopeBatch(self.rotary, p.positions), p.ctx)
+                   for p, h in zip(parts, embedded.split([len(p.input_ids) for p in parts]), strict=True)]
+        for layer in self.model.layers:
+            for f in flights:
+                out, f.residual = layer.attend(f.pending.wait(), f.residual, f.rope, f.ctx)
+                f.pending = comm.all_reduce_start(out)
+            for f in flights:
+                out, f.residual = layer.feed_forward(f.pending.wait(), f.residual)
+                f.pending = comm.all_reduce_start(out)
+        return torch.cat([self.model.norm(f.pending.wait(), f.residual)[0] for f in flights])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head().logits(hidden)

@@ -36,6 +36,11 @@ SETUP = 1     # rank 0's KV layout and runner settings (once, a pickle)
 STEP = 2      # one forward: a packed step plan (xllm.core.executor.plan)
 OPS = 3       # KV mapping operations to apply now (a step's that did not fit its message)
 SHUTDOWN = 4  # leave the loop
+# the same three for the draft model of ``--speculative self`` (the target's first layers, its own KV memory:
+# xllm.core.executor.draft_rank)
+DRAFT_SETUP = 5
+DRAFT_STEP = 6
+DRAFT_OPS = 7
 
 _CONTROL = 64  # int64 words before the slots: [0] the writer's last sequence, [1 + r] reader r's acknowledgement
 _SLOT_HEADER = 4  # int64 words per slot: sequence, kind, payload bytes, spare

@@ -116,11 +116,14 @@ def _reap(rank: int, process: Any, group: RankGroup) -> None:
 @dataclass(frozen=True)
 class RankSetup:
     """What rank 0 tells each worker before the first step (the ``SETUP`` message): the KV backend class
-    and layout to build (the worker's own KV heads replace ``layout.spec``'s) and the runner settings."""
+    and layout to build (the worker's own KV heads replace ``layout.spec``'s) and the runner settings. A
+    ``DRAFT_SETUP`` message's (``--speculative self``) also names the draft's layers: the model's first
+    ``draft_layers`` (:mod:`xllm.core.executor.draft_rank`)."""
 
     backend: type
     layout: KVCacheLayout
     native_decode: bool
+    draft_layers: int = 0
 
 
 def mirror_kv(setup: RankSetup, local: KVCacheSpec):

@@ -13,6 +13,10 @@ rank 0 interleaves the heads into canonical rows (:func:`gather_heads`). A write
 zeros); each rank writes its own heads (:func:`split_heads`). Each sequence runs under the runner's lock,
 so every rank sees steps, reads and writes in one order. A worker answers with :func:`serve_kv_message`.
 
+A message's range word may be :data:`ALL_RANGES`: every range of the pages (whole blocks: one exchange for a
+block's every layer, :meth:`ShardedPageStore.read_blocks` / :meth:`~ShardedPageStore.write_blocks`, what the
+KV tiers move).
+
 Quantized KV rows (per-head codes and scales packed per token) are not resharded: such an instance has no
 transfer store (``--kv-cache-dtype`` with ``--role`` and ``--tensor-parallel-size`` is refused at start-up).
 """
@@ -35,6 +39,8 @@ from xllm.core.parallel.comm import CollectiveError, Communicator
 # plan-channel message kinds of the page exchange (after channel.py's step kinds, apart from them)
 KV_READ = 16   # int64 [range, n, page...]: every rank all-gathers its pages of the range
 KV_WRITE = 17  # int64 [range, n, page...]: rank 0 all-gathers canonical pages, every rank writes its heads
+ALL_RANGES = -1  # a message's range word: every range of the pages, in block order (whole blocks)
+_BLOCK_EXCHANGE_BYTES = 64 << 20  # whole blocks per exchange: at most this many canonical bytes (at least one)
 _WORDS = 2
 
 
@@ -124,8 +130,22 @@ def _padded(data: bytes | np.ndarray, size: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def _exchange_size(heads: KVHeads, block_size: int, head_bytes: int, n: int) -> int:
-    return max(heads.count(r) for r in range(len(heads.spans))) * block_size * head_bytes * n
+def _ranges(local: PageAccess, r: int) -> list[int]:
+    """The ranges a message's range word names: one, or every range in block order (:data:`ALL_RANGES`)."""
+    return list(range(len(local.page_bytes))) if r == ALL_RANGES else [r]
+
+
+def _exchange_size(heads: KVHeads, rows: int, head_bytes: Sequence[int]) -> int:
+    """Bytes each rank contributes to a read's ``all_gather``: the largest rank's rows of the ranges."""
+    return max(heads.count(r) for r in range(len(heads.spans))) * rows * sum(head_bytes)
+
+
+def _split(data: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(data[at:at + n])
+        at += n
+    return out
 
 
 def serve_kv_message(kind: int, words: np.ndarray, local: PageAccess, heads: KVHeads, comm: Communicator,
@@ -134,15 +154,20 @@ def serve_kv_message(kind: int, words: np.ndarray, local: PageAccess, heads: KVH
     r, n = int(words[0]), int(words[1])
     pages = [int(p) for p in words[_WORDS:_WORDS + n]]
     rank = comm.rank
-    hb = head_bytes_of(local, heads, rank, block_size)[r]
+    rs = _ranges(local, r)
+    hbs = head_bytes_of(local, heads, rank, block_size)
+    hb = [hbs[x] for x in rs]
     rows = n * block_size
     if kind == KV_READ:
-        comm.all_gather(_padded(local.read_pages(r, pages), _exchange_size(heads, block_size, hb, n)))
+        mine = np.concatenate([np.frombuffer(local.read_pages(x, pages), dtype=np.uint8) for x in rs])
+        comm.all_gather(_padded(mine, _exchange_size(heads, rows, hb)))
         return
     if kind != KV_WRITE:
         raise RankFailed(f"rank {rank}: unknown KV page message kind {kind}")
-    parts = comm.all_gather(torch.zeros(rows * heads.total * hb, dtype=torch.uint8))
-    _write_local(local, r, pages, split_heads(parts[0].numpy(), heads, rank, rows, hb))
+    parts = comm.all_gather(torch.zeros(rows * heads.total * sum(hb), dtype=torch.uint8))
+    canonical = _split(parts[0].numpy(), [rows * heads.total * b for b in hb])
+    for x, data, b in zip(rs, canonical, hb, strict=True):
+        _write_local(local, x, pages, split_heads(data, heads, rank, rows, b))
 
 
 def _write_local(local: PageAccess, r: int, pages: Sequence[int], data: np.ndarray) -> None:
@@ -173,6 +198,7 @@ class ShardedPageStore:
         self.range_layers = tuple(local.range_layers)
         # pages per message: the page list must fit one plan-channel message
         self._per = max(1, group.channel.spec.slot_bytes // 8 - _WORDS)
+        self._per_block = max(1, min(self._per, _BLOCK_EXCHANGE_BYTES // max(1, self.block_bytes)))
 
     def ranges_of_layer(self, layer: int) -> list[int]:
         return [r for r, lay in enumerate(self.range_layers) if lay == layer]
@@ -186,21 +212,39 @@ class ShardedPageStore:
         g.check()
         g.channel.publish(kind, np.array([r, len(pages), *pages], dtype=np.int64), g.timeout_s, g.check)
 
+    def _read(self, r: int, pages: Sequence[int]) -> list[np.ndarray]:
+        """The canonical pages of ``pages`` (one message's worth) per range ``r`` names (:func:`_ranges`)."""
+        rs = _ranges(self.local, r)
+        rows = len(pages) * self.block_size
+        hb = [self.head_bytes[x] for x in rs]
+        with self.lock:
+            try:
+                self._publish(KV_READ, r, pages)
+                mine = np.concatenate([np.frombuffer(self.local.read_pages(x, list(pages)), dtype=np.uint8)
+                                       for x in rs])
+                parts = self.group.comm.all_gather(_padded(mine, _exchange_size(self.heads, rows, hb)))
+            except CollectiveError as e:
+                raise self.group.failure(e) from e
+        per_rank = [_split(p.numpy(), [self.heads.count(rank) * rows * b for b in hb]) for rank, p in enumerate(parts)]
+        return [gather_heads([pr[i] for pr in per_rank], self.heads, rows, b) for i, b in enumerate(hb)]
+
+    def _write(self, r: int, pages: Sequence[int], canonical: list[np.ndarray]) -> None:
+        """Write canonical pages (per range ``r`` names, ``pages`` concatenated): each rank its heads."""
+        rs = _ranges(self.local, r)
+        rows = len(pages) * self.block_size
+        whole = torch.from_numpy(np.concatenate(canonical))
+        with self.lock:
+            try:
+                self._publish(KV_WRITE, r, pages)
+                self.group.comm.all_gather(whole)
+            except CollectiveError as e:
+                raise self.group.failure(e) from e
+            for x, data in zip(rs, canonical, strict=True):
+                _write_local(self.local, x, pages, split_heads(data, self.heads, 0, rows, self.head_bytes[x]))
+
     def read_pages(self, r: int, pages: list[int] | tuple[int, ...]) -> bytes:
         """Range ``r``'s canonical page of each of ``pages``, concatenated."""
-        out = []
-        for i in range(0, len(pages), self._per):
-            chunk = list(pages[i:i + self._per])
-            hb, n = self.head_bytes[r], len(chunk)
-            with self.lock:
-                try:
-                    self._publish(KV_READ, r, chunk)
-                    mine = _padded(self.local.read_pages(r, chunk), _exchange_size(self.heads, self.block_size, hb, n))
-                    parts = self.group.comm.all_gather(mine)
-                except CollectiveError as e:
-                    raise self.group.failure(e) from e
-            out.append(gather_heads([p.numpy() for p in parts], self.heads, n * self.block_size, hb).tobytes())
-        return b"".join(out)
+        return b"".join(self._read(r, pages[i:i + self._per])[0].tobytes() for i in range(0, len(pages), self._per))
 
     def write_pages(self, r: int, pages: Sequence[int], data: bytes | memoryview) -> None:
         """Write canonical pages of range ``r`` (``len(pages)`` pages, concatenated): each rank its heads."""
@@ -210,26 +254,33 @@ class ShardedPageStore:
         whole = np.frombuffer(data, dtype=np.uint8)
         for i in range(0, len(pages), self._per):
             chunk = list(pages[i:i + self._per])
-            canonical = torch.from_numpy(whole[i * pb:(i + len(chunk)) * pb].copy())
-            with self.lock:
-                try:
-                    self._publish(KV_WRITE, r, chunk)
-                    self.group.comm.all_gather(canonical)
-                except CollectiveError as e:
-                    raise self.group.failure(e) from e
-                mine = split_heads(canonical.numpy(), self.heads, 0, len(chunk) * self.block_size, self.head_bytes[r])
-                _write_local(self.local, r, chunk, mine)
+            self._write(r, chunk, [whole[i * pb:(i + len(chunk)) * pb]])
 
     def write_page(self, r: int, page: int, data: bytes | memoryview) -> None:
         self.write_pages(r, (page,), data)
 
+    def read_blocks(self, pages: Sequence[int]) -> list[bytes]:
+        """The canonical block in each of ``pages`` (every range; one exchange per message's worth of pages)."""
+        out: list[bytes] = []
+        for i in range(0, len(pages), self._per_block):
+            chunk = list(pages[i:i + self._per_block])
+            per_range = self._read(ALL_RANGES, chunk)
+            for j in range(len(chunk)):
+                out.append(b"".join(d[j * pb:(j + 1) * pb].tobytes()
+                                    for d, pb in zip(per_range, self.page_bytes, strict=True)))
+        return out
+
+    def write_blocks(self, pages: Sequence[int], blocks: Sequence[bytes | memoryview]) -> None:
+        """Write canonical blocks (one per page of ``pages``; one exchange per message's worth of pages)."""
+        if len(blocks) != len(pages) or any(len(b) != self.block_bytes for b in blocks):
+            raise ValueError(f"{len(pages)} blocks of {self.block_bytes} bytes expected")
+        for i in range(0, len(pages), self._per_block):
+            chunk = list(pages[i:i + self._per_block])
+            views = [_split(np.frombuffer(b, dtype=np.uint8), self.page_bytes) for b in blocks[i:i + len(chunk)]]
+            self._write(ALL_RANGES, chunk, [np.concatenate([v[x] for v in views]) for x in range(len(self.page_bytes))])
+
     def read_block(self, page: int) -> bytes:
-        return b"".join(self.read_pages(r, (page,)) for r in range(len(self.page_bytes)))
+        return self.read_blocks((page,))[0]
 
     def write_block(self, page: int, data: bytes | memoryview) -> None:
-        if len(data) != self.block_bytes:
-            raise ValueError(f"a block is {self.block_bytes} bytes, got {len(data)}")
-        view, at = memoryview(data), 0
-        for r, pb in enumerate(self.page_bytes):
-            self.write_pages(r, (page,), view[at:at + pb])
-            at += pb
+        self.write_blocks((page,), (data,))

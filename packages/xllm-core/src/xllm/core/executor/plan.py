@@ -10,7 +10,7 @@ Decoded, sequence-valued fields are placeholder lists of the right length (a wor
 
 Rank 0 sends the path its runner takes (:meth:`ModelRunner.path`) and a worker checks that its own is
 the same before any collective runs (different paths call different collectives: the ranks would
-deadlock).
+deadlock). A step carrying beam rows (:mod:`xllm.core.beam_mirror`) has their words last.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import torch
 from xllm.core.kv.addressing import PageAddress, SlotAddress
 from xllm.core.model_runner import BatchInputs
 
-MODES = ("native", "native_verify", "native_step", "compiled", "eager")
+MODES = ("native", "native_verify", "native_step", "compiled", "eager", "overlap")
 _MAGIC = 0x584C4C4D_504C414E  # "XLLMPLAN"
 _SLOT, _PAGE = 0, 1
 # header words
 (_H_MAGIC, _H_MODE, _H_GREEDY, _H_ADDR, _H_T, _H_D, _H_P, _H_S, _H_PROMPT, _H_SPEC, _H_SPANS, _H_PSPANS,
- _H_CHUNKS, _H_OPS, _H_WIDTH) = range(15)
+ _H_CHUNKS, _H_OPS, _H_WIDTH, _H_BEAMS) = range(16)
 HEADER_WORDS = 16
 OP_WORDS = 4  # (slot, block, page or -1 to unmap, run)
 
@@ -42,6 +42,7 @@ class StepMessage:
     mode: str
     greedy: bool
     kv_ops: np.ndarray  # int64 [n, 4]
+    beams: np.ndarray | None = None  # the beam rows riding after the batch's (xllm.core.beam_mirror); None: none
 
 
 def _ints(t) -> np.ndarray:
@@ -50,8 +51,10 @@ def _ints(t) -> np.ndarray:
     return np.asarray(t, dtype=np.int64).reshape(-1)
 
 
-def encode_step(batch: BatchInputs, mode: str, greedy: bool, kv_ops: np.ndarray | None = None) -> np.ndarray:
-    """``batch`` (and the mode, ``greedy`` and KV operations) as one int64 array."""
+def encode_step(batch: BatchInputs, mode: str, greedy: bool, kv_ops: np.ndarray | None = None,
+                beams: np.ndarray | None = None) -> np.ndarray:
+    """``batch`` (and the mode, ``greedy``, KV operations and the words of any beam rows riding after its rows,
+    :func:`xllm.core.beam_mirror.encode_beams`) as one int64 array."""
     addr = batch.address
     t, d, p = len(batch.input_ids), batch.num_decode, batch.num_prefill_seqs
     ops = np.zeros((0, OP_WORDS), dtype=np.int64) if kv_ops is None else kv_ops.reshape(-1, OP_WORDS)
@@ -79,6 +82,9 @@ def encode_step(batch: BatchInputs, mode: str, greedy: bool, kv_ops: np.ndarray 
     else:
         raise TypeError(f"encode_step: unknown address {type(addr).__name__}")
     parts.append(ops.reshape(-1))
+    head[_H_BEAMS] = -1 if beams is None else len(beams)
+    if beams is not None:
+        parts.append(beams)
     return np.concatenate(parts)
 
 
@@ -124,6 +130,7 @@ def decode_step(words: np.ndarray, device: torch.device) -> StepMessage:
         lens = r.list(p)
         address = PageAddress(mapping, tables, [r.tensor(n, device) for n in lens])
     ops = r.take(head[_H_OPS] * OP_WORDS).reshape(-1, OP_WORDS).copy()
+    beams = None if head[_H_BEAMS] < 0 else r.take(head[_H_BEAMS]).copy()
     if r.at != len(words):
         raise ValueError(f"decode_step: {len(words) - r.at} words left over")
     batch = BatchInputs(
@@ -132,7 +139,7 @@ def decode_step(words: np.ndarray, device: torch.device) -> StepMessage:
         sample_seqs=[None] * s, address=address, prompt_rows=prompt_rows,  # type: ignore[list-item]
         prompt_spans=[(None, 0, 0)] * head[_H_PSPANS], spec_rows=spec_rows,  # type: ignore[list-item]
         spec_spans=[(None, [])] * head[_H_SPANS], chunks=[(None, 0)] * head[_H_CHUNKS])  # type: ignore[list-item]
-    return StepMessage(batch, MODES[head[_H_MODE]], bool(head[_H_GREEDY]), ops)
+    return StepMessage(batch, MODES[head[_H_MODE]], bool(head[_H_GREEDY]), ops, beams)
 
 
 def encode_ops(kv_ops: np.ndarray) -> np.ndarray:

@@ -18,7 +18,15 @@ tiers, blocking, from the engine server's threads: :meth:`LowerTiers.publish` pu
 into the store tier under their hashes (prefill side), :meth:`LowerTiers.fetch` reads them into the
 reserved pages (decode side) exactly as a prefix load does; the blocks then stay there as T3 blocks.
 
-Torch-free (pages are reached through :class:`~xllm.core.kv.page_store.PageStore`).
+Pages are reached through a :class:`~xllm.core.kv.page_store.PageAccess`: one process's
+:class:`~xllm.core.kv.page_store.PageStore` (loads land in the pages' bytes in place), or a tensor-parallel
+instance's :class:`~xllm.core.executor.kv_pages.ShardedPageStore` (every rank's KV heads in the canonical
+layout: a stored block holds every head, whatever the writer's tensor-parallel size; loads are staged in
+memory, then scattered to the ranks as whole blocks, ``write_blocks``). With the sharded store every page
+read and write waits for the runner's lock (a step in flight ends first: an eviction's copy may delay the
+next step's scheduling by the rest of the forward in flight) and runs collectives with the worker ranks; the
+engine thread's write-down copies (:meth:`LowerTiers.on_evict`) and the loader thread's writes never run
+inside a step, so they cannot deadlock it. Torch-free.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from xllm.core.kv.page_store import PageStore
+from xllm.core.kv.page_store import PageAccess, PageStore
 from xllm.engine_api.errors import ConfigError
 from xllm.kvstore.file_tier import FileTier
 from xllm.kvstore.mooncake_tier import MooncakeTier, parse_url
@@ -74,16 +82,37 @@ class LowerTiers:
     """One backend's link to a :class:`TieredStore` (see the module docstring). Engine thread,
     except the loads and writes it hands to its threads."""
 
-    def __init__(self, store: TieredStore, pages: PageStore) -> None:
+    def __init__(self, store: TieredStore, pages: PageAccess) -> None:
         self.store = store
         self.pages = pages
         self.counters = TierCounters()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xllm-kv-loader")
 
     def page_views(self, page: int) -> list[memoryview]:
-        """The writable pieces of page ``page`` in block order (one per (layer, K|V) range)."""
+        """The writable pieces of page ``page`` in block order (one per (layer, K|V) range); a
+        :class:`PageStore`'s only (a sharded store's pages are not in this process)."""
+        if not isinstance(self.pages, PageStore):
+            raise TypeError(f"{type(self.pages).__name__} pages have no views in this process")
         return [buf[page * pb:(page + 1) * pb] for buf, pb in zip(self.pages.buffers, self.pages.page_bytes,
                                                                   strict=True)]
+
+    def _read_into(self, hashes: list[int], pages: Sequence[int]) -> int:
+        """Read blocks ``hashes`` from the tiers into ``pages``: in place (a :class:`PageStore`), else staged and
+        written as whole blocks (only the leading intact ones); how many leading blocks arrived intact."""
+        if isinstance(self.pages, PageStore):
+            return self.store.load_many(hashes, [self.page_views(p) for p in pages])
+        staged = [bytearray(self.pages.block_bytes) for _ in pages]
+        n = self.store.load_many(hashes, [_pieces(memoryview(b), self.pages.page_bytes) for b in staged])
+        if n:
+            self.pages.write_blocks(list(pages[:n]), staged[:n])  # type: ignore[attr-defined]  (ShardedPageStore)
+        return n
+
+    def _read_blocks(self, pages: Sequence[int]) -> list[bytes]:
+        """The blocks in ``pages`` (a sharded store's in as few exchanges as fit)."""
+        read_blocks = getattr(self.pages, "read_blocks", None)
+        if read_blocks is not None:
+            return read_blocks(list(pages))
+        return [self.pages.read_block(p) for p in pages]
 
     # ---- write-down ----------------------------------------------------------------------------
     def on_evict(self, page: int, block_hash: int) -> None:
@@ -111,7 +140,7 @@ class LowerTiers:
 
     def _load(self, hashes: list[int], pages: list[int]) -> int:
         try:
-            return self.store.load_many(hashes, [self.page_views(page) for page in pages])
+            return self._read_into(hashes, pages)
         except Exception:  # a bad queue entry or a tier's bug: recompute
             log.exception("KV tiers: loading %d blocks failed", len(hashes))
             return 0
@@ -127,13 +156,14 @@ class LowerTiers:
         batch); returns how many leading blocks it holds afterwards (0: no store, or it is down)."""
         if not hashes or not self.has_store:
             return 0
-        there = self.store.publish(STORE, [(h, self.pages.read_block(p)) for h, p in zip(hashes, pages, strict=True)])
+        blocks = self._read_blocks(pages)
+        there = self.store.publish(STORE, list(zip(hashes, blocks, strict=True)))
         return next((j for j, ok in enumerate(there) if not ok), len(there))
 
     def fetch(self, hashes: Sequence[int], pages: Sequence[int]) -> int:
         """Decode side: read blocks ``hashes`` into ``pages`` from the tiers (each checked against its hash,
         namespace and checksum); returns how many leading blocks arrived intact."""
-        return self.store.load_many(list(hashes), [self.page_views(p) for p in pages])
+        return self._read_into(list(hashes), pages)
 
     def finished(self, job: LoadJob) -> int:
         """A done job's count of intact leading blocks (recorded in the counters)."""
@@ -161,6 +191,15 @@ class LowerTiers:
     def close(self) -> None:
         self._loader.shutdown(wait=True)
         self.store.close()
+
+
+def _pieces(block: memoryview, sizes: Sequence[int]) -> list[memoryview]:
+    """``block`` cut into its ranges' pages (``sizes``), in block order."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(block[at:at + n])
+        at += n
+    return out
 
 
 def build_store(layout: str, model_identity: str | None, host_gib: float | None, host_dir: str,

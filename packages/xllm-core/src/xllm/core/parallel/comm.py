@@ -6,21 +6,47 @@ and LM head (``all_gather``). One process is :class:`SingleRank` (every call a n
 code has one path); ranks of one instance use :class:`GlooComm` (``torch.distributed`` over gloo,
 any hosts) or the native shared-memory all-reduce for ranks on one host
 (:mod:`xllm.core.parallel.shm`). Every rank calls the same collectives in the same order.
+
+``all_reduce_start`` begins an all-reduce and returns a :class:`PendingReduce` to ``wait`` on: gloo's
+runs in its own threads meanwhile (the overlapped forward computes one micro-batch while the other's
+sum is in flight, :mod:`xllm.core.overlap`); the communicators that reduce on the caller's thread
+(:class:`SingleRank`, the shared-memory one) finish it at once and return a :class:`Reduced`.
 """
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+
+class PendingReduce(Protocol):
+    """An all-reduce begun by :meth:`Communicator.all_reduce_start`: ``wait()`` returns the summed tensor
+    (the one passed in, summed in place) once every rank's part arrived, or raises
+    :class:`CollectiveError`. Until then the caller must not read or write the tensor."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
+@dataclass
+class Reduced:
+    """A :class:`PendingReduce` already complete (communicators that reduce on the caller's thread)."""
+
+    tensor: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.tensor
 
 
 class Communicator(Protocol):
     """Collectives over the ranks of one tensor-parallel group (``rank`` of ``size``).
 
     - ``all_reduce(x)``: sums ``x`` over the ranks in place and returns it (every rank gets the sum);
+    - ``all_reduce_start(x)``: the same sum, begun: a :class:`PendingReduce` whose ``wait()`` returns it
+      (ranks start their all-reduces in the same order; a pending one may be outstanding while the caller
+      computes and starts the next);
     - ``all_gather(x)``: every rank's ``x`` (same shape and dtype on every rank), in rank order;
     - ``barrier()``: returns once every rank reached it;
     - ``close()``: leaves the group (idempotent).
@@ -33,6 +59,8 @@ class Communicator(Protocol):
     size: int
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def all_reduce_start(self, x: torch.Tensor) -> PendingReduce: ...
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]: ...
 
@@ -54,6 +82,9 @@ class SingleRank:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def all_reduce_start(self, x: torch.Tensor) -> PendingReduce:
+        return Reduced(x)
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [x]
@@ -105,6 +136,15 @@ class GlooComm:
             raise CollectiveError(f"all_reduce failed on rank {self.rank}: {e}") from e
         return x
 
+    def all_reduce_start(self, x: torch.Tensor) -> PendingReduce:
+        """``dist.all_reduce(x, async_op=True)``: gloo sums in its own threads while the caller goes on."""
+        self._check()
+        try:
+            work = self._dist.all_reduce(x, async_op=True)
+        except Exception as e:
+            raise CollectiveError(f"all_reduce failed on rank {self.rank}: {e}") from e
+        return _GlooPending(work, x, self.rank)
+
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         self._check()
         out = [torch.empty_like(x) for _ in range(self.size)]
@@ -126,3 +166,19 @@ class GlooComm:
             self._open = False
             if self._dist.is_initialized():
                 self._dist.destroy_process_group()
+
+
+@dataclass
+class _GlooPending:
+    """A gloo all-reduce in flight (``work``: torch's ``Work``) summing ``tensor`` in place."""
+
+    work: Any
+    tensor: torch.Tensor
+    rank: int
+
+    def wait(self) -> torch.Tensor:
+        try:
+            self.work.wait()
+        except Exception as e:
+            raise CollectiveError(f"all_reduce failed on rank {self.rank}: {e}") from e
+        return self.tensor

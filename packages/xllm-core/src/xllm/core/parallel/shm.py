@@ -16,7 +16,7 @@ import secrets
 
 import torch
 
-from xllm.core.parallel.comm import CollectiveError
+from xllm.core.parallel.comm import CollectiveError, PendingReduce, Reduced
 from xllm.kernels import shm_allreduce
 
 #: default per-rank buffer: a [1024, 1024] bf16 tensor in one piece (larger tensors go in pieces, one
@@ -106,6 +106,11 @@ class ShmComm:
         self._call(self._group.all_reduce, tmp)
         x.copy_(tmp)
         return x
+
+    def all_reduce_start(self, x: torch.Tensor) -> PendingReduce:
+        """The sum, already done: the native all-reduce runs on this rank's own thread (nothing runs
+        beside it, so an overlapped forward gains nothing here; :mod:`xllm.core.overlap` measures that)."""
+        return Reduced(self.all_reduce(x))
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         if x.device.type != "cpu":
