@@ -242,12 +242,17 @@ class GrpcEngineClient:
         registry while the call was in flight: grpc then cancels the call locally, which must not read
         as the caller's own cancellation)."""
         try:
-            stub = await self._ready()
-            return await getattr(stub, method)(req, timeout=self.rpc_timeout)
+            return await self._call(method, req)
         except grpc.aio.AioRpcError as exc:
             raise self._unavailable(exc) from None
         except ClusterAuthError as exc:
             raise InstanceUnavailableError(str(exc), self.info.instance_id) from None
+
+    async def _call(self, method: str, req):
+        """:meth:`_unary` with the call's own ``AioRpcError`` and ``ClusterAuthError`` left as they are."""
+        try:
+            stub = await self._ready()
+            return await getattr(stub, method)(req, timeout=self.rpc_timeout)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -265,11 +270,14 @@ class GrpcEngineClient:
         return await self._unary("Migrate", req)
 
     async def health(self) -> engine_pb2.HealthResponse:
-        """The instance's health; an unreachable, closed or unproven instance reads as unhealthy."""
+        """The instance's health; an unreachable (status ``unreachable: CODE``), closed or unproven instance
+        reads as unhealthy."""
         try:
-            return await self._unary("Health", engine_pb2.HealthRequest())
-        except InstanceUnavailableError as exc:
-            return engine_pb2.HealthResponse(healthy=False, status=f"unreachable: {exc}")
+            return await self._call("Health", engine_pb2.HealthRequest())
+        except grpc.aio.AioRpcError as exc:
+            return engine_pb2.HealthResponse(healthy=False, status=f"unreachable: {exc.code().name}")
+        except (InstanceUnavailableError, ClusterAuthError) as exc:
+            return engine_pb2.HealthResponse(healthy=False, status=str(exc))
 
     async def load(self) -> instance_pb2.LoadReport:
         return await self._unary("GetLoad", engine_pb2.GetLoadRequest())

@@ -31,9 +31,10 @@ from xllm.engine.loader import load_engine
 from xllm.engine.server import EngineServer
 from xllm.engine_api import flags
 from xllm.engine_api.errors import ConfigError, EngineCrashedError
+from xllm.engine_api.metrics import MetricsEndpoint
 from xllm.engine_api.registration.agent import InstanceAgent, Publisher
 from xllm.engine_api.registration.etcd import DEFAULT_PREFIX
-from xllm.engine_api.security import NO_SECURITY, ClusterSecurity
+from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, is_loopback
 from xllm.models import ModelConfigError, ModelNotFoundError, served_name
 from xllm.proto.enums import role_from_name
 from xllm.proto.registry.v1 import instance_pb2
@@ -57,6 +58,8 @@ class InstanceOptions:
     heartbeat_interval: float = 0.5
     drain_timeout: float = 30.0
     step_timeout: float = 60.0  # the step watchdog's floor (0: none; xllm.engine.server.EngineServer)
+    metrics_port: int | None = None  # the engine's own /metrics (xllm.engine_api.metrics.MetricsEndpoint); None: none
+    metrics_host: str = "127.0.0.1"
     detached_grace_s: float = 30.0
     exit_with_parent: bool = False
     progress: bool = True
@@ -100,6 +103,14 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
     # before the loop starts: it observes every step
     server = EngineServer(aeng, handoff=opts.handoff, security=opts.security, stall_timeout=opts.step_timeout,
                           detached_grace_s=opts.detached_grace_s)
+    metrics = None
+    if opts.metrics_port is not None:
+        if not is_loopback(opts.metrics_host):
+            log.warning("--metrics-host %s: this engine's /metrics is readable from other machines without "
+                        "authentication", opts.metrics_host)
+        metrics = MetricsEndpoint(info.model.served_name, info.instance_id, opts.metrics_host, opts.metrics_port)
+        aeng.add_observer(metrics.observer)
+        print(f"xllm engine {info.instance_id} metrics at {metrics.url}", flush=True)
     aeng.start()
     agent = None
     watchdog = engine_watch = None
@@ -138,6 +149,8 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
         if publisher is not None:
             with contextlib.suppress(Exception):
                 await publisher.close()
+        if metrics is not None:
+            metrics.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.remove_signal_handler(sig)
@@ -187,7 +200,7 @@ def options(args: argparse.Namespace) -> InstanceOptions:
         instance_id=args.instance_id, host=args.host, port=args.port, advertise_address=args.advertise_address,
         etcd=args.etcd, etcd_prefix=args.etcd_prefix, registry=args.registry, lease_ttl=args.lease_ttl,
         heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout, step_timeout=args.step_timeout,
-        detached_grace_s=args.detached_grace_s,
+        detached_grace_s=args.detached_grace_s, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
         exit_with_parent=args.exit_with_parent, progress=not args.no_progress, role=args.role,
         handoff=handoff_options(args), security=flags.cluster_security(args))
 

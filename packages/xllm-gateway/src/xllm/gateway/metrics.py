@@ -4,9 +4,11 @@ Each app owns its :class:`~prometheus_client.CollectorRegistry` (no global
 state). Per instance (label ``instance``):
 
 - in-process engines feed :class:`EngineMetrics` through its
-  :class:`~xllm.core.StatsObserver` (the engine thread calls ``on_step`` after every step);
+  :class:`~xllm.core.StatsObserver` (the engine thread calls ``on_step`` after every step), their step
+  distributions (TTFT, ITL, batch sizes: :class:`~xllm.engine_api.metrics.StepHistograms`) included;
 - remote engines report cumulative counters and load in their registry heartbeats, which
-  :meth:`EngineMetrics.set_counters` / :meth:`EngineMetrics.set_load` turn into the same series.
+  :meth:`EngineMetrics.set_counters` / :meth:`EngineMetrics.set_load` turn into the same series; their
+  step distributions are on their own ``/metrics`` (``xllm engine --metrics-port``), not here.
 
 Aggregated over a model's instances: ``xllm:cluster_*`` gauges (:meth:`EngineMetrics.set_cluster`).
 Routing (gateway side): ``xllm:router_*`` series of :class:`RouterMetrics`; the etcd registry's
@@ -19,14 +21,11 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from xllm.engine_api.metrics import LATENCY_BUCKETS, StepHistograms
 from xllm.engine_api.stats import StepStats
 from xllm.proto.enums import ROLE_NAMES
 from xllm.proto.registry.v1 import instance_pb2
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0)
-_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-_ERROR_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 _HANDOFF_OUTCOMES = (("sent", "kv_handoffs_sent"), ("installed", "kv_handoffs_installed"),
                      ("failed", "kv_handoff_failures"), ("timeout", "kv_handoff_timeouts"),
                      ("expired", "kv_reservations_expired"))
@@ -53,24 +52,7 @@ class EngineMetrics:
         self.prefix_hits = Counter("xllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
                                    registry=r)
         self.preemptions = Counter("xllm:num_preemptions", "Sequences preempted for KV memory.", labels, registry=r)
-        self.request_success = Counter("xllm:request_success", "Finished requests by finish reason.",
-                                       [*labels, "finished_reason"], registry=r)
-        self.ttft = Histogram("xllm:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("xllm:inter_token_latency_seconds", "Time between consecutive output tokens.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("xllm:e2e_request_latency_seconds", "Request latency from arrival to finish.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.iteration_tokens = Histogram("xllm:iteration_tokens_total", "Tokens computed per engine step.", labels,
-                                          buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), registry=r)
-        self.batch_size = Histogram("xllm:step_batch_size", "Sequences per engine step.", labels,
-                                    buckets=_BATCH_BUCKETS, registry=r)
-        self.decode_batch_size = Histogram("xllm:decode_batch_size", "Decoding sequences per engine step.", labels,
-                                           buckets=_BATCH_BUCKETS, registry=r)
-        self.step_prediction_error = Histogram(
-            "xllm:step_time_prediction_error", "Relative error |predicted - measured| / measured of the engine's "
-            "step-time prediction, per step (in-process engines; see xllm.core.step_timing).", labels,
-            buckets=_ERROR_BUCKETS, registry=r)
+        self.steps = StepHistograms(r)  # distributions of in-process engines' steps (xllm.engine_api.metrics)
         self.step_prediction_error_recent = Gauge(
             "xllm:step_time_prediction_error_recent", "Exponentially weighted mean of the step-time prediction's "
             "relative error over recent steps, as the instance reports it (0: no prediction yet).", labels,
@@ -260,29 +242,12 @@ class _InstanceObserver:
         m.running.labels(*lb).set(s.num_running)
         m.waiting.labels(*lb).set(s.num_waiting)
         m.kv_usage.labels(*lb).set(s.kv_usage)
-        if s.batch_size:  # a step that ran a forward (aborts report outside steps)
-            m.iteration_tokens.labels(*lb).observe(s.num_decode_tokens + s.num_prefill_tokens)
-            m.batch_size.labels(*lb).observe(s.batch_size)
-        if s.num_decode_tokens:
-            m.decode_batch_size.labels(*lb).observe(s.num_decode_tokens)
-        if s.step_time_prediction_error is not None:
-            m.step_prediction_error.labels(*lb).observe(s.step_time_prediction_error)
+        m.steps.observe(*lb, s)
         if s.num_preempted:
             m.preemptions.labels(*lb).inc(s.num_preempted)
         gen = len(s.ttfts) + len(s.inter_token_latencies)
         if gen:
             m.generation_tokens.labels(*lb).inc(gen)
-        if s.ttfts:
-            ttft = m.ttft.labels(*lb)
-            for v in s.ttfts:
-                ttft.observe(v)
-        if s.inter_token_latencies:  # one per decoding sequence a step: the series looked up once
-            itl = m.itl.labels(*lb)
-            for v in s.inter_token_latencies:
-                itl.observe(v)
-        for f in s.finished:
-            m.request_success.labels(*lb, f.finish_reason).inc()
-            m.e2e.labels(*lb).observe(f.e2e_latency)
         if s.prompt_tokens:
             m.prompt_tokens.labels(*lb).inc(s.prompt_tokens)
         if s.prefix_cache_queries:
@@ -332,14 +297,14 @@ class RouterMetrics:
                                       labels, registry=r)
         self.ttft_seconds = Histogram("xllm:router_time_to_first_token_seconds",
                               "Time from routing to the first chunk, seen by the gateway.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
+                              buckets=LATENCY_BUCKETS, registry=r)
         self.tpot_seconds = Histogram("xllm:router_time_per_output_token_seconds",
                                       "Gap between a request's chunks per token, from its third chunk with tokens on, "
-                                      "seen by the gateway.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+                                      "seen by the gateway.", labels, buckets=LATENCY_BUCKETS, registry=r)
         self.e2e_seconds = Histogram("xllm:router_request_latency_seconds",
                                      "Time from a request's arrival at the gateway to its last chunk (across "
                                      "failovers and moves), by the instance that finished it.", labels,
-                                     buckets=_LATENCY_BUCKETS, registry=r)
+                                     buckets=LATENCY_BUCKETS, registry=r)
         self.finished_count = Counter("xllm:router_finished_requests", "Requests streamed to their end, by the "
                                       "instance that finished them and finish reason.", [*labels, "finished_reason"],
                                       registry=r)
@@ -391,7 +356,7 @@ class MoveMetrics:
                              ["model_name", "how"], registry=r)
         self.pause = Histogram("xllm:request_move_pause_seconds", "Gap in a moved request's stream: its last chunk "
                                "from the source instance to its first from the destination.", ["model_name", "how"],
-                               buckets=_LATENCY_BUCKETS, registry=r)
+                               buckets=LATENCY_BUCKETS, registry=r)
 
     def moved(self, model: str, how: str) -> None:
         self.moves.labels(model, how).inc()
@@ -462,14 +427,14 @@ class PDMetrics:
                                       tl, registry=r)
         self.transfer_seconds = Histogram(
             "xllm:kv_transfer_seconds", "KV hand-off time, measured on the decode side (first byte to KV checked; "
-            "with grpc it overlaps the prefill).", tl, buckets=_LATENCY_BUCKETS, registry=r)
+            "with grpc it overlaps the prefill).", tl, buckets=LATENCY_BUCKETS, registry=r)
         self.transfer_failures = Counter("xllm:kv_transfer_failures",
                                          "KV hand-offs that failed (the decode instance recomputed the prompt).", tl,
                                          registry=r)
         self.ttft_phase = Histogram("xllm:pd_ttft_breakdown_seconds",
                                     "Where PD requests' time went: queue and prefill on the prefill instance, KV "
                                     "transfer (the part the prefill did not hide), first decode step.",
-                                    ["model_name", "phase"], buckets=_LATENCY_BUCKETS, registry=r)
+                                    ["model_name", "phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.prefill_retries = Counter("xllm:pd_prefill_retries", "Prefills retried on another prefill instance.",
                                        ["model_name", "instance"], registry=r)
         self.handoffs_lost = Counter("xllm:pd_handoffs_lost",
@@ -519,7 +484,7 @@ class PDRoleMetrics:
                              ["model_name", "from_role", "to_role", "reason"], registry=r)
         self.flip_seconds = Histogram("xllm:pd_role_flip_seconds", "Time from a role flip's decision to its end "
                                       "(the instance handed over what it held of its old role).",
-                                      ["model_name", "from_role", "to_role"], buckets=_LATENCY_BUCKETS, registry=r)
+                                      ["model_name", "from_role", "to_role"], buckets=LATENCY_BUCKETS, registry=r)
         self.instances = Gauge("xllm:pd_instances", "PD instances per pool: prefill, decode, and the ones flipping "
                                "(decode_to_prefill, prefill_to_decode).", ["model_name", "role"], registry=r)
 
