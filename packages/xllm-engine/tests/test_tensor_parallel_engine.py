@@ -116,7 +116,9 @@ def test_two_ranks_generate_what_one_does(model_dir, backend, overlapped):
     assert stats["spec"].num_accepted_tokens > 0, "no draft accepted"
 
 
-def test_greedy_tokens_match_hugging_face_at_two_ranks(model_dir):
+def test_greedy_tokens_match_hugging_face_at_two_ranks_and_workers_outlive_group_signals(model_dir):
+    """Also: SIGTERM and SIGINT to the worker (as a supervisor's or a terminal's signal to the whole process
+    group delivers them) leave it serving, under rank 0's graceful drain; it exits 0 when rank 0 closes."""
     prompt = SYSTEM[:30]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
@@ -124,12 +126,16 @@ def test_greedy_tokens_match_hugging_face_at_two_ranks(model_dir):
                           pad_token_id=0)
     want = out[0, len(prompt):].tolist()
     two = load(model_dir, "xtensor", 2)
+    worker = two.engine.runner.group.processes[0]
     try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(worker.pid, sig)
         got, _ = serve(two, [make_request("hf", prompt, max_tokens=16, ignore_eos=True)])
     finally:
         two.engine.close()
         two.compute.shutdown()
     assert got.tokens["hf"] == want
+    assert worker.exitcode == 0
 
 
 def test_a_killed_worker_fails_the_instance_within_seconds(model_dir):

@@ -110,8 +110,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "over several hosts): this process and N-1 worker processes, each"
                         " holding 1/N of the attention heads, MLP and vocabulary and its "
                         "own KV memory for its heads; --threads is then per rank (default: the cores divided by "
-                        "N). Not yet with KV tiers, prefill/decode roles, --speculative mtp/self, "
-                        "--compile-decode or beam search")
+                        "N). Not yet with --speculative mtp, --compile-decode or quantized KV in hand-offs and "
+                        "KV tiers")
     p.add_argument("--tp-comm", choices=TP_COMMS, default="auto",
                    help="the ranks' all-reduce with --tensor-parallel-size: shm (native shared memory between "
                         "the ranks of this host, inside the fused native steps), gloo (torch.distributed over "

@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import pathlib
+import signal
 import socket
 import sys
 from collections.abc import Iterator
@@ -161,6 +162,10 @@ def rank_main(spec: RankSpec) -> None:
     until rank 0 dies or a step fails (status 1, the cause logged)."""
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s rank {spec.rank} %(levelname)s %(name)s: "
                                                    "%(message)s", stream=sys.stderr)
+    # a worker leaves on rank 0's SHUTDOWN or with rank 0: a SIGTERM or Ctrl-C to the whole process group (a
+    # supervisor, systemd's control group, a terminal) must not kill it under rank 0's graceful drain
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     from xllm.models import load_model
 
     torch.set_num_threads(spec.threads)
