@@ -26,7 +26,7 @@ from xllm.core.config import EngineConfig
 from xllm.engine.loader import LoadedEngine, load_engine
 from xllm.models import load_model, resolve_model
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.engine import Collected, make_request
+from xllm.testing.engine import Collected, drive_loaded, make_request
 from xllm.testing.models import save_tp_arch_model, tiny_tp_arch_configs
 
 transformers = pytest.importorskip("transformers")
@@ -78,16 +78,8 @@ class Served:
 
 def serve(loaded: LoadedEngine, reqs) -> Served:
     engine = loaded.engine
-    got = Collected()
-
-    def drive():
-        for r in reqs:
-            got.add(engine.add_request(r))
-        while engine.has_work():
-            got.add(engine.step())
-
     try:
-        loaded.compute.call(drive)  # the engine steps on its compute thread (as AsyncEngine runs it)
+        got = drive_loaded(loaded, reqs)  # the engine steps on its compute thread (as AsyncEngine runs it)
         group = getattr(engine.runner, "group", None)  # the rank group (TP > 1 only)
         return Served(got, engine.kv.prefix_stats.hits, engine.counters.num_preemptions,
                       engine.spec.counters.num_accepted_tokens, group.size if group is not None else 1,

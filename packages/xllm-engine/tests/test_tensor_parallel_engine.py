@@ -28,7 +28,7 @@ from xllm.engine_api import flags
 from xllm.engine_api.errors import ConfigError
 from xllm.models import resolve_model
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.engine import Collected, make_request, stream_until_killed
+from xllm.testing.engine import Collected, drive_loaded, make_request, stream_until_killed
 from xllm.testing.models import save_llama_9q3kv
 
 transformers = pytest.importorskip("transformers")
@@ -74,20 +74,9 @@ def workload() -> list[engine_pb2.GenerateRequest]:
 
 
 def serve(loaded: LoadedEngine, reqs) -> tuple[Collected, dict]:
-    engine = loaded.engine
-    got = Collected()
-
-    def drive():
-        for r in reqs:
-            got.add(engine.add_request(r))
-        while engine.has_work():
-            got.add(engine.step())
-        return engine.counters, dict(engine.runner.mode_steps), engine.kv.prefix_stats, engine.spec.counters
-
-    # synchronous: the engine steps on its compute thread (as AsyncEngine runs it); overlapped, the forwards go
-    # to that thread and the loop runs on another (here, this one)
-    counters, modes, prefix, spec = drive() if engine.config.async_scheduling else loaded.compute.call(drive)
-    return got, {"counters": counters, "modes": modes, "prefix": prefix, "spec": spec}
+    engine, got = loaded.engine, drive_loaded(loaded, reqs)
+    return got, {"counters": engine.counters, "modes": dict(engine.runner.mode_steps),
+                 "prefix": engine.kv.prefix_stats, "spec": engine.spec.counters}
 
 
 @pytest.mark.parametrize(("backend", "overlapped"), [("xtensor", False), ("paged", False), ("xtensor", True)],

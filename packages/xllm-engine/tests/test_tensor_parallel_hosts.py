@@ -38,7 +38,7 @@ from xllm.engine_api.errors import ConfigError
 from xllm.engine_api.security import SecurityConfigError
 from xllm.models import resolve_model
 from xllm.testing import netns
-from xllm.testing.engine import Collected, make_request, stream_until_killed
+from xllm.testing.engine import Collected, drive_loaded, make_request, stream_until_killed
 from xllm.testing.models import save_llama_9q3kv
 
 transformers = pytest.importorskip("transformers")
@@ -127,16 +127,7 @@ def workload():
 
 
 def serve(loaded: LoadedEngine, reqs) -> tuple[Collected, object]:
-    engine, got = loaded.engine, Collected()
-
-    def drive():
-        for r in reqs:
-            got.add(engine.add_request(r))
-        while engine.has_work():
-            got.add(engine.step())
-        return engine.kv.prefix_stats
-
-    return got, loaded.compute.call(drive)
+    return drive_loaded(loaded, reqs), loaded.engine.kv.prefix_stats
 
 
 def close(loaded: LoadedEngine) -> None:

@@ -21,7 +21,7 @@ from xllm.engine.config import engine_config
 from xllm.engine.loader import LoadedEngine, load_engine
 from xllm.engine_api import flags
 from xllm.models import resolve_model
-from xllm.testing.engine import Collected, make_request
+from xllm.testing.engine import Collected, drive_loaded, make_request
 from xllm.testing.models import save_llama_9q3kv
 
 pytest.importorskip("transformers")
@@ -50,20 +50,10 @@ def workload() -> list:
 
 
 def serve(loaded: LoadedEngine, reqs) -> tuple[Collected, dict]:
-    engine = loaded.engine
-    got = Collected()
-
-    def drive():
-        for r in reqs:
-            got.add(engine.add_request(r))
-        while engine.has_work():
-            got.add(engine.step())
-        return dict(engine.runner.mode_steps)
-
     try:
-        return got, loaded.compute.call(drive)
+        return drive_loaded(loaded, reqs), dict(loaded.engine.runner.mode_steps)
     finally:
-        engine.close()
+        loaded.engine.close()
         loaded.compute.shutdown()
 
 

@@ -162,6 +162,22 @@ def generate(engine: LLMEngine, requests) -> Collected:
     return got
 
 
+def drive_loaded(loaded, requests) -> Collected:
+    """Run ``requests`` to completion on ``loaded`` (an :class:`xllm.engine.loader.LoadedEngine`): the whole
+    loop on its compute thread, as ``AsyncEngine`` runs it; with async scheduling the loop here and the
+    forwards on that thread."""
+    engine, got = loaded.engine, Collected()
+
+    def drive():
+        for r in requests:
+            got.add(engine.add_request(r))
+        while engine.has_work():
+            got.add(engine.step())
+
+    drive() if engine.config.async_scheduling else loaded.compute.call(drive)
+    return got
+
+
 def stream_until_killed(aeng, prompt: list[int], kill, after_tokens: int = 3, max_tokens: int = 400,
                         timeout: float = 60.0) -> tuple[int, BaseException | None, float]:
     """Stream one long greedy request through the started ``AsyncEngine`` ``aeng`` and call ``kill()`` once
