@@ -13,8 +13,9 @@ tokenizer must cover every id the model can emit), made once and cached under ``
 
 Systems (``--systems``): ``xllm-tp1`` (one rank, ``--threads`` threads), ``xllm-tp2-shm`` and
 ``xllm-tp2-gloo`` (two ranks, ``--threads`` / 2 threads each, all-reduce through the native shared
-memory or gloo; ``--tp-overlap auto``), ``xllm-tp2-gloo-nooverlap`` (gloo, ``--tp-overlap off``), ``vllm-tp1`` and ``vllm-tp2`` (vLLM-CPU eager, ``--tensor-parallel-size``, its OpenMP
-threads bound to the same cores; vLLM only on models whose heads divide). Every server of a model is
+memory or gloo; ``--tp-overlap auto``), ``xllm-tp2-gloo-nooverlap`` (gloo, ``--tp-overlap off``),
+``vllm-tp1`` and ``vllm-tp2`` (vLLM-CPU eager, ``--tensor-parallel-size``, its OpenMP threads bound to the
+same cores; vLLM only on models whose heads divide). Every server of a model is
 started one after the other, warmed up, and left running side by side (idle servers take no CPU); per
 concurrency every system runs the same client workload (``--input-len`` random prompt tokens,
 ``--output-len`` output tokens, ``--ignore-eos``), the systems' order reversed from one concurrency to the
