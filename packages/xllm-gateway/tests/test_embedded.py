@@ -1,6 +1,9 @@
-"""The single-process composition (build_embedded) with the real SmolLM2 model, in-process."""
+"""The single-process composition (build_embedded) with the real SmolLM2 model, in-process, split over two
+tensor-parallel ranks (this process and a worker)."""
 
 from __future__ import annotations
+
+import multiprocessing
 
 import pytest
 import torch
@@ -17,15 +20,26 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def embedded():
+    """``xllm serve --tensor-parallel-size 2``'s app: the engine here, its worker rank a child process."""
     from fastapi.testclient import TestClient
 
-    cfg = EngineConfig(dtype=torch.float32, kv_cache_memory_gib=0.05, max_model_len=256, max_num_seqs=4)
+    cfg = EngineConfig(dtype=torch.float32, kv_cache_memory_gib=0.05, max_model_len=256, max_num_seqs=4,
+                       tensor_parallel_size=2, num_threads=1)
+    before = set(multiprocessing.active_children())
     app = build_embedded(ServeOptions(engine=cfg, progress=False))
+    (worker,) = set(multiprocessing.active_children()) - before
     with TestClient(app, raise_server_exceptions=False) as client:
         yield app, client
-    # leaving the client ran the lifespan shutdown: the engine thread is gone
+    # leaving the client ran the lifespan shutdown: the engine thread is gone, and the engine was closed (its
+    # worker rank left on rank 0's SHUTDOWN, not because rank 0 vanished: that is exit status 1)
     (instance,) = app.state.gateway.registry.instances()
     assert not instance.engine.is_running
+    worker.join(30)
+    code = worker.exitcode
+    if code is None:  # never told to stop: killed here, so the test fails instead of hanging at exit
+        worker.kill()
+        worker.join(10)
+    assert code == 0
 
 
 def test_embedded_serves_the_default_model(embedded):

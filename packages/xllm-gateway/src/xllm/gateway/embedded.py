@@ -8,7 +8,6 @@ server half (loader, in-process client, the engine's settings from its flags); a
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -59,11 +58,19 @@ def build_embedded(opts: ServeOptions):
     if async_engine.lower_tiers is not None:  # xllm:kv_tier_* series, read at scrape time
         metrics.registry.register(KVTierCollector(lambda: [(name, instance_id, async_engine.tier_stats())]))
     async_engine.start()
-    stop_compute = functools.partial(compute.shutdown, wait=False)
+
+    def stop_engine() -> None:
+        """Stop the loop, then release the engine (a tensor-parallel one's worker ranks get their SHUTDOWN, as in
+        ``xllm engine``); a hung step may still use it: then the process exits without closing it."""
+        async_engine.shutdown(0.1 if async_engine.hung else 10.0)
+        if not async_engine.hung:
+            engine.close()
+        compute.shutdown(wait=False)
+
     registry = EmbeddedRegistry()
     registry.register(InProcessEngineClient(async_engine, loaded.info))
     state = GatewayState(registry=registry, tokenizer=loaded.tokenizer, metrics=metrics, default_model=name,
-                         max_model_len=engine.max_model_len, on_shutdown=[async_engine.shutdown, stop_compute],
+                         max_model_len=engine.max_model_len, on_shutdown=[stop_engine],
                          routing=opts.routing, limits=opts.limits, access=opts.access,
                          tool_parser=opts.tool_parser)
     return create_app(state)
