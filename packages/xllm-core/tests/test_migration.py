@@ -17,10 +17,9 @@ import functools
 import pytest
 
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.engine import Collected, MigrationListener, generate, make_engine, make_request
+from xllm.testing.engine import Collected, MigrationListener, generate, make_engine, make_request, moved_decode_request
 from xllm.testing.tiny import tiny_tokenizer
 
-DECODE = engine_pb2.DISAGG_PHASE_DECODE
 HANDED_OFF = engine_pb2.FINISH_REASON_HANDED_OFF
 FINAL = engine_pb2.MIGRATION_STAGE_FINAL
 
@@ -44,12 +43,7 @@ def migrate(src, dst, req: engine_pb2.GenerateRequest, client: Collected, *, dec
     blocks while ``src`` decodes ``decode_during_copy`` more steps, pause, copy the rest, commit),
     collecting the source's chunks in ``client``. Returns what moved."""
     rid = req.request_id
-    tokens, text = client.tokens.get(rid, []), client.text.get(rid, "")
-    cont = engine_pb2.GenerateRequest()  # as the gateway builds it: the request so far, as earlier output
-    cont.CopyFrom(req)
-    cont.prompt_token_ids.extend(tokens)
-    cont.resumed_output_tokens, cont.resumed_sent_chars = len(tokens), len(text)
-    cont.disagg_phase = DECODE
+    cont = moved_decode_request(req, client)
     assert dst.add_request(cont) == []
     dst.step()  # reserves
     reservation = dst.disagg.reserved[rid]

@@ -3,24 +3,17 @@ flows (a rank without the cluster token is refused by every rank)."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from xllm.common.net import free_port
 from xllm.core.parallel import CollectiveError, GlooComm, GroupAddress
 from xllm.core.parallel.trust import check_group_address, prove_group
 from xllm.engine_api.credential import ClusterKeys
 from xllm.engine_api.security import SecurityConfigError
 
 TOKEN = "t" * 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, size: int, port: int, tokens: list[str | None], out) -> None:
@@ -44,7 +37,7 @@ def _rank(rank: int, size: int, port: int, tokens: list[str | None], out) -> Non
 def _run(tokens: list[str | None]) -> dict[int, tuple]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, len(tokens), port, tokens, out)) for r in range(len(tokens))]
     for p in procs:
         p.start()

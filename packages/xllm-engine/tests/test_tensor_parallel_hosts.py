@@ -16,7 +16,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+from xllm.common.net import free_port
 from xllm.core.async_engine import AsyncEngine
 from xllm.core.config import EngineConfig
 from xllm.core.parallel.comm import CollectiveError
@@ -74,12 +74,6 @@ def hosts():
         yield Hosts(ns.host_ip, ns.prefix(), ns)
     finally:
         ns.delete()
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def config(tp: int, **extra) -> EngineConfig:

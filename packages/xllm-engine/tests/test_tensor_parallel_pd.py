@@ -29,7 +29,7 @@ from xllm.engine_api import flags
 from xllm.engine_api.errors import ConfigError
 from xllm.models import resolve_model
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.engine import Collected, MigrationListener, make_request
+from xllm.testing.engine import Collected, MigrationListener, make_request, moved_decode_request
 from xllm.testing.models import save_llama_9q3kv
 from xllm.testing.processes import until
 from xllm.testing.served import DECODE, HANDED_OFF, PREFILL, ServedEngine, pd_generate, pd_request
@@ -222,11 +222,7 @@ def test_a_request_migrated_between_tensor_parallel_sizes_equals_one_engine(mode
         client.add(src.add_request(req))
         while len(client.tokens.get(rid, [])) < 5:
             client.add(src.step())
-        cont = engine_pb2.GenerateRequest()  # as the gateway builds it: the request so far, as earlier output
-        cont.CopyFrom(req)
-        cont.prompt_token_ids.extend(client.tokens[rid])
-        cont.resumed_output_tokens, cont.resumed_sent_chars = len(client.tokens[rid]), len(client.text[rid])
-        cont.disagg_phase = DECODE
+        cont = moved_decode_request(req, client)
         assert dst.add_request(cont) == []
         dst.step()  # reserves
         reservation = dst.disagg.reserved[rid]

@@ -16,13 +16,11 @@ import pathlib
 import pytest
 import torch
 
-from xllm.common.net import free_port
 from xllm.models import load_model
-from xllm.testing.models import save_random_hf_model
+from xllm.testing.models import run_ranks, save_random_hf_model
 from xllm.testing.reference import full_logits
 
 transformers = pytest.importorskip("transformers")
-mp = pytest.importorskip("torch.multiprocessing")
 
 TP = 2
 LOGIT_TOL = 1e-4  # float32, relative to max |one-process logit| (as test_tensor_parallel_ranks)
@@ -81,10 +79,7 @@ def runs(tmp_path_factory):
         one = load_model(path, torch.float32, progress=False)
         assert not one.overlap_supported()  # one process: no all-reduce to hide
         refs[name] = torch.cat([full_logits(one, s) for s in SEQS])
-    out = root / "out"
-    out.mkdir()
-    mp.spawn(_rank_main, args=(free_port(), paths, str(out)), nprocs=TP, join=True)
-    ranks = [torch.load(out / f"rank{r}.pt") for r in range(TP)]
+    ranks = run_ranks(_rank_main, (paths,), root / "out", TP)
     return {name: (refs[name], [r[name] for r in ranks]) for name in paths}
 
 

@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
 
 import pytest
 import torch
 
 from xllm.models import load_model
-from xllm.testing.models import save_random_hf_model
+from xllm.testing.models import run_ranks, save_random_hf_model
 from xllm.testing.reference import full_logits
 
 transformers = pytest.importorskip("transformers")
-mp = pytest.importorskip("torch.multiprocessing")
 
 TP = 2
 LOGIT_TOL = 1e-4   # float32, relative to max |HF logit| (the one-process model's own test bound)
@@ -112,12 +110,6 @@ def _int8_twin(path: pathlib.Path) -> torch.nn.Module:
     return twin
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, port: int, cases: dict[str, dict], out_dir: str) -> None:
     """One rank: every case's logits and greedy tokens with real collectives, saved for the parent."""
     torch.set_num_threads(1)
@@ -174,15 +166,8 @@ def runs(tmp_path_factory):
         if name == "int8":
             one = _int8_twin(qpath)
         refs[name] = (full_logits(one, PROMPT), QUANT_TOL, one.kv_cache_spec().num_kv_heads)
-    ranks = _spawn(cases, root / "out")
+    ranks = run_ranks(_rank_main, (cases,), root / "out", TP)
     return {name: (*refs[name], [r[name] for r in ranks]) for name in cases}
-
-
-def _spawn(cases: dict[str, dict], out: pathlib.Path) -> list[dict]:
-    """Run ``cases`` on ``TP`` rank processes (joined before returning; a rank's failure raises here)."""
-    out.mkdir()
-    mp.spawn(_rank_main, args=(_free_port(), cases, str(out)), nprocs=TP, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(TP)]
 
 
 FLOAT_CASES = ["llama_9q3kv", "llama_4q1kv_bias", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
@@ -233,7 +218,7 @@ def test_smollm2_q4_1_gguf_over_two_ranks(tmp_path):
     one = load_model(path, torch.float32, progress=False, gguf_file=gguf)
     ref = full_logits(one, PROMPT)
     del one
-    ranks = _spawn({"smollm2": {"path": str(path), "gguf_file": str(gguf)}}, tmp_path / "out")
+    ranks = run_ranks(_rank_main, ({"smollm2": {"path": str(path), "gguf_file": str(gguf)}},), tmp_path / "out", TP)
     for rank in ranks:
         logits = rank["smollm2"]["logits"]
         err = (logits - ref).abs().max().item()

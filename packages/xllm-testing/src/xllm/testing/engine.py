@@ -146,6 +146,19 @@ class Collected:
                 self.final[c.request_id] = c
 
 
+def moved_decode_request(req: engine_pb2.GenerateRequest, got: Collected) -> engine_pb2.GenerateRequest:
+    """The decode-phase request that continues ``req`` on another instance, as the gateway builds it for a
+    migration: the request so far (``req`` plus what ``got`` streamed of it) with that output as earlier
+    output (``resumed_output_tokens``, ``resumed_sent_chars``)."""
+    tokens, text = got.tokens.get(req.request_id, []), got.text.get(req.request_id, "")
+    cont = engine_pb2.GenerateRequest()
+    cont.CopyFrom(req)
+    cont.prompt_token_ids.extend(tokens)
+    cont.resumed_output_tokens, cont.resumed_sent_chars = len(tokens), len(text)
+    cont.disagg_phase = engine_pb2.DISAGG_PHASE_DECODE
+    return cont
+
+
 def run_to_completion(engine: LLMEngine, max_steps: int = 5000) -> Collected:
     got = Collected()
     for _ in range(max_steps):

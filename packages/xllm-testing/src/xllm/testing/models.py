@@ -172,6 +172,19 @@ def run_engine(model, tokenizer, prompts: list[list[int]], max_tokens: int, dtyp
     return run
 
 
+def run_ranks(target, args: tuple, out: pathlib.Path, size: int) -> list:
+    """Run ``target(rank, port, *args, out_dir)`` on ``size`` spawned processes (a free loopback port for their
+    gloo group; joined before returning, a rank's failure raises here); each rank saves its results as
+    ``out_dir/rank{r}.pt``, returned in rank order."""
+    import torch.multiprocessing as mp
+
+    from xllm.common.net import free_port
+
+    out.mkdir()
+    mp.spawn(target, args=(free_port(), *args, str(out)), nprocs=size, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(size)]
+
+
 def tiny_tp_arch_configs() -> dict[str, object]:
     """name -> transformers config of the tensor-parallel engine tests' tiny models beyond Llama (SmolLM2's
     vocabulary, 2 layers, 512 positions): over 2 ranks Qwen2's one KV head is replicated (2 query heads each),
