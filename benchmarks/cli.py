@@ -43,6 +43,7 @@ REGISTRY: NameRegistry[Scenario] = NameRegistry("benchmark", {
     "grammar_cost": "benchmarks.grammar_cost:SCENARIO",
     "spec": "benchmarks.spec:SCENARIO",
     "parallel": "benchmarks.parallel:SCENARIO",
+    "tracing": "benchmarks.tracing_cost:SCENARIO",
     "quant": "benchmarks.quant:SCENARIO",
     "perplexity": "benchmarks.perplexity:SCENARIO",
     "hugepages": "benchmarks.hugepages:SCENARIO",

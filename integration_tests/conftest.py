@@ -57,13 +57,15 @@ class Server:
         stop_process_group(self.proc, STOP_TIMEOUT)
 
 
-def start_server(log_dir: Path, *extra: str, timeout: float = STARTUP_TIMEOUT) -> Server:
-    """Start ``xllm serve`` with ``extra`` flags and wait until ``/health`` answers 200."""
+def start_server(log_dir: Path, *extra: str, timeout: float = STARTUP_TIMEOUT,
+                 env: dict[str, str] | None = None) -> Server:
+    """Start ``xllm serve`` with ``extra`` flags (and ``env`` added to its environment) and wait until
+    ``/health`` answers 200."""
     port = free_port()
     log_path = log_dir / f"xllm-serve-{port}.log"
     cmd = [sys.executable, "-m", "xllm.gateway", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--no-progress", *extra]
-    server = Server(spawn(cmd, log_path, CLUSTER_ENV), port, log_path)
+    server = Server(spawn(cmd, log_path, {**CLUSTER_ENV, **(env or {})}), port, log_path)
     try:
         wait_healthy(server.proc, f"{server.url}/health", timeout, "xllm serve", server.log_tail, interval=0.25)
     except BaseException:
@@ -85,8 +87,8 @@ def launch_server(tmp_path_factory) -> Callable[..., Server]:
     """``launch_server(*flags)`` starts another ``xllm serve``; the caller stops it (``.stop()``)."""
     log_dir = tmp_path_factory.mktemp("servers")
 
-    def _launch(*extra: str) -> Server:
-        return start_server(log_dir, *extra)
+    def _launch(*extra: str, env: dict[str, str] | None = None) -> Server:
+        return start_server(log_dir, *extra, env=env)
 
     return _launch
 
@@ -193,6 +195,12 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
 # so that the tests' prompts of tens of tokens span several blocks (prefix routing, hand-offs)
 TINY_ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", "0.05", "--threads", "1", "--max-num-seqs", "16",
                      "--block-size", "32")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_flags() -> tuple[str, ...]:
+    """:data:`TINY_ENGINE_FLAGS`, for tests that start engines their own way (``xllm serve`` spawning them)."""
+    return TINY_ENGINE_FLAGS
 
 
 @dataclass

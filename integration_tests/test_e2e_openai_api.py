@@ -290,3 +290,24 @@ def test_metrics_exposes_vllm_style_names(client, http, scrape):
     assert metric_value(m, "xllm:num_requests_running", **labels) == 0
     assert metric_value(m, "xllm:num_requests_waiting", **labels) == 0
     assert metric_value(m, "xllm:request_success_total", finished_reason="length", **labels) >= 1
+
+
+def test_responses_api_on_the_real_model(client, http):
+    """``/v1/responses`` through the official client answers what chat completions answer for the same
+    conversation (greedy), streamed or not, and continues it by ``previous_response_id``; ``/tokenize``
+    counts what the usage counts."""
+    chat = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    r = client.responses.create(model=MODEL, input=FRANCE[0]["content"], temperature=0, max_output_tokens=24)
+    assert r.output_text == chat.choices[0].message.content and "Paris" in r.output_text
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    with client.responses.create(model=MODEL, input=FRANCE[0]["content"], temperature=0, max_output_tokens=24,
+                                 stream=True) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == r.output_text
+    again = client.responses.create(model=MODEL, input="And of Italy?", previous_response_id=r.id, temperature=0,
+                                    max_output_tokens=24)
+    follow = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=24, messages=[
+        *FRANCE, {"role": "assistant", "content": r.output_text}, {"role": "user", "content": "And of Italy?"}])
+    assert again.output_text == follow.choices[0].message.content
+    counted = http.post("/tokenize", json={"model": MODEL, "messages": FRANCE}).json()
+    assert counted["count"] == chat.usage.prompt_tokens

@@ -50,18 +50,16 @@ class Served:
 def served(tiny_model_dir) -> Iterator[Served]:
     import uvicorn
 
-    from xllm.engine.config import engine_config
     from xllm.gateway.api_flags import access_policy, api_limits
     from xllm.gateway.cli import build_parser
-    from xllm.gateway.embedded import ServeOptions, build_embedded
+    from xllm.gateway.embedded import build_embedded, serve_options
 
     args = build_parser().parse_args([
         "serve", "--model", str(tiny_model_dir), "--served-model-name", MODEL, "--no-progress",
         "--dtype", "float32", "--kv-cache-memory", "0.05", "--threads", "1", "--max-num-seqs", "8",
         "--max-model-len", "512", "--api-key", USER_KEY, "--priority-api-key", PRIO_KEY,
         "--max-body-mib", str(BODY_LIMIT / 2**20), "--max-prompt-chars", str(PROMPT_CHARS)])
-    app = build_embedded(ServeOptions(args.model, args.served_model_name, engine_config(args), progress=False,
-                                      limits=api_limits(args), access=access_policy(args, environ={})))
+    app = build_embedded(serve_options(args, limits=api_limits(args), access=access_policy(args, environ={})))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     with serving_in_thread(server, WAIT) as port:
         yield Served(f"http://127.0.0.1:{port}", port, app)

@@ -22,7 +22,7 @@ from xllm.core.kv.xtensor import quantized_block_layout
 from xllm.core.model_api import KVCacheSpec
 from xllm.engine_api.errors import ConfigError
 from xllm.kernels.kv_quant import row_bytes
-from xllm.testing.engine import Collected, generate, make_engine, make_request
+from xllm.testing.engine import Collected, HandoffListener, generate, make_engine, make_request
 from xllm.testing.reference import FakeQuantKVContext, recompute_greedy
 from xllm.testing.tiny import TinyLM
 
@@ -175,25 +175,6 @@ def test_quantized_blocks_round_trip_through_a_disk_tier(model, tmp_path):
         other.close()
 
 
-class _Listener:
-    """A DisaggListener recording reservations and hand-offs."""
-
-    def __init__(self) -> None:
-        self.reserved, self.handoffs = {}, {}
-
-    def on_reserved(self, reservation) -> None:
-        self.reserved[reservation.request_id] = reservation
-
-    def on_prompt_finishing(self, prompts):
-        return None
-
-    def on_handoff(self, handoff) -> None:
-        self.handoffs[handoff.request_id] = handoff
-
-    def on_abandoned(self, request_id: str) -> None:
-        pass
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_pd_handoff_moves_quantized_pages(model, prompts, expected, kind):
     """A prefill engine's quantized pages (codes and scales, copied as bytes through the PageStores) let a
@@ -201,8 +182,8 @@ def test_pd_handoff_moves_quantized_pages(model, prompts, expected, kind):
     from xllm.proto.engine.v1 import engine_pb2
 
     prefill, decode = (engine(model, "xtensor", kind, max_num_batched_tokens=24) for _ in range(2))
-    prefill.attach_disagg(_Listener())
-    decode.attach_disagg(_Listener())
+    prefill.attach_disagg(HandoffListener())
+    decode.attach_disagg(HandoffListener())
     try:
         req = make_request("r", prompts[2], max_tokens=NEW, ignore_eos=True)
         req.disagg_phase = engine_pb2.DISAGG_PHASE_DECODE

@@ -32,8 +32,8 @@ def status_of(fn, *args) -> int:
 def test_open_server_takes_anyone_without_priority():
     open_ = AccessPolicy()
     assert not open_.requires_key
-    assert open_.authenticate(None) == Caller(False, False)
-    assert open_.authenticate("Bearer whatever") == Caller(False, False)
+    assert open_.authenticate(None) == Caller(False, False, admin=True)  # no keys: anyone may do anything
+    assert open_.authenticate("Bearer whatever") == Caller(False, False, admin=True)
 
 
 def test_keys_are_required_and_checked():
@@ -51,14 +51,14 @@ def test_keys_are_required_and_checked():
 def test_priority_keys_without_api_keys():
     policy = AccessPolicy(priority_keys=frozenset({"sk-prio"}))
     assert not policy.requires_key
-    assert policy.authenticate(None) == Caller(False, False)
-    assert policy.authenticate("Bearer nope") == Caller(False, False)
-    assert policy.authenticate("Bearer sk-prio") == Caller(True, True)
+    assert policy.authenticate(None) == Caller(False, False, admin=True)
+    assert policy.authenticate("Bearer nope") == Caller(False, False, admin=True)
+    assert policy.authenticate("Bearer sk-prio") == Caller(True, True, admin=True)
 
 
 def test_allow_client_priority():
     policy = AccessPolicy(allow_client_priority=True)
-    assert policy.authenticate(None) == Caller(False, True)
+    assert policy.authenticate(None) == Caller(False, True, admin=True)
     with pytest.raises(ValueError, match="--allow-client-priority"):
         AccessPolicy(api_keys=frozenset({"k"}), allow_client_priority=True)
     for bad in ("", " k", "k\n"):
@@ -223,3 +223,14 @@ def test_unknown_service_tier_is_a_400_naming_the_field(app_with, fake_engine, t
                      "service_tier")
     assert fake_engine.submitted == []
     assert client.post(CHAT, json={"messages": MSG, "max_tokens": 1}).status_code == 200  # still serving
+
+
+def test_admin_keys_alone_may_change_what_is_served():
+    policy = AccessPolicy(api_keys=frozenset({"sk-user"}), admin_keys=frozenset({"sk-admin"}))
+    user, admin = policy.authenticate("Bearer sk-user"), policy.authenticate("Bearer sk-admin")
+    assert (user.authenticated, user.admin) == (True, False) and (admin.authenticated, admin.admin) == (True, True)
+    with pytest.raises(APIError) as refused:
+        policy.check_admin(user, "loading a LoRA adapter")
+    assert refused.value.status == 403
+    policy.check_admin(admin, "loading a LoRA adapter")
+    assert AccessPolicy(admin_keys=frozenset({"sk-admin"})).requires_key  # an admin key is an API key too

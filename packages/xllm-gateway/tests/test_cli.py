@@ -55,7 +55,7 @@ PROFILE_FLAGS = ["--model", "--served-model-name", *ENGINE_CONFIG_FLAGS, "--outp
 
 API_FLAGS = ["--api-key", "--priority-api-key", "--allow-client-priority", "--max-inflight-requests",
              "--max-body-mib", "--max-prompts", "--max-n", "--max-logprobs"]
-API_FLAGS = [*API_FLAGS, "--offline-priority"]  # priority from which requests are offline
+API_FLAGS = [*API_FLAGS, "--offline-priority", "--admin-api-key"]  # offline priority; LoRA loading
 API_FLAGS = [*API_FLAGS, "--http-header-timeout-s", "--http-body-timeout-s", "--http-keep-alive-s",
              "--max-connections-per-client", "--max-connections"]  # HTTP connection bounds (xllm.gateway.http_guard)
 SERVE_FLAGS = [*SERVE_FLAGS, *API_FLAGS]  # the OpenAI API's keys and limits (xllm.gateway.api_flags)
@@ -66,6 +66,13 @@ ENGINE_FLAGS = [*ENGINE_FLAGS, "--nnodes", "--node-rank", "--master-addr", "--ma
 PD_ROLE_FLAGS = ["--pd-policy", "--pd-flip-window", "--pd-flip-cooldown", "--pd-cluster-cooldown", "--pd-min-per-role",
                  "--pd-max-flips", "--pd-prefill-overflow", "--no-pd-prefill-overflow"]
 SERVE_FLAGS = [*SERVE_FLAGS, *PD_ROLE_FLAGS]  # dynamic PD roles (xllm.gateway.roles)
+TRACING_FLAGS = ["--otlp-traces-endpoint", "--otlp-traces-protocol", "--otlp-traces-sample-ratio"]  # engine_api.tracing
+SERVE_FLAGS = [*SERVE_FLAGS, *TRACING_FLAGS, "--log-format"]  # --log-format: engine_api.logs
+ENGINE_FLAGS = [*ENGINE_FLAGS, *TRACING_FLAGS, "--log-format"]
+LORA_FLAGS = ["--lora-modules", "--max-loras", "--max-lora-rank"]  # multi-LoRA (xllm.core.lora), engine flags
+SERVE_FLAGS, ENGINE_FLAGS, PROFILE_FLAGS = ([*flags, *LORA_FLAGS] for flags in (SERVE_FLAGS, ENGINE_FLAGS,
+                                                                              PROFILE_FLAGS))
+PROFILE_FLAGS = [*PROFILE_FLAGS, "--log-format"]
 
 
 def _sub_parser(name: str = "serve"):

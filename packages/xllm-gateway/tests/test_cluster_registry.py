@@ -225,7 +225,7 @@ class FlakyClient:
         self.crash = crash
         self.submitted: list[engine_pb2.GenerateRequest] = []
 
-    async def submit(self, req):
+    async def submit(self, req, trace=None):
         if self.refuse:
             raise InstanceUnavailableError("draining", self.info.instance_id)
         self.submitted.append(req)

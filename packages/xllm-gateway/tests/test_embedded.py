@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from xllm.core import EngineConfig
+from xllm.engine_api.tracing import TracingOptions
 from xllm.gateway.embedded import ServeOptions, build_embedded
 from xllm.models import DEFAULT_MODEL
+from xllm.testing.otlp import OTLPReceiver
 from xllm.testing.sse import sse_events
 
 pytestmark = pytest.mark.real_model
@@ -19,14 +21,22 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def embedded():
-    """``xllm serve --tensor-parallel-size 2``'s app: the engine here, its worker rank a child process."""
+def receiver():
+    with OTLPReceiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def embedded(receiver):
+    """``xllm serve --tensor-parallel-size 2 --otlp-traces-endpoint ...``'s app: the engine here, its worker rank a
+    child process, request traces to ``receiver``."""
     from fastapi.testclient import TestClient
 
     cfg = EngineConfig(dtype=torch.float32, kv_cache_memory_gib=0.05, max_model_len=256, max_num_seqs=4,
                        tensor_parallel_size=2, num_threads=1)
     before = set(multiprocessing.active_children())
-    app = build_embedded(ServeOptions(engine=cfg, progress=False))
+    app = build_embedded(ServeOptions(engine=cfg, progress=False,
+                                      tracing=TracingOptions(receiver.grpc_endpoint, service_name="xllm-gateway")))
     (worker,) = set(multiprocessing.active_children()) - before
     with TestClient(app, raise_server_exceptions=False) as client:
         yield app, client
@@ -75,3 +85,25 @@ def test_embedded_context_limit_and_metrics(embedded):
     text = client.get("/metrics").text
     assert f'xllm:generation_tokens_total{{instance="engine-0",model_name="{DEFAULT_MODEL}"}}' in text
     assert f'xllm:num_requests_running{{instance="engine-0",model_name="{DEFAULT_MODEL}"}} 0.0' in text
+
+
+def test_embedded_traces_reach_into_the_engine(embedded, receiver):
+    """One process: the in-process engine's spans are children of the gateway's call span (own service name)."""
+    _, client = embedded
+    trace_id = "5" * 32
+    r = client.post("/v1/chat/completions", json={"messages": FRANCE, "temperature": 0, "max_tokens": 8},
+                    headers={"traceparent": f"00-{trace_id}-{'6' * 16}-01"})
+    assert r.status_code == 200, r.text
+    spans = receiver.wait_for(lambda got: {"engine.request", "POST /v1/chat/completions"} <= {
+        s.name for s in got if s.trace_id == trace_id})
+    mine = {s.name: s for s in spans if s.trace_id == trace_id}
+    engine, call = mine["engine.request"], mine["engine.generate"]
+    assert engine.parent_id == call.span_id and call.parent_id == mine["POST /v1/chat/completions"].span_id
+    assert (engine.service, call.service) == ("xllm-engine", "xllm-gateway")
+    assert engine.resource["xllm.instance_id"] == "engine-0"
+    assert engine.attributes["gen_ai.usage.output_tokens"] == r.json()["usage"]["completion_tokens"]
+    assert mine["engine.prefill"].parent_id == engine.span_id and mine["engine.decode"].parent_id == engine.span_id
+    # the page's recent requests hold the engine's spans too (one process, one ring)
+    app, _ = embedded
+    (recent,) = [t for t in app.state.gateway.recent_traces.recent() if t["trace_id"] == trace_id]
+    assert {"engine.request", "engine.prefill", "engine.decode", "route"} <= {s["name"] for s in recent["spans"]}

@@ -173,7 +173,7 @@ class _Unreachable:
     def __init__(self, iid: str) -> None:
         self.info = instance_pb2.InstanceInfo(instance_id=iid, model=instance_pb2.ModelInfo(served_name=MODEL))
 
-    async def submit(self, req):
+    async def submit(self, req, trace=None):
         raise InstanceUnavailableError(f"{self.info.instance_id} is only a test double", self.info.instance_id)
 
     async def close(self) -> None:

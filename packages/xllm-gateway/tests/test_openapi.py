@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from xllm.gateway.access import AccessPolicy
+from xllm.gateway.access import KEYED_PREFIXES, AccessPolicy
 from xllm.gateway.app import create_app
 from xllm.gateway.metrics import EngineMetrics
 from xllm.gateway.openai.limits import ApiLimits
@@ -35,12 +35,20 @@ KEY = "sk-test-openapi"
 WAIT = 60.0  # failure guard of the server's start and stop, never a timing assertion
 EXAMPLES = 12  # cases per operation and generation mode (positive, negative)
 POST_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
-               "/v1/recommend": "RecommendRequest"}
+               "/v1/recommend": "RecommendRequest", "/v1/responses": "ResponsesRequest",
+               "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest",
+               "/v1/load_lora_adapter": "LoadLoraAdapterRequest", "/v1/unload_lora_adapter": "UnloadLoraAdapterRequest"}
+ADMIN_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}  # the fuzzer's user key gets 403 there
 GOOD = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
                              "logit_bias": {"42": -5}, "stop": ["\n"], "stream": False, "audio": None},
     "/v1/completions": {"prompt": ["red", "green"], "max_tokens": 2, "logprobs": 1, "echo": True},
     "/v1/recommend": {"prompt": [1, 2, 3], "top_n": 2},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 3, "temperature": 0, "store": False},
+    "/tokenize": {"prompt": "hello"},
+    "/detokenize": {"tokens": [1, 2]},
+    "/v1/load_lora_adapter": {"lora_name": "sql", "lora_path": "/nowhere"},  # (the fake engine refuses: 400)
+    "/v1/unload_lora_adapter": {"lora_name": "sql"},  # (nobody serves it: 404)
 }
 BAD = [  # (route, field, value): refused by the server and by the published schema
     ("/v1/chat/completions", "audio", {"voice": "x"}),
@@ -50,6 +58,10 @@ BAD = [  # (route, field, value): refused by the server and by the published sch
     ("/v1/completions", "n", ApiLimits().max_n + 1),  # this server's limit, published
     ("/v1/chat/completions", "stop", ["x"] * (ApiLimits().max_stop + 1)),
     ("/v1/recommend", "top_n", "3"),
+    ("/v1/responses", "reasoning", {"effort": "high"}),
+    ("/v1/responses", "max_output_tokens", 0),
+    ("/tokenize", "unknown_field", 1),
+    ("/detokenize", "tokens", [-1]),
 ]
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
@@ -81,7 +93,8 @@ def test_every_post_route_publishes_its_request_schema(doc, fake_client):
         check = validator(doc, schema)
         check.validate(GOOD[path])
         r = fake_client.post(path, json=GOOD[path])
-        assert r.status_code in (200, 400), r.text  # the fake engine has no item catalogue: recommend may 400
+        # the fake engine has no item catalogue (recommend may 400) and no adapters (load 400, unload 404)
+        assert r.status_code in (200, 400, 404 if path == "/v1/unload_lora_adapter" else 400), r.text
     for path, field, value in BAD:
         body = {**GOOD[path], field: value}
         assert not validator(doc, {"$ref": f"#/components/schemas/{POST_ROUTES[path]}"}).is_valid(body), field
@@ -139,10 +152,11 @@ def test_bearer_scheme_guards_the_api_when_keys_are_set(fake_state, doc):
     assert scheme["type"] == "http" and scheme["scheme"] == "bearer"
     for path, ops in keyed["paths"].items():
         for op in ops.values():
-            if path.startswith("/v1/"):
+            if path.startswith(KEYED_PREFIXES):  # /v1/*, the page's data, /tokenize and /detokenize
                 assert op["security"] == [{name: []}] and "401" in op["responses"], path
             else:
                 assert "security" not in op, path  # /health and /metrics stay open
+    assert {"/tokenize", "/detokenize", "/v1/responses"} <= set(keyed["paths"])
 
 
 # --- the fuzzer, against a live server --------------------------------------------------------------
@@ -215,5 +229,5 @@ def test_schemathesis_finds_no_5xx_and_only_openai_errors(live_url):
 
             fuzz()
     assert set(seen) >= {f"POST {p}" for p in POST_ROUTES} | {"GET /v1/models", "GET /health", "GET /metrics"}
-    for path in POST_ROUTES:  # the generated bodies reached the engine, and the validation
+    for path in set(POST_ROUTES) - ADMIN_ROUTES:  # the generated bodies reached the engine, and the validation
         assert {200, 400} <= seen[f"POST {path}"], (path, seen)

@@ -141,9 +141,9 @@ def _die_on_first_request(node: ServedEngine, loop: asyncio.AbstractEventLoop, d
     if when == "submit":
         submit = node.aeng.submit_async
 
-        async def submit_async(req):
+        async def submit_async(req, trace=None):
             if died:
-                return await submit(req)
+                return await submit(req, trace)
             died.append(node.instance_id)
             stopping = asyncio.ensure_future(node.server.stop(0))
             await asyncio.Event().wait()  # cancelled with the call, by ``stopping``
@@ -153,7 +153,7 @@ def _die_on_first_request(node: ServedEngine, loop: asyncio.AbstractEventLoop, d
         return
     add = node.engine.add_request
 
-    def add_request(req):  # on the engine thread
+    def add_request(req, trace=None):  # on the engine thread
         if not died:
             died.append(node.instance_id)
             deadline = time.monotonic() + 10
@@ -162,7 +162,7 @@ def _die_on_first_request(node: ServedEngine, loop: asyncio.AbstractEventLoop, d
             accepted.append(node.server.num_inflight > 0)
             asyncio.run_coroutine_threadsafe(node.server.stop(0), loop).result()
             return None  # the request dies with the instance
-        return add(req)
+        return add(req, trace)
 
     node.engine.add_request = add_request
 

@@ -147,7 +147,7 @@ class Client:
         self.aborted: list[str] = []
         self.all_aborted = asyncio.Event()  # every submitted request was aborted
 
-    async def submit(self, req):
+    async def submit(self, req, trace=None):
         if len(self.submitted) == self.fail_on:
             raise InvalidRequestError("too long", "prompt")
         self.submitted.append(req.request_id)

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from xllm.core.kv.layout import KVCacheLayout
     from xllm.core.kv.lower_tiers import LowerTiers
     from xllm.core.kv.page_store import PageAccess
+    from xllm.core.request_trace import RequestTrace
     from xllm.core.validation import RequestLimits
     from xllm.engine_api.stats import StatsObserver
     from xllm.kvstore.tier import TierStats
@@ -151,8 +152,10 @@ class AsyncEngine:
         return alive and self.dead_reason is None
 
     # ---- requests ---------------------------------------------------------
-    def submit(self, req: engine_pb2.GenerateRequest) -> RequestStream:
-        """Queue ``req``; raises InvalidRequestError / EngineOverloadedError / EngineDeadError now."""
+    def submit(self, req: engine_pb2.GenerateRequest, trace: RequestTrace | None = None) -> RequestStream:
+        """Queue ``req``; raises InvalidRequestError / EngineOverloadedError / EngineDeadError now. ``trace``:
+        the request's record, filled by the engine thread (:mod:`xllm.core.request_trace`); read it once the
+        stream ended."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "engine is not running")
         self._engine.validate(req)
@@ -162,18 +165,18 @@ class AsyncEngine:
         with self._closing:  # never queued after the loop's last look at its commands
             if self.dead_reason is not None:
                 raise EngineDeadError(self.dead_reason)
-            self._commands.put(("add", req, stream))
+            self._commands.put(("add", (req, trace), stream))
         self._wake.set()
         return stream
 
-    async def submit_async(self, req: engine_pb2.GenerateRequest) -> RequestStream:
+    async def submit_async(self, req: engine_pb2.GenerateRequest, trace: RequestTrace | None = None) -> RequestStream:
         """:meth:`submit` from an event loop: an output constraint is compiled on a worker thread
         first (into the engine's grammar cache; milliseconds for a large schema), never on the loop."""
         grammars = self._engine.grammars
         if req.sampling.HasField("structured") and grammars is not None:
             self._engine.limits.check(req)  # the cheap checks (sizes, ranges) before the costly compile
             await asyncio.to_thread(grammars.compile, req.sampling.structured)
-        return self.submit(req)
+        return self.submit(req, trace)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
@@ -208,6 +211,13 @@ class AsyncEngine:
         side hears :class:`~xllm.core.disagg.MoveReady` once no step in flight computes it. False if
         it is not running here."""
         return self._call(lambda e: e.pause_for_move(request_id))
+
+    def load_lora(self, name: str, path: str | None) -> asyncio.Future[int]:
+        """Register the PEFT LoRA adapter in directory ``path`` as model ``name`` (:meth:`LLMEngine.load_lora
+        <xllm.core.lora.EngineLora.load_lora>`: ``InvalidRequestError`` naming ``lora_name`` or ``lora_path``),
+        resolving to its KV hash root; ``path`` None unloads ``name`` instead (resolving to 0;
+        ``InvalidRequestError`` while requests in flight use it)."""
+        return self._call(lambda e: e.load_lora(name, path) if path is not None else e.unload_lora(name) or 0)
 
     def _call(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
         """Run ``fn(engine)`` on the engine thread between steps; chunks it returns (a list) are
@@ -361,8 +371,8 @@ class AsyncEngine:
                 break
             if kind == "add":
                 try:
-                    ready = self._engine.add_request(payload)
-                    self._streams[payload.request_id] = stream
+                    ready = self._engine.add_request(*payload)
+                    self._streams[payload[0].request_id] = stream
                     out.extend(ready)
                 except Exception as exc:  # validation raced with another request: report to the caller
                     _post(stream, exc)

@@ -81,6 +81,9 @@ class EngineConfig:
     ``quantization`` (:data:`xllm.engine_api.names.WEIGHT_QUANTIZATIONS`): the linears' weight format the loader
     builds (``"auto"``: a GGUF's stored formats; ``"none"``: float in ``dtype``; ``"int8"``/``"int4"``/
     ``"int4_g128"``/``"w8a8"``: quantized at load); quantized weights need bfloat16/float32 and no ``compile_decode``.
+    ``lora_modules`` (``--lora-modules NAME=PATH``): PEFT LoRA adapters registered at start, served as model names,
+    at most ``max_loras`` resident at once (LRU), each of rank at most ``max_lora_rank`` (:mod:`xllm.core.lora`);
+    adapters are refused with ``tensor_parallel_size`` above 1 and with ``compile_decode``.
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -130,6 +133,9 @@ class EngineConfig:
     # what one request may ask for beyond the context length, applied again after the gateway (the request
     # limit flags, xllm.engine_api.flags.add_request_bound_flags); sizes the largest accepted message too
     request_bounds: RequestBounds = field(default_factory=RequestBounds)
+    lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> PEFT directory
+    max_loras: int = 4  # adapters resident at once (slots)
+    max_lora_rank: int = 16  # the largest adapter rank served
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -162,6 +168,19 @@ class EngineConfig:
         self._check_speculative()
         self._check_kv_tiers()
         self._check_tensor_parallel()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {getattr(self, name)}")
+        if not self.lora_modules:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ConfigError(f"--lora-modules: LoRA adapters are not served with --tensor-parallel-size "
+                              f"{self.tensor_parallel_size} yet")
+        if self.compile_decode:
+            raise ConfigError("--lora-modules: LoRA adapters are not served with --compile-decode")
 
     def _check_tensor_parallel(self) -> None:
         n = self.tensor_parallel_size

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
@@ -42,14 +43,17 @@ from xllm.core.engine_build import (
 )
 from xllm.core.engine_moves import EngineMoves
 from xllm.core.grammar import Grammars
+from xllm.core.lora import EngineLora, build_loras
 from xllm.core.model_api import CausalLM
 from xllm.core.output_processor import OutputProcessor, RequestOutput
 from xllm.core.platform import Platform
+from xllm.core.request_trace import RequestTrace, record_step
 from xllm.core.sampler import Sampler
 from xllm.core.sampling_params import SamplingParams
 from xllm.core.sequence import PLACEHOLDER, Phase, PromptLogprobs, SeqStatus, Sequence
 from xllm.core.spec.speculator import Speculator
 from xllm.core.step import StepInFlight
+from xllm.core.step_stats import finished_request, offline_scheduling, spec_stats
 from xllm.core.validation import RequestLimits
 from xllm.engine_api.errors import EngineOverloadedError, InvalidRequestError
 from xllm.engine_api.stats import EngineCounters, FinishedRequest, OfflineStepStats, StatsObserver, StepStats
@@ -67,7 +71,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineMoves, EngineBeams):
+class LLMEngine(EngineMoves, EngineBeams, EngineLora):
     """Continuous-batching engine over one model instance (``model`` satisfies
     :class:`~xllm.core.model_api.CausalLM`)."""
 
@@ -100,6 +104,7 @@ class LLMEngine(EngineMoves, EngineBeams):
         self.layout = self.kv.layout
         self.limits = RequestLimits(int(model.vocab_size), self.max_model_len, self.layout, config.request_bounds)
         self.runner = build_runner(config, model, self.kv, self.platform.device, ranks)
+        self.loras = build_loras(config, model, self.runner)  # LoRA adapters (xllm.core.lora)
         if config.kv_tiers_enabled:  # through the transfer store: every rank's KV heads with tensor parallelism
             attach_tiers(config, self.kv, self.transfer_store())
         eos = frozenset(tokenizer.eos_token_ids)
@@ -119,6 +124,7 @@ class LLMEngine(EngineMoves, EngineBeams):
         self._step_began = 0.0  # perf_counter at the start of the current step() (StepTiming's measure)
         self.disagg: DisaggListener | None = None  # who moves KV in hand-offs (attach_disagg: an engine server)
         self._abandoned: set[str] = set()  # aborted mid-hand-off: KV kept until release_kv
+        self._traced: weakref.WeakSet[Sequence] = weakref.WeakSet()  # live traced requests (record_step)
         self.stalled = False  # the last step had nothing it could run
         self._stepping: list[Sequence] = []  # the sequences of the step being prepared/run (stepping_request_ids)
         self._worker, self._owns_worker = build_worker(config, forward_executor)  # async scheduling's forwards
@@ -160,14 +166,17 @@ class LLMEngine(EngineMoves, EngineBeams):
         Raises :class:`InvalidRequestError` naming the offending parameter. An output constraint is
         compiled here (into the grammar cache), off the engine thread."""
         params = self.limits.check(req)
+        self._check_lora_name(req)
         if req.sampling.HasField("structured") and self.grammars is not None:
             self.grammars.compile(req.sampling.structured)
         return params
 
-    def add_request(self, req: engine_pb2.GenerateRequest) -> list[engine_pb2.GenerateResponse]:
+    def add_request(self, req: engine_pb2.GenerateRequest,
+                    trace: RequestTrace | None = None) -> list[engine_pb2.GenerateResponse]:
         """Queue a request; raises :class:`InvalidRequestError` or :class:`EngineOverloadedError`.
         Returns chunks to deliver at once: only a resumed request whose earlier run had already
-        ended (its final chunk was lost) ends here, with that chunk, without being queued."""
+        ended (its final chunk was lost) ends here, with that chunk, without being queued. ``trace``:
+        filled after each of its steps (:mod:`xllm.core.request_trace`)."""
         params = self.validate(req)
         if req.request_id in self.requests:
             raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight", "request_id")
@@ -185,6 +194,7 @@ class LLMEngine(EngineMoves, EngineBeams):
         seq = Sequence(req.request_id, list(req.prompt_token_ids), params, req.arrival_time or time.time(),
                        req.priority, seed=seed, num_resumed=req.resumed_output_tokens, phase=phase,
                        offline=req.offline)
+        self._admit_lora(seq, req)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = PromptLogprobs()
         if params.beam_width is not None:
@@ -200,8 +210,11 @@ class LLMEngine(EngineMoves, EngineBeams):
             self.counters.finished_requests += 1
             return [self.outputs.take_chunk(out)]
         out.kv_target = req.kv_target if phase is Phase.PREFILL else None
+        if trace is not None:
+            seq.trace = trace
+            self._traced.add(seq)
         self.requests[req.request_id] = out
-        self.scheduler.add(seq)
+        self._enqueue(seq)  # (to the scheduler, or waiting for a LoRA adapter slot: xllm.core.lora)
         return []
 
     def abort(self, request_id: str) -> engine_pb2.GenerateResponse | None:
@@ -225,7 +238,8 @@ class LLMEngine(EngineMoves, EngineBeams):
         self._notify(StepStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting), batch_size=0,
             num_decode_tokens=0, num_prefill_tokens=0, num_preempted=0, kv_usage=self.kv.usage, step_time=0.0,
-            finished=[_finished(seq, "abort", time.time())], offline=OfflineStepStats(finished=int(seq.offline))))
+            finished=[finished_request(seq, "abort", time.time())],
+            offline=OfflineStepStats(finished=int(seq.offline))))
         return chunk
 
     def stepping_request_ids(self) -> set[str]:
@@ -237,7 +251,8 @@ class LLMEngine(EngineMoves, EngineBeams):
         return {s.request_id for s in seqs}
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None or bool(self.beams.groups)
+        return (self.scheduler.has_work() or self._in_flight is not None or bool(self.beams.groups)
+                or bool(self.loras.parked))
 
     def all_decoding(self) -> bool:
         """Nothing waits and every running request decodes (one token per step)."""
@@ -266,6 +281,7 @@ class LLMEngine(EngineMoves, EngineBeams):
         """
         self._step_began = time.perf_counter()
         self._reserve()
+        self._lora_unpark()
         if self.config.async_scheduling:
             return self._step_overlapped()
         plan = self._schedule()
@@ -407,7 +423,7 @@ class LLMEngine(EngineMoves, EngineBeams):
             if out.finished:
                 del self.requests[seq.request_id]
                 self.scheduler.finish(seq)
-                finished.append(_finished(seq, finish_reason_name(out.finish_reason), now))
+                finished.append(finished_request(seq, finish_reason_name(out.finish_reason), now))
                 offline.finished += seq.offline
                 if seq.phase is Phase.PREFILL:  # the first token ended it: nothing to hand off
                     self.disagg.on_abandoned(seq.request_id)
@@ -447,7 +463,7 @@ class LLMEngine(EngineMoves, EngineBeams):
             if out.finished:
                 del self.requests[seq.request_id]
                 self.scheduler.finish(seq)
-                finished.append(_finished(seq, finish_reason_name(out.finish_reason), now))
+                finished.append(finished_request(seq, finish_reason_name(out.finish_reason), now))
                 offline.finished += seq.offline
         return emitted
 
@@ -474,7 +490,7 @@ class LLMEngine(EngineMoves, EngineBeams):
                  finished: list[FinishedRequest], step_time: float, offline: OfflineStepStats,
                  spec_tokens: int = 0) -> None:
         plan, batch, c = flight.plan, flight.batch, self.counters
-        _offline_scheduling(plan, offline)
+        offline_scheduling(plan, offline)
         c.observe_offline(offline)
         c.offline_longest_wait = offline.longest_wait
         # the step's time as StepTiming defines it (xllm.core.step_timing): synchronous, the whole step
@@ -490,6 +506,8 @@ class LLMEngine(EngineMoves, EngineBeams):
         if batch.num_decode > 1:
             c.multi_seq_decode_steps += 1
         c.observe_latency(ttfts, itls)
+        if self._traced:
+            record_step(flight, time.perf_counter(), time.time())
         if not self.observers:
             return
         prefix, before = self.kv.prefix_stats, self._reported_prefix
@@ -502,7 +520,7 @@ class LLMEngine(EngineMoves, EngineBeams):
             kv_usage=self.kv.usage, step_time=step_time, prompt_tokens=prompt_tokens, ttfts=ttfts,
             inter_token_latencies=itls, finished=finished, prefix_cache_queries=prefix.queries - before.queries,
             prefix_cache_hits=prefix.hits - before.hits, step_time_prediction_error=prediction_error,
-            offline=offline, **_spec_stats(flight), **beam_stats(beams, flight.beam_starts)))
+            offline=offline, **spec_stats(flight), **beam_stats(beams, flight.beam_starts)))
 
     def _notify(self, stats: StepStats) -> None:
         for obs in self.observers:
@@ -555,29 +573,6 @@ _PHASES = {engine_pb2.DISAGG_PHASE_NONE: Phase.MIXED, engine_pb2.DISAGG_PHASE_PR
            engine_pb2.DISAGG_PHASE_DECODE: Phase.DECODE}
 
 
-def _offline_scheduling(plan: StepPlan, out: OfflineStepStats) -> None:
-    """The co-location decisions of ``plan`` (xllm.sched.colocation) into ``out``: offline sequences
-    preempted by reason (``slo``: interrupted, KV kept) and the longest offline wait."""
-    for seq, reason in zip(plan.preempted, plan.preempt_reasons, strict=False):
-        if seq.offline:
-            out.preempted[reason] = out.preempted.get(reason, 0) + 1
-    if plan.interrupted:
-        out.preempted["slo"] = out.preempted.get("slo", 0) + len(plan.interrupted)
-    out.longest_wait = plan.longest_offline_wait
-
-
-def _spec_stats(flight: StepInFlight) -> dict:
-    """The step's speculation figures as :class:`StepStats` fields (none without verify runs)."""
-    if not flight.verified:
-        return {}
-    per_pos = [0] * max(v.num_drafts for v in flight.verified)
-    for v in flight.verified:
-        for j in range(v.num_accepted):
-            per_pos[j] += 1
-    return dict(spec_num_drafts=len(flight.verified), spec_draft_tokens=sum(v.num_drafts for v in flight.verified),
-                spec_accepted_tokens=sum(v.num_accepted for v in flight.verified), spec_accepted_per_pos=per_pos)
-
-
 def _attach_prompt_logprobs(chunk: engine_pb2.GenerateResponse, seq: Sequence) -> None:
     """The prompt's logprobs on the request's first output chunk (none for a resumed run: its first
     run sent them)."""
@@ -587,9 +582,3 @@ def _attach_prompt_logprobs(chunk: engine_pb2.GenerateResponse, seq: Sequence) -
     for token, logprob, top in seq.prompt_logprobs.entries:
         chunk.prompt_logprobs.add(token_id=token, logprob=logprob,
                                   top=[engine_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top])
-
-
-def _finished(seq: Sequence, reason: str, now: float) -> FinishedRequest:
-    ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
-    return FinishedRequest(seq.request_id, reason, seq.num_prompt_tokens, len(seq.output_ids),
-                           now - seq.arrival_time, ttft)

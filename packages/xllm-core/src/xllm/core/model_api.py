@@ -11,6 +11,7 @@ engine uses it where the KV backend has per-slot views.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -151,4 +152,40 @@ class SupportsFusedForward(Protocol):
     def fused_forward(self) -> FusedForward | None:
         """The model's fused forward, or None where it does not apply (no native kernels, a layout
         the kernel does not implement). Asked once, after the weights are loaded."""
+        ...
+
+
+class LoraAdapter(Protocol):
+    """An adapter as read (``xllm.models.lora.PeftAdapter``): ``identity`` (64-bit, non-zero) names its files
+    (it seeds the chained KV block hashes of its requests); ``rank``."""
+
+    identity: int
+    rank: int
+
+
+class LoraSlots(Protocol):
+    """A model's resident LoRA adapters in fixed slots (``xllm.models.lora.LoraStack``)."""
+
+    max_loras: int
+    max_rank: int
+
+    def read(self, path: str) -> LoraAdapter:
+        """Read and check an adapter directory against the model; ``ValueError`` naming what is wrong."""
+        ...
+
+    def install(self, slot: int, adapter: LoraAdapter) -> None: ...
+
+    def clear(self, slot: int) -> None: ...
+
+    def rows(self, slots: torch.Tensor | None) -> AbstractContextManager[None]:
+        """Within the block, forwards on this thread give row ``t`` the adapter in slot ``slots[t]`` (-1: none)."""
+        ...
+
+
+@runtime_checkable
+class SupportsLora(Protocol):
+    """Optional part of the model contract: LoRA adapters served in the same batch as the base model."""
+
+    def lora_stack(self, max_loras: int, max_rank: int) -> LoraSlots:
+        """The model's adapter slots (built on the first call); ``ValueError`` where the model cannot serve them."""
         ...

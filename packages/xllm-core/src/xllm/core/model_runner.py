@@ -4,6 +4,7 @@ backend, and the logits of the sequences that sample this step."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -15,6 +16,7 @@ from xllm.core.model_api import (
     AttentionContext,
     CausalLM,
     FusedForward,
+    LoraSlots,
     StepTokens,
     SupportsFusedForward,
     SupportsGreedyHead,
@@ -36,7 +38,8 @@ class BatchInputs:
     in row order); the forward returns the logits of :attr:`logit_rows` (sample rows, then those, then
     ``spec_rows``). A speculating sequence (``spec_spans``: the sequence and its drafts, in row order)
     runs as a chunk of its last known token plus its drafts, is not in ``sample_seqs``, and all its
-    rows are in ``spec_rows`` (:mod:`xllm.core.spec`).
+    rows are in ``spec_rows`` (:mod:`xllm.core.spec`). ``lora_slots``: the LoRA adapter slot of every row
+    (-1: the base model), None when every row is the base model's (:mod:`xllm.core.lora`).
     """
 
     input_ids: torch.Tensor
@@ -53,6 +56,7 @@ class BatchInputs:
     spec_rows: list[int] = field(default_factory=list)
     spec_spans: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)  # the packed chunks, in row order
+    lora_slots: torch.Tensor | None = None
 
     @property
     def logit_rows(self) -> torch.Tensor:
@@ -126,6 +130,9 @@ class ModelRunner:
         # alone costs one more pass over the weights (~30 ms for SmolLM2)
         self.share_max_rows = 64
         self.overlap: OverlapChooser | None = None  # decides eager vs overlapped steps (set_overlap)
+        # the model's LoRA adapter slots (xllm.core.lora sets them): a step with adapter rows runs eager, its rows'
+        # slots given to the model's projections (the fused native steps and compiled graphs know no adapters)
+        self.lora: LoraSlots | None = None
 
     def set_overlap(self, mode: str) -> None:
         """``--tp-overlap`` ``mode`` (``auto``, ``on``, ``off``): whether eager steps may run overlapped
@@ -211,6 +218,10 @@ class ModelRunner:
                 sample_seqs.append(seq)
         pf_starts.append(len(ids) - num_decode)
         dev = self.device
+        lora_slots = None
+        if any(seq.lora_slot >= 0 for seq, _ in chunks):
+            lora_slots = torch.tensor([seq.lora_slot for seq, n in chunks for _ in range(n)], dtype=torch.long,
+                                      device=dev)
 
         def tensor(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=dev)
@@ -221,7 +232,7 @@ class ModelRunner:
             sample_rows=tensor(sample_rows), sample_seqs=sample_seqs,
             address=self.kv.addressing.pack(chunks, decode_seqs, prefill_seqs, tensor),
             prompt_rows=prompt_rows, prompt_spans=prompt_spans, spec_rows=spec_rows, spec_spans=spec_spans,
-            chunks=list(chunks))
+            chunks=list(chunks), lora_slots=lora_slots)
 
     def _skinny_verify(self, batch: BatchInputs) -> bool:
         """Whether ``batch`` is decode rows plus speculative verify chunks only (no prompt chunk, no
@@ -245,7 +256,10 @@ class ModelRunner:
         layer, ``listening``, or ``hidden_sink`` is set), ``compiled`` (a pure decode step the graph covers),
         ``overlap`` (an eager step of two or more sequences that :attr:`overlap` chooses to overlap), else
         ``eager``. Tensor-parallel ranks compare it before a step: every rank must take the same one (a
-        worker, which has no chooser, takes rank 0's ``overlap`` for its ``eager``)."""
+        worker, which has no chooser, takes rank 0's ``overlap`` for its ``eager``). A step with LoRA adapter
+        rows (``batch.lora_slots``) runs ``eager``."""
+        if batch.lora_slots is not None:
+            return "eager"
         pure_decode = batch.num_decode == len(batch.input_ids)
         if self.fused is not None and not listening and self.hidden_sink is None:
             if pure_decode and batch.num_decode <= self.fused.max_batch:
@@ -276,7 +290,7 @@ class ModelRunner:
             raise ValueError("execute: extra rows need their logits (greedy is for the batch's rows alone)")
         if extra is not None:
             if (self.fused is None or on_layer is not None or self.hidden_sink is not None
-                    or len(batch.input_ids) <= self.share_max_rows):
+                    or batch.lora_slots is not None or len(batch.input_ids) <= self.share_max_rows):
                 return self._execute_with(batch, on_layer, extra)
             # fused, then the extra rows in a forward of their own; a tensor-parallel worker runs the same nested
             # call without a chooser, so rank 0's runs without one too (the same path, the same collectives)
@@ -315,13 +329,18 @@ class ModelRunner:
             ctx = self.kv.addressing.context(batch)
             if on_layer is not None:
                 ctx = _ReportingContext(ctx, on_layer)
-            hidden = self.model.forward(batch.input_ids, batch.positions, ctx)
+            with self._lora_rows(batch.lora_slots):
+                hidden = self.model.forward(batch.input_ids, batch.positions, ctx)
         if self.hidden_sink is not None:
             self.hidden_sink(batch, hidden)
         out = self._head(hidden[batch.logit_rows], greedy) if batch.needs_logits else _no_rows(greedy)
         if timed:
             self.overlap.record(len(batch.input_ids), mode, self.overlap.clock() - start)
         return out
+
+    def _lora_rows(self, slots: torch.Tensor | None):
+        """The context of a forward whose rows use the adapter slots ``slots`` (None: the base model's)."""
+        return nullcontext() if slots is None or self.lora is None else self.lora.rows(slots)
 
     def _forward_overlapped(self, batch: BatchInputs) -> torch.Tensor:
         """The eager forward of ``batch`` as two micro-batches by whole sequences, each attending through its
@@ -339,8 +358,12 @@ class ModelRunner:
         ctx: AttentionContext = _SplitContext(self.kv.addressing.context(batch), n, extra.ctx)
         if on_layer is not None:
             ctx = _ReportingContext(ctx, on_layer)
-        hidden = self.model.forward(torch.cat([batch.input_ids, extra.input_ids]),
-                                    torch.cat([batch.positions, extra.positions]), ctx)
+        slots = batch.lora_slots  # the extra rows (beams) are the base model's
+        if slots is not None:
+            slots = torch.cat([slots, slots.new_full((len(extra.input_ids),), -1)])
+        with self._lora_rows(slots):
+            hidden = self.model.forward(torch.cat([batch.input_ids, extra.input_ids]),
+                                        torch.cat([batch.positions, extra.positions]), ctx)
         if self.hidden_sink is not None:
             self.hidden_sink(batch, hidden[:n])
         rows = torch.cat([batch.logit_rows, torch.arange(n, len(hidden), device=batch.logit_rows.device)])

@@ -10,6 +10,7 @@ from xllm.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from xllm.core.grammar import GrammarState
+    from xllm.core.request_trace import RequestTrace
 
 PLACEHOLDER = -1  # stands for a token still being computed (async scheduling)
 
@@ -76,8 +77,11 @@ class Sequence:
     phase: Phase = Phase.MIXED
     moving: bool = False     # a migration stops it once no step in flight computes it
     offline: bool = False    # best-effort work (service_tier flex): xllm.sched.colocation
+    lora_slot: int = -1      # the LoRA adapter slot its rows use (-1: the base model; xllm.core.lora)
+    hash_root: int = 0       # the parent of its first KV block's hash: its adapter's identity (0: the base model)
     grammar: GrammarState | None = None  # constrained decoding (xllm.core.grammar): follows the known output
     prompt_logprobs: PromptLogprobs | None = None  # asked for (SamplingParams.prompt_logprobs): what is computed
+    trace: RequestTrace | None = None  # a traced request's record (xllm.core.request_trace), filled after each step
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ import grpc
 
 from xllm.engine_api.credential import new_nonce, proven
 from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, open_channel
+from xllm.engine_api.tracing import TraceCarrier
 from xllm.engine_api.wire import ACCEPTED_KEY, ClusterAuthError, InstanceUnavailableError, error_from_status
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from xllm.proto.kvstore.v1 import kv_events_pb2
@@ -38,7 +39,11 @@ class EngineClient(Protocol):
 
     info: instance_pb2.InstanceInfo
 
-    async def submit(self, req: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]: ...
+    async def submit(self, req: engine_pb2.GenerateRequest,
+                     trace: TraceCarrier | None = None) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """``trace``: the W3C context of the caller's span for this call (:mod:`xllm.engine_api.tracing`);
+        the instance's spans of the request become its children."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -49,6 +54,11 @@ class EngineClient(Protocol):
         ...
 
     async def health(self) -> engine_pb2.HealthResponse: ...
+
+    async def load_lora(self, name: str, path: str) -> engine_pb2.LoadLoraResponse:
+        """Load the LoRA adapter in the instance host's directory ``path`` as ``name`` (``path`` "": unload it);
+        a refusal is ``ok`` false with its reason (raises ``InstanceUnavailableError``)."""
+        ...
 
     async def load(self) -> instance_pb2.LoadReport: ...
 
@@ -201,9 +211,11 @@ class GrpcEngineClient:
     def _unavailable(self, exc: grpc.aio.AioRpcError) -> InstanceUnavailableError:
         return InstanceUnavailableError(f"instance {self.info.instance_id}: {exc.details()}", self.info.instance_id)
 
-    async def submit(self, req: engine_pb2.GenerateRequest) -> RemoteStream:
+    async def submit(self, req: engine_pb2.GenerateRequest, trace: TraceCarrier | None = None) -> RemoteStream:
+        """Send ``req``; ``trace`` goes as the call's metadata (``traceparent``, ``tracestate``)."""
         stub = await self._ready()  # InstanceUnavailableError (unreachable), ClusterAuthError (no proof)
-        return await self._accepted(stub.Generate(req, timeout=self.request_deadline), req.request_id)
+        call = stub.Generate(req, timeout=self.request_deadline, metadata=tuple(trace.items()) if trace else None)
+        return await self._accepted(call, req.request_id)
 
     async def reattach(self, request_id: str, from_token: int) -> RemoteStream:
         """Continue the detached request ``request_id`` (its gateway died mid-stream) from output token
@@ -281,6 +293,9 @@ class GrpcEngineClient:
 
     async def load(self) -> instance_pb2.LoadReport:
         return await self._unary("GetLoad", engine_pb2.GetLoadRequest())
+
+    async def load_lora(self, name: str, path: str) -> engine_pb2.LoadLoraResponse:
+        return await self._unary("LoadLora", engine_pb2.LoadLoraRequest(lora_name=name, lora_path=path))
 
     async def kv_events(self, since_version: int, epoch: int, snapshot: bool = False) -> kv_events_pb2.KVCacheEvents:
         req = engine_pb2.GetKVEventsRequest(since_version=since_version, epoch=epoch, snapshot=snapshot)

@@ -13,6 +13,7 @@ import logging
 import os
 
 from xllm.common.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
+from xllm.engine_api import logs
 from xllm.engine_api.bounds import RequestBounds
 from xllm.engine_api.names import (
     DTYPES,
@@ -25,6 +26,7 @@ from xllm.engine_api.names import (
 )
 from xllm.engine_api.registration.etcd import DEFAULT_PREFIX
 from xllm.engine_api.security import TOKEN_ENV, ClusterSecurity, resolve_token
+from xllm.engine_api.tracing import add_tracing_flags
 from xllm.proto.enums import ROLE_NAMES
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
 
@@ -40,14 +42,37 @@ def context_length(text: str) -> int:
     return value
 
 
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
+def lora_module(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` of ``--lora-modules`` -> ``(NAME, PATH)``."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a PEFT adapter directory), got {text!r}")
+    return name, path
+
+
+def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """``--model`` and ``--served-model-name``; ``several`` (``xllm serve``): each may be repeated, one
+    served model per ``--model`` (read them with :func:`served_models`)."""
+    again = (" Repeat it to serve several models behind one gateway, each with its own tokenizer, chat template "
+             "and engines (the first is the default of requests without `model`)") if several else ""
+    p.add_argument("--model", default=None, action="append" if several else "store",
                    help="model to serve: a Hugging Face model directory (config.json + *.safetensors), "
                         "a .gguf file (its config and tokenizer converted once into the cache; its Q8_0/Q4_0/Q4_1 "
                         "weights served as stored, see --quantization), or SmolLM2-135M-Instruct; default: the "
-                        "bundled SmolLM2-135M-Instruct (a Q4_1 GGUF)")
-    p.add_argument("--served-model-name", default=None,
-                   help="name clients pass as `model` (default: SmolLM2-135M-Instruct or the --model value)")
+                        "bundled SmolLM2-135M-Instruct (a Q4_1 GGUF)." + again)
+    p.add_argument("--served-model-name", default=None, action="append" if several else "store",
+                   help="name clients pass as `model` (default: SmolLM2-135M-Instruct or the --model value)"
+                        + ("; with several --model, one per --model in the same order" if several else ""))
+
+
+def served_models(args: argparse.Namespace) -> list[tuple[str | None, str | None]]:
+    """(model, served name) for each ``--model`` of a command whose model flags take several
+    (:func:`add_model_flags`); ``ValueError`` when the served names do not pair with the models."""
+    models, names = args.model or [None], args.served_model_name or []
+    if names and len(names) != len(models):
+        raise ValueError(f"--served-model-name: {len(names)} given for {len(models)} --model; give one per --model "
+                         "or none")
+    return list(zip(models, names or [None] * len(models), strict=True))
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -170,8 +195,24 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         ".npy (an integer array [items, tokens]) or JSON lines (one array per line); loaded at "
                         "start-up into a compact trie. POST /v1/recommend (and item_catalog engine requests) "
                         "beam-search only these items. Default: none")
+    add_lora_flags(p)
     add_kv_tier_flags(p)
     add_request_bound_flags(p)
+
+
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters served beside the base model in the same batches (xllm.core.lora)."""
+    p.add_argument("--lora-modules", type=lora_module, nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT LoRA adapter directories (adapter_config.json + adapter_model.safetensors) loaded at "
+                        "start, each served as model NAME; requests of different adapters and of the base model share "
+                        "steps, and never share KV (their prefix-cache blocks are keyed by adapter). Adapters on "
+                        "attention and dense MLP projections; not with --tensor-parallel-size above 1 or "
+                        "--compile-decode")
+    p.add_argument("--max-loras", type=positive_int, default=4, metavar="N",
+                   help="adapters resident at once; another one is loaded in place of the least recently used "
+                        "one no running request uses (a request finding every slot busy waits for one)")
+    p.add_argument("--max-lora-rank", type=positive_int, default=16, metavar="R",
+                   help="the largest adapter rank served (adapters above it are refused); sizes the adapter slots")
 
 
 def add_request_bound_flags(p: argparse.ArgumentParser) -> None:
@@ -234,6 +275,9 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide progress bars while converting/loading")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity")
+    p.add_argument("--log-format", default="text", choices=logs.LOG_FORMATS,
+                   help="log lines as text or as one JSON object per line (time, level, logger, message, "
+                        "request_id, trace_id) for log collectors; either way each line names its request")
 
 
 def add_etcd_flags(p: argparse.ArgumentParser, what: str) -> None:
@@ -400,6 +444,7 @@ def add_engine_process_arguments(p: argparse.ArgumentParser) -> None:
     add_security_flags(p)
     add_engine_flags(p)
     add_node_flags(p)
+    add_tracing_flags(p)
     add_common_flags(p)
 
 
@@ -421,13 +466,16 @@ def engine_args(args: argparse.Namespace, instances: int) -> list[str]:
             value = max(1, cores // instances // getattr(args, "tensor_parallel_size", 1))
         if action.nargs == 0:  # store_true switches
             out += [action.option_strings[0]] if value else []
+        elif action.dest == "lora_modules":
+            out += [action.option_strings[0], *(f"{n}={p}" for n, p in value)] if value else []
         elif value is not None:
             out += [action.option_strings[0], str(value)]
     return out
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(level: str, fmt: str = "text") -> None:
+    """Logging for a command (:func:`xllm.engine_api.logs.setup_logging`: request ids in every line; ``fmt``
+    ``text`` or ``json``)."""
+    logs.setup_logging(level, fmt)
     if level != "debug":  # one line per etcd request (heartbeats: several a second) is noise
         logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -53,7 +53,19 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_store_segment_gib=args.kv_store_segment, item_catalog=args.item_catalog,
         tensor_parallel_size=tp, tp_comm=getattr(args, "tp_comm", "auto"),
         tp_overlap=getattr(args, "tp_overlap", "auto"), **node_options(args, tp),
-        request_bounds=request_bounds(args))
+        request_bounds=request_bounds(args), **lora_options(args))
+
+
+def lora_options(args: argparse.Namespace) -> dict:
+    """``--lora-modules`` / ``--max-loras`` / ``--max-lora-rank`` as :class:`EngineConfig` fields (``ConfigError``
+    for an adapter name given twice)."""
+    modules: dict[str, str] = {}
+    for name, path in getattr(args, "lora_modules", None) or []:
+        if name in modules:
+            raise ConfigError(f"--lora-modules: adapter name {name!r} given twice")
+        modules[name] = path
+    return dict(lora_modules=modules, max_loras=getattr(args, "max_loras", 4),
+                max_lora_rank=getattr(args, "max_lora_rank", 16))
 
 
 def node_options(args: argparse.Namespace, tp: int) -> dict:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from xllm.core import AsyncEngine
+from xllm.engine.tracing import EngineTracer, traced_stream
+from xllm.engine_api.errors import EngineError
+from xllm.engine_api.tracing import TraceCarrier
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
@@ -13,12 +16,24 @@ from xllm.proto.registry.v1 import instance_pb2
 class InProcessEngineClient:
     """:class:`xllm.engine_api.client.EngineClient` over an :class:`~xllm.core.AsyncEngine` in this process."""
 
-    def __init__(self, engine: AsyncEngine, info: instance_pb2.InstanceInfo) -> None:
+    def __init__(self, engine: AsyncEngine, info: instance_pb2.InstanceInfo,
+                 tracer: EngineTracer | None = None) -> None:
+        """``tracer``: the engine's spans of the requests its caller traces (the gateway's tracing)."""
         self.engine = engine
         self.info = info
+        self.tracer = tracer
 
-    async def submit(self, req: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        return await self.engine.submit_async(req)  # a constraint compiles off the loop
+    async def submit(self, req: engine_pb2.GenerateRequest,
+                     trace: TraceCarrier | None = None) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        traced = self.tracer.begin(trace, req) if self.tracer is not None and trace else None
+        if traced is None:
+            return await self.engine.submit_async(req)  # a constraint compiles off the loop
+        try:
+            stream = await self.engine.submit_async(req, traced.record)
+        except Exception as exc:
+            traced.end(str(exc))
+            raise
+        return traced_stream(traced, stream)
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -31,6 +46,13 @@ class InProcessEngineClient:
     async def health(self) -> engine_pb2.HealthResponse:
         ok = self.engine.is_running
         return engine_pb2.HealthResponse(healthy=ok, status="ok" if ok else (self.engine.dead_reason or "stopped"))
+
+    async def load_lora(self, name: str, path: str) -> engine_pb2.LoadLoraResponse:
+        try:
+            root = await self.engine.load_lora(name, path or None)
+        except (EngineError, ValueError) as exc:  # (an engine that cannot take adapters: a ConfigError)
+            return engine_pb2.LoadLoraResponse(ok=False, error=str(exc), param=getattr(exc, "param", None) or "")
+        return engine_pb2.LoadLoraResponse(ok=True, hash_root=root)
 
     async def load(self) -> instance_pb2.LoadReport:
         return self.engine.load_report()

@@ -35,6 +35,7 @@ from xllm.engine_api.metrics import MetricsEndpoint
 from xllm.engine_api.registration.agent import InstanceAgent, Publisher
 from xllm.engine_api.registration.etcd import DEFAULT_PREFIX
 from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, is_loopback
+from xllm.engine_api.tracing import Tracing, TracingOptions, tracing_options
 from xllm.models import ModelConfigError, ModelNotFoundError, served_name
 from xllm.proto.enums import role_from_name
 from xllm.proto.registry.v1 import instance_pb2
@@ -66,6 +67,7 @@ class InstanceOptions:
     role: str = "mixed"
     handoff: HandoffOptions = field(default_factory=HandoffOptions)
     security: ClusterSecurity = NO_SECURITY
+    tracing: TracingOptions = field(default_factory=TracingOptions)  # --otlp-traces-* (off by default)
 
 
 def default_instance_id() -> str:
@@ -100,9 +102,10 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
     aeng = AsyncEngine(engine, compute=compute)
+    tracing = Tracing(opts.tracing, {"xllm.instance_id": info.instance_id, "xllm.role": opts.role}, roots=False)
     # before the loop starts: it observes every step
     server = EngineServer(aeng, handoff=opts.handoff, security=opts.security, stall_timeout=opts.step_timeout,
-                          detached_grace_s=opts.detached_grace_s)
+                          detached_grace_s=opts.detached_grace_s, tracing=tracing)
     metrics = None
     if opts.metrics_port is not None:
         if not is_loopback(opts.metrics_host):
@@ -151,6 +154,7 @@ async def serve_instance(engine: LLMEngine, info: instance_pb2.InstanceInfo, opt
                 await publisher.close()
         if metrics is not None:
             metrics.close()
+        tracing.shutdown()  # the spans still queued are sent
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.remove_signal_handler(sig)
@@ -202,7 +206,8 @@ def options(args: argparse.Namespace) -> InstanceOptions:
         heartbeat_interval=args.heartbeat_interval, drain_timeout=args.drain_timeout, step_timeout=args.step_timeout,
         detached_grace_s=args.detached_grace_s, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
         exit_with_parent=args.exit_with_parent, progress=not args.no_progress, role=args.role,
-        handoff=handoff_options(args), security=flags.cluster_security(args))
+        handoff=handoff_options(args), security=flags.cluster_security(args),
+        tracing=tracing_options(args, "xllm-engine"))
 
 
 def run(args: argparse.Namespace, prog: str = "xllm engine") -> int:
@@ -235,5 +240,5 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     flags.add_engine_process_arguments(parser)
     args = parser.parse_args(argv)
-    flags.setup_logging(args.log_level)
+    flags.setup_logging(args.log_level, args.log_format)
     return run(args, parser.prog)

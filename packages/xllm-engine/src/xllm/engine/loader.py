@@ -79,7 +79,8 @@ def load_engine(model: str | None, name: str, cfg: EngineConfig | None, instance
         instance_id=instance_id, role=instance_pb2.INSTANCE_ROLE_MIXED, start_time=time.time(),
         model=instance_pb2.ModelInfo(served_name=name, max_model_len=engine.max_model_len,
                                      dtype=str(cfg.dtype).removeprefix("torch."),
-                                     block_size=engine.layout.block_size))
+                                     block_size=engine.layout.block_size, lora_names=engine.lora_names(),
+                                     lora_hash_roots=engine.lora_hash_roots()))
     return LoadedEngine(engine, tokenizer, info, compute)
 
 

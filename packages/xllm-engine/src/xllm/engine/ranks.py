@@ -27,7 +27,6 @@ import os
 import pathlib
 import signal
 import socket
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
@@ -42,6 +41,7 @@ from xllm.core.executor.channel import StepChannel
 from xllm.core.executor.net_channel import NetChannelSpec, NetPlanChannel
 from xllm.core.parallel.comm import Communicator, GlooComm, GroupAddress
 from xllm.core.parallel.trust import check_group_address, prove_group
+from xllm.engine_api import logs
 from xllm.engine_api.credential import ClusterKeys
 from xllm.engine_api.errors import ConfigError
 from xllm.engine_api.security import is_loopback
@@ -81,6 +81,7 @@ class RankSpec:
     channel: ChannelSpec | NetChannelSpec
     comm: CommSpec
     log_level: int = logging.INFO  # rank 0's
+    log_format: str = "text"  # rank 0's (xllm.engine_api.logs)
     keys: ClusterKeys | None = None  # the cluster token's, proved to the other ranks (never shown)
 
 
@@ -160,8 +161,8 @@ def model_kwargs(rank: int, size: int, comm: Communicator) -> dict:
 def rank_main(spec: RankSpec) -> None:
     """A worker rank's process: join, load the shard, serve steps until shut down (exit status 0) or
     until rank 0 dies or a step fails (status 1, the cause logged)."""
-    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s rank {spec.rank} %(levelname)s %(name)s: "
-                                                   "%(message)s", stream=sys.stderr)
+    logs.setup_logging(spec.log_level, spec.log_format, {"rank": spec.rank},
+                       f"%(asctime)s rank {spec.rank} %(levelname)s %(name)s%(request_tag)s: %(message)s")
     # a worker leaves on rank 0's SHUTDOWN or with rank 0: a SIGTERM or Ctrl-C to the whole process group (a
     # supervisor, systemd's control group, a terminal) must not kill it under rank 0's graceful drain
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -234,7 +235,7 @@ def spawn_ranks(ranks: range, model_dir: pathlib.Path, cfg: EngineConfig, gguf: 
         for rank in ranks:
             spec = RankSpec(rank, cfg.tensor_parallel_size, str(model_dir), cfg.dtype, cfg.quantization,
                             None if gguf is None else str(gguf), threads, cfg.device, os.getpid(), channel, comm,
-                            logging.getLogger().getEffectiveLevel(), cfg.cluster_keys)
+                            logging.getLogger().getEffectiveLevel(), logs.current_format(), cfg.cluster_keys)
             p = ctx.Process(target=rank_main, args=(spec,), name=f"xllm-rank-{rank}", daemon=True)
             p.start()
             processes.append(p)

@@ -52,10 +52,13 @@ from xllm.engine.handoff import grpc as grpc_transport
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.handoff.manager import HandoffManager
 from xllm.engine.intake import Intake, message_bounds
+from xllm.engine.tracing import EngineTracer
 from xllm.engine_api.credential import prove_mac
 from xllm.engine_api.errors import EngineError
+from xllm.engine_api.logs import REQUEST_ID
 from xllm.engine_api.security import NO_SECURITY, ClusterSecurity, bind, new_server
 from xllm.engine_api.stats import StepStats
+from xllm.engine_api.tracing import Tracing
 from xllm.engine_api.wire import ACCEPTED_KEY, DRAINING, HANDED_BACK, RequestFailedError, Status, status_for
 from xllm.kvstore import KVEventLog
 from xllm.proto.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -101,12 +104,13 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
 
     def __init__(self, engine: AsyncEngine, kv_history: int = 1 << 16, rate_alpha: float = 0.2,
                  handoff: HandoffOptions | None = None, security: ClusterSecurity = NO_SECURITY,
-                 stall_timeout: float = 60.0, detached_grace_s: float = 0.0) -> None:
+                 stall_timeout: float = 60.0, detached_grace_s: float = 0.0, tracing: Tracing | None = None) -> None:
         self.engine = engine
         self.security = security
         self.stall_timeout = stall_timeout
         self._watchdog: asyncio.Task | None = None
         self.detached = DetachedRequests(detached_grace_s, engine.abort)  # calls broken without an Abort
+        self.tracer = EngineTracer(tracing or Tracing(), engine.instance_id)  # spans of traced callers' requests
         self.instance_id = engine.instance_id
         self.block_size = engine.kv_layout.block_size
         engine.enable_kv_events()  # published from now on (drained after every step, see _on_step)
@@ -326,12 +330,16 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         if self.draining:
             await _abort(context, DRAINING)
         rid = request.request_id
+        REQUEST_ID.set(rid)  # this call's task: its log lines name the request
         decode = request.disagg_phase == engine_pb2.DISAGG_PHASE_DECODE
         reserved = self.handoff.expect_reservation(rid) if decode and self.handoff.enabled else None
-        try:
-            stream = await self.engine.submit_async(request)  # a constraint compiles off the loop
+        traced = self.tracer.begin(context.invocation_metadata(), request)
+        try:  # (a constraint compiles off the loop)
+            stream = await self.engine.submit_async(request, traced.record if traced is not None else None)
         except EngineError as exc:
             self.handoff.forget(rid)
+            if traced is not None:
+                traced.end(str(exc))
             await _abort(context, status_for(exc))
         await context.send_initial_metadata(((ACCEPTED_KEY, "1"),))
         call = _Call(rid, movable=request.movable, num_tokens=len(request.prompt_token_ids))
@@ -358,6 +366,8 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
                     chunk.disagg_stats.CopyFrom(stats)
                 if self.detached.enabled:
                     call.history.append(chunk)
+                if traced is not None:
+                    traced.observe(chunk)
                 yield chunk
                 if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                     break
@@ -380,11 +390,22 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()  # the call is gone: leaving the stream aborts the request
+            if traced is not None:
+                traced.end(failure.details if failure is not None else None if traced.finish else "the call broke")
             self.handoff.forget(rid)
             if self._calls.get(rid) is call:
                 del self._calls[rid]
         if failure is not None:
             await _abort(context, failure)
+
+    async def LoadLora(self, request: engine_pb2.LoadLoraRequest, context) -> engine_pb2.LoadLoraResponse:
+        """Load (or, with an empty path, unload) a LoRA adapter between steps; a refusal is an answer, not a
+        failed call (``error`` and the field at fault in ``param``)."""
+        try:
+            root = await self.engine.load_lora(request.lora_name, request.lora_path or None)
+        except (EngineError, ValueError) as exc:  # (an engine that cannot take adapters: a ConfigError)
+            return engine_pb2.LoadLoraResponse(ok=False, error=str(exc), param=getattr(exc, "param", None) or "")
+        return engine_pb2.LoadLoraResponse(ok=True, hash_root=root)
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
         call = self._calls.get(request.request_id)

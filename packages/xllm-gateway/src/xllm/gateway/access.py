@@ -26,6 +26,11 @@ from xllm.gateway.openai.errors import forbidden, unauthorized
 from xllm.gateway.openai.protocol import DEFAULT_OFFLINE_PRIORITY, OpenAIRequest, Scheduling
 
 API_KEY_ENV = "XLLM_API_KEY"
+API_PREFIX = "/v1/"
+DASHBOARD_DATA_PREFIX = "/dashboard/api/"  # the live cluster page's data
+# what the API keys guard (ApiGuard; the bearer scheme of /openapi.json): the OpenAI routes, the page's data
+# and vLLM's tokenizer routes
+KEYED_PREFIXES = (API_PREFIX, DASHBOARD_DATA_PREFIX, "/tokenize", "/detokenize")
 SCHEME = "bearer"
 
 
@@ -39,6 +44,7 @@ class Caller:
 
     authenticated: bool  # presented a configured key
     may_set_priority: bool
+    admin: bool = False  # presented an admin key (or no keys are configured): may load and unload adapters
 
 
 @dataclass(frozen=True)
@@ -48,11 +54,12 @@ class AccessPolicy:
 
     api_keys: frozenset[str] = frozenset()
     priority_keys: frozenset[str] = frozenset()
+    admin_keys: frozenset[str] = frozenset()  # may change what is served (LoRA adapters); also API keys
     allow_client_priority: bool = False
     offline_priority: int = DEFAULT_OFFLINE_PRIORITY
 
     def __post_init__(self) -> None:
-        for key in self.api_keys | self.priority_keys:
+        for key in self.api_keys | self.priority_keys | self.admin_keys:
             if not key or key != key.strip():
                 raise ValueError("an API key must be non-empty and have no surrounding whitespace")
         if self.allow_client_priority and self.api_keys:
@@ -61,7 +68,7 @@ class AccessPolicy:
 
     @property
     def requires_key(self) -> bool:
-        return bool(self.api_keys)
+        return bool(self.api_keys or self.admin_keys)
 
     def authenticate(self, authorization: str | None) -> Caller:
         """The caller presenting the ``Authorization`` header value (None: no header); raises the
@@ -74,16 +81,25 @@ class AccessPolicy:
         if key is None:
             if self.requires_key:
                 raise unauthorized("Missing bearer authentication in header: send 'Authorization: Bearer <API key>'.")
-            return Caller(False, self.allow_client_priority)
+            return Caller(False, self.allow_client_priority, admin=True)
         given = _digest(key)
-        is_api_key = is_priority_key = False
+        is_api_key = is_priority_key = is_admin_key = False
         for k in self.api_keys:  # every key, no early exit
             is_api_key |= hmac.compare_digest(given, _digest(k))
         for k in self.priority_keys:
             is_priority_key |= hmac.compare_digest(given, _digest(k))
-        if self.requires_key and not (is_api_key or is_priority_key):
+        for k in self.admin_keys:
+            is_admin_key |= hmac.compare_digest(given, _digest(k))
+        if self.requires_key and not (is_api_key or is_priority_key or is_admin_key):
             raise unauthorized("Incorrect API key provided.")
-        return Caller(is_api_key or is_priority_key, is_priority_key or self.allow_client_priority)
+        return Caller(is_api_key or is_priority_key or is_admin_key, is_priority_key or self.allow_client_priority,
+                      admin=is_admin_key or not self.requires_key)
+
+    @staticmethod
+    def check_admin(caller: Caller, what: str) -> None:
+        """403 unless ``caller`` may change what the server serves (an admin key, or no keys configured)."""
+        if not caller.admin:
+            raise forbidden(f"{what} needs an admin API key (xllm serve --admin-api-key)")
 
     def scheduling(self, req: OpenAIRequest) -> Scheduling:
         """How the engine schedules ``req``: its priority, and whether it is offline."""

@@ -29,6 +29,10 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-api-key", action="append", default=None, metavar="KEY",
                    help="an API key whose requests may raise their priority (a negative `priority`, `service_tier` "
                         "priority/scale; repeatable; also a valid API key); other clients asking for it get 403")
+    g.add_argument("--admin-api-key", action="append", default=None, metavar="KEY",
+                   help="an API key that may also load and unload LoRA adapters (POST /v1/load_lora_adapter, "
+                        "/v1/unload_lora_adapter; repeatable; also a valid API key); with keys set, other clients "
+                        "get 403 there; without any key those routes are open (bind loopback)")
     g.add_argument("--allow-client-priority", action="store_true",
                    help="without --api-key: let every client raise its priority (default: 403)")
     g.add_argument("--offline-priority", type=int, default=DEFAULT_OFFLINE_PRIORITY, metavar="N",
@@ -96,5 +100,5 @@ def access_policy(args: argparse.Namespace, environ: Mapping[str, str] | None = 
     ``ValueError`` for a blank key or --allow-client-priority with API keys."""
     environ = os.environ if environ is None else environ
     return AccessPolicy(api_keys=parse_keys(args.api_key, environ.get(API_KEY_ENV)),
-                        priority_keys=parse_keys(args.priority_api_key),
+                        priority_keys=parse_keys(args.priority_api_key), admin_keys=parse_keys(args.admin_api_key),
                         allow_client_priority=args.allow_client_priority, offline_priority=args.offline_priority)

@@ -21,12 +21,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from xllm.engine_api.tracing import Tracing
 from xllm.gateway.access import AccessPolicy, Caller
+from xllm.gateway.dashboard import EventHub, add_dashboard_routes
 from xllm.gateway.dispatch import Dispatcher
+from xllm.gateway.fronts import ModelFront, ModelFronts
 from xllm.gateway.guard import REQUEST_ID_HEADER, ApiGuard, caller_of, request_id_of
 from xllm.gateway.metrics import EngineMetrics, MoveMetrics, PDMetrics, PDRoleMetrics, RouterMetrics
 from xllm.gateway.moves import MoveOptions, Mover
-from xllm.gateway.openai.errors import RETRY_AFTER_SECONDS, APIError, internal_error, new_request_id
+from xllm.gateway.openai.errors import RETRY_AFTER_SECONDS, APIError, internal_error, model_not_found, new_request_id
 from xllm.gateway.openai.limits import ApiLimits
 from xllm.gateway.openai.preprocess import Preprocessor
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
@@ -44,21 +47,32 @@ from xllm.gateway.openai.protocol_responses import (
     ChatCompletionChunk,
     Completion,
     CompletionChunk,
+    Detokenized,
     Health,
     ModelList,
     Recommendation,
+    ResponseDeleted,
+    ResponseObject,
+    ResponseStreamEvent,
+    Tokenized,
 )
+from xllm.gateway.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from xllm.gateway.openai.request_body import validation_error
+from xllm.gateway.openai.responses_api import ResponsesRequest
 from xllm.gateway.openai.serving_chat import ChatServing
 from xllm.gateway.openai.serving_completion import CompletionServing
+from xllm.gateway.openai.serving_lora import LoadLoraAdapterRequest, LoraAdmin, UnloadLoraAdapterRequest
 from xllm.gateway.openai.serving_recommend import RecommendServing
+from xllm.gateway.openai.serving_responses import ResponsesServing
 from xllm.gateway.openai.serving_resume import ResumeServing
+from xllm.gateway.openai.serving_tokenize import TokenizeServing
 from xllm.gateway.openai.stream_ids import StreamSeal
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER
 from xllm.gateway.progress import StallLimits
 from xllm.gateway.registry import InstanceState, Registry
 from xllm.gateway.roles import PDRoleOptions, RoleController
 from xllm.gateway.router import Router
+from xllm.gateway.tracing import RecentTraces, TraceMiddleware, spans_of
 from xllm.models.tokenizer import Tokenizer
 from xllm.proto.registry.v1 import instance_pb2
 
@@ -89,6 +103,47 @@ class GatewayState:
     tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (--tool-call-parser)
     stall: StallLimits = field(default_factory=StallLimits)  # streams of stopped instances (--stream-stall-timeout)
     stream_key: bytes | None = None  # resumable stream ids' key (the cluster's; None: random, this gateway only)
+    # the other models this gateway serves, each with its own tokenizer and context (xllm.gateway.fronts)
+    extra_models: tuple[ModelFront, ...] = ()
+    tracing: Tracing = field(default_factory=Tracing)  # request traces (--otlp-traces-endpoint; off: a null object)
+    recent_traces: RecentTraces | None = None  # the gateway's spans of its last requests (the cluster page)
+
+
+    def fronts(self) -> ModelFronts:
+        """Every served model's front, the default model's first."""
+        return ModelFronts([ModelFront(self.default_model, self.tokenizer, self.max_model_len), *self.extra_models])
+
+
+@dataclass(frozen=True)
+class _Servings:
+    """The routes' handlers of one served model (its tokenizer and context length)."""
+
+    chat: ChatServing
+    completions: CompletionServing
+    recommend: RecommendServing
+    tokenize: TokenizeServing
+
+
+class _ByModel:
+    """Each request's model → its :class:`_Servings` (404 for a model this gateway has no front for)."""
+
+    def __init__(self, dispatcher: Dispatcher, fronts: ModelFronts, preprocessor: Preprocessor, tool_parser: str,
+                 seal: StreamSeal) -> None:
+        self.dispatcher = dispatcher
+        self._servings: dict[str, _Servings] = {}
+        for f in fronts:
+            chat = ChatServing(dispatcher, f.tokenizer, f.max_model_len, preprocessor, tool_parser, seal)
+            self._servings[f.name] = _Servings(
+                chat, CompletionServing(dispatcher, f.tokenizer, f.max_model_len, preprocessor, seal),
+                RecommendServing(dispatcher, f.tokenizer, f.max_model_len, preprocessor),
+                TokenizeServing(dispatcher, chat, f.tokenizer, f.max_model_len, preprocessor))
+
+    def __call__(self, requested: str | None) -> _Servings:
+        name, _ = self.dispatcher.base_of(self.dispatcher.resolve_model(requested))  # (an adapter: its model's)
+        servings = self._servings.get(name)
+        if servings is None:  # registered by an instance, but this gateway has no tokenizer for it
+            raise model_not_found(name)
+        return servings
 
 
 async def _call(fn: Callable[[], object]) -> None:
@@ -111,11 +166,13 @@ def create_app(state: GatewayState) -> FastAPI:
     state.registry.add_listener(on_instance)
     for st in state.registry.states():  # registered before the app (the embedded engine)
         on_instance("added", st)
+    hub = EventHub()  # flips and moves as they happen, for the cluster page (xllm.gateway.events)
     dispatcher = Dispatcher(state.registry, state.default_model, router, pd_metrics=PDMetrics(state.metrics.registry),
-                            mover=Mover(router, state.moves, MoveMetrics(state.metrics.registry)), stall=state.stall)
+                            mover=Mover(router, state.moves, MoveMetrics(state.metrics.registry), events=hub),
+                            stall=state.stall)
     preprocessor = Preprocessor(state.limits)
     roles = RoleController(state.registry, router, state.pd_roles, PDRoleMetrics(state.metrics.registry),
-                           on_role=lambda st: state.metrics.set_role(st.model, st.instance_id, st.role))
+                           on_role=lambda st: state.metrics.set_role(st.model, st.instance_id, st.role), events=hub)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -132,21 +189,27 @@ def create_app(state: GatewayState) -> FastAPI:
                 log.exception("shutdown hook failed")
         await state.registry.close()
         preprocessor.close()
+        state.tracing.shutdown()  # the spans still queued are sent
 
     app = FastAPI(title="xLLM", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state
     app.state.roles = roles
     app.add_middleware(ApiGuard, access=state.access, max_inflight=state.limits.max_inflight_requests)
+    if state.tracing.enabled:  # outside the guard: a request's trace covers its admission too
+        app.add_middleware(TraceMiddleware, tracing=state.tracing)
     _add_error_handlers(app)
     bodies = RequestBodies()
     seal = StreamSeal(state.stream_key)
-    _add_openai_routes(app, bodies, preprocessor, state.access,
-                       ChatServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor,
-                                   state.tool_parser, seal),
-                       CompletionServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor, seal),
-                       RecommendServing(dispatcher, state.tokenizer, state.max_model_len, preprocessor))
-    _add_resume_route(app, ResumeServing(state.registry, state.tokenizer, seal))
+    fronts = state.fronts()
+    by_model = _ByModel(dispatcher, fronts, preprocessor, state.tool_parser, seal)
+    _add_openai_routes(app, bodies, preprocessor, state.access, by_model)
+    _add_responses_routes(app, bodies, state.access, ResponsesServing(preprocessor, state.limits), by_model)
+    _add_tokenizer_routes(app, bodies, preprocessor, by_model)
+    _add_resume_route(app, ResumeServing(state.registry, fronts.tokenizers(), seal))
+    _add_lora_routes(app, bodies, preprocessor, state.access, LoraAdmin(state.registry, dispatcher))
     _add_service_routes(app, state, roles)
+    add_dashboard_routes(app, state, router, roles, dispatcher.mover,  # the live cluster page, /dashboard
+                         timelines=state.recent_traces, hub=hub)
     install_openapi(app, bodies, state.access.requires_key, state.limits)
     return app
 
@@ -178,14 +241,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_openai_routes(app: FastAPI, bodies: RequestBodies, preprocessor: Preprocessor, access: AccessPolicy,
-                       chat: ChatServing, completions: CompletionServing, recommend: RecommendServing) -> None:
+                       by_model: _ByModel) -> None:
     """The generation routes. Each reads its own body (:meth:`Preprocessor.parse`); its declared
     schema (``openapi_extra``, ``responses``) only describes it in ``/openapi.json``."""
     anonymous = Caller(False, access.allow_client_priority)
 
     async def parse(raw: Request, model: type[OpenAIRequest]) -> OpenAIRequest:
-        req = await preprocessor.parse(raw, model)
-        access.check_priority(caller_of(raw.scope) or anonymous, req)
+        with spans_of(raw.scope).phase("validate"):  # admission: the body read, parsed and checked
+            req = await preprocessor.parse(raw, model)
+            access.check_priority(caller_of(raw.scope) or anonymous, req)
         return req
 
     @app.post("/v1/chat/completions", operation_id="createChatCompletion",
@@ -193,18 +257,81 @@ def _add_openai_routes(app: FastAPI, bodies: RequestBodies, preprocessor: Prepro
               responses=answers(ChatCompletion, *GENERATION_ERRORS, stream=ChatCompletionChunk))
     async def chat_completions(raw: Request):
         req = await parse(raw, ChatCompletionRequest)
-        return await chat.create(req, raw, access.scheduling(req))
+        return await by_model(req.model).chat.create(req, raw, access.scheduling(req))
 
     @app.post("/v1/completions", operation_id="createCompletion", openapi_extra=bodies.json(CompletionRequest),
               responses=answers(Completion, *GENERATION_ERRORS, stream=CompletionChunk))
     async def create_completions(raw: Request):
         req = await parse(raw, CompletionRequest)
-        return await completions.create(req, raw, access.scheduling(req))
+        return await by_model(req.model).completions.create(req, raw, access.scheduling(req))
 
     @app.post("/v1/recommend", operation_id="createRecommendation", openapi_extra=bodies.json(RecommendRequest),
               responses=answers(Recommendation, 400, 404, 413, 500, 503))  # (no priority asked: no 403)
     async def create_recommendation(raw: Request):  # generative recommendation over the item catalogue
-        return await recommend.create(await preprocessor.parse(raw, RecommendRequest), raw)
+        req = await preprocessor.parse(raw, RecommendRequest)
+        return await by_model(req.model).recommend.create(req, raw)
+
+
+def _add_responses_routes(app: FastAPI, bodies: RequestBodies, access: AccessPolicy, responses: ResponsesServing,
+                          by_model: _ByModel) -> None:
+    """``/v1/responses`` (:mod:`xllm.gateway.openai.serving_responses`): create, read back, delete."""
+    anonymous = Caller(False, access.allow_client_priority)
+
+    @app.post("/v1/responses", operation_id="createResponse", openapi_extra=bodies.json(ResponsesRequest),
+              responses=answers(ResponseObject, *GENERATION_ERRORS, stream=ResponseStreamEvent, named_events=True))
+    async def create_response(raw: Request):
+        with spans_of(raw.scope).phase("validate"):  # admission: the body read, parsed and checked
+            parsed = await responses.parse(raw)
+            access.check_priority(caller_of(raw.scope) or anonymous, parsed.chat)
+        chat = by_model(parsed.chat.model).chat
+        return await responses.create(parsed, chat, raw, access.scheduling(parsed.chat))
+
+    @app.get("/v1/responses/{response_id}", operation_id="getResponse", responses=answers(ResponseObject, 404, 500))
+    async def get_response(response_id: str):
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}", operation_id="deleteResponse",
+                responses=answers(ResponseDeleted, 404, 500))
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
+
+
+def _add_tokenizer_routes(app: FastAPI, bodies: RequestBodies, preprocessor: Preprocessor, by_model: _ByModel) -> None:
+    """``POST /tokenize`` and ``POST /detokenize`` (vLLM's; behind the API keys as ``/v1/*`` are)."""
+
+    @app.post("/tokenize", operation_id="tokenize", openapi_extra=bodies.json(TokenizeRequest),
+              responses=answers(Tokenized, 400, 404, 413, 500))
+    async def tokenize(raw: Request):
+        req = await preprocessor.parse(raw, TokenizeRequest)
+        return await by_model(req.model).tokenize.tokenize(req)
+
+    @app.post("/detokenize", operation_id="detokenize", openapi_extra=bodies.json(DetokenizeRequest),
+              responses=answers(Detokenized, 400, 404, 413, 500))
+    async def detokenize(raw: Request):
+        req = await preprocessor.parse(raw, DetokenizeRequest)
+        return await by_model(req.model).tokenize.detokenize(req)
+
+
+def _add_lora_routes(app: FastAPI, bodies: RequestBodies, preprocessor: Preprocessor, access: AccessPolicy,
+                     lora: LoraAdmin) -> None:
+    """vLLM's run-time LoRA routes (:mod:`xllm.gateway.openai.serving_lora`): an admin key's, when keys are set."""
+    anyone = Caller(False, access.allow_client_priority, admin=not access.requires_key)
+
+    refusals = answers(None, 400, 403, 404, 413, 500, 503)
+
+    @app.post("/v1/load_lora_adapter", operation_id="loadLoraAdapter",
+              openapi_extra=bodies.json(LoadLoraAdapterRequest), responses=refusals)
+    async def load_lora_adapter(raw: Request):
+        req = await preprocessor.parse(raw, LoadLoraAdapterRequest)
+        access.check_admin(caller_of(raw.scope) or anyone, "loading a LoRA adapter")
+        return await lora.load(req)
+
+    @app.post("/v1/unload_lora_adapter", operation_id="unloadLoraAdapter",
+              openapi_extra=bodies.json(UnloadLoraAdapterRequest), responses=refusals)
+    async def unload_lora_adapter(raw: Request):
+        req = await preprocessor.parse(raw, UnloadLoraAdapterRequest)
+        access.check_admin(caller_of(raw.scope) or anyone, "unloading a LoRA adapter")
+        return await lora.unload(req)
 
 
 def _add_resume_route(app: FastAPI, resume: ResumeServing) -> None:
@@ -225,8 +352,14 @@ def _add_service_routes(app: FastAPI, state: GatewayState, roles: RoleController
 
     @app.get("/v1/models", operation_id="listModels", responses=answers(ModelList, 500))
     async def models():
+        """The served models, then their LoRA adapters (``parent``: the model an adapter runs on, as vLLM lists
+        them)."""
+        served = _served(state)
         data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "xllm",
-                 "max_model_len": _max_model_len(state, name)} for name in state.registry.served_models()]
+                 "max_model_len": _max_model_len(state, name)} for name in served]
+        data += [{"id": name, "object": "model", "created": int(state.started), "owned_by": "xllm",
+                  "max_model_len": _max_model_len(state, base), "parent": base}
+                 for name, base in sorted(state.registry.adapters().items()) if base in served and name not in served]
         return {"object": "list", "data": data}
 
     unhealthy = {"model": Health, "description": "No healthy instance", "headers": RETRY_AFTER}
@@ -262,9 +395,16 @@ def _add_service_routes(app: FastAPI, state: GatewayState, roles: RoleController
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _served(state: GatewayState) -> list[str]:
+    """The models live instances serve that this gateway has a front for (the ones it can serve)."""
+    fronts = state.fronts()
+    return [name for name in state.registry.served_models() if name in fronts]
+
+
 def _max_model_len(state: GatewayState, name: str) -> int:
     lens = [s.info.model.max_model_len for s in state.registry.states(name) if s.info.model.max_model_len]
-    return min(lens) if lens else state.max_model_len
+    front = state.fronts().get(name)
+    return min(lens) if lens else (front.max_model_len if front is not None else state.max_model_len)
 
 
 async def _load(st: InstanceState) -> instance_pb2.LoadReport | None:

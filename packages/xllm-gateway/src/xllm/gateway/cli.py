@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from xllm.common.argtypes import int_list_at_least, non_negative_float, positive_float, positive_int
 from xllm.engine_api import flags
+from xllm.engine_api.tracing import add_tracing_flags, tracing_options
 from xllm.gateway.api_flags import access_policy, add_api_flags, api_limits, http_guard_options
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from xllm.sched import MOVE_MODES, PD_POLICIES, ROUTING_POLICIES
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve a model behind an OpenAI-compatible HTTP API: one process by "
                                        "default, or a gateway routing to engine processes (--instances, --etcd).",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    flags.add_model_flags(serve)
+    flags.add_model_flags(serve, several=True)
     serve.add_argument("--host", default="127.0.0.1",
                        help="interface to bind; use 0.0.0.0 to accept connections from other machines")
     serve.add_argument("--port", type=int, default=8000, help="TCP port of the HTTP API")
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_pd_role_flags(serve)
     flags.add_handoff_flags(serve)
     flags.add_security_flags(serve)  # cluster mode: the internal gRPC services (engines, registry)
+    add_tracing_flags(serve)  # request traces of the gateway and of the engines it spawns
     flags.add_common_flags(serve)
     add_api_flags(serve)  # the OpenAI API's keys, priority permission and request limits
 
@@ -261,8 +263,9 @@ def _serve(args: argparse.Namespace) -> int:
 
             roles = {"mixed": args.instances or 0, "prefill": args.prefill_instances or 0,
                      "decode": args.decode_instances or 0}
+            models = flags.served_models(args)
             app = build_cluster(ClusterOptions(
-                model=args.model, served_model_name=args.served_model_name, instances=roles,
+                model=models[0][0], served_model_name=models[0][1], more_models=models[1:], instances=roles,
                 etcd=args.etcd, etcd_prefix=args.etcd_prefix, etcd_watch_timeout=args.etcd_watch_timeout,
                 engine_idle_timeout=args.engine_idle_timeout, request_timeout=args.request_timeout,
                 stall=StallLimits(no_chunk_s=args.stream_stall_timeout),
@@ -271,7 +274,7 @@ def _serve(args: argparse.Namespace) -> int:
                 engine_args=flags.engine_args(args, max(sum(roles.values()), 1)), log_level=args.log_level,
                 progress=not args.no_progress, security=flags.cluster_security(args),
                 moves=MoveOptions(args.drain_moves, args.kv_bandwidth_prior * 1e6), pd_roles=pd_role_options(args),
-                **api))
+                tracing=tracing_options(args, "xllm-gateway"), log_format=args.log_format, **api))
         else:
             from xllm.gateway.embedded import build_embedded, serve_options  # loads the engine runtime
 
@@ -288,7 +291,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    flags.setup_logging(args.log_level)
+    flags.setup_logging(args.log_level, args.log_format)
     if args.command == "serve":
         return serve(args)
     if args.command == "engine":

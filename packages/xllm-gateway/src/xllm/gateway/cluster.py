@@ -40,8 +40,10 @@ from xllm.engine_api.registration.embedded import serve_registry
 from xllm.engine_api.registration.etcd import DEFAULT_PREFIX
 from xllm.engine_api.registration.etcd_client import DEFAULT_WATCH_TIMEOUT, EtcdClient
 from xllm.engine_api.security import NO_SECURITY, ClusterSecurity
+from xllm.engine_api.tracing import TracingOptions
 from xllm.gateway.access import AccessPolicy
 from xllm.gateway.app import GatewayState, create_app
+from xllm.gateway.fronts import ModelFront
 from xllm.gateway.kv_tier_metrics import KVTierCollector, from_registry
 from xllm.gateway.metrics import EngineMetrics, RegistryMetrics
 from xllm.gateway.moves import MoveOptions
@@ -50,6 +52,7 @@ from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER
 from xllm.gateway.progress import StallLimits
 from xllm.gateway.registry import EmbeddedRegistry, EtcdRegistry
 from xllm.gateway.roles import PDRoleOptions
+from xllm.gateway.tracing import gateway_tracing
 from xllm.models.config import ModelConfig
 from xllm.models.source import gguf_file, resolve_model, served_name
 from xllm.models.tokenizer import Tokenizer
@@ -61,7 +64,9 @@ log = logging.getLogger(__name__)
 class ClusterOptions:
     model: str | None = None
     served_model_name: str | None = None
-    instances: dict[str, int] = field(default_factory=dict)  # engine processes to start, by role
+    # more models behind this gateway: (model, served name), each with its own tokenizer and engines
+    more_models: list[tuple[str | None, str | None]] = field(default_factory=list)
+    instances: dict[str, int] = field(default_factory=dict)  # engine processes to start, by role (per model)
     etcd: str | None = None
     etcd_prefix: str = DEFAULT_PREFIX
     etcd_watch_timeout: float = DEFAULT_WATCH_TIMEOUT  # a silent watch counts as dead after this
@@ -81,16 +86,19 @@ class ClusterOptions:
     moves: MoveOptions = field(default_factory=MoveOptions)  # requests on draining instances: migrate or recompute
     stall: StallLimits = field(default_factory=StallLimits)  # streams of stopped instances: broken off, resumed
     pd_roles: PDRoleOptions = field(default_factory=PDRoleOptions)  # static or dynamic PD roles (role flips)
+    tracing: TracingOptions = field(default_factory=TracingOptions)  # request traces: the gateway's and its engines'
+    log_format: str = "text"  # of the gateway and the engines it starts
 
 
 class EngineProcesses:
-    """Engine processes started by the gateway and stopped with it (``roles``: how many of each).
-    ``env``: variables added to their environment (the cluster token)."""
+    """Engine processes started by the gateway and stopped with it (``roles``: how many of each, for each of
+    ``commands``: (instance id prefix, command) per model). ``env``: variables added to their environment
+    (the cluster token)."""
 
-    def __init__(self, roles: dict[str, int], base_cmd: list[str], log_dir: Path | None = None,
+    def __init__(self, roles: dict[str, int], commands: list[tuple[str, list[str]]], log_dir: Path | None = None,
                  stop_timeout: float = 40.0, env: dict[str, str] | None = None) -> None:
         self.roles = roles
-        self.base_cmd = base_cmd
+        self.commands = commands
         self.env = env or {}
         self.log_dir = log_dir
         self.stop_timeout = stop_timeout
@@ -98,10 +106,10 @@ class EngineProcesses:
         self._logs: list = []
 
     def start(self, registry_args: list[str]) -> None:
-        for role, count in self.roles.items():
-            for i in range(count):
-                name = f"engine-{i}" if role == "mixed" else f"{role}-{i}"
-                cmd = [*self.base_cmd, "--instance-id", name, "--role", role, *registry_args]
+        for (prefix, base_cmd), role in ((c, r) for c in self.commands for r in self.roles):
+            for i in range(self.roles[role]):
+                name = prefix + (f"engine-{i}" if role == "mixed" else f"{role}-{i}")
+                cmd = [*base_cmd, "--instance-id", name, "--role", role, *registry_args]
                 out = None
                 if self.log_dir is not None:
                     self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -137,7 +145,16 @@ def engine_command(model_dir: str, name: str, opts: ClusterOptions) -> list[str]
     return [sys.executable, "-m", "xllm.engine", "--model", model_dir, "--served-model-name", name,
             "--host", "127.0.0.1", "--port", "0", "--no-progress", "--exit-with-parent",
             "--drain-timeout", str(opts.drain_timeout), "--log-level", opts.log_level,
-            *security_args(opts.security), *opts.engine_args]
+            "--log-format", opts.log_format, *opts.tracing.as_args(), *security_args(opts.security), *opts.engine_args]
+
+
+def _front(model: str | None, served: str | None, opts: ClusterOptions) -> tuple[ModelFront, str]:
+    """One served model's front (tokenizer, context length) and the model argument its engines get."""
+    # a GGUF converts in a child, config and tokenizer only: the engines serve its weights as stored (or, with
+    # --dtype / --quantization none, convert its weights themselves: they get the GGUF, not the directory)
+    model_dir = resolve_model(model, progress=opts.progress, isolated=True, weights=False)
+    max_len = opts.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
+    return ModelFront(served_name(model, served), Tokenizer(model_dir), max_len), str(gguf_file(model) or model_dir)
 
 
 def build_cluster(opts: ClusterOptions):
@@ -147,13 +164,11 @@ def build_cluster(opts: ClusterOptions):
                          "that signed it; the certificate itself if it is self-signed) so the gateway can dial them")
     opts.security.check_files()
     opts.security.check_cluster(opts.etcd, "xllm serve")  # --etcd needs a credential or --insecure-cluster
-    # a GGUF converts in a child, config and tokenizer only: the engines serve its weights as stored (or, with
-    # --dtype / --quantization none, convert its weights themselves: they get the GGUF, not the directory)
-    model_dir = resolve_model(opts.model, progress=opts.progress, isolated=True, weights=False)
-    model_arg = str(gguf_file(opts.model) or model_dir)
-    tokenizer = Tokenizer(model_dir)
-    name = served_name(opts.model, opts.served_model_name)
-    max_len = opts.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
+    fronts, commands = [], []
+    for i, (model, served) in enumerate([(opts.model, opts.served_model_name), *opts.more_models]):
+        front, model_arg = _front(model, served, opts)
+        fronts.append(front)
+        commands.append((f"m{i}-" if i else "", engine_command(model_arg, front.name, opts)))
     security = opts.security
     if not security.token and not opts.etcd and any(opts.instances.values()):
         security = security.with_token(secrets.token_urlsafe(32))  # this run's engines and registry only
@@ -165,12 +180,14 @@ def build_cluster(opts: ClusterOptions):
                              metrics=RegistryMetrics(metrics.registry), credential=security.keys)
                 if opts.etcd else EmbeddedRegistry(client_factory=clients, credential=security.keys))
     metrics.registry.register(KVTierCollector(from_registry(registry)))  # xllm:kv_tier_*, from heartbeats
-    state = GatewayState(registry=registry, tokenizer=tokenizer, metrics=metrics, default_model=name,
-                         max_model_len=max_len, routing=opts.routing, limits=opts.limits, access=opts.access,
+    state = GatewayState(registry=registry, tokenizer=fronts[0].tokenizer, metrics=metrics,
+                         default_model=fronts[0].name, max_model_len=fronts[0].max_model_len,
+                         extra_models=tuple(fronts[1:]), routing=opts.routing, limits=opts.limits, access=opts.access,
                          moves=opts.moves, pd_roles=opts.pd_roles, tool_parser=opts.tool_parser, stall=opts.stall,
-                         stream_key=security.keys.stream if security.keys else None)  # any gateway resumes any's
+                         stream_key=security.keys.stream if security.keys else None,  # any gateway resumes any's
+                         **gateway_tracing(opts.tracing))
     if any(opts.instances.values()):
-        procs = EngineProcesses(opts.instances, engine_command(model_arg, name, opts),
+        procs = EngineProcesses(opts.instances, commands,
                                 Path(opts.log_dir) if opts.log_dir else None,
                                 stop_timeout=opts.drain_timeout + 10, env=security.environment())
         grpc_server = {}
@@ -193,6 +210,7 @@ def build_cluster(opts: ClusterOptions):
         state.on_startup.append(start_engines)
         state.on_shutdown.append(stop_engines)
     local = ", ".join(f"{n} {role}" for role, n in opts.instances.items() if n)
-    log.info("gateway for %s: %s registry, routing %s, PD roles %s, %s", name, registry.backend, opts.routing,
+    log.info("gateway for %s: %s registry, routing %s, PD roles %s, %s", ", ".join(f.name for f in fronts),
+             registry.backend, opts.routing,
              opts.pd_roles.policy, f"local engine processes: {local}" if local else "engines from etcd")
     return create_app(state)

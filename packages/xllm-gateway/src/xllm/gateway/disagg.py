@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from xllm.engine_api.wire import InstanceUnavailableError
 from xllm.gateway.router import Router, Ticket
+from xllm.gateway.tracing import NO_SPANS, RequestSpans
 from xllm.proto.engine.v1 import engine_pb2
 
 if TYPE_CHECKING:
@@ -60,8 +61,8 @@ class PrefillPlacer(Protocol):
     """What a :class:`PDStream` asks of the dispatcher (:class:`~xllm.gateway.dispatch.Dispatcher`)."""
 
     async def submit_prefill(self, model: str, req: engine_pb2.GenerateRequest, target: engine_pb2.KVTarget,
-                             session: str | None, exclude: set[str],
-                             ticket: Ticket | None = None) -> tuple[Ticket, object, int]:
+                             session: str | None, exclude: set[str], ticket: Ticket | None = None,
+                             spans: RequestSpans = NO_SPANS) -> tuple[Ticket, object, int]:
         """The prefill phase of ``req`` sent to another prefill instance: its ticket, stream and the
         instances tried."""
         ...
@@ -89,7 +90,7 @@ class PDStream:
     def __init__(self, placer: PrefillPlacer, router: Router, metrics: PDMetrics, model: str,
                  req: engine_pb2.GenerateRequest, prefill: Ticket, prefill_stream, decode: Ticket,
                  decode_iter: AsyncIterator, target: engine_pb2.KVTarget, session: str | None = None,
-                 handoff_grace: float = 5.0, prefill_attempts: int = 1) -> None:
+                 handoff_grace: float = 5.0, prefill_attempts: int = 1, spans: RequestSpans = NO_SPANS) -> None:
         """``placer``: another prefill instance when one fails before the first token; ``router``: the
         prefill side's accounting and TTFT; ``metrics``: the PD metrics this stream counts (transfers,
         TTFT breakdown, prefill retries, lost hand-offs, cancelled requests); ``prefill_attempts``: the
@@ -110,6 +111,7 @@ class PDStream:
         self.times = PDTimes()
         self.prefill_attempts = prefill_attempts
         self._prefill_done = False  # the current prefill instance's part is accounted with the router
+        self._spans = spans         # the request's trace: each prefill instance's part ends in it
         self.decoding = False       # the decode instance streams (its first chunk came): it runs the request
 
     async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
@@ -157,6 +159,7 @@ class PDStream:
         if not self._prefill_done:
             self._prefill_done = True
             self._router.finished(self.prefill, got_first)
+            self._spans.left(self.prefill, None if got_first else "failed before the first token")
 
     async def _first_token(self, p_iter: AsyncIterator) -> tuple[engine_pb2.GenerateResponse, AsyncIterator]:
         """The prefill instance's first chunk; a prefill instance failing before it is replaced
@@ -221,7 +224,7 @@ class PDStream:
         log.warning("request %s: prefill instance %s failed before the first token; retrying on another",
                     self._req.request_id, failed)
         self.prefill, self._p_stream, attempts = await self._placer.submit_prefill(
-            self._model, self._req, self.target, self._session, exclude={failed})
+            self._model, self._req, self.target, self._session, exclude={failed}, spans=self._spans)
         self.prefill_attempts += attempts
         self._prefill_done = False
         self._router.dispatched(self.prefill, 1)

@@ -44,6 +44,7 @@ from xllm.gateway.progress import RequestProgress, StallLimits, watched
 from xllm.gateway.registry import NoInstanceError, Registry
 from xllm.gateway.roles import hands_over
 from xllm.gateway.router import Router, Ticket
+from xllm.gateway.tracing import NO_SPANS, RequestSpans, now
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.enums import finish_reason_name
 
@@ -85,41 +86,55 @@ class Dispatcher:
         self._background: set[asyncio.Future] = set()  # keeps detached tasks alive until they ran
 
     def resolve_model(self, requested: str | None) -> str:
-        served = self.registry.served_models()
+        """The served name a request asked for (the default model without one): a model a live instance
+        serves, or one of their LoRA adapters (404 otherwise)."""
         if requested is None or requested == "":
             return self.default_model
-        if requested not in served:
+        if requested not in self.registry.served_models() and requested not in self.registry.adapters():
             raise model_not_found(requested)
         return requested
 
-    async def submit_all(self, model: str, reqs: list[engine_pb2.GenerateRequest],
-                         session: str | None = None) -> tuple[EngineClient, list[RoutedStream]]:
+    def base_of(self, name: str) -> tuple[str, str]:
+        """(the model whose instances serve ``name``, the adapter: "" for a model itself)."""
+        base = self.registry.adapters().get(name)
+        return (name, "") if base is None or name in self.registry.served_models() else (base, name)
+
+    async def submit_all(self, model: str, reqs: list[engine_pb2.GenerateRequest], session: str | None = None,
+                         spans: RequestSpans = NO_SPANS) -> tuple[EngineClient, list[RoutedStream]]:
         """Submit every request to one instance (choices of a request stay together).
-        On failure the already submitted ones are aborted and an APIError raised."""
+        On failure the already submitted ones are aborted and an APIError raised. ``spans``: the request's
+        trace (:mod:`xllm.gateway.tracing`): the routing decision and each instance's part go there."""
         prompt = list(reqs[0].prompt_token_ids) if reqs else []
+        model, lora = self.base_of(model)
         for r in reqs:  # a sampled request always has a seed: a resumed stream then draws what one run would
+            r.model, r.lora_name = model, lora  # (an adapter's requests run on its base model's instances)
             if not r.sampling.HasField("seed") and not (r.sampling.HasField("temperature") and
                                                         r.sampling.temperature == 0):
                 r.sampling.seed = secrets.randbits(63)
             r.movable = self.mover.enabled and not r.sampling.HasField("beam_width")  # a search is not resumable
-        ticket, streams = await self._place(model, prompt, reqs, session)
-        return ticket.state.client, [RoutedStream(self._parts, model, ticket, r, st) for r, st in zip(reqs, streams)]
+        ticket, streams = await self._place(model, prompt, reqs, session, spans=spans)
+        return ticket.state.client, [RoutedStream(self._parts, model, ticket, r, st, spans)
+                                     for r, st in zip(reqs, streams)]
 
     async def _place(self, model: str, prompt: list[int], reqs: list[engine_pb2.GenerateRequest],
-                     session: str | None, exclude: set[str] | None = None) -> tuple[Ticket, list]:
+                     session: str | None, exclude: set[str] | None = None,
+                     spans: RequestSpans = NO_SPANS) -> tuple[Ticket, list]:
         exclude = set(exclude or ())
-        prefills, decodes = self.router.pd_pools(model, exclude)
+        prefills, decodes = self.router.pd_pools(model, exclude, reqs[0].lora_name if reqs else "")
         if prefills and decodes:  # (a beam search's group decodes on the decode instance: xllm.core.engine_beams)
-            return await self._place_pd(model, prompt, reqs, session, exclude)
+            return await self._place_pd(model, prompt, reqs, session, exclude, spans)
         last: BaseException | None = None
         for _ in range(self.max_attempts):
             try:
-                ticket = self.router.route(model, prompt, session, exclude, offline=all(r.offline for r in reqs))
+                with spans.phase("route") as span:
+                    ticket = self.router.route(model, prompt, session, exclude, offline=all(r.offline for r in reqs),
+                                               lora=reqs[0].lora_name)
+                    spans.routed(span, ticket)
             except NoInstanceError as exc:
                 if last is not None:
                     raise to_api_error(last) from last
                 raise APIError(503, str(exc), "server_unavailable") from exc
-            streams = await self._submit_whole(ticket, reqs, exclude)
+            streams = await self._submit_whole(ticket, reqs, exclude, spans)
             if isinstance(streams, BaseException):
                 last = streams
                 continue
@@ -127,44 +142,56 @@ class Dispatcher:
         raise to_api_error(last) from last
 
     async def _submit_whole(self, ticket: Ticket, reqs: list[engine_pb2.GenerateRequest],
-                            exclude: set[str]) -> list | BaseException:
+                            exclude: set[str], spans: RequestSpans = NO_SPANS) -> list | BaseException:
         """Submit ``reqs`` whole (prefill and decode) to the ticket's instance and account them: their
         streams, or the error to try another instance after (the instance is then in ``exclude``)."""
         client = ticket.state.client
         streams: list = []
         try:
             for r in reqs:
-                streams.append(await client.submit(r))
+                streams.append(await client.submit(r, spans.engine_call(ticket, "whole", r.request_id)))
         except InstanceUnavailableError as exc:
             self._abort_later(client, reqs[: len(streams)])
             self.router.failed(ticket.state)
             exclude.add(ticket.state.instance_id)
+            self._left_all(spans, ticket, len(streams) + 1, exc)
             return exc
         except EngineOverloadedError as exc:  # its queue is full: another instance may have room
             self._abort_later(client, reqs[: len(streams)])
             exclude.add(ticket.state.instance_id)
+            self._left_all(spans, ticket, len(streams) + 1, exc)
             return exc
         except BaseException as exc:
             self._abort_later(client, reqs[: len(streams)])
+            self._left_all(spans, ticket, len(streams) + 1, exc)
             raise to_api_error(exc) from exc
         self.router.dispatched(ticket, len(reqs))
         return streams
 
+    @staticmethod
+    def _left_all(spans: RequestSpans, ticket: Ticket, calls: int, exc: BaseException | None = None) -> None:
+        """``calls`` calls on ``ticket``'s instance ended without a stream (their span says why)."""
+        for _ in range(calls):
+            spans.left(ticket, f"{type(exc).__name__}: {exc}" if exc is not None else None)
+
     async def _place_pd(self, model: str, prompt: list[int], reqs: list[engine_pb2.GenerateRequest],
-                        session: str | None, exclude: set[str]) -> tuple[Ticket, list]:
+                        session: str | None, exclude: set[str], spans: RequestSpans = NO_SPANS) -> tuple[Ticket, list]:
         """Reserve every choice on one decode instance, then send them to a prefill instance — or, when
         the placement overflows the prefill onto the decode instance (every prefill instance predicted
         to miss the TTFT objective: :class:`xllm.sched.PDPlacement`), submit them whole to it."""
         last: BaseException | None = None
         for _ in range(self.max_attempts):
             try:
-                p_ticket, d_ticket = self.router.route_pd(model, prompt, reqs[0].sampling.max_tokens, session, exclude)
+                with spans.phase("route", **{"xllm.route.pd": True}) as span:
+                    p_ticket, d_ticket = self.router.route_pd(model, prompt, reqs[0].sampling.max_tokens, session,
+                                                              exclude, reqs[0].lora_name)
+                    spans.routed(span, d_ticket, p_ticket)
             except NoInstanceError as exc:
                 if last is not None:
                     raise to_api_error(last) from last
                 raise APIError(503, str(exc), "server_unavailable") from exc
             if p_ticket is d_ticket:  # prefill overflow: prefilled and decoded there, no hand-off
-                whole = await self._submit_whole(d_ticket, reqs, exclude)
+                whole = await self._submit_whole(d_ticket, reqs, exclude, spans)
                 if isinstance(whole, BaseException):
                     last = whole
                     continue
@@ -173,7 +200,8 @@ class Dispatcher:
             client, reserved = d_ticket.state.client, []
             try:
                 for r in reqs:
-                    it = aiter(await client.submit(phase_request(r, engine_pb2.DISAGG_PHASE_DECODE)))
+                    it = aiter(await client.submit(phase_request(r, engine_pb2.DISAGG_PHASE_DECODE),
+                                                   spans.engine_call(d_ticket, "decode", r.request_id)))
                     first = await anext(it)
                     if not first.HasField("kv_reservation"):
                         raise InstanceUnavailableError(f"decode instance {d_ticket.state.instance_id} reserved no "
@@ -184,10 +212,12 @@ class Dispatcher:
                 await self._close_all([it for _, it, _ in reserved])
                 self.router.failed(d_ticket.state)
                 exclude.add(d_ticket.state.instance_id)
+                self._left_all(spans, d_ticket, len(reserved) + 1, exc)
                 last = exc
                 continue
             except BaseException as exc:
                 await self._close_all([it for _, it, _ in reserved])
+                self._left_all(spans, d_ticket, len(reserved) + 1, exc)
                 raise to_api_error(exc) from exc
             self.router.dispatched(d_ticket, len(reqs))
             streams = []
@@ -195,12 +225,13 @@ class Dispatcher:
                 for i, (r, it, target) in enumerate(reserved):
                     if i == 0:
                         p_ticket, p_stream, attempts = await self.submit_prefill(model, r, target, session,
-                                                                                 exclude, p_ticket)
+                                                                                 exclude, p_ticket, spans)
                     else:  # the other choices follow the first to its prefill instance
                         p_stream = await p_ticket.state.client.submit(
-                            phase_request(r, engine_pb2.DISAGG_PHASE_PREFILL, target))
+                            phase_request(r, engine_pb2.DISAGG_PHASE_PREFILL, target),
+                            spans.engine_call(p_ticket, "prefill", r.request_id))
                     streams.append(PDStream(self, self.router, self.pd_metrics, model, r, p_ticket, p_stream,
-                                            d_ticket, it, target, session, self.handoff_grace, attempts))
+                                            d_ticket, it, target, session, self.handoff_grace, attempts, spans))
             except BaseException as exc:
                 await self._close_all([it for _, it, _ in reserved])
                 raise to_api_error(exc) from exc
@@ -209,8 +240,8 @@ class Dispatcher:
         raise to_api_error(last) from last
 
     async def submit_prefill(self, model: str, req: engine_pb2.GenerateRequest, target: engine_pb2.KVTarget,
-                             session: str | None, exclude: set[str],
-                             ticket: Ticket | None = None) -> tuple[Ticket, object, int]:
+                             session: str | None, exclude: set[str], ticket: Ticket | None = None,
+                             spans: RequestSpans = NO_SPANS) -> tuple[Ticket, object, int]:
         """Send the prefill phase of ``req`` (its decode side reserved as ``target``) to a prefill
         instance, trying others while they are unavailable (the caller accounts the dispatch).
         Returns the ticket, its stream and the instances tried (1 + the failed ones; each failure
@@ -220,12 +251,15 @@ class Dispatcher:
         for attempt in range(1, self.max_attempts + 1):
             if ticket is None:
                 try:
-                    ticket = self.router.route_prefill(model, list(req.prompt_token_ids), session, tried)
+                    ticket = self.router.route_prefill(model, list(req.prompt_token_ids), session, tried,
+                                                       req.lora_name)
                 except NoInstanceError as exc:
                     raise InstanceUnavailableError(f"no prefill instance could take it ({last or exc})") from exc
             try:
-                stream = await ticket.state.client.submit(phase_request(req, engine_pb2.DISAGG_PHASE_PREFILL, target))
+                stream = await ticket.state.client.submit(phase_request(req, engine_pb2.DISAGG_PHASE_PREFILL, target),
+                                                          spans.engine_call(ticket, "prefill", req.request_id))
             except InstanceUnavailableError as exc:
+                spans.left(ticket, str(exc))
                 self.router.failed(ticket.state)
                 tried.add(ticket.state.instance_id)
                 self.pd_metrics.prefill_retry(model, ticket.state.instance_id)
@@ -251,11 +285,12 @@ class Dispatcher:
         for r in reqs:
             self.background(client.abort(r.request_id))
 
-    async def resume(self, model: str, cont: engine_pb2.GenerateRequest, failed: set[str]) -> tuple[Ticket, object]:
+    async def resume(self, model: str, cont: engine_pb2.GenerateRequest, failed: set[str],
+                     spans: RequestSpans = NO_SPANS) -> tuple[Ticket, object]:
         """Place ``cont``, a request continued from what its client has
         (:func:`xllm.gateway.progress.continuation`), on an instance not in ``failed`` (routed and
         accounted as a new request): its ticket and stream."""
-        ticket, streams = await self._place(model, list(cont.prompt_token_ids), [cont], None, failed)
+        ticket, streams = await self._place(model, list(cont.prompt_token_ids), [cont], None, failed, spans)
         return ticket, streams[0]
 
 
@@ -270,7 +305,7 @@ class StreamParts:
     router: Router
     failover: Failover
     mover: Mover
-    place: Callable[[str, engine_pb2.GenerateRequest, set[str]], Awaitable[tuple[Ticket, object]]]
+    place: Callable[[str, engine_pb2.GenerateRequest, set[str], RequestSpans], Awaitable[tuple[Ticket, object]]]
     stall: StallLimits  # when a silent instance is taken for stopped (xllm.gateway.progress)
 
 
@@ -286,6 +321,7 @@ class _Placement:
     recompute: Recompute | None = None
     then: str = ""               # how the request goes on once this stream ended: "migrated" or "recompute"
     handed_over: bool = False    # offered to move for a role flip of its instance (once per placement)
+    error: str | None = None     # why its stream broke (the instance span's error)
 
     def take(self, plan: Migration | Recompute | None) -> bool:
         """Adopt the mover's answer to a move offer; True when the request leaves now (recompute)."""
@@ -331,7 +367,7 @@ class RoutedStream:
     """
 
     def __init__(self, parts: StreamParts, model: str, ticket: Ticket, req: engine_pb2.GenerateRequest,
-                 stream) -> None:
+                 stream, spans: RequestSpans = NO_SPANS) -> None:
         self._router, self._failover, self._mover, self._place = parts.router, parts.failover, parts.mover, parts.place
         self._stall = parts.stall
         self._model = model
@@ -340,6 +376,7 @@ class RoutedStream:
         self.request_id = req.request_id
         self.progress = RequestProgress(req)
         self._arrived = time.monotonic()
+        self._spans = spans
 
     @property
     def instance_id(self) -> str:
@@ -377,10 +414,17 @@ class RoutedStream:
                 if not at.then:
                     return
             except InstanceUnavailableError as exc:
+                at.error = str(exc)
                 if not self._failover.broke(self._model, at.ticket, exc, self.progress):
                     raise
                 at.end(self._router)
+                started = now()
                 await self._continue(self.progress.failed)
+                self._spans.step("resume", started, **{
+                    "xllm.resume.cause": "crashed" if exc.crashed else "unavailable", "xllm.resume.mode": "recompute",
+                    "xllm.resume.error": str(exc), "xllm.resume.from": at.ticket.state.instance_id,
+                    "xllm.resume.to": self._ticket.state.instance_id,
+                    "xllm.resume.tokens_sent": len(self.progress.generated)})
                 self._failover.resumed(self._model, at.ticket, self.progress)
                 self.progress.left("resumed")
                 continue
@@ -394,6 +438,7 @@ class RoutedStream:
         if not at.got_first:
             at.got_first = True
             self._router.served(at.ticket)
+            self._spans.first_token(time.monotonic() - self._arrived)
         if chunk.HasField("disagg_stats") and chunk.disagg_stats.transfer_bytes:
             self._mover.observe_transfer(chunk.disagg_stats)
         now = time.monotonic()
@@ -404,8 +449,9 @@ class RoutedStream:
         if pause is not None:
             self._mover.paused(self._model, *pause)
         if chunk.finish_reason not in (engine_pb2.FINISH_REASON_UNSPECIFIED, HANDED_OFF):
-            self._router.completed(at.ticket.state, finish_reason_name(chunk.finish_reason) or "stop",
-                                   now - self._arrived)
+            reason = finish_reason_name(chunk.finish_reason) or "stop"
+            self._router.completed(at.ticket.state, reason, now - self._arrived)
+            self._spans.finished(reason, len(self.progress.generated), now - self._arrived)
         return chunk
 
     def _migration_ended(self, at: _Placement, chunk: engine_pb2.GenerateResponse) -> bool:
@@ -433,12 +479,12 @@ class RoutedStream:
     def _offer(self, at: _Placement, offer: engine_pb2.MoveOffer) -> Migration | Recompute | None:
         """The mover's answer to the move offer of the request's instance."""
         return self._mover.offer(self._model, at.ticket, self.progress.instance_request_id,
-                                 self.progress.next_continuation(), offer)
+                                 self.progress.next_continuation(), offer, self._spans)
 
     def _hand_over(self, at: _Placement) -> Migration | Recompute | None:
         """The mover's answer to the offer it makes itself for a role flip of the request's instance."""
         return self._mover.handover(self._model, at.ticket, self.progress.instance_request_id,
-                                    self.progress.next_continuation())
+                                    self.progress.next_continuation(), self._spans)
 
     async def _close(self, at: _Placement, inner: AsyncIterator) -> None:
         """The end of a placement: a migration that did not happen is given up, the instance's call
@@ -448,10 +494,12 @@ class RoutedStream:
         with contextlib.suppress(Exception):
             await inner.aclose()
         at.end(self._router)
+        self._spans.left(at.ticket, at.error, at.then or None)
 
     async def _move(self, at: _Placement) -> None:
         """Go on where the move of ``at`` leads: the migration's destination, or elsewhere by recompute."""
         self.progress.moves += 1
+        started = now()
         if at.then == "migrated":
             self._ticket, self._stream = at.migration.ticket, await at.migration.destination()
             self.progress.instance_request_id = at.migration.cont.request_id
@@ -464,10 +512,14 @@ class RoutedStream:
                     at.recompute.release()
             how = "recomputed"
         self._mover.moved(self._model, how)
+        self._spans.step("move", started, **{"xllm.move.mode": how, "xllm.move.from": at.ticket.state.instance_id,
+                                             "xllm.move.to": self._ticket.state.instance_id,
+                                             "xllm.move.cause": "role_flip" if at.handed_over else "drain",
+                                             "xllm.move.tokens_sent": len(self.progress.generated)})
         self.progress.left(how)
 
     async def _continue(self, exclude: set[str]) -> None:
         """Resume the request elsewhere by recompute (after a failure or for a move)."""
         cont = self.progress.next_continuation()
-        self._ticket, self._stream = await self._place(self._model, cont, exclude)
+        self._ticket, self._stream = await self._place(self._model, cont, exclude, self._spans)
         self.progress.instance_request_id = cont.request_id

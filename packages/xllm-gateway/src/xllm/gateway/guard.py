@@ -3,9 +3,11 @@
 For every HTTP request it assigns a request id (the ``x-request-id`` response header; the 500
 handler logs the failure under it and names it to the client). For ``/v1/*`` it authenticates
 the caller by :class:`~xllm.gateway.access.AccessPolicy` (401 before anything is read) and
-leaves the :class:`~xllm.gateway.access.Caller` in the request state; for generation requests
-(``POST /v1/*``) it enforces ``max_inflight``: a request beyond it gets 503 with ``Retry-After``
-at once, and a request counts until its response (a whole stream) has been sent.
+leaves the :class:`~xllm.gateway.access.Caller` in the request state; so it does for the live
+cluster page's data (``/dashboard/api/*``: the cluster's state and its requests), not for the
+page itself. For generation requests (``POST /v1/*``) it enforces ``max_inflight``: a request
+beyond it gets 503 with ``Retry-After`` at once, and a request counts until its response (a whole
+stream) has been sent.
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from xllm.gateway.access import AccessPolicy, Caller
+from xllm.gateway.access import API_PREFIX, KEYED_PREFIXES, AccessPolicy, Caller
 from xllm.gateway.openai.errors import REQUEST_ID, APIError, new_request_id, overloaded
 
-API_PREFIX = "/v1/"
 REQUEST_ID_HEADER = "x-request-id"
 
 
@@ -61,7 +62,7 @@ class ApiGuard:
                                                   (REQUEST_ID_HEADER.encode(), request_id.encode())]}
             await send(message)
 
-        if not scope["path"].startswith(API_PREFIX):
+        if not scope["path"].startswith(KEYED_PREFIXES):
             await self.app(scope, receive, send_with_id)
             return
         try:
@@ -69,7 +70,7 @@ class ApiGuard:
         except APIError as err:
             await err.response()(scope, receive, send_with_id)
             return
-        if scope["method"] != "POST" or self.max_inflight is None:
+        if scope["method"] != "POST" or self.max_inflight is None or not scope["path"].startswith(API_PREFIX):
             await self.app(scope, receive, send_with_id)
             return
         if self.inflight >= self.max_inflight:

@@ -269,7 +269,9 @@ def build_server(app: App, host: str, port: int, options: HttpGuardOptions, regi
     tally = ConnectionTally(options, HttpMetrics(registry))
     # loop "auto": uvloop where installed; ws "none": the API has no WebSocket route, and an upgrade
     # would hand the transport to a protocol without these bounds
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="auto",
+    # log_config None: uvicorn's lines go through the process's own logging (xllm.engine_api.logs: text or
+    # JSON, the request id in each)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="auto", log_config=None,
                             http=guarded_protocol(base, tally), ws="none",
                             timeout_keep_alive=options.keep_alive_s)  # type: ignore[arg-type]
     return uvicorn.Server(config)

@@ -39,10 +39,12 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from xllm.gateway.events import EventSink, publish_safely
 from xllm.gateway.metrics import PDRoleMetrics
 from xllm.gateway.registry.base import InstanceState, Registry, RoleTransition
 from xllm.sched import PD_POLICIES, RoleFlip, RoleLoad, RolePolicy
@@ -148,6 +150,29 @@ class LatencyTracker:
         return window
 
 
+@dataclass
+class FlipRecord:
+    """One role flip as the live cluster page shows it (:attr:`RoleController.history`): wall-clock
+    ``started`` / ``ended`` (unix seconds; ``ended`` None while under way), ``outcome`` ``""`` while under
+    way, then ``done``, ``timed_out`` (completed still holding requests) or ``abandoned`` (the instance left)."""
+
+    instance: str
+    model: str
+    from_role: str
+    to_role: str
+    trigger: str
+    reason: str
+    started: float
+    ended: float | None = None
+    outcome: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+FLIP_HISTORY = 200  # flips RoleController.history keeps (the newest)
+
+
 def pool_name(state: InstanceState) -> str:
     """The pool an instance is in: its role, or ``<from>_to_<to>`` while it flips (xLLM's four pools)."""
     return state.role if state.flip is None else f"{state.flip.from_role}_to_{state.flip.to_role}"
@@ -165,11 +190,14 @@ def hands_over(state: InstanceState) -> bool:
 
 class RoleController:
     """Runs the role policy over the registry's PD instances and carries out its flips (module
-    docstring). ``on_role(state)``: called when an instance's role changed (its metrics label)."""
+    docstring). ``on_role(state)``: called when an instance's role changed (its metrics label).
+    ``history``: the last :data:`FLIP_HISTORY` flips (:class:`FlipRecord`, oldest first); ``publish(kind,
+    data)``, when set: told ``role_flip_started`` / ``role_flip_finished`` with a record's dict (the live
+    cluster page's event feed, :mod:`xllm.gateway.dashboard`); it must not raise nor block."""
 
     def __init__(self, registry: Registry, router: Router, options: PDRoleOptions | None = None,
                  metrics: PDRoleMetrics | None = None, on_role: Callable[[InstanceState], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, events: EventSink | None = None) -> None:
         self.registry = registry
         self.router = router
         self.options = options or PDRoleOptions()
@@ -179,6 +207,9 @@ class RoleController:
         self.policies: dict[str, RolePolicy] = {}  # per model: a policy keeps its cluster's history
         self._task: asyncio.Task | None = None
         router.latency.horizon = self.options.latency_window_s
+        self.history: deque[FlipRecord] = deque(maxlen=FLIP_HISTORY)
+        self._open: dict[str, FlipRecord] = {}  # instance id -> its flip under way
+        self.events = events  # role_flip_started / role_flip_finished (the cluster page)
 
     # ---- running ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -254,6 +285,7 @@ class RoleController:
                  extra={"pd_role_flip": {"instance": flip.instance_id, "from": flip.from_role, "to": flip.to_role,
                                          "trigger": state.flip.trigger, "reason": flip.reason, "event": "started",
                                          "holding": state.inflight}})
+        self._record_start(state, flip)
         self._advance(state, now)
         self._count_pools(state.model)
         return True
@@ -266,6 +298,7 @@ class RoleController:
             state.flip = None
             log.warning("PD role flip of %s (%s -> %s) abandoned: the instance left", state.instance_id,
                         flip.from_role, flip.to_role)
+            self._record_end(state.instance_id, "abandoned")
             return
         timed_out = now - flip.started >= self.options.flip_timeout_s
         if state.inflight > 0 and not timed_out:
@@ -280,8 +313,26 @@ class RoleController:
                                         "trigger": flip.trigger, "reason": flip.reason, "event": "done",
                                         "duration_s": duration, "still_holding": state.inflight}})
         self.metrics.flipped(state.model, flip.from_role, flip.to_role, flip.trigger, duration)
+        self._record_end(state.instance_id, "timed_out" if state.inflight else "done")
         if self.on_role is not None:
             self.on_role(state)
+
+    # ---- the flips' history (the live cluster page) ---------------------------------------------------
+    def _record_start(self, state: InstanceState, flip: RoleFlip) -> None:
+        record = FlipRecord(state.instance_id, state.model, flip.from_role, flip.to_role,
+                            flip.trigger or "manual", flip.reason, time.time())
+        self.history.append(record)
+        self._open[state.instance_id] = record
+        self._publish("role_flip_started", record)
+
+    def _record_end(self, instance_id: str, outcome: str) -> None:
+        record = self._open.pop(instance_id, None)
+        if record is not None:
+            record.ended, record.outcome = time.time(), outcome
+            self._publish("role_flip_finished", record)
+
+    def _publish(self, kind: str, record: FlipRecord) -> None:
+        publish_safely(self.events, kind, record.to_dict())
 
     def _count_pools(self, model: str) -> None:
         counts = dict.fromkeys(POOLS, 0)

@@ -19,17 +19,50 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from xllm.gateway.registry.base import InstanceState, NoInstanceError, Registry
 from xllm.gateway.roles import LatencyTracker
 from xllm.kvstore import block_hashes
+from xllm.kvstore.hashing import ROOT_HASH
 from xllm.sched import ROUTING_POLICIES, InstanceSnapshot, PDPlacement, RouteDecision, RouteRequest, RoutingPolicy
 from xllm.sched.latency import StepTimeModel, predictor_from_report
 
 log = logging.getLogger(__name__)
 
+
+
+class RecentLatencies:
+    """The latencies clients saw over the last ``horizon`` seconds, for the live cluster page's percentiles
+    and SLO attainment (:mod:`xllm.gateway.dashboard`): ``ttft`` one sample per request (its first chunk,
+    as ``xllm:router_time_to_first_token_seconds`` counts it), ``tpot`` one per streamed chunk (seconds per
+    token, as :meth:`Router.observe_tpot` gets them), ``e2e`` one per finished request. At most
+    ``max_samples`` of each are kept (the oldest dropped first)."""
+
+    KINDS = ("ttft", "tpot", "e2e")
+
+    def __init__(self, horizon: float = 300.0, max_samples: int = 20000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.horizon = horizon
+        self.clock = clock
+        self._samples: dict[str, deque[tuple[float, float]]] = {k: deque(maxlen=max_samples) for k in self.KINDS}
+
+    def add(self, kind: str, seconds: float) -> None:
+        self._samples[kind].append((self.clock(), seconds))
+
+    def samples(self, kind: str) -> list[tuple[float, float]]:
+        """(clock time, seconds) of ``kind`` within the horizon, oldest first."""
+        window = self._samples[kind]
+        cutoff = self.clock() - self.horizon
+        while window and window[0][0] < cutoff:
+            window.popleft()
+        return list(window)
+
+    def values(self, kind: str) -> list[float]:
+        """The samples of ``kind`` within the horizon, oldest first."""
+        return [v for _, v in self.samples(kind)]
 
 
 @dataclass
@@ -75,6 +108,21 @@ class Ticket:
         return (self.uncached_tokens, self.num_prompt_tokens) if self.prefills else (0, 0)
 
 
+def _serves(state: InstanceState, lora: str) -> bool:
+    """Whether ``state`` can serve a request of the adapter ``lora`` ("": the base model)."""
+    return not lora or lora in state.adapters()
+
+
+def _root(candidates: list[InstanceState], lora: str) -> int:
+    """Where the KV block hashes of a request of ``lora`` chain from (the adapter's identity, the same on every
+    instance that has the same adapter files; the base model's: :data:`ROOT_HASH`)."""
+    return candidates[0].adapters()[lora] if lora and candidates else ROOT_HASH
+
+
+def _what(model: str, lora: str) -> str:
+    return f"{model!r} with the adapter {lora!r}" if lora else repr(model)
+
+
 class Router:
     """Chooses instances with a routing policy and tracks the load it sends them."""
 
@@ -91,6 +139,7 @@ class Router:
         self.queued_expect_ttl = queued_expect_ttl  # before it: the request may wait in the engine's queue
         self.metrics = metrics
         self.latency = LatencyTracker()  # TTFT / TPOT per instance, as this gateway measured them
+        self.recent = RecentLatencies()  # what clients saw, the last minutes (the live cluster page)
         registry.add_listener(self._on_registry_event)
 
     def _on_registry_event(self, event: str, state: InstanceState) -> None:
@@ -101,26 +150,26 @@ class Router:
 
     # ---- deciding ---------------------------------------------------------------------------
     def route(self, model: str, prompt: Sequence[int], session: str | None = None,
-              exclude: Collection[str] = (), offline: bool = False) -> Ticket:
+              exclude: Collection[str] = (), offline: bool = False, lora: str = "") -> Ticket:
         """Pick an instance of ``model`` for ``prompt`` (raises :class:`NoInstanceError`); an online
         request (not ``offline``) is routed on the instances' online load only
         (:func:`xllm.sched.routing.load_as_seen_by`).
 
         With a single candidate (one machine, one engine) there is nothing to choose: no prefix
         hashing, no index match, no policy."""
-        candidates = [s for s in self.registry.routable(model) if s.instance_id not in exclude]
+        candidates = [s for s in self.registry.routable(model) if s.instance_id not in exclude and _serves(s, lora)]
         if not candidates:
-            raise NoInstanceError(f"no live instance serves {model!r}")
-        return self._route_among(candidates, prompt, session, offline)
+            raise NoInstanceError(f"no live instance serves {_what(model, lora)}")
+        return self._route_among(candidates, prompt, session, offline, _root(candidates, lora))
 
-    def route_move(self, model: str, tokens: Sequence[int], exclude: Collection[str] = ()) -> Ticket:
+    def route_move(self, model: str, tokens: Sequence[int], exclude: Collection[str] = (), lora: str = "") -> Ticket:
         """An instance to continue a running request on (its tokens so far): one that decodes (a
         mixed or decode instance), not in ``exclude`` (raises :class:`NoInstanceError`)."""
         candidates = [s for s in self.registry.routable(model)
-                      if s.instance_id not in exclude and s.role != "prefill" and s.flip is None]
+                      if s.instance_id not in exclude and s.role != "prefill" and s.flip is None and _serves(s, lora)]
         if not candidates:
-            raise NoInstanceError(f"no other live instance decodes {model!r}")
-        return self._route_among(candidates, tokens, None)
+            raise NoInstanceError(f"no other live instance decodes {_what(model, lora)}")
+        return self._route_among(candidates, tokens, None, root=_root(candidates, lora))
 
     def fastest_prefill(self, model: str) -> float:
         """The highest prefill speed (tokens/s) a live instance of ``model`` measured (0: none has)."""
@@ -128,11 +177,11 @@ class Router:
                    default=0.0)
 
     def _route_among(self, candidates: list[InstanceState], prompt: Sequence[int], session: str | None,
-                     offline: bool = False) -> Ticket:
+                     offline: bool = False, root: int = ROOT_HASH) -> Ticket:
         if len(candidates) == 1:
             return Ticket(candidates[0], RouteDecision(candidates[0].instance_id, "only"), len(prompt), 0,
                           offline=offline)
-        match = self._match(candidates, prompt)
+        match = self._match(candidates, prompt, root)
         snaps = [self._snapshot(s, match) for s in candidates]
         decision = self.policy.route(RouteRequest(len(prompt), session, offline=offline), snaps)
         ticket = self._ticket(candidates, decision, prompt, match)
@@ -140,20 +189,22 @@ class Router:
         return ticket
 
     # ---- PD mode ------------------------------------------------------------------------------
-    def pd_pools(self, model: str, exclude: Collection[str] = ()) -> tuple[list[InstanceState], list[InstanceState]]:
-        """The live prefill and decode instances of ``model`` (PD mode when both are non-empty); an
-        instance flipping role is in neither."""
-        live = [s for s in self.registry.routable(model) if s.instance_id not in exclude and s.flip is None]
+    def pd_pools(self, model: str, exclude: Collection[str] = (),
+                 lora: str = "") -> tuple[list[InstanceState], list[InstanceState]]:
+        """The live prefill and decode instances of ``model`` (with the adapter ``lora``: those that have it;
+        PD mode when both are non-empty); an instance flipping role is in neither."""
+        live = [s for s in self.registry.routable(model)
+                if s.instance_id not in exclude and s.flip is None and _serves(s, lora)]
         return [s for s in live if s.role == "prefill"], [s for s in live if s.role == "decode"]
 
     def route_pd(self, model: str, prompt: Sequence[int], max_new_tokens: int, session: str | None = None,
-                 exclude: Collection[str] = ()) -> tuple[Ticket, Ticket]:
+                 exclude: Collection[str] = (), lora: str = "") -> tuple[Ticket, Ticket]:
         """A (prefill, decode) pair for ``prompt`` (raises :class:`NoInstanceError` without one of each);
         one ticket twice when the placement runs it whole on a decode instance (prefill overflow)."""
-        prefills, decodes = self.pd_pools(model, exclude)
+        prefills, decodes = self.pd_pools(model, exclude, lora)
         if not prefills or not decodes:
-            raise NoInstanceError(f"no live prefill and decode instances serve {model!r}")
-        match = self._match(prefills + decodes, prompt)
+            raise NoInstanceError(f"no live prefill and decode instances serve {_what(model, lora)}")
+        match = self._match(prefills + decodes, prompt, _root(prefills, lora))
         request = RouteRequest(len(prompt), session, max_new_tokens)
         decision = self.placement.route(request, [self._snapshot(s, match) for s in prefills],
                                         [self._snapshot(s, match) for s in decodes])
@@ -164,22 +215,22 @@ class Router:
         return self._ticket(prefills, decision.prefill, prompt, match), decode
 
     def route_prefill(self, model: str, prompt: Sequence[int], session: str | None = None,
-                      exclude: Collection[str] = ()) -> Ticket:
+                      exclude: Collection[str] = (), lora: str = "") -> Ticket:
         """Another prefill instance for a request whose decode side is already reserved."""
-        prefills, _ = self.pd_pools(model, exclude)
+        prefills, _ = self.pd_pools(model, exclude, lora)
         if not prefills:
-            raise NoInstanceError(f"no live prefill instance serves {model!r}")
-        match = self._match(prefills, prompt)
+            raise NoInstanceError(f"no live prefill instance serves {_what(model, lora)}")
+        match = self._match(prefills, prompt, _root(prefills, lora))
         snaps = [self._snapshot(s, match) for s in prefills]
         decision = self.placement.prefill_policy.route(RouteRequest(len(prompt), session), snaps)
         return self._ticket(prefills, decision, prompt, match)
 
-    def _match(self, candidates: list[InstanceState], prompt: Sequence[int]) -> PromptMatch:
-        """The prompt's block hashes per block size, and the prefix each candidate holds (in memory and
-        in its lower KV tiers)."""
+    def _match(self, candidates: list[InstanceState], prompt: Sequence[int], root: int = ROOT_HASH) -> PromptMatch:
+        """The prompt's block hashes per block size (chained from ``root``: an adapter's KV is its own), and the
+        prefix each candidate holds (in memory and in its lower KV tiers)."""
         match = PromptMatch()
         for bs in {s.block_size for s in candidates if s.block_size > 0}:
-            hashes = match.hashes_by_bs[bs] = block_hashes(prompt, bs)
+            hashes = match.hashes_by_bs[bs] = block_hashes(prompt, bs, parent=root)
             ids = {s.instance_id for s in candidates if s.block_size == bs}
             for iid, reach in self.registry.kv_index.match_tiers(hashes, ids).items():
                 match.device[iid] = reach.device * bs
@@ -265,6 +316,8 @@ class Router:
             s.off_pending_prompt = max(s.off_pending_prompt - whole, 0)
         if ticket.hashes and not s.removed:  # computed now (or abandoned): heartbeats take over shortly
             self.registry.kv_index.expect(s.instance_id, ticket.hashes, self.expect_ttl)
+        if observe:
+            self.recent.add("ttft", time.monotonic() - ticket.started)
         if observe and self.metrics is not None:
             self.metrics.first_token(ticket.state.model, ticket.state.instance_id, time.monotonic() - ticket.started)
 
@@ -316,10 +369,12 @@ class Router:
     def observe_tpot(self, state: InstanceState, seconds: float) -> None:
         """A time per output token of a chunk ``state`` streamed."""
         self.latency.tpot(state.instance_id, seconds)
+        self.recent.add("tpot", seconds)
         if self.metrics is not None:
             self.metrics.time_per_output_token(state.model, state.instance_id, seconds)
 
     def completed(self, state: InstanceState, reason: str, seconds: float) -> None:
         """A request ended with ``reason`` on ``state``, ``seconds`` after it reached the gateway."""
+        self.recent.add("e2e", seconds)
         if self.metrics is not None:
             self.metrics.finished(state.model, state.instance_id, reason, seconds)

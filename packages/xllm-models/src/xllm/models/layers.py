@@ -84,10 +84,14 @@ class PackOnDemand:
 
 class Linear(PackOnDemand, nn.Linear):
     """``nn.Linear`` with the native skinny-GEMM path for decode-sized inputs and prepacked weights
-    (native or oneDNN, as measured) for larger ones."""
+    (native or oneDNN, as measured) for larger ones. ``lora``: the resident LoRA adapters of this projection
+    (:class:`xllm.models.lora.LoraProjection`, set when the model serves adapters), added per row."""
+
+    lora = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, **self._packed_for(x))
+        out = linear(x, self.weight, self.bias, **self._packed_for(x))
+        return out if self.lora is None else self.lora.apply(x, out)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``forward(x).float()`` exactly (an LM head's logits), which the native packed GEMM writes in one
@@ -229,8 +233,10 @@ class MergedLinear(PackOnDemand, CheckpointShards, nn.Module):
 
     ``shards`` maps a checkpoint shard name (e.g. ``"q"``) to its output size;
     :meth:`load_shard` copies one checkpoint tensor into its row range, so fused
-    weights (qkv, gate_up) are assembled at load time.
+    weights (qkv, gate_up) are assembled at load time. ``lora``: as :class:`Linear`'s (one adapter part per shard).
     """
+
+    lora = None
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
         super().__init__()
@@ -243,7 +249,8 @@ class MergedLinear(PackOnDemand, CheckpointShards, nn.Module):
         self.bias = nn.Parameter(torch.empty(start)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, **self._packed_for(x))
+        out = linear(x, self.weight, self.bias, **self._packed_for(x))
+        return out if self.lora is None else self.lora.apply(x, out)
 
     def shard_kinds(self) -> list[str]:
         return ["weight"] if self.bias is None else ["weight", "bias"]

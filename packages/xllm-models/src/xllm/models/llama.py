@@ -30,6 +30,7 @@ from xllm.models.layers import (
     tied_lm_head,
 )
 from xllm.models.llama_native import FusedLlamaForward
+from xllm.models.lora import LoraAdapterError, LoraStack
 from xllm.models.prefix import layer_prefix_view
 from xllm.models.tensor_parallel import TPShard
 from xllm.models.tp_layers import local_vocab, parallel_head, vocab_embedding
@@ -181,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryTable | None = None
         self._fused: FusedLlamaForward | None = None
         self._tied_head: TiedLMHead | QuantTiedHead | None = None  # the LM head reading the embedding (tied)
+        self._lora: LoraStack | None = None  # LoRA adapter slots (lora_stack), built on first use
 
     def post_load(self) -> None:
         """Build non-parameter state (RoPE table, native decoder) once parameters are materialized."""
@@ -191,6 +193,16 @@ class LlamaForCausalLM(nn.Module):
         """The native whole-step forward (:class:`xllm.core.model_api.SupportsFusedForward`), or None
         when the native kernels are unavailable or the layout is one they do not implement."""
         return self._fused
+
+    def lora_stack(self, max_loras: int, max_rank: int) -> LoraStack:
+        """The model's LoRA adapter slots (:class:`xllm.core.model_api.SupportsLora`), built on the first call;
+        a later call with the same sizes returns them, with other sizes replaces them (the engine that asked
+        before must be gone). Not on a tensor-parallel shard."""
+        if self.tp.parallel:
+            raise LoraAdapterError("LoRA adapters are not served with tensor parallelism yet")
+        if self._lora is None or (self._lora.max_loras, self._lora.max_rank) != (max_loras, max_rank):
+            self._lora = LoraStack(list(self.model.layers), max_loras, max_rank)
+        return self._lora
 
     def layer_prefix(self, num_layers: int) -> LlamaForCausalLM:
         """A view of the first ``num_layers`` layers with the final norm and LM head, over the same

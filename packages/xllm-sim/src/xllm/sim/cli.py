@@ -189,6 +189,11 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report as JSON to OUT")
     g.add_argument("--records", type=Path, default=None, metavar="FILE",
                    help="write one JSON line per request (times, instances) to FILE")
+    g.add_argument("--timeline", type=positive_float, default=None, metavar="SECONDS",
+                   help="with --json: add a timeline to the report, a frame every SECONDS simulated (each "
+                        "instance's role, load and KV use) and the role flips and moves as they happen, which "
+                        "the gateway's live cluster page replays (/dashboard?replay); the JSON is then written compact "
+                        "(default: none)")
     g.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 
@@ -272,6 +277,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a policy refusing its settings (dynamic PD without SLOs ...)
         print(f"xllm-sim: error: {exc}", file=sys.stderr)
         return 2
+    if args.timeline is not None:
+        cluster.record_timeline(args.timeline)
     t0 = time.monotonic()
     cluster.run(specs, None if args.no_progress else ProgressLine(total))
     wall = time.monotonic() - t0
@@ -285,8 +292,11 @@ def run(args: argparse.Namespace) -> int:
     result["profile"] = {"path": str(args.profile or DEFAULT_PROFILE), "model": profile.model,
                          "machine": profile.machine, "provisional": is_provisional(args.profile),
                          "coefficients": model.to_dict()}
+    if cluster.timeline is not None:
+        result["timeline"] = cluster.timeline.to_dict(cluster.requests)
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=1, default=float))
+        indent = 1 if cluster.timeline is None else None  # a timeline's frames are long lists of numbers
+        args.json.write_text(json.dumps(result, indent=indent, default=float))
     if args.records is not None:
         with args.records.open("w") as f:
             for r in cluster.requests:

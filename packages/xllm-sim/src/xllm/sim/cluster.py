@@ -29,11 +29,12 @@ from functools import partial
 from xllm.sched import BATCH_POLICIES, ROUTING_POLICIES, BatchPolicy, BatchSettings, PDPlacement
 from xllm.sched.latency import StepShape, StepTimeModel
 from xllm.sim.config import SimConfig
-from xllm.sim.events import DISPATCH, HEARTBEAT, MOVE_DONE, PD_TICK, STEP_END, TRANSFER_DONE, EventQueue
+from xllm.sim.events import DISPATCH, HEARTBEAT, MOVE_DONE, PD_TICK, STEP_END, TIMELINE, TRANSFER_DONE, EventQueue
 from xllm.sim.gateway import Gateway, InstanceView
 from xllm.sim.instance import DECODE, MIXED, PREFILL, SimInstance, SimSeq
 from xllm.sim.kvcache import SimKV
 from xllm.sim.metrics import InstanceReport, Request, report
+from xllm.sim.timeline import Timeline
 from xllm.sim.trace import RequestSpec
 
 Progress = Callable[[int, int, float], None]  # (finished requests, arrived requests, simulated seconds)
@@ -104,6 +105,7 @@ class Cluster:
         self.link_free = [0.0] * len(self.instances)
         from xllm.sim.roles import RoleManager  # roles imports this module's types
         self.roles = RoleManager(self) if cfg.pd else None
+        self.timeline: Timeline | None = None  # record_timeline()
 
     def log_steps(self) -> list[tuple]:
         """Record every step from now on: ``(start, end, instance id, ((rid, tokens), ...))`` in the
@@ -112,6 +114,12 @@ class Cluster:
         for inst in self.instances:
             inst.step_log = log
         return log
+
+    def record_timeline(self, interval_s: float) -> Timeline:
+        """Record a :class:`~xllm.sim.timeline.Timeline` of the run (a frame every ``interval_s`` simulated
+        seconds, flips and moves as they happen); call before :meth:`run`."""
+        self.timeline = Timeline(self.instances, interval_s)
+        return self.timeline
 
     def clock(self) -> float:
         return self.q.now
@@ -134,8 +142,12 @@ class Cluster:
                 q.at((i + 1) * self.cfg.heartbeat_s / n, HEARTBEAT, i)
         if self.roles is not None:
             self.roles.start()
+        if self.timeline is not None:
+            self.timeline.sample(q.now)
+            q.at(q.now + self.timeline.interval_s, TIMELINE)
         handlers = {STEP_END: self._step_end, DISPATCH: self._dispatch, TRANSFER_DONE: self._transfer_done,
-                    HEARTBEAT: self._heartbeat, PD_TICK: self._pd_tick, MOVE_DONE: self._move_done}
+                    HEARTBEAT: self._heartbeat, PD_TICK: self._pd_tick, MOVE_DONE: self._move_done,
+                    TIMELINE: self._timeline_tick}
         while nxt is not None or self.outstanding:
             if heap and (nxt is None or heap[0][0] <= nxt.arrival):
                 _, kind, payload = q.pop()
@@ -152,6 +164,8 @@ class Cluster:
                 next_report += progress_every
         if progress is not None:
             progress(arrived - self.outstanding, arrived, q.now)
+        if self.timeline is not None:
+            self.timeline.sample(q.now)  # the end of the run
 
     def _arrive(self, spec: RequestSpec) -> None:
         req = Request(spec, self.cfg.block_size, self.cfg.offline_priority if spec.offline else 0)
@@ -169,6 +183,11 @@ class Cluster:
     def _pd_tick(self, _payload: object) -> None:
         assert self.roles is not None
         self.roles.tick()
+
+    def _timeline_tick(self, _payload: object) -> None:
+        assert self.timeline is not None
+        self.timeline.sample(self.q.now)
+        self.q.at(self.q.now + self.timeline.interval_s, TIMELINE)
 
     def _move_done(self, move: object) -> None:
         assert self.roles is not None

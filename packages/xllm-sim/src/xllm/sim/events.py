@@ -19,6 +19,7 @@ TRANSFER_DONE = 2  # payload: Transfer
 HEARTBEAT = 3      # payload: instance index
 PD_TICK = 4        # payload: None
 MOVE_DONE = 5      # payload: Move
+TIMELINE = 6       # payload: None (a frame of the run's timeline, xllm.sim.timeline)
 
 
 class EventQueue:

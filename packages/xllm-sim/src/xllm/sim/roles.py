@@ -96,6 +96,9 @@ class RoleManager:
             return
         self.log.append({"time": c.q.now, "instance": instance_id, "from": inst.role, "to": to_role,
                          "trigger": trigger, "reason": reason})
+        if c.timeline is not None:
+            c.timeline.event(c.q.now, "role_flip_started", instance=instance_id, from_role=inst.role, to_role=to_role,
+                             trigger=trigger, reason=reason)
         inst.stats.role_flips += 1
         inst.flipping = to_role
         c.gateway.views[inst.index].snap = None
@@ -114,8 +117,12 @@ class RoleManager:
                         and id(s) not in self.migrating]:  # decoding ones (a prefill finishes first)
                 self._move(seq, inst)
         if not self._old_work(inst):
+            old = inst.role
             inst.role, inst.flipping = inst.flipping, None
             self.cluster.gateway.views[inst.index].snap = None
+            if (timeline := self.cluster.timeline) is not None:
+                timeline.event(self.cluster.q.now, "role_flip_finished", instance=inst.instance_id, from_role=old,
+                               to_role=inst.role, outcome="done")
 
     def _old_work(self, inst: SimInstance) -> bool:
         if inst.role == DECODE:
@@ -145,6 +152,10 @@ class RoleManager:
                          snap.pending_prefill_tokens, speed, self.bytes_under_way)
         migrate = {"migrate": True, "recompute": False}.get(cfg.drain_moves, cost.migrate)
         seq.req.moves += 1
+        if c.timeline is not None:
+            c.timeline.event(c.q.now, "move_started", request_id=str(seq.rid), source=source.instance_id,
+                             destination=dest.instance_id, how="migrate" if migrate else "recompute", tokens=tokens,
+                             kv_bytes=cost.bytes_to_send if migrate else 0)
         if migrate:
             self.bytes_under_way += cost.bytes_to_send
             seq.req.transfer_bytes += cost.bytes_to_send
@@ -168,8 +179,13 @@ class RoleManager:
 
     def _land(self, move: Move) -> None:
         del self.migrating[id(move.seq)]
-        if move.seq.req.finish is None and any(s is move.seq for s in move.source.running):
+        landed = move.seq.req.finish is None and any(s is move.seq for s in move.source.running)
+        if landed:
             self._rehome(move.seq, move.source, move.dest, migrated=True)  # else finished or preempted meanwhile
+        elif (timeline := self.cluster.timeline) is not None:
+            timeline.event(self.cluster.q.now, "move_finished", request_id=str(move.seq.rid),
+                           source=move.source.instance_id, destination=move.dest.instance_id, how="migrate",
+                           outcome="cancelled")
 
     def _rehome(self, seq: SimSeq, source: SimInstance, dest: SimInstance, migrated: bool) -> None:
         """Take ``seq`` off ``source`` and continue it on ``dest``: with its KV (``migrated``; falls
@@ -190,4 +206,8 @@ class RoleManager:
             dest.add(new)
         req.decode_instance = dest.instance_id
         gw.dispatched(gw.views[dest.index], req, 0, prefill=False)
+        if c.timeline is not None:
+            c.timeline.event(c.q.now, "move_finished", request_id=str(seq.rid), source=source.instance_id,
+                             destination=dest.instance_id, how="migrate" if migrated else "recompute",
+                             outcome="done" if new.phase == DECODE else "recomputed")
         c.kick(dest)

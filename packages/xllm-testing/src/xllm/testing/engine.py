@@ -216,6 +216,27 @@ def stream_until_killed(aeng, prompt: list[int], kill, after_tokens: int = 3, ma
     return asyncio.run(asyncio.wait_for(stream(), timeout))
 
 
+class HandoffListener:
+    """A ``DisaggListener`` for prefill/decode hand-off tests without a transport: records the decode side's
+    reservations and the prefill side's hand-offs by request id (the test moves the KV itself)."""
+
+    def __init__(self) -> None:
+        self.reserved: dict = {}
+        self.handoffs: dict = {}
+
+    def on_reserved(self, reservation) -> None:
+        self.reserved[reservation.request_id] = reservation
+
+    def on_prompt_finishing(self, prompts):
+        return None
+
+    def on_handoff(self, handoff) -> None:
+        self.handoffs[handoff.request_id] = handoff
+
+    def on_abandoned(self, request_id: str) -> None:
+        pass
+
+
 class MigrationListener:
     """A ``DisaggListener`` for migration tests: records reservations, ready moves and abandoned requests
     (the engine service's side, without a transport); a prefill hand-off fails the test."""

@@ -42,11 +42,13 @@ class FakeEngineClient:
         self.load_report = instance_pb2.LoadReport(instance_id=self.info.instance_id)
         self.kv_event_requests: list[tuple[int, int, bool]] = []
         self.closed = False
+        self.lora_requests: list[tuple[str, str]] = []  # (name, path) of each load ("": unload)
 
     def output_ids(self, n: int) -> list[int]:
         return [self.tokens[k % len(self.tokens)] for k in range(n)]
 
-    async def submit(self, req: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]:
+    async def submit(self, req: engine_pb2.GenerateRequest,
+                     trace: dict[str, str] | None = None) -> AsyncIterator[engine_pb2.GenerateResponse]:
         if self.submit_error is not None:
             raise self.submit_error
         self.submitted.append(req)
@@ -81,6 +83,11 @@ class FakeEngineClient:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def load_lora(self, name: str, path: str) -> engine_pb2.LoadLoraResponse:
+        self.lora_requests.append((name, path))
+        return engine_pb2.LoadLoraResponse(ok=False, error="this scripted engine serves no LoRA adapters",
+                                           param="lora_path")
 
     async def health(self) -> engine_pb2.HealthResponse:
         return engine_pb2.HealthResponse(healthy=self.healthy, status="ok" if self.healthy else "broken")

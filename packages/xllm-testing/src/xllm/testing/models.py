@@ -39,19 +39,19 @@ def save_random_hf_model(path: pathlib.Path, config, seed: int = 0, std: float =
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def save_tiny_llama(path: pathlib.Path, tokenizer_dir: pathlib.Path) -> pathlib.Path:
+def save_tiny_llama(path: pathlib.Path, tokenizer_dir: pathlib.Path, seed: int = 0) -> pathlib.Path:
     """A 2-layer random-weight Llama (hidden 64, GQA 4:2, SmolLM2's vocabulary) saved in ``path``
     with the tokenizer files of ``tokenizer_dir`` (SmolLM2's): fast to load in every engine process.
 
     Initialised wider than HF's default (0.5, not 0.02) so that its greedy text varies from token
     to token with clear top-2 margins: with the default it repeats one token forever, and a lost or
-    repeated token in a moved stream would not show in the text. Deterministic (seed 0)."""
+    repeated token in a moved stream would not show in the text. Deterministic (``seed``: other weights)."""
     import shutil
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = pathlib.Path(path)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2, rms_norm_eps=1e-5,
@@ -62,6 +62,25 @@ def save_tiny_llama(path: pathlib.Path, tokenizer_dir: pathlib.Path) -> pathlib.
             shutil.copy(pathlib.Path(tokenizer_dir) / name, path / name)
     return path
 
+
+
+def save_random_lora(base_dir: pathlib.Path, out: pathlib.Path, rank: int, alpha: int, targets: list[str],
+                     rslora: bool = False, seed: int = 0) -> pathlib.Path:
+    """A PEFT adapter on the HF model in ``base_dir`` with random A and B (std 0.3: PEFT starts B at zero, which
+    would change nothing), made and saved by PEFT itself in ``out``."""
+    import peft
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
+    model = peft.get_peft_model(hf, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return pathlib.Path(out)
 
 
 def save_llama_9q3kv(path: pathlib.Path, tokenizer_dir: pathlib.Path) -> pathlib.Path:

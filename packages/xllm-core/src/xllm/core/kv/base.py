@@ -56,12 +56,13 @@ class KVCacheBackend(KVAllocator, KVTensors, KVTransfer, ABC):
 
     def block_hashes_of(self, seq, num_blocks: int) -> list[int]:
         """``seq.block_hashes`` extended to at least its first ``num_blocks`` full blocks: the chained hashes
-        (:mod:`xllm.kvstore.hashing`) that name a block in the prefix cache and in every lower KV tier."""
+        (:mod:`xllm.kvstore.hashing`) that name a block in the prefix cache and in every lower KV tier, the first
+        one's parent ``seq.hash_root`` (a LoRA adapter's identity: two adapters never share a block)."""
         bs = self.layout.block_size
         hashes = seq.block_hashes
         while len(hashes) < num_blocks:
             j = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else getattr(seq, "hash_root", ROOT_HASH)  # (an adapter's: xllm.core.lora)
             hashes.append(hash_block(parent, seq.token_slice(j * bs, (j + 1) * bs)))
         return hashes
 

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import logging
 import uuid
-from contextvars import ContextVar
 
 from fastapi.responses import JSONResponse
 
 from xllm.engine_api.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from xllm.engine_api.logs import REQUEST_ID
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1  # what a 503 asks the client to wait before retrying
 
-# The id of the HTTP request being served, in its context (tasks it starts inherit it): a failure
-# deep in dispatch or mid-stream is logged and answered under the id the client sees.
-REQUEST_ID: ContextVar[str | None] = ContextVar("xllm_request_id", default=None)
+# REQUEST_ID (xllm.engine_api.logs): the id of the HTTP request being served, in its context (tasks it starts
+# inherit it): a failure deep in dispatch or mid-stream is logged and answered under the id the client sees,
+# and every log line of the request names it.
 
 
 class APIError(Exception):

@@ -26,6 +26,7 @@ from xllm.engine_api.bounds import (
 from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from xllm.gateway.openai.protocol_recommend import RecommendRequest
+from xllm.gateway.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 
 MIB = 1024 * 1024
 
@@ -85,12 +86,18 @@ class ApiLimits:
                              f"got {self.max_logprobs}")
 
 
-def check_limits(req: OpenAIRequest | RecommendRequest, limits: ApiLimits) -> None:
+def check_limits(req: OpenAIRequest | RecommendRequest | TokenizeRequest | DetokenizeRequest,
+                 limits: ApiLimits) -> None:
     """Raise a 400 :class:`~xllm.gateway.openai.errors.APIError` naming the first field of ``req``
     past one of ``limits`` (the body size and in-flight bounds are checked before parsing)."""
     if isinstance(req, RecommendRequest):
         _check_recommend(req, limits)
         return
+    if isinstance(req, TokenizeRequest | DetokenizeRequest):
+        _check_tokenize(req, limits)
+        return
+    if not isinstance(req, ChatCompletionRequest | CompletionRequest):
+        return  # (small fixed-shape bodies: the schema bounds them)
     _check_sampling(req, limits)
     if isinstance(req, ChatCompletionRequest):
         _check_chat(req, limits)
@@ -165,3 +172,18 @@ def _check_completion(req: CompletionRequest, limits: ApiLimits) -> None:
     if chars > limits.max_prompt_chars:
         raise bad_request(f"prompt: the prompts hold {chars} characters; this server accepts at most "
                           f"{limits.max_prompt_chars} before tokenization", "prompt")
+
+
+def _check_tokenize(req: TokenizeRequest | DetokenizeRequest, limits: ApiLimits) -> None:
+    """The text to tokenize within ``max_prompt_chars`` (messages also ``max_messages``); the tokens to
+    detokenize too (one character at least per token)."""
+    if isinstance(req, DetokenizeRequest):
+        _at_most("tokens", len(req.tokens), limits.max_prompt_chars, "tokens")
+        return
+    if req.messages is not None:
+        _at_most("messages", len(req.messages), limits.max_messages, "messages")
+    chars = len(req.prompt) if req.prompt is not None else sum(len(m.text()) for m in req.messages)
+    chars += sum(len(json.dumps(t, ensure_ascii=False)) for t in req.tools or ())
+    if chars > limits.max_prompt_chars:
+        field = "prompt" if req.prompt is not None else "messages"
+        raise bad_request(f"{field}: {chars} characters; this server accepts at most {limits.max_prompt_chars}", field)

@@ -21,13 +21,13 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
+from xllm.gateway.access import KEYED_PREFIXES
 from xllm.gateway.openai.errors import RETRY_AFTER_SECONDS
 from xllm.gateway.openai.limits import OPENAI_MAX_COMPLETION_LOGPROBS, ApiLimits
 from xllm.gateway.openai.protocol_responses import STREAM_MODELS, ErrorResponse
 
 COMPONENTS = "#/components/schemas/{model}"
 SECURITY_SCHEME = "apiKey"
-API_PREFIX = "/v1/"
 
 _ERRORS = {
     400: "Invalid request (the message names the field; `param` is the top-level field)",
@@ -64,19 +64,29 @@ class RequestBodies:
         return {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(model)}}}}
 
 
-def answers(ok: type[BaseModel] | None, *errors: int, stream: type[BaseModel] | None = None
-            ) -> dict[int | str, dict[str, Any]]:
+def answers(ok: type[BaseModel] | None, *errors: int, stream: type[BaseModel] | None = None,
+            named_events: bool = False) -> dict[int | str, dict[str, Any]]:
     """The ``responses`` of a route: 200 as ``ok`` (JSON; with ``stream``, also a ``text/event-stream``
-    of ``stream`` chunks; None: the route's own response class) and the OpenAI error body for each
-    of ``errors``."""
+    of ``stream`` chunks, ``named_events``: each with its ``event:`` type and no ``[DONE]``; None: the route's
+    own response class) and the OpenAI error body for each of ``errors``."""
     out: dict[int | str, dict[str, Any]] = {}
     if ok is not None:
         out[200] = {"model": ok, "description": "OK"}
         if stream is not None:
-            out[200]["content"] = {"text/event-stream": {"schema": sse_event(stream)}}
+            schema = named_sse_event(stream) if named_events else sse_event(stream)
+            out[200]["content"] = {"text/event-stream": {"schema": schema}}
     for status in errors:
         out[status] = error_answer(status)
     return out
+
+
+def named_sse_event(event: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event of a stream of typed events (``/v1/responses``): ``event`` names its type, its
+    ``data`` is the event as JSON (or an error)."""
+    json_data = {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [_ref(event), _ref(ErrorResponse)]}}
+    return {"type": "object", "required": ["event", "data"],
+            "properties": {"event": {"type": "string", "description": "the event's `type`"}, "data": json_data}}
 
 
 def sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
@@ -168,7 +178,7 @@ def _add_security(doc: dict[str, Any]) -> None:
         "type": "http", "scheme": "bearer", "description": "an API key of `xllm serve --api-key` (or $XLLM_API_KEY)"}}
     unauthorized = error_answer(401)
     for path, ops in doc.get("paths", {}).items():
-        if not path.startswith(API_PREFIX):
+        if not path.startswith(KEYED_PREFIXES):
             continue
         for op in ops.values():
             op["security"] = [{SECURITY_SCHEME: []}]

@@ -225,4 +225,63 @@ class Health(_Doc):
     instances: dict[str, InstanceHealth]
 
 
-STREAM_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk, CompletionChunk)
+class ResponseOutputItem(_Doc):
+    """An output item of ``/v1/responses``: the assistant's ``message`` (``content``: ``output_text`` parts)
+    or a ``function_call`` (``call_id``, ``name``, ``arguments``)."""
+
+    type: Literal["message", "function_call"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseUsage(_Doc):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class ResponseObject(_Doc):
+    """``POST /v1/responses`` (and ``GET /v1/responses/{id}``): OpenAI's ``response`` object."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[ResponseOutputItem]
+    usage: ResponseUsage | None
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+
+
+class ResponseStreamEvent(_Doc):
+    """One semantic event of a streamed response (``event: <type>`` then ``data: <this>``):
+    ``response.created``, ``response.output_item.added``, ``response.output_text.delta``, ...,
+    ``response.completed``."""
+
+    type: str
+    sequence_number: int
+
+
+class ResponseDeleted(_Doc):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
+class Tokenized(_Doc):
+    """``POST /tokenize``."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class Detokenized(_Doc):
+    """``POST /detokenize``."""
+
+    prompt: str
+
+
+STREAM_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk, CompletionChunk, ResponseStreamEvent)

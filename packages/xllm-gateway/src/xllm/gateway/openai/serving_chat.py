@@ -28,6 +28,7 @@ from xllm.gateway.openai.stream_ids import StreamSeal, StreamTicket
 from xllm.gateway.openai.structured import structured_output
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from xllm.gateway.openai.tools import ToolCallStream, ToolChoice, ToolParser
+from xllm.gateway.tracing import spans_of
 from xllm.models.tokenizer import ChatTemplateError, Tokenizer
 from xllm.proto.engine.v1 import engine_pb2
 
@@ -46,6 +47,11 @@ class ChatServing:
         self.max_model_len = max_model_len
         self.preprocessor = preprocessor
         self.tool_parser: ToolParser = TOOL_PARSERS.create(tool_parser)
+
+    def render(self, req: ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids exactly as a chat request of these messages and tools is rendered
+        (``POST /tokenize``); a 400 naming ``messages`` when the template fails. CPU-bound."""
+        return self._render(req)[0]
 
     def _render(self, req: ChatCompletionRequest) -> tuple[list[int], engine_pb2.StructuredOutput | None]:
         """The prompt (tools described as the tool parser's family expects when the template does not
@@ -83,7 +89,12 @@ class ChatServing:
         if req.stream and req.prompt_logprobs is not None:
             raise bad_request("prompt_logprobs is not streamed in chat completions; use /v1/completions",
                               "prompt_logprobs")
-        prompt, structured = await self.preprocessor.run(self._render, req)
+        spans = spans_of(raw.scope)
+        with spans.phase("tokenize") as span:
+            prompt, structured = await self.preprocessor.run(self._render, req)
+            if span is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", len(prompt))
+        spans.set(**{"gen_ai.request.model": model, "xllm.stream": bool(req.stream), "xllm.n": req.n})
         if len(prompt) >= self.max_model_len:
             raise bad_request(f"the conversation has {len(prompt)} tokens but the context length is "
                               f"{self.max_model_len}", "messages", "context_length_exceeded")
@@ -111,7 +122,7 @@ class ChatServing:
                                model, scheduling)
                 for i in range(req.n)
             ]
-        client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())
+        client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key(), spans=spans)
         headers = {INSTANCE_HEADER: client.info.instance_id}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

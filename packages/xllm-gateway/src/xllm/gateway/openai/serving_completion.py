@@ -25,6 +25,7 @@ from xllm.gateway.openai.serving import (
 )
 from xllm.gateway.openai.stream_ids import StreamSeal, StreamTicket
 from xllm.gateway.openai.structured import structured_output
+from xllm.gateway.tracing import spans_of
 from xllm.models.tokenizer import Tokenizer
 from xllm.proto.engine.v1 import engine_pb2
 
@@ -67,7 +68,12 @@ class CompletionServing:
     async def create(self, req: CompletionRequest, raw: Request, scheduling: Scheduling):
         model = self.dispatcher.resolve_model(req.model)
         check_beam_fields(req)
-        prompts, structured = await self.preprocessor.run(self._tokenize_all, req)
+        spans = spans_of(raw.scope)
+        with spans.phase("tokenize") as span:
+            prompts, structured = await self.preprocessor.run(self._tokenize_all, req)
+            if span is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", sum(len(ids) for ids, _ in prompts))
+        spans.set(**{"gen_ai.request.model": model, "xllm.stream": bool(req.stream), "xllm.n": req.n})
         if req.use_beam_search:
             return await self._beam_search(req, raw, scheduling, model, prompts)
         want_lp = req.logprobs is not None
@@ -94,7 +100,7 @@ class CompletionServing:
                 reqs.append(engine_request(f"{rid}-{k}", ids, sp, model, scheduling))
                 prompt_lens.append(len(ids))
                 echoes.append(text if req.echo else "")
-        client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())
+        client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key(), spans=spans)
         headers = {INSTANCE_HEADER: client.info.instance_id}
         total_prompt = sum(len(ids) for ids, _ in prompts)
         if req.stream:  # (best_of > 1 is refused with stream)
@@ -139,7 +145,8 @@ class CompletionServing:
         rid = new_id("cmpl")
         reqs = [engine_request(f"{rid}-{i}", ids, beam_sampling(req, width, req.max_tokens), model, scheduling)
                 for i, (ids, _) in enumerate(prompts)]
-        client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key())
+        client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key(),
+                                                           spans=spans_of(raw.scope))
         generated = await collect(streams, [len(ids) for ids, _ in prompts], raw)
         choices = []
         for c in generated:

@@ -13,11 +13,12 @@ engine's ``--detached-grace-s``) is a 404 naming the stream.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 from fastapi.responses import StreamingResponse
 
 from xllm.engine_api.errors import EngineError
-from xllm.gateway.openai.errors import APIError
+from xllm.gateway.openai.errors import APIError, model_not_found
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from xllm.gateway.openai.serving import INSTANCE_HEADER, sse_stream
 from xllm.gateway.openai.serving_chat import _ChatStream
@@ -30,9 +31,10 @@ from xllm.models.tokenizer import Tokenizer
 class ResumeServing:
     """Resumes streams whose ids ``seal`` issued (this gateway's or, with a cluster token, any's)."""
 
-    def __init__(self, registry: Registry, tokenizer: Tokenizer, seal: StreamSeal) -> None:
+    def __init__(self, registry: Registry, tokenizers: Mapping[str, Tokenizer], seal: StreamSeal) -> None:
+        """``tokenizers``: each served model's (a stream is detokenized with its own model's)."""
         self.registry = registry
-        self.tokenizer = tokenizer
+        self.tokenizers = tokenizers
         self.seal = seal
 
     def _format(self, t: StreamTicket):
@@ -41,11 +43,11 @@ class ResumeServing:
         options = StreamOptions(include_usage=t.include_usage, continuous_usage_stats=t.continuous_usage)
         if t.prefix == "chatcmpl":
             req = ChatCompletionRequest.model_construct(n=t.per_prompt, logprobs=False, stream_options=options)
-            return _ChatStream(req, self.tokenizer, t.prompt_tokens[0], t.choices)
+            return _ChatStream(req, self.tokenizers[t.model], t.prompt_tokens[0], t.choices)
         req = CompletionRequest.model_construct(n=t.per_prompt, logprobs=None, echo=False, prompt_logprobs=None,
                                                 stream_options=options)
         lens = [n for n in t.prompt_tokens for _ in range(t.per_prompt)]
-        return _CompletionStream(req, self.tokenizer, sum(t.prompt_tokens), [""] * t.choices, lens,
+        return _CompletionStream(req, self.tokenizers[t.model], sum(t.prompt_tokens), [""] * t.choices, lens,
                                  [[] for _ in lens])
 
     async def _reattach(self, t: StreamTicket, request_id: str):
@@ -61,6 +63,8 @@ class ResumeServing:
     async def resume(self, stream_id: str, last_event_id: str | None) -> StreamingResponse:
         """The rest of stream ``stream_id`` after ``last_event_id`` (404: unknown, over or expired)."""
         t = self.seal.open(stream_id)
+        if t.model not in self.tokenizers:  # a stream of a model this gateway does not serve
+            raise model_not_found(t.model)
         received = parse_last_event_id(stream_id, last_event_id, t.choices)
         found = []
         try:

@@ -96,6 +96,9 @@ class InstanceState:
     # registered one) and the flip under way, if any
     assigned_role: str = ""
     flip: RoleTransition | None = None
+    # LoRA adapters this gateway loaded onto it at run time (name → hash root; unloaded ones removed)
+    runtime_adapters: dict[str, int] = field(default_factory=dict)
+    unloaded_adapters: set[str] = field(default_factory=set)  # registered ones this gateway unloaded since
 
     @property
     def instance_id(self) -> str:
@@ -104,6 +107,13 @@ class InstanceState:
     @property
     def model(self) -> str:
         return self.info.model.served_name
+
+    def adapters(self) -> dict[str, int]:
+        """The LoRA adapters it serves (name → the root its KV block hashes chain from): those it registered
+        with (``--lora-modules``), and those this gateway loaded since (``runtime_adapters``)."""
+        registered = dict(zip(self.info.model.lora_names, self.info.model.lora_hash_roots, strict=False))
+        out = {**registered, **self.runtime_adapters} if self.runtime_adapters else registered
+        return {k: v for k, v in out.items() if k not in self.unloaded_adapters} if self.unloaded_adapters else out
 
     @property
     def block_size(self) -> int:
@@ -155,6 +165,14 @@ class Registry:
 
     def served_models(self) -> list[str]:
         return sorted({s.model for s in self._states.values()})
+
+    def adapters(self) -> dict[str, str]:
+        """Every LoRA adapter a live instance serves → its base model (an adapter's requests go to those)."""
+        out: dict[str, str] = {}
+        for s in self._states.values():
+            for name in s.adapters():
+                out.setdefault(name, s.model)
+        return out
 
     def routable(self, model: str) -> list[InstanceState]:
         """Instances of ``model`` that may get new requests: not draining, not reported unhealthy,

@@ -136,7 +136,7 @@ class KVTarget(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., matched_tokens: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "model", "arrival_time", "disagg_phase", "kv_target", "resumed_output_tokens", "resumed_sent_chars", "movable", "offline")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "model", "arrival_time", "disagg_phase", "kv_target", "resumed_output_tokens", "resumed_sent_chars", "movable", "offline", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class GenerateRequest(_message.Message):
     RESUMED_SENT_CHARS_FIELD_NUMBER: _ClassVar[int]
     MOVABLE_FIELD_NUMBER: _ClassVar[int]
     OFFLINE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -161,7 +162,8 @@ class GenerateRequest(_message.Message):
     resumed_sent_chars: int
     movable: bool
     offline: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., arrival_time: _Optional[float] = ..., disagg_phase: _Optional[_Union[DisaggPhase, str]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., resumed_sent_chars: _Optional[int] = ..., movable: _Optional[bool] = ..., offline: _Optional[bool] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., arrival_time: _Optional[float] = ..., disagg_phase: _Optional[_Union[DisaggPhase, str]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., resumed_sent_chars: _Optional[int] = ..., movable: _Optional[bool] = ..., offline: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -420,3 +422,23 @@ class ReattachRequest(_message.Message):
     request_id: str
     from_token: int
     def __init__(self, request_id: _Optional[str] = ..., from_token: _Optional[int] = ...) -> None: ...
+
+class LoadLoraRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraResponse(_message.Message):
+    __slots__ = ("ok", "error", "param", "hash_root")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    HASH_ROOT_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    param: str
+    hash_root: int
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., param: _Optional[str] = ..., hash_root: _Optional[int] = ...) -> None: ...

@@ -81,6 +81,11 @@ class EngineServiceStub:
                 request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ReattachRequest.SerializeToString,
                 response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/xllm.engine.v1.EngineService/LoadLora',
+                request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.LoadLoraResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -148,6 +153,13 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """Load or unload a LoRA adapter at run time (see LoadLoraRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +207,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Reattach,
                     request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ReattachRequest.FromString,
                     response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.LoadLoraRequest.FromString,
+                    response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.LoadLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +457,33 @@ class EngineService:
             '/xllm.engine.v1.EngineService/Reattach',
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ReattachRequest.SerializeToString,
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xllm.engine.v1.EngineService/LoadLora',
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.LoadLoraRequest.SerializeToString,
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.LoadLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,16 +20,20 @@ INSTANCE_ROLE_PREFILL: InstanceRole
 INSTANCE_ROLE_DECODE: InstanceRole
 
 class ModelInfo(_message.Message):
-    __slots__ = ("served_name", "max_model_len", "dtype", "block_size")
+    __slots__ = ("served_name", "max_model_len", "dtype", "block_size", "lora_names", "lora_hash_roots")
     SERVED_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    LORA_HASH_ROOTS_FIELD_NUMBER: _ClassVar[int]
     served_name: str
     max_model_len: int
     dtype: str
     block_size: int
-    def __init__(self, served_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    lora_hash_roots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, served_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., lora_names: _Optional[_Iterable[str]] = ..., lora_hash_roots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
     __slots__ = ("instance_id", "address", "role", "model", "start_time", "signature")

@@ -1,0 +1,56 @@
+"""``EngineService.LoadLora`` over gRPC (what a cluster gateway calls for ``/v1/load_lora_adapter``): an adapter
+loads at run time and answers with the KV hash root the engine keys its requests by, a bad directory or a name
+taken is a refusal naming the field, and it unloads again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from xllm.core import AsyncEngine
+from xllm.engine.server import EngineServer
+from xllm.engine_api.client import GrpcEngineClient
+from xllm.models import load_model
+from xllm.proto.registry.v1 import instance_pb2
+from xllm.testing.engine import make_engine
+from xllm.testing.models import IdTokenizer, save_random_hf_model, save_random_lora
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+
+def test_load_lora_over_grpc(tmp_path):
+    base = tmp_path / "base"
+    save_random_hf_model(base, transformers.LlamaConfig(
+        vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256), seed=3, std=0.15)
+    adapter = save_random_lora(base, tmp_path / "sql", 4, 8, ["q_proj", "v_proj"], seed=11)
+    engine = make_engine(load_model(base, torch.float32), tokenizer=IdTokenizer(), max_loras=2)
+
+    async def run():
+        aeng = AsyncEngine(engine)
+        server = EngineServer(aeng)
+        aeng.start()
+        port = await server.start("127.0.0.1", 0)
+        client = GrpcEngineClient(instance_pb2.InstanceInfo(instance_id="e0", address=f"127.0.0.1:{port}"))
+        try:
+            bad = await client.load_lora("sql", str(tmp_path / "missing"))
+            loaded = await client.load_lora("sql", str(adapter))
+            taken = await client.load_lora("sql", str(adapter))
+            roots = dict(zip(engine.lora_names(), engine.lora_hash_roots(), strict=True))
+            unloaded = await client.load_lora("sql", "")
+            unknown = await client.load_lora("sql", "")
+            return bad, loaded, taken, roots, unloaded, unknown, engine.lora_names()
+        finally:
+            await client.close()
+            await server.stop(0)
+            aeng.shutdown()
+
+    bad, loaded, taken, roots, unloaded, unknown, left = asyncio.run(run())
+    engine.close()
+    assert (bad.ok, bad.param) == (False, "lora_path") and "sql" in bad.error
+    assert loaded.ok and loaded.hash_root == roots["sql"] != 0
+    assert (taken.ok, taken.param) == (False, "lora_name")
+    assert unloaded.ok and (unknown.ok, unknown.param) == (False, "lora_name") and left == []
