@@ -37,7 +37,8 @@ EXAMPLES = 12  # cases per operation and generation mode (positive, negative)
 POST_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
                "/v1/recommend": "RecommendRequest", "/v1/responses": "ResponsesRequest",
                "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest",
-               "/v1/load_lora_adapter": "LoadLoraAdapterRequest", "/v1/unload_lora_adapter": "UnloadLoraAdapterRequest"}
+               "/v1/load_lora_adapter": "LoadLoraAdapterRequest", "/v1/unload_lora_adapter": "UnloadLoraAdapterRequest",
+               "/v1/embeddings": "EmbeddingRequest"}
 ADMIN_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}  # the fuzzer's user key gets 403 there
 GOOD = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
@@ -49,6 +50,7 @@ GOOD = {
     "/detokenize": {"tokens": [1, 2]},
     "/v1/load_lora_adapter": {"lora_name": "sql", "lora_path": "/nowhere"},  # (the fake engine refuses: 400)
     "/v1/unload_lora_adapter": {"lora_name": "sql"},  # (nobody serves it: 404)
+    "/v1/embeddings": {"input": ["red", "green"], "encoding_format": "base64"},
 }
 BAD = [  # (route, field, value): refused by the server and by the published schema
     ("/v1/chat/completions", "audio", {"voice": "x"}),
@@ -62,6 +64,7 @@ BAD = [  # (route, field, value): refused by the server and by the published sch
     ("/v1/responses", "max_output_tokens", 0),
     ("/tokenize", "unknown_field", 1),
     ("/detokenize", "tokens", [-1]),
+    ("/v1/embeddings", "dimensions", 64),
 ]
 ERROR_FIELDS = {"message", "type", "param", "code"}
 

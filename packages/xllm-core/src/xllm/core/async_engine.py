@@ -219,6 +219,10 @@ class AsyncEngine:
         ``InvalidRequestError`` while requests in flight use it)."""
         return self._call(lambda e: e.load_lora(name, path) if path is not None else e.unload_lora(name) or 0)
 
+    def embed(self, prompt: list[int], pooling: str, normalize: bool) -> asyncio.Future[tuple[float, ...]]:
+        """The pooled final hidden state of ``prompt`` (:meth:`LLMEngine.embed`), computed between steps."""
+        return self._call(lambda e: e.embed(prompt, pooling, normalize))
+
     def _call(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
         """Run ``fn(engine)`` on the engine thread between steps; chunks it returns (a list) are
         delivered to their streams. The returned future (of the caller's loop) resolves to ``fn``'s result."""

@@ -29,6 +29,7 @@ from xllm.core.beam_check import check_beam_request
 from xllm.core.config import EngineConfig
 from xllm.core.detokenizer import EngineTokenizer
 from xllm.core.disagg import DisaggListener, PromptFinishing
+from xllm.core.embedding import embed
 from xllm.core.engine_beams import EngineBeams, beam_stats
 from xllm.core.engine_build import (
     attach_tiers,
@@ -241,6 +242,13 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora):
             finished=[finished_request(seq, "abort", time.time())],
             offline=OfflineStepStats(finished=int(seq.offline))))
         return chunk
+
+    def embed(self, prompt: list[int], pooling: str = "last", normalize: bool = True) -> tuple[float, ...]:
+        """The pooled final hidden state of ``prompt`` (:mod:`xllm.core.embedding`: no KV, no tokens); not on a
+        tensor-parallel instance (its other ranks take part only in steps)."""
+        if self.config.tensor_parallel_size > 1:
+            raise InvalidRequestError("a tensor-parallel instance serves no embeddings", "model")
+        return embed(self.model, prompt, pooling, normalize, self.platform.device, self.max_model_len)
 
     def stepping_request_ids(self) -> set[str]:
         """Requests of the step being scheduled, prepared or computed (with async scheduling, also

@@ -62,6 +62,11 @@ class EngineClient(Protocol):
 
     async def load(self) -> instance_pb2.LoadReport: ...
 
+    async def embed(self, req: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
+        """A prompt's pooled hidden state (raises ``InvalidRequestError`` naming the field, or
+        ``InstanceUnavailableError``)."""
+        ...
+
     async def kv_events(self, since_version: int, epoch: int, snapshot: bool = False) -> kv_events_pb2.KVCacheEvents:
         """The instance's prefix-cache changes since ``since_version`` of ``epoch`` (a delta), or
         everything it holds (``snapshot``); raises ``InstanceUnavailableError``."""
@@ -296,6 +301,13 @@ class GrpcEngineClient:
 
     async def load_lora(self, name: str, path: str) -> engine_pb2.LoadLoraResponse:
         return await self._unary("LoadLora", engine_pb2.LoadLoraRequest(lora_name=name, lora_path=path))
+
+    async def embed(self, req: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
+        try:
+            return await self._call("Embed", req)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_status(exc.code(), exc.details(), exc.trailing_metadata(),
+                                    self.info.instance_id) from None
 
     async def kv_events(self, since_version: int, epoch: int, snapshot: bool = False) -> kv_events_pb2.KVCacheEvents:
         req = engine_pb2.GetKVEventsRequest(since_version=since_version, epoch=epoch, snapshot=snapshot)

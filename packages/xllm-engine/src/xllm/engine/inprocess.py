@@ -54,6 +54,10 @@ class InProcessEngineClient:
             return engine_pb2.LoadLoraResponse(ok=False, error=str(exc), param=getattr(exc, "param", None) or "")
         return engine_pb2.LoadLoraResponse(ok=True, hash_root=root)
 
+    async def embed(self, req: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
+        values = await self.engine.embed(list(req.prompt_token_ids), req.pooling or "last", req.normalize)
+        return engine_pb2.EmbedResponse(embedding=values)
+
     async def load(self) -> instance_pb2.LoadReport:
         return self.engine.load_report()
 

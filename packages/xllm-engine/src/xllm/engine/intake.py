@@ -81,7 +81,8 @@ class MessageBounds:
 
     def of(self, method: str) -> int:
         """The bound of ``method`` (a method name of ``EngineService``)."""
-        return {"Generate": self.generate, "TransferKV": self.transfer_kv}.get(method, self.other)
+        return {"Generate": self.generate, "Embed": self.generate, "TransferKV": self.transfer_kv}.get(method,
+                                                                                                     self.other)
 
     @property
     def largest(self) -> int:

@@ -407,6 +407,15 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             return engine_pb2.LoadLoraResponse(ok=False, error=str(exc), param=getattr(exc, "param", None) or "")
         return engine_pb2.LoadLoraResponse(ok=True, hash_root=root)
 
+    async def Embed(self, request: engine_pb2.EmbedRequest, context) -> engine_pb2.EmbedResponse:
+        """A prompt's pooled hidden state, computed between steps; a refused one ends with its status."""
+        try:
+            values = await self.engine.embed(list(request.prompt_token_ids), request.pooling or "last",
+                                             request.normalize)
+        except EngineError as exc:
+            await _abort(context, status_for(exc))
+        return engine_pb2.EmbedResponse(embedding=values)
+
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
         call = self._calls.get(request.request_id)
         if call is not None:

@@ -33,6 +33,7 @@ from xllm.gateway.openai.errors import RETRY_AFTER_SECONDS, APIError, internal_e
 from xllm.gateway.openai.limits import ApiLimits
 from xllm.gateway.openai.preprocess import Preprocessor
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from xllm.gateway.openai.protocol_embeddings import EmbeddingRequest
 from xllm.gateway.openai.protocol_openapi import (
     GENERATION_ERRORS,
     RETRY_AFTER,
@@ -48,6 +49,7 @@ from xllm.gateway.openai.protocol_responses import (
     Completion,
     CompletionChunk,
     Detokenized,
+    EmbeddingList,
     Health,
     ModelList,
     Recommendation,
@@ -61,6 +63,7 @@ from xllm.gateway.openai.request_body import validation_error
 from xllm.gateway.openai.responses_api import ResponsesRequest
 from xllm.gateway.openai.serving_chat import ChatServing
 from xllm.gateway.openai.serving_completion import CompletionServing
+from xllm.gateway.openai.serving_embeddings import EmbeddingsServing
 from xllm.gateway.openai.serving_lora import LoadLoraAdapterRequest, LoraAdmin, UnloadLoraAdapterRequest
 from xllm.gateway.openai.serving_recommend import RecommendServing
 from xllm.gateway.openai.serving_responses import ResponsesServing
@@ -122,6 +125,7 @@ class _Servings:
     completions: CompletionServing
     recommend: RecommendServing
     tokenize: TokenizeServing
+    embeddings: EmbeddingsServing
 
 
 class _ByModel:
@@ -136,7 +140,8 @@ class _ByModel:
             self._servings[f.name] = _Servings(
                 chat, CompletionServing(dispatcher, f.tokenizer, f.max_model_len, preprocessor, seal),
                 RecommendServing(dispatcher, f.tokenizer, f.max_model_len, preprocessor),
-                TokenizeServing(dispatcher, chat, f.tokenizer, f.max_model_len, preprocessor))
+                TokenizeServing(dispatcher, chat, f.tokenizer, f.max_model_len, preprocessor),
+                EmbeddingsServing(dispatcher, f.tokenizer, f.max_model_len, preprocessor))
 
     def __call__(self, requested: str | None) -> _Servings:
         name, _ = self.dispatcher.base_of(self.dispatcher.resolve_model(requested))  # (an adapter: its model's)
@@ -264,6 +269,12 @@ def _add_openai_routes(app: FastAPI, bodies: RequestBodies, preprocessor: Prepro
     async def create_completions(raw: Request):
         req = await parse(raw, CompletionRequest)
         return await by_model(req.model).completions.create(req, raw, access.scheduling(req))
+
+    @app.post("/v1/embeddings", operation_id="createEmbedding", openapi_extra=bodies.json(EmbeddingRequest),
+              responses=answers(EmbeddingList, 400, 404, 413, 500, 503))
+    async def create_embeddings(raw: Request):
+        req = await preprocessor.parse(raw, EmbeddingRequest)
+        return await by_model(req.model).embeddings.create(req)
 
     @app.post("/v1/recommend", operation_id="createRecommendation", openapi_extra=bodies.json(RecommendRequest),
               responses=answers(Recommendation, 400, 404, 413, 500, 503))  # (no priority asked: no 403)

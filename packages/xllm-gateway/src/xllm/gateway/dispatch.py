@@ -99,6 +99,28 @@ class Dispatcher:
         base = self.registry.adapters().get(name)
         return (name, "") if base is None or name in self.registry.served_models() else (base, name)
 
+    async def embed(self, model: str, prompts: list[list[int]], pooling: str, normalize: bool) -> list[list[float]]:
+        """Each prompt's pooled hidden state from an instance of ``model`` (routed like a request; another one
+        when it is unavailable); engine refusals raise as APIErrors naming the field."""
+        async def one(prompt: list[int]) -> list[float]:
+            exclude: set[str] = set()
+            for _ in range(self.max_attempts):
+                try:
+                    state = self.router.route(model, prompt, exclude=exclude).state
+                except NoInstanceError as exc:
+                    raise APIError(503, str(exc), "server_unavailable") from exc
+                try:
+                    req = engine_pb2.EmbedRequest(prompt_token_ids=prompt, pooling=pooling, normalize=normalize)
+                    return list((await state.client.embed(req)).embedding)
+                except InstanceUnavailableError:
+                    self.router.failed(state)
+                    exclude.add(state.instance_id)
+                except Exception as exc:
+                    raise to_api_error(exc) from exc
+            raise APIError(503, f"no instance of {model!r} could compute the embedding", "server_unavailable")
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
     async def submit_all(self, model: str, reqs: list[engine_pb2.GenerateRequest], session: str | None = None,
                          spans: RequestSpans = NO_SPANS) -> tuple[EngineClient, list[RoutedStream]]:
         """Submit every request to one instance (choices of a request stay together).

@@ -89,6 +89,11 @@ class FakeEngineClient:
         return engine_pb2.LoadLoraResponse(ok=False, error="this scripted engine serves no LoRA adapters",
                                            param="lora_path")
 
+    async def embed(self, req: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
+        """A scripted embedding: the prompt's length and token sum (and the pooling's name length)."""
+        ids = list(req.prompt_token_ids)
+        return engine_pb2.EmbedResponse(embedding=[float(len(ids)), float(sum(ids)), float(len(req.pooling))])
+
     async def health(self) -> engine_pb2.HealthResponse:
         return engine_pb2.HealthResponse(healthy=self.healthy, status="ok" if self.healthy else "broken")
 

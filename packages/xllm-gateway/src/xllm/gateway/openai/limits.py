@@ -25,6 +25,7 @@ from xllm.engine_api.bounds import (
 )
 from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from xllm.gateway.openai.protocol_embeddings import EmbeddingRequest
 from xllm.gateway.openai.protocol_recommend import RecommendRequest
 from xllm.gateway.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 
@@ -95,6 +96,14 @@ def check_limits(req: OpenAIRequest | RecommendRequest | TokenizeRequest | Detok
         return
     if isinstance(req, TokenizeRequest | DetokenizeRequest):
         _check_tokenize(req, limits)
+        return
+    if isinstance(req, EmbeddingRequest):
+        inputs = req.inputs()
+        _at_most("input", len(inputs), limits.max_prompts, "inputs")
+        chars = sum(len(p) for p in inputs if isinstance(p, str))
+        if chars > limits.max_prompt_chars:
+            raise bad_request(f"input: {chars} characters; this server accepts at most {limits.max_prompt_chars}",
+                              "input")
         return
     if not isinstance(req, ChatCompletionRequest | CompletionRequest):
         return  # (small fixed-shape bodies: the schema bounds them)

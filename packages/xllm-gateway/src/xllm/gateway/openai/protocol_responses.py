@@ -269,6 +269,21 @@ class ResponseDeleted(_Doc):
     deleted: bool
 
 
+class EmbeddingData(_Doc):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(description="floats, or base64 of little-endian float32")
+
+
+class EmbeddingList(_Doc):
+    """``POST /v1/embeddings``."""
+
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: dict[str, int]
+
+
 class Tokenized(_Doc):
     """``POST /tokenize``."""
 

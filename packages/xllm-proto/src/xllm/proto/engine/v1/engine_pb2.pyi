@@ -442,3 +442,19 @@ class LoadLoraResponse(_message.Message):
     param: str
     hash_root: int
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., param: _Optional[str] = ..., hash_root: _Optional[int] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "pooling", "normalize")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    pooling: str
+    normalize: bool
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embedding",)
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, embedding: _Optional[_Iterable[float]] = ...) -> None: ...

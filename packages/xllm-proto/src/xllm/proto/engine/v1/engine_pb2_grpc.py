@@ -86,6 +86,11 @@ class EngineServiceStub:
                 request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.LoadLoraRequest.SerializeToString,
                 response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.LoadLoraResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/xllm.engine.v1.EngineService/Embed',
+                request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -160,6 +165,13 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """The pooled hidden state of a prompt (/v1/embeddings); INVALID_ARGUMENT names the field at fault.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -212,6 +224,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.LoadLora,
                     request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.LoadLoraRequest.FromString,
                     response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.LoadLoraResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
+                    response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -484,6 +501,33 @@ class EngineService:
             '/xllm.engine.v1.EngineService/LoadLora',
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.LoadLoraRequest.SerializeToString,
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.LoadLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xllm.engine.v1.EngineService/Embed',
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,7 @@
-"""``EngineService.LoadLora`` over gRPC (what a cluster gateway calls for ``/v1/load_lora_adapter``): an adapter
-loads at run time and answers with the KV hash root the engine keys its requests by, a bad directory or a name
-taken is a refusal naming the field, and it unloads again."""
+"""The engine service's calls beside ``Generate`` that a cluster gateway makes, over gRPC: ``LoadLora`` (for
+``/v1/load_lora_adapter``: an adapter loads at run time and answers with the KV hash root the engine keys its
+requests by, a bad directory or a name taken is a refusal naming the field, and it unloads again) and ``Embed``
+(for ``/v1/embeddings``)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,38 @@ def test_load_lora_over_grpc(tmp_path):
     assert loaded.ok and loaded.hash_root == roots["sql"] != 0
     assert (taken.ok, taken.param) == (False, "lora_name")
     assert unloaded.ok and (unknown.ok, unknown.param) == (False, "lora_name") and left == []
+
+
+def test_embed_over_grpc_and_its_refusals():
+    """``EngineService.Embed`` carries what the engine computes (HF parity: the gateway's embeddings test), and a
+    refusal arrives as the engine's error naming the field."""
+    from xllm.engine_api.errors import InvalidRequestError
+    from xllm.proto.engine.v1 import engine_pb2
+
+    engine = make_engine()
+    want = engine.embed([5, 6, 7, 8], "mean", True)
+
+    async def run():
+        aeng = AsyncEngine(engine)
+        server = EngineServer(aeng)
+        aeng.start()
+        port = await server.start("127.0.0.1", 0)
+        client = GrpcEngineClient(instance_pb2.InstanceInfo(instance_id="e0", address=f"127.0.0.1:{port}"))
+        try:
+            got = await client.embed(engine_pb2.EmbedRequest(prompt_token_ids=[5, 6, 7, 8], pooling="mean",
+                                                             normalize=True))
+            with pytest.raises(InvalidRequestError) as empty:
+                await client.embed(engine_pb2.EmbedRequest(pooling="last"))
+            with pytest.raises(InvalidRequestError) as pooling:
+                await client.embed(engine_pb2.EmbedRequest(prompt_token_ids=[5], pooling="max"))
+            healthy = (await client.health()).healthy
+            return got, empty.value.param, pooling.value.param, healthy
+        finally:
+            await client.close()
+            await server.stop(0)
+            aeng.shutdown()
+
+    got, empty, pooling, healthy = asyncio.run(run())
+    engine.close()
+    assert list(got.embedding) == pytest.approx(list(want), abs=1e-6) and abs(sum(x * x for x in want) - 1) < 1e-4
+    assert (empty, pooling, healthy) == ("input", "pooling", True)
