@@ -10,13 +10,10 @@ import asyncio
 import pytest
 import torch
 
-from xllm.core import AsyncEngine
-from xllm.engine.server import EngineServer
-from xllm.engine_api.client import GrpcEngineClient
 from xllm.models import load_model
-from xllm.proto.registry.v1 import instance_pb2
 from xllm.testing.engine import make_engine
 from xllm.testing.models import IdTokenizer, save_random_hf_model, save_random_lora
+from xllm.testing.served import ServedEngine
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -31,11 +28,8 @@ def test_load_lora_over_grpc(tmp_path):
     engine = make_engine(load_model(base, torch.float32), tokenizer=IdTokenizer(), max_loras=2)
 
     async def run():
-        aeng = AsyncEngine(engine)
-        server = EngineServer(aeng)
-        aeng.start()
-        port = await server.start("127.0.0.1", 0)
-        client = GrpcEngineClient(instance_pb2.InstanceInfo(instance_id="e0", address=f"127.0.0.1:{port}"))
+        node = await ServedEngine(engine).start()
+        client = node.client
         try:
             bad = await client.load_lora("sql", str(tmp_path / "missing"))
             loaded = await client.load_lora("sql", str(adapter))
@@ -45,12 +39,9 @@ def test_load_lora_over_grpc(tmp_path):
             unknown = await client.load_lora("sql", "")
             return bad, loaded, taken, roots, unloaded, unknown, engine.lora_names()
         finally:
-            await client.close()
-            await server.stop(0)
-            aeng.shutdown()
+            await node.stop()
 
     bad, loaded, taken, roots, unloaded, unknown, left = asyncio.run(run())
-    engine.close()
     assert (bad.ok, bad.param) == (False, "lora_path") and "sql" in bad.error
     assert loaded.ok and loaded.hash_root == roots["sql"] != 0
     assert (taken.ok, taken.param) == (False, "lora_name")
@@ -67,11 +58,8 @@ def test_embed_over_grpc_and_its_refusals():
     want = engine.embed([5, 6, 7, 8], "mean", True)
 
     async def run():
-        aeng = AsyncEngine(engine)
-        server = EngineServer(aeng)
-        aeng.start()
-        port = await server.start("127.0.0.1", 0)
-        client = GrpcEngineClient(instance_pb2.InstanceInfo(instance_id="e0", address=f"127.0.0.1:{port}"))
+        node = await ServedEngine(engine).start()
+        client = node.client
         try:
             got = await client.embed(engine_pb2.EmbedRequest(prompt_token_ids=[5, 6, 7, 8], pooling="mean",
                                                              normalize=True))
@@ -82,11 +70,8 @@ def test_embed_over_grpc_and_its_refusals():
             healthy = (await client.health()).healthy
             return got, empty.value.param, pooling.value.param, healthy
         finally:
-            await client.close()
-            await server.stop(0)
-            aeng.shutdown()
+            await node.stop()
 
     got, empty, pooling, healthy = asyncio.run(run())
-    engine.close()
     assert list(got.embedding) == pytest.approx(list(want), abs=1e-6) and abs(sum(x * x for x in want) - 1) < 1e-4
     assert (empty, pooling, healthy) == ("input", "pooling", True)

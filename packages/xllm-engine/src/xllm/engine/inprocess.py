@@ -48,15 +48,10 @@ class InProcessEngineClient:
         return engine_pb2.HealthResponse(healthy=ok, status="ok" if ok else (self.engine.dead_reason or "stopped"))
 
     async def load_lora(self, name: str, path: str) -> engine_pb2.LoadLoraResponse:
-        try:
-            root = await self.engine.load_lora(name, path or None)
-        except (EngineError, ValueError) as exc:  # (an engine that cannot take adapters: a ConfigError)
-            return engine_pb2.LoadLoraResponse(ok=False, error=str(exc), param=getattr(exc, "param", None) or "")
-        return engine_pb2.LoadLoraResponse(ok=True, hash_root=root)
+        return await load_lora_answer(self.engine, engine_pb2.LoadLoraRequest(lora_name=name, lora_path=path))
 
     async def embed(self, req: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
-        values = await self.engine.embed(list(req.prompt_token_ids), req.pooling or "last", req.normalize)
-        return engine_pb2.EmbedResponse(embedding=values)
+        return await embed_answer(self.engine, req)
 
     async def load(self) -> instance_pb2.LoadReport:
         return self.engine.load_report()
@@ -68,3 +63,20 @@ class InProcessEngineClient:
 
     async def close(self) -> None:
         """Nothing to release: the engine's owner shuts it down."""
+
+
+async def load_lora_answer(engine: AsyncEngine, req: engine_pb2.LoadLoraRequest) -> engine_pb2.LoadLoraResponse:
+    """``EngineService.LoadLora`` on ``engine`` (the gRPC service's and the in-process client's): load, or with an
+    empty path unload, between steps; a refusal is an answer (``error``, the field at fault in ``param``)."""
+    try:
+        root = await engine.load_lora(req.lora_name, req.lora_path or None)
+    except (EngineError, ValueError) as exc:  # (an engine that cannot take adapters: a ConfigError)
+        return engine_pb2.LoadLoraResponse(ok=False, error=str(exc), param=getattr(exc, "param", None) or "")
+    return engine_pb2.LoadLoraResponse(ok=True, hash_root=root)
+
+
+async def embed_answer(engine: AsyncEngine, req: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
+    """``EngineService.Embed`` on ``engine``: the prompt's pooled hidden state, computed between steps (raises the
+    engine's ``InvalidRequestError`` naming the field)."""
+    values = await engine.embed(list(req.prompt_token_ids), req.pooling or "last", req.normalize)
+    return engine_pb2.EmbedResponse(embedding=values)

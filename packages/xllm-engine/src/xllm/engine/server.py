@@ -51,6 +51,7 @@ from xllm.engine.detached import DetachedRequests, ReattachRefused
 from xllm.engine.handoff import grpc as grpc_transport
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.handoff.manager import HandoffManager
+from xllm.engine.inprocess import embed_answer, load_lora_answer
 from xllm.engine.intake import Intake, message_bounds
 from xllm.engine.tracing import EngineTracer
 from xllm.engine_api.credential import prove_mac
@@ -401,20 +402,14 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
     async def LoadLora(self, request: engine_pb2.LoadLoraRequest, context) -> engine_pb2.LoadLoraResponse:
         """Load (or, with an empty path, unload) a LoRA adapter between steps; a refusal is an answer, not a
         failed call (``error`` and the field at fault in ``param``)."""
-        try:
-            root = await self.engine.load_lora(request.lora_name, request.lora_path or None)
-        except (EngineError, ValueError) as exc:  # (an engine that cannot take adapters: a ConfigError)
-            return engine_pb2.LoadLoraResponse(ok=False, error=str(exc), param=getattr(exc, "param", None) or "")
-        return engine_pb2.LoadLoraResponse(ok=True, hash_root=root)
+        return await load_lora_answer(self.engine, request)
 
     async def Embed(self, request: engine_pb2.EmbedRequest, context) -> engine_pb2.EmbedResponse:
         """A prompt's pooled hidden state, computed between steps; a refused one ends with its status."""
         try:
-            values = await self.engine.embed(list(request.prompt_token_ids), request.pooling or "last",
-                                             request.normalize)
+            return await embed_answer(self.engine, request)
         except EngineError as exc:
             await _abort(context, status_for(exc))
-        return engine_pb2.EmbedResponse(embedding=values)
 
     async def Abort(self, request: engine_pb2.AbortRequest, context) -> engine_pb2.AbortResponse:
         call = self._calls.get(request.request_id)

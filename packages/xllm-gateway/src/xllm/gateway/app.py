@@ -212,7 +212,7 @@ def create_app(state: GatewayState) -> FastAPI:
     _add_tokenizer_routes(app, bodies, preprocessor, by_model)
     _add_resume_route(app, ResumeServing(state.registry, fronts.tokenizers(), seal))
     _add_lora_routes(app, bodies, preprocessor, state.access, LoraAdmin(state.registry, dispatcher))
-    _add_service_routes(app, state, roles)
+    _add_service_routes(app, state, roles, fronts)
     add_dashboard_routes(app, state, router, roles, dispatcher.mover,  # the live cluster page, /dashboard
                          timelines=state.recent_traces, hub=hub)
     install_openapi(app, bodies, state.access.requires_key, state.limits)
@@ -358,18 +358,18 @@ def _add_resume_route(app: FastAPI, resume: ResumeServing) -> None:
         return await resume.resume(stream_id, last_event_id)
 
 
-def _add_service_routes(app: FastAPI, state: GatewayState, roles: RoleController) -> None:
+def _add_service_routes(app: FastAPI, state: GatewayState, roles: RoleController, fronts: ModelFronts) -> None:
     """``/v1/models``, ``/health`` and ``/metrics`` over the registry's live instances."""
 
     @app.get("/v1/models", operation_id="listModels", responses=answers(ModelList, 500))
     async def models():
         """The served models, then their LoRA adapters (``parent``: the model an adapter runs on, as vLLM lists
         them)."""
-        served = _served(state)
+        served = [name for name in state.registry.served_models() if name in fronts]  # (those it can serve)
         data = [{"id": name, "object": "model", "created": int(state.started), "owned_by": "xllm",
-                 "max_model_len": _max_model_len(state, name)} for name in served]
+                 "max_model_len": _max_model_len(state, fronts, name)} for name in served]
         data += [{"id": name, "object": "model", "created": int(state.started), "owned_by": "xllm",
-                  "max_model_len": _max_model_len(state, base), "parent": base}
+                  "max_model_len": _max_model_len(state, fronts, base), "parent": base}
                  for name, base in sorted(state.registry.adapters().items()) if base in served and name not in served]
         return {"object": "list", "data": data}
 
@@ -406,15 +406,9 @@ def _add_service_routes(app: FastAPI, state: GatewayState, roles: RoleController
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _served(state: GatewayState) -> list[str]:
-    """The models live instances serve that this gateway has a front for (the ones it can serve)."""
-    fronts = state.fronts()
-    return [name for name in state.registry.served_models() if name in fronts]
-
-
-def _max_model_len(state: GatewayState, name: str) -> int:
+def _max_model_len(state: GatewayState, fronts: ModelFronts, name: str) -> int:
     lens = [s.info.model.max_model_len for s in state.registry.states(name) if s.info.model.max_model_len]
-    front = state.fronts().get(name)
+    front = fronts.get(name)
     return min(lens) if lens else (front.max_model_len if front is not None else state.max_model_len)
 
 

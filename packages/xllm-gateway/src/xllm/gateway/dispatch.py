@@ -44,7 +44,7 @@ from xllm.gateway.progress import RequestProgress, StallLimits, watched
 from xllm.gateway.registry import NoInstanceError, Registry
 from xllm.gateway.roles import hands_over
 from xllm.gateway.router import Router, Ticket
-from xllm.gateway.tracing import NO_SPANS, RequestSpans, now
+from xllm.gateway.tracing import NO_SPANS, RequestSpans
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.enums import finish_reason_name
 
@@ -440,7 +440,7 @@ class RoutedStream:
                 if not self._failover.broke(self._model, at.ticket, exc, self.progress):
                     raise
                 at.end(self._router)
-                started = now()
+                started = time.time()
                 await self._continue(self.progress.failed)
                 self._spans.step("resume", started, **{
                     "xllm.resume.cause": "crashed" if exc.crashed else "unavailable", "xllm.resume.mode": "recompute",
@@ -521,7 +521,7 @@ class RoutedStream:
     async def _move(self, at: _Placement) -> None:
         """Go on where the move of ``at`` leads: the migration's destination, or elsewhere by recompute."""
         self.progress.moves += 1
-        started = now()
+        started = time.time()
         if at.then == "migrated":
             self._ticket, self._stream = at.migration.ticket, await at.migration.destination()
             self.progress.instance_request_id = at.migration.cont.request_id

@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -283,7 +282,3 @@ def gateway_tracing(options: TracingOptions) -> dict[str, Any]:
 def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
-
-def now() -> float:
-    """Wall-clock seconds (a span's start for :meth:`RequestSpans.step`)."""
-    return time.time()

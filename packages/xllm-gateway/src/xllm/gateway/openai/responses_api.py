@@ -13,7 +13,6 @@ completion bound. Fields this server cannot honour are refused by name (``reason
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -288,6 +287,3 @@ def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
 
-
-def now() -> float:
-    return time.time()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,6 @@ from xllm.gateway.openai.responses_api import (
     input_messages,
     message_item,
     new_item_id,
-    now,
     output_items,
     response_object,
     usage_of,
@@ -190,7 +190,7 @@ class _Events:
                  messages: list[dict]) -> None:
         self.req, self.response_id, self.model, self.serving, self.messages = req, response_id, model, serving, messages
         self.seq = 0
-        self.created = now()
+        self.created = time.time()
         self.text_item: dict | None = None   # {"id", "index", "text"}
         self.calls: dict[int, dict] = {}      # chat tool-call index -> {"id", "index", "call_id", "name", "arguments"}
         self.next_index = 0
