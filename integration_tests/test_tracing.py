@@ -2,13 +2,14 @@
 random Llama, ``--drain-moves migrate``) and ``--otlp-traces-endpoint`` pointing at a real OTLP receiver on
 loopback (the official ``opentelemetry-proto`` service; :mod:`xllm.testing.otlp`).
 
-A PD request is one trace continuing the client's ``traceparent``: the gateway's spans, the prefill
-instance's and the decode instance's, from three processes, each engine's root the child of the gateway span
-that called it; the KV hand-off shows on both sides. A request whose decode process drains (SIGTERM) moves
-with its KV: the ``move`` span names both instances, the source hands off, the destination receives the KV,
-all in the one trace. A request whose decode process is SIGKILLed mid-stream keeps one trace: the broken call
-(error), the ``resume`` span naming both instances, and the new pair's spans; the gateway's JSON log lines
-about it carry its request and trace ids."""
+A PD request is one trace continuing the client's ``traceparent``: the gateway's spans, the prefill instance's
+and the decode instance's, from three processes, each engine's root the child of the gateway span that called
+it; the KV hand-off shows on both sides. Each faulted request equals its uninterrupted run (text, tokens,
+finish reason, usage; seeded for the move, greedy for the resume). A request whose decode process drains
+(SIGTERM) moves with its KV: the ``move`` span names both instances, the source hands off, the destination
+receives the KV, all in the one trace. A request whose decode process is SIGKILLed mid-stream keeps one trace:
+the broken call (error), the ``resume`` span naming both instances, and the new pair's spans; the gateway's
+JSON log lines about it carry its request and trace ids."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import pytest
 
 from xllm.testing.otlp import OTLPReceiver
 from xllm.testing.processes import engine_pid, frozen, wait_for
-from xllm.testing.sse import stream_many
+from xllm.testing.sse import assert_same_streams, stream_many
 
 ROLES = {"prefill-0", "decode-0", "decode-1", "decode-2"}
 
@@ -56,9 +57,13 @@ def _traceparent() -> tuple[str, str, str]:
     return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
 
 
-def _body(max_tokens: int) -> dict:
+def _body(max_tokens: int, seed: int | None = None) -> dict:
+    """A streamed completion: greedy, or seeded sampling with ``seed``; top-2 logprobs and usage, for
+    :func:`~xllm.testing.sse.assert_same_streams`."""
+    sampling = {"temperature": 0} if seed is None else {"temperature": 0.9, "top_p": 0.95, "seed": seed}
     return {"model": "tiny", "prompt": "The library opens at nine and closes at", "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True, "temperature": 0}
+            "ignore_eos": True, "stream": True, "logprobs": 2, "stream_options": {"include_usage": True},
+            **sampling}
 
 
 def _engine_roots(spans, trace_id: str) -> list:
@@ -123,8 +128,11 @@ def test_a_migrated_request_keeps_one_trace_across_both_decode_instances(gw, rec
             os.kill(pid, signal.SIGTERM)
             drained.append(s.instance)
 
-    (got,) = asyncio.run(stream_many(gw.url, [_body(240)], action=drain_decode, headers={"traceparent": header}))
+    body = _body(240, seed=7)  # seeded sampling (the resume test below is greedy)
+    reference = asyncio.run(stream_many(gw.url, [body]))  # the same request, uninterrupted
+    (got,) = asyncio.run(stream_many(gw.url, [body], action=drain_decode, headers={"traceparent": header}))
     assert got.complete(240), got
+    assert_same_streams([got], reference, [False])  # text, tokens, finish reason and usage of one run
     wait_for(lambda: drained[0] not in _healthy(gw), 60, f"{drained[0]} drained and gone")
     spans = receiver.wait_for(lambda s: any(x.trace_id == trace_id and x.name.startswith("POST") for x in s)
                               and len(_engine_roots(s, trace_id)) >= 3)
@@ -161,8 +169,10 @@ def test_a_resumed_request_keeps_one_trace_showing_the_failure_and_the_resume(gw
             os.kill(pid, signal.SIGKILL)
             killed.append(s.instance)
 
+    reference = asyncio.run(stream_many(gw.url, [_body(160)]))  # the same request, uninterrupted
     (got,) = asyncio.run(stream_many(gw.url, [_body(160)], action=kill_decode, headers={"traceparent": header}))
     assert got.complete(160), got
+    assert_same_streams([got], reference, [True])
     (other,) = alive - {"prefill-0", killed[0]}
     spans = receiver.wait_for(lambda s: any(x.trace_id == trace_id and x.name.startswith("POST") for x in s)
                               and any(x.resource["xllm.instance_id"] == other for x in _engine_roots(s, trace_id)))
