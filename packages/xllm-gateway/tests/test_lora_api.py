@@ -144,3 +144,52 @@ def test_loading_is_all_or_none_and_needs_the_admin_key(smollm2_tokenizer, fake_
         r = client.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer sk-admin"})
         assert r.status_code == 200 and registry.adapters() == {"sql": FAKE_MODEL}
         assert registry.get("yes").adapters() == {"sql": 77}
+
+
+def test_an_instance_registering_later_is_given_the_run_time_adapters(smollm2_tokenizer, fake_tokens):
+    """An adapter loaded at run time reaches an instance of its model that registers afterwards (and only once it
+    has it, routed there); one whose files hash to another root is refused and unloaded there; an instance of
+    another model is not asked; unloading reaches the late instance too."""
+    from xllm.gateway.app import GatewayState, create_app
+    from xllm.gateway.metrics import EngineMetrics
+    from xllm.gateway.registry import EmbeddedRegistry
+    from xllm.proto.engine.v1 import engine_pb2
+    from xllm.testing.fakes import FAKE_MODEL, FakeEngineClient, make_info
+
+    class Accepting(FakeEngineClient):
+        def __init__(self, *args, root: int = 77) -> None:
+            super().__init__(*args)
+            self.root = root
+
+        async def load_lora(self, name: str, path: str) -> engine_pb2.LoadLoraResponse:
+            self.lora_requests.append((name, path))
+            return engine_pb2.LoadLoraResponse(ok=True, hash_root=self.root if path else 0)
+
+    registry = EmbeddedRegistry()
+    first = Accepting(smollm2_tokenizer, fake_tokens, make_info("first"))
+    registry.register(first)
+    app = create_app(GatewayState(registry=registry, tokenizer=smollm2_tokenizer, metrics=EngineMetrics(),
+                                  default_model=FAKE_MODEL, max_model_len=128))
+    other_info = make_info("other-model")
+    other_info.model.served_name = "another"
+    late = Accepting(smollm2_tokenizer, fake_tokens, make_info("late"))
+    stranger = Accepting(smollm2_tokenizer, fake_tokens, make_info("stranger"), root=99)
+    other = Accepting(smollm2_tokenizer, fake_tokens, other_info)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/adapters/sql"})
+        assert r.status_code == 200 and r.json()["instances"] == ["first"], r.text
+        for joining in (late, stranger, other):
+            client.portal.call(registry.register, joining)
+        client.portal.call(registry.settled)
+        assert late.lora_requests == [("sql", "/adapters/sql")]
+        assert registry.get("late").adapters() == {"sql": 77}
+        assert stranger.lora_requests == [("sql", "/adapters/sql"), ("sql", "")]  # other files: unloaded again
+        assert registry.get("stranger").adapters() == {}
+        assert other.lora_requests == []
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
+        assert late.lora_requests[-1] == ("sql", "") and first.lora_requests[-1] == ("sql", "")
+        client.portal.call(registry.deregister, "late")
+        client.portal.call(registry.register, late)  # registering again after the unload: nothing to give
+        client.portal.call(registry.settled)
+        assert late.lora_requests == [("sql", "/adapters/sql"), ("sql", "")]
+        assert registry.adapters() == {}

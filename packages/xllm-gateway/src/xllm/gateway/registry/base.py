@@ -187,7 +187,7 @@ class Registry:
                 out.append(s)
             elif s.breaker.probe_due(now) and _loop_running():
                 s.breaker.start_probe()
-                self._spawn(self._probe(s))
+                self.spawn(self._probe(s))
         return out
 
     async def _probe(self, state: InstanceState) -> None:
@@ -268,7 +268,7 @@ class Registry:
         if state.local:
             return
         if _loop_running():  # without a loop the client never opened a channel
-            self._spawn(state.client.close())
+            self.spawn(state.client.close())
 
     def _heartbeat(self, hb: instance_pb2.Heartbeat) -> bool:
         """Apply a heartbeat; False if the instance is unknown."""
@@ -293,7 +293,7 @@ class Registry:
     def _apply_kv(self, state: InstanceState, ev: kv_events_pb2.KVCacheEvents) -> None:
         if (self.kv_index.apply(state.instance_id, ev) == GAP and state.instance_id not in self._resyncing
                 and _loop_running()):
-            self._spawn(self._resync(state))
+            self.spawn(self._resync(state))
 
     async def _resync(self, state: InstanceState) -> None:
         """Missed KV events: ask the instance for what changed since our version (or everything)."""
@@ -367,7 +367,9 @@ class Registry:
             except Exception:
                 log.exception("registry listener failed")
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro) -> asyncio.Task:
+        """Run ``coro`` as the view's background work (on the running loop): :meth:`settled` waits for it,
+        :meth:`close` cancels it."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
