@@ -193,12 +193,14 @@ static void CAT(residual_norm_, SFX)(const T *h, const T *r_in, T *r_out, int st
     }
 }
 
-/* phase_s: NULL, or FORWARD_PHASES doubles to which the call adds the wall time of each phase over all
+/* lora: NULL, or the step's adapter rows (lora_step.h), added after each adapted projection.
+ * phase_s: NULL, or FORWARD_PHASES doubles to which the call adds the wall time of each phase over all
  * layers, as the general step does (llama_forward.h); here q/k norm, RoPE and the KV store are inside the
  * attention phase (index 3) and index 2 stays 0. */
 int CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *layers, int64_t B,
                                  const int64_t *slots, const int64_t *positions, const float *cos_table,
-                                 const float *sin_table, T *hidden, T *residual, T *work, double *phase_s) {
+                                 const float *sin_table, T *hidden, T *residual, T *work, double *phase_s,
+                                 const XllmLoraStep *lora) {
     const int64_t Hd = c->hidden, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, I = c->inter;
     const int64_t qkv_dim = (nh + 2 * nkv) * hd, rd = c->rotary_dim, G = nh / nkv;
     int status = XSHM_OK;
@@ -235,6 +237,7 @@ int CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *la
             MARK(0);
             CAT(project_team_, SFX)(x, B, Hd, (const T *)L->qkv_w, (const T *)L->qkv_wp, &L->qkv_q, qkv_dim,
                                     (const T *)L->qkv_b, qkv);
+            LORA_ADD(LORA_OF(lora, l, qkv), lora, x, B, Hd, qkv, qkv_dim);
             MARK(1);
             /* per (run, kv head): q/k norm + RoPE of the group's heads, KV write, attention. A run is
              * a row and the rows after it in the same slot at the next positions (a speculative verify
@@ -287,12 +290,20 @@ int CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *la
             MARK(3);
             CAT(project_team_, SFX)(attn, B, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, &L->o_q, Hd,
                                     (const T *)L->o_b, hidden);
+            LORA_ADD(LORA_OF(lora, l, o), lora, attn, B, nh * hd, hidden, Hd);
             TP_ALL_REDUCE(hidden, B * Hd)
             MARK(4);
             /* residual add + post-attention norm (r_next -> r_cur) */
             CAT(residual_norm_, SFX)(hidden, r_next, r_cur, store, (const T *)L->ln2, B, Hd, c->eps, 0, x, tmp);
             MARK(5);
-            if (L->gate_up_q.fmt != XQ_NONE && !xq_amx_applies(IS_BF16, B) && !xq_w8a8_applies(&L->gate_up_q, B)) {
+            const XllmLoraProj *gu_lora = LORA_OF(lora, l, gate_up);
+            if (gu_lora != NULL) { /* the adapter adds to gate/up before SiLU-and-mul: unfused */
+                CAT(project_team_, SFX)(x, B, Hd, (const T *)L->gate_up_w, (const T *)L->gate_up_wp, &L->gate_up_q,
+                                        2 * I, NULL, gu);
+                LORA_ADD(gu_lora, lora, x, B, Hd, gu, 2 * I);
+                CAT(silu_mul_team_, SFX)(gu, B, I, act);
+            } else if (L->gate_up_q.fmt != XQ_NONE && !xq_amx_applies(IS_BF16, B) &&
+                       !xq_w8a8_applies(&L->gate_up_q, B)) {
                 CAT(quant_gate_up_silu_team_, SFX)(x, B, Hd, &L->gate_up_q, I, act);
             } else if (L->gate_up_q.fmt != XQ_NONE) { /* AMX or W8A8: the GEMM, then SiLU-and-mul */
                 xq_linear_team(x, IS_BF16, B, Hd, &L->gate_up_q, 2 * I, NULL, gu, 2 * I, IS_BF16);
@@ -306,6 +317,7 @@ int CAT(xllm_llama_decode_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *la
             MARK(6);
             CAT(project_team_, SFX)(act, B, I, (const T *)L->down_w, (const T *)L->down_wp, &L->down_q, Hd, NULL,
                                     hidden);
+            LORA_ADD(LORA_OF(lora, l, down), lora, act, B, I, hidden, Hd);
             TP_ALL_REDUCE(hidden, B * Hd)
             MARK(7);
         }

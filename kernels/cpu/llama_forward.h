@@ -15,6 +15,7 @@
  * that sample.
  *
  * work: T * (qkv_dim + n_heads * head_dim + 3 * inter + hidden) elements of T.
+ * lora: NULL, or the step's adapter rows (lora_step.h), added after each adapted projection.
  * phase_s: NULL, or FORWARD_PHASES doubles to which the call adds the wall time of each phase over
  * all layers (taken by thread 0 after each phase's closing barrier): the step's profile by part.
  * A tensor-parallel shard (c->comm) all-reduces the O and down GEMMs' outputs (counted in their phases).
@@ -141,7 +142,7 @@ int CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
                                   const int64_t *token_slots, const int64_t *positions, int64_t S,
                                   const int64_t *seq_starts, const int64_t *ctx_lens, const int64_t *seq_slots,
                                   const float *cos_table, const float *sin_table, T *hidden, T *residual,
-                                  T *work, double *phase_s) {
+                                  T *work, double *phase_s, const XllmLoraStep *lora) {
     const int64_t Hd = c->hidden, nh = c->n_heads, nkv = c->n_kv_heads, hd = c->head_dim, I = c->inter;
     const int64_t qkv_dim = (nh + 2 * nkv) * hd;
     int status = XSHM_OK;
@@ -161,6 +162,7 @@ int CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
             MARK(0);
             CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->qkv_w, (const T *)L->qkv_wp, &L->qkv_q, qkv_dim,
                                    (const T *)L->qkv_b, qkv);
+            LORA_ADD(LORA_OF(lora, l, qkv), lora, x, M, Hd, qkv, qkv_dim);
             MARK(1);
             CAT(rope_store_rows_, SFX)(c, L, qkv, M, token_slots, positions, cos_table, sin_table);
             MARK(2);
@@ -175,11 +177,18 @@ int CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
             MARK(3);
             CAT(linear_team_, SFX)(attn, M, nh * hd, (const T *)L->o_w, (const T *)L->o_wp, &L->o_q, Hd,
                                    (const T *)L->o_b, hidden);
+            LORA_ADD(LORA_OF(lora, l, o), lora, attn, M, nh * hd, hidden, Hd);
             TP_ALL_REDUCE(hidden, M * Hd)
             MARK(4);
             CAT(residual_norm_rows_, SFX)(hidden, residual, (const T *)L->ln2, M, Hd, c->eps, 0, x);
             MARK(5);
-            if (L->gate_up_q.fmt != XQ_NONE && M <= XQ_CHUNKED_MAX_M && !xq_amx_applies(IS_BF16, M) &&
+            const XllmLoraProj *gu_lora = LORA_OF(lora, l, gate_up);
+            if (gu_lora != NULL) { /* the adapter adds to gate/up before SiLU-and-mul: unfused */
+                CAT(linear_team_, SFX)(x, M, Hd, (const T *)L->gate_up_w, (const T *)L->gate_up_wp, &L->gate_up_q,
+                                       2 * I, NULL, gu);
+                LORA_ADD(gu_lora, lora, x, M, Hd, gu, 2 * I);
+                CAT(silu_mul_rows_, SFX)(gu, M, I, act);
+            } else if (L->gate_up_q.fmt != XQ_NONE && M <= XQ_CHUNKED_MAX_M && !xq_amx_applies(IS_BF16, M) &&
                 !xq_w8a8_applies(&L->gate_up_q, M)) {
                 /* the GEMV with SiLU-and-mul fused */
                 for (int64_t m0 = 0; m0 < M; m0 += MAX_B)
@@ -197,6 +206,7 @@ int CAT(xllm_llama_forward_, SFX)(const XllmLlamaCfg *c, const XllmLlamaLayer *l
             MARK(6);
             CAT(linear_team_, SFX)(act, M, I, (const T *)L->down_w, (const T *)L->down_wp, &L->down_q, Hd, NULL,
                                    hidden);
+            LORA_ADD(LORA_OF(lora, l, down), lora, act, M, I, hidden, Hd);
             TP_ALL_REDUCE(hidden, M * Hd)
             MARK(7);
         }

@@ -82,6 +82,29 @@ typedef struct {
     XllmQWeight qkv_q, o_q, gate_up_q, down_q;
 } XllmLlamaLayer;
 
+/* one LoRA-adapted projection of a layer in the fused steps (lora_step.h): the stacked adapters A [slots, n, K]
+ * and B [slots, N, n] in the model dtype (xllm.models.lora.LoraProjection), n = n_parts * rank; part p owns A's
+ * rows / B's columns [p * rank, (p + 1) * rank) and the output rows [part_end[p - 1], part_end[p]) (a fused
+ * qkv has 3 parts, gate/up 2); a == NULL: no adapter on this projection */
+typedef struct {
+    const void *a, *b;
+    int64_t n, rank, n_parts;
+    int64_t part_end[3];
+} XllmLoraProj;
+
+typedef struct {
+    XllmLoraProj qkv, o, gate_up, down;
+} XllmLoraLayer;
+
+/* a step's adapter rows (NULL for a step of the base model alone): the slot of each row (-1: none), the scale
+ * of each slot, the layers' adapted projections, and an fp32 scratch of rows x max(n) shared by the team */
+typedef struct {
+    const XllmLoraLayer *layers;
+    const int64_t *row_slot;
+    const float *scale;
+    float *tmp;
+} XllmLoraStep;
+
 #include "attend_varlen.h"
 #include "gemm_packed.h"
 #include "kv_quant_varlen.h"
@@ -152,6 +175,7 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #define KVQ_ATTN_TEAM kvq_varlen_attention_team_bf16
 #define KVQ_ENCODE_ROW kvq_encode_row_bf16
 #define ATTN_SCRATCH varlen_scratch_floats
+#include "lora_step.h"
 #include "llama_decode.h"
 #include "llama_forward.h"
 #undef T
@@ -171,6 +195,8 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #undef KVQ_ATTN_TEAM
 #undef KVQ_ENCODE_ROW
 #undef ATTN_SCRATCH
+#undef LORA_OF
+#undef LORA_ADD
 
 #define T float
 #define SFX f32
@@ -189,5 +215,6 @@ ALWAYS_INLINE void gemv_row_f32(const float *x, const int64_t B, int64_t K, cons
 #define KVQ_ATTN_TEAM kvq_varlen_attention_team_f32
 #define KVQ_ENCODE_ROW kvq_encode_row_f32
 #define ATTN_SCRATCH varlen_scratch_floats
+#include "lora_step.h"
 #include "llama_decode.h"
 #include "llama_forward.h"

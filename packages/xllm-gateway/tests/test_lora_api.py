@@ -68,6 +68,7 @@ def test_routing_sends_an_adapter_only_where_it_is_and_hashes_its_own_kv(smollm2
     from xllm.gateway.registry import EmbeddedRegistry
     from xllm.gateway.router import Router
     from xllm.kvstore import block_hashes
+    from xllm.proto.registry.v1 import instance_pb2
     from xllm.testing.fakes import FakeEngineClient, make_info
 
     registry = EmbeddedRegistry()
@@ -86,6 +87,19 @@ def test_routing_sends_an_adapter_only_where_it_is_and_hashes_its_own_kv(smollm2
     base = [router.route("fake-model", prompt) for _ in range(6)]
     assert {t.state.instance_id for t in base} == {"plain", "tuned-1", "tuned-2"}
     assert all(t.hashes == block_hashes(prompt, 4) for t in base)
+
+    # kv_aware weighs residency (the instances' load reports) against load: the adapter is resident on tuned-2
+    # only; tuned-1 would read it first (0.5 s measured), so tuned-2 takes it until tuned-2 is busier than that
+    kv_aware = Router(registry, "kv_aware")
+    registry.get("tuned-1").load = instance_pb2.LoadReport(lora_resident=["other"], lora_slots_free=1,
+                                                           lora_load_seconds=0.5, prefill_tokens_per_s=1000)
+    registry.get("tuned-2").load = instance_pb2.LoadReport(lora_resident=["sql"], lora_slots_free=0,
+                                                           lora_load_seconds=0.5, prefill_tokens_per_s=1000)
+    assert kv_aware.route("fake-model", prompt, lora="sql").state.instance_id == "tuned-2"
+    registry.get("tuned-2").load.pending_prefill_tokens = 2000  # 2 s of queued prefill
+    assert kv_aware.route("fake-model", prompt, lora="sql").state.instance_id == "tuned-1"
+    registry.get("tuned-1").load.lora_slots_free = 0  # every slot of tuned-1 held by live requests: it would park
+    assert kv_aware.route("fake-model", prompt, lora="sql").state.instance_id == "tuned-2"
 
 
 def test_adapters_load_and_unload_at_run_time(served):

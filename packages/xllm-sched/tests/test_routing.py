@@ -297,3 +297,22 @@ def test_kv_aware_instance_without_a_model_borrows_its_peers_mean():
     assert d.scores["c"] < d.scores["a"] and d.scores["c"] > d.scores["b"]
     assert KVCacheAwarePolicy().predicted_latency(new, 300, 1.0, mean) == pytest.approx(
         mean.prefill_seconds(300, 0, 512, 2, 300))
+
+
+def test_an_adapters_residency_is_weighed_against_load():
+    """A LoRA adapter's request: an instance where the adapter is not resident pays its measured load time (so
+    equal instances go to the resident one), but a resident instance that is busier by more than that loses;
+    an instance whose slots all hold other adapters' live requests is avoided while another can take it."""
+    p = KVCacheAwarePolicy()
+    cold = {"adapter_resident": False, "adapter_load_seconds": 0.3}
+    d = p.route(RouteRequest(200), [snap("a", **cold), snap("b")])
+    assert d.instance_id == "b" and d.predicted_latency == pytest.approx(0.2)
+    assert d.scores["a"] < d.scores["b"]
+    # b resident but 600 queued prefill tokens (0.6 s) behind: loading the adapter on a (0.3 s) is faster
+    d = p.route(RouteRequest(200), [snap("a", **cold), snap("b", pending_prefill_tokens=600)])
+    assert d.instance_id == "a" and d.predicted_latency == pytest.approx(0.5)
+    # a's slots are all taken by other adapters' live requests: b despite its load, a when it is the only one
+    starved = {**cold, "adapter_slot_free": False}
+    d = p.route(RouteRequest(200), [snap("a", **starved), snap("b", pending_prefill_tokens=600)])
+    assert d.instance_id == "b"
+    assert p.route(RouteRequest(200), [snap("a", **starved)]).instance_id == "a"

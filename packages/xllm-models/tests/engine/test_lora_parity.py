@@ -2,14 +2,18 @@
 
 Tiny random Llama, Qwen3 and Qwen3-MoE checkpoints, three random PEFT adapters each (made by ``get_peft_model``
 + ``save_pretrained``, A and B randomised: PEFT initialises B to zero) on different projections and ranks, one
-with rsLoRA scaling (Qwen3-MoE: attention projections only; PEFT makes MLP targets expert parameters there, which
-are refused). Oracle (fp32 both sides), by teacher forcing: HF+PEFT with the request's adapter (or the base
-model) runs one forward over prompt + our output; its argmax at every generated position is our token and
-``|our logprob - HF log_softmax| < 1e-3``. Checked with the three adapters and the base model in one batch (on
-xtensor, whose fused native steps must step aside, with and without async scheduling, and on paged KV with
-chunked prefill), after an adapter was evicted and reloaded (one slot), loaded at run time, with the prefix
-cache (one prompt under two adapters gives each adapter's output, never the other's KV; a second request of the
-same adapter reuses its blocks) and through a prefill/decode hand-off.
+with rsLoRA scaling. Qwen3-MoE: PEFT turns MLP targets into its experts' parameters (``target_parameters``
+``gate_up_proj`` / ``down_proj``, with ``rank_pattern`` / ``alpha_pattern`` doubling gate_up's rank and alpha):
+beta has every attention projection and both expert parameters (rsLoRA), gamma ``o_proj`` and the experts'
+``down_proj`` named in ``target_parameters``, alpha attention only. Oracle (fp32 both sides), by teacher
+forcing: HF+PEFT with the request's adapter (or the base model) runs one forward over prompt + our output; its
+argmax at every generated position is our token and ``|our logprob - HF log_softmax| < 1e-3``. Checked with the
+three adapters and the base model in one batch (on xtensor, where the dense models' steps run fused, the
+kernels adding each row's adapter, with and without async scheduling, and on paged KV with chunked prefill,
+eager), after an adapter was evicted and reloaded (one
+slot), loaded at run time, with the prefix cache (one prompt under two adapters gives each adapter's output,
+never the other's KV; a second request of the same adapter reuses its blocks) and through a prefill/decode
+hand-off.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from xllm.engine_api.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 from xllm.models import load_model
 from xllm.models.lora import LoraAdapterError, read_peft_adapter
+from xllm.models.moe import SparseMoeBlock
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.engine import HandoffListener, generate, make_engine, make_request
 from xllm.testing.models import IdTokenizer, save_random_hf_model, save_random_lora, tiny_qwen3_config
@@ -31,7 +36,7 @@ peft = pytest.importorskip("peft")
 
 NEW = 12
 LOGPROB_TOL = 1e-3
-# name -> (rank, alpha, target modules, rslora)
+# name -> (rank, alpha, target modules, rslora); Qwen3-MoE: MOE_ADAPTERS
 ADAPTERS = {
     "alpha": (4, 8, ["q_proj", "v_proj"], False),
     "beta": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
@@ -54,6 +59,30 @@ def tiny_qwen3_moe_config():
 
 
 CONFIGS = {"llama": tiny_llama_config, "qwen3": tiny_qwen3_config, "qwen3_moe": tiny_qwen3_moe_config}
+# Qwen3-MoE: name -> (target modules, target parameters): its MLP targets become expert parameters (PEFT's
+# transformers-5 conversion: gate_proj + up_proj -> gate_up_proj of rank 2r, down_proj -> down_proj)
+MOE_ADAPTERS = {
+    "alpha": (["q_proj", "v_proj"], None),
+    "beta": (ADAPTERS["beta"][2], None),
+    "gamma": (["o_proj"], ["mlp.experts.down_proj"]),
+}
+
+
+def save_moe_lora(base: pathlib.Path, out: pathlib.Path, name: str, seed: int) -> pathlib.Path:
+    """A PEFT adapter ``name`` of :data:`MOE_ADAPTERS` on the Qwen3-MoE in ``base``, A and B random (std 0.3)."""
+    rank, alpha, _, rslora = ADAPTERS[name]
+    targets, parameters = MOE_ADAPTERS[name]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, target_parameters=parameters,
+                          use_rslora=rslora, lora_dropout=0.0)
+    model = peft.get_peft_model(hf, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "lora_A" in key or "lora_B" in key:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -64,9 +93,10 @@ def arch(request, tmp_path_factory):
     save_random_hf_model(base, CONFIGS[request.param](), seed=3, std=0.15)
     adapters = {}
     for i, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        if request.param == "qwen3_moe":  # PEFT makes MLP targets there expert parameters: not served yet
-            targets = [t for t in targets if t in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        adapters[name] = save_random_lora(base, root / name, rank, alpha, targets, rslora, seed=11 + i)
+        if request.param == "qwen3_moe":
+            adapters[name] = save_moe_lora(base, root / name, name, seed=11 + i)
+        else:
+            adapters[name] = save_random_lora(base, root / name, rank, alpha, targets, rslora, seed=11 + i)
     return base, adapters, load_model(base, torch.float32)
 
 
@@ -115,8 +145,11 @@ def test_three_adapters_and_base_in_one_batch(arch, backend, overlapped):
         reqs = [request(f"r{i}", p, lora) for i, (p, lora) in enumerate(zip(ps, names, strict=True))]
         got = generate(engine, reqs)
         assert engine.counters.max_batch_size == 6  # every request (three adapters and the base model) in one step
-        assert engine.runner.mode_steps["eager"] > 0
-        assert engine.runner.mode_steps["native"] == engine.runner.mode_steps["native_step"] == 0
+        steps = engine.runner.mode_steps
+        if engine.runner.fused is not None:  # the fused native steps add each row's adapter (lora_step.h)
+            assert steps["native"] + steps["native_step"] > 0 and steps["eager"] == 0, steps
+        else:
+            assert steps["eager"] > 0 and steps["native"] == steps["native_step"] == 0, steps
     finally:
         engine.close()
     for i, (p, lora) in enumerate(zip(ps, names, strict=True)):
@@ -139,10 +172,15 @@ def test_evicted_adapter_reloads(arch):
             runs[f"{lora}{i}"] = (got.tokens[f"{lora}{i}"], got.logprobs[f"{lora}{i}"])
         assert engine.loras.resident == ["alpha"]
         assert runs["alpha0"] == runs["alpha2"] and runs["alpha0"][0] != runs["gamma1"][0]
+        report = engine.load_report()  # what routers weigh: alpha resident, its slot free (no live request)
+        assert (list(report.lora_resident), report.lora_slots_free, report.lora_parked) == (["alpha"], 1, 0)
+        assert engine.loras.loads == 2 and report.lora_load_seconds > 0  # gamma, then alpha again, read in
         engine.add_request(request("busy", p, "beta"))
         engine.add_request(request("waits", p, "alpha"))
         engine.add_request(request("base", p))
         assert [seq.request_id for seq, _ in engine.loras.parked] == ["waits"]
+        report = engine.load_report()
+        assert (list(report.lora_resident), report.lora_slots_free, report.lora_parked) == (["beta"], 0, 1)
         got = generate(engine, [])
         assert set(got.final) == {"busy", "waits", "base"} and not engine.loras.parked
         assert (got.tokens["waits"], got.logprobs["waits"]) == runs["alpha0"]
@@ -230,7 +268,7 @@ def test_load_unload_at_run_time_and_refusals(arch):
 @pytest.mark.parametrize(("field", "value", "needle"), [
     ("use_dora", True, "use_dora"), ("bias", "all", "bias"), ("modules_to_save", ["lm_head"], "modules_to_save"),
     ("r", 64, "--max-lora-rank"), ("rank_pattern", {"q_proj": 2}, "rank_pattern"),
-    ("target_parameters", ["mlp.experts.gate_up_proj"], "target_parameters"),
+    ("target_parameters", ["mlp.gate.weight"], "target_parameters entry 'mlp.gate.weight'"),
 ])
 def test_unsupported_adapter_config_refused(arch, tmp_path, field, value, needle):
     import json
@@ -302,14 +340,57 @@ def test_pd_handoff_keyed_by_adapter(arch):
     check_hf(base, adapters["beta"], p, *out["b1"])
 
 
-def test_moe_expert_adapter_refused(tmp_path):
-    """PEFT turns MLP targets of a transformers-5 MoE model into expert parameters (``target_parameters``):
-    refused, naming the field."""
-    base = tmp_path / "base"
-    save_random_hf_model(base, tiny_qwen3_moe_config(), seed=3)
-    bad = save_random_lora(base, tmp_path / "experts", 4, 8, ["q_proj", "gate_proj", "up_proj", "down_proj"], False, 1)
-    with pytest.raises(LoraAdapterError, match="target_parameters"):
-        read_peft_adapter(bad, 16)
+def test_moe_expert_adapters_read(arch):
+    """The Qwen3-MoE adapters' expert weights land on the sparse layers' experts (0 and 2, not the dense 1) with
+    PEFT's per-parameter rank and scale (beta: gate_up of rank 2r and alpha 2 alpha, rsLoRA; gamma: down only)."""
+    _, adapters, model = arch
+    if not isinstance(model.model.layers[0].mlp, SparseMoeBlock):
+        assert all(not read_peft_adapter(p, 16).experts for p in adapters.values())
+        return
+    beta, gamma = (read_peft_adapter(adapters[n], 16) for n in ("beta", "gamma"))
+    assert sorted(beta.experts) == [(0, "down_proj"), (0, "gate_up_proj"), (2, "down_proj"), (2, "gate_up_proj")]
+    assert sorted(gamma.experts) == [(0, "down_proj"), (2, "down_proj")]
+    up, down = beta.experts[(0, "gate_up_proj")], beta.experts[(0, "down_proj")]
+    assert (up.rank, up.a.shape, up.b.shape) == (16, (4, 16, 64), (4, 64, 16))
+    assert (down.rank, down.a.shape, down.b.shape) == (8, (4, 8, 32), (4, 64, 8))
+    assert up.scale == pytest.approx(32 / 16 ** 0.5) and down.scale == pytest.approx(16 / 8 ** 0.5)
+
+
+def _expert_adapter(path: pathlib.Path, targets: list[str], tensors: dict[str, torch.Tensor], **cfg) -> pathlib.Path:
+    """A hand-written adapter directory with expert weights (``layers.N.mlp.experts...`` keys)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                                                          "target_parameters": targets, **cfg}))
+    prefix = "base_model.model.model.layers."
+    save_file({prefix + k: v.contiguous() for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+    return path
+
+
+def test_expert_adapter_refusals(arch, tmp_path):
+    """Expert weights that do not fit the model's experts (another expert count, a model without MoE blocks), a
+    wrapper nesting that target_parameters does not name, a rank_pattern rank above the limit: refused, named."""
+    _, _, model = arch
+    stack = model.lora_stack(4, 16)  # (the engines' default sizes: they get the same stack back)
+    fits = {"0.mlp.experts.lora_A.weight": torch.randn(8, 32), "0.mlp.experts.lora_B.weight": torch.randn(64, 8)}
+    adapter = _expert_adapter(tmp_path / "down", ["mlp.experts.down_proj"], fits)
+    if isinstance(model.model.layers[0].mlp, SparseMoeBlock):
+        assert set(stack.read(adapter).experts) == {(0, "down_proj")}
+    else:
+        with pytest.raises(LoraAdapterError, match="no sparse MoE block"):
+            stack.read(adapter)
+    three = {"0.mlp.experts.lora_A.weight": torch.randn(6, 32), "0.mlp.experts.lora_B.weight": torch.randn(64, 6)}
+    with pytest.raises(LoraAdapterError, match=r"3 experts.* do not fit|no sparse MoE block"):
+        stack.read(_expert_adapter(tmp_path / "three", ["mlp.experts.down_proj"], three))
+    deep = {k.replace("experts.", "experts.base_layer."): v for k, v in fits.items()}
+    with pytest.raises(LoraAdapterError, match="names 1 expert parameter"):
+        read_peft_adapter(_expert_adapter(tmp_path / "deep", ["mlp.experts.down_proj"], deep), 16)
+    with pytest.raises(LoraAdapterError, match=r"rank_pattern gives .*--max-lora-rank 16"):
+        read_peft_adapter(_expert_adapter(tmp_path / "big", ["mlp.experts.down_proj"], fits,
+                                          rank_pattern={r".*\.down_proj": 32}), 16)
 
 
 def test_async_engine_loads_and_unloads_between_steps(arch):

@@ -15,8 +15,9 @@ model's ``max_loras`` slots (:class:`~xllm.core.model_api.LoraSlots`), and which
 - The sequence's KV block hashes are chained from the adapter's identity (a hash of its files,
   :attr:`Sequence.hash_root`): the prefix cache, the KV tiers and hand-offs never give one adapter's KV to
   another (or to the base model), and share it within one adapter, reloaded or on another instance.
-- Every step's rows carry their slots (``BatchInputs.lora_slots``); such a step runs the eager modules (the
-  fused native steps and compiled decode graphs know no adapters), whose projections add each row's adapter.
+- Every step's rows carry their slots (``BatchInputs.lora_slots``); such a step runs the fused native steps
+  (Llama-family models over the xTensor slots: the kernels add each row's adapter after every adapted
+  projection) or else the eager modules, whose projections add it (the compiled decode graphs know no adapters).
 
 Not with tensor parallelism (refused at start, ``ConfigError``), beam search (refused per request) or a model
 without :class:`~xllm.core.model_api.SupportsLora` (refused at start / at load).
@@ -25,6 +26,7 @@ without :class:`~xllm.core.model_api.SupportsLora` (refused at start / at load).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -66,6 +68,8 @@ class LoraManager:
     last_used: list[int] = field(default_factory=list)
     clock: int = 0
     parked: list[tuple[Sequence, str]] = field(default_factory=list)  # waiting for a slot: (sequence, adapter)
+    loads: int = 0  # adapters read into a slot for a request (not resident when it came)
+    load_seconds: float = 0.0  # mean seconds of one such read + install (an exponential moving average)
 
     def _slots(self) -> LoraSlots:
         if self.slots is None:
@@ -128,10 +132,23 @@ class LoraManager:
             slot = free[0] if free else idle[0]
             if self.resident[slot] is not None:
                 log.info("LoRA adapter %s evicted from slot %d for %s", self.resident[slot], slot, name)
+            start = time.perf_counter()
             self._install(slot, name, self._slots().read(self.paths[name]))
+            seconds = time.perf_counter() - start
+            self.load_seconds = seconds if not self.loads else 0.8 * self.load_seconds + 0.2 * seconds
+            self.loads += 1
         self.clock += 1
         self.last_used[slot] = self.clock
         return slot, self.identities[slot]
+
+    def report(self, in_use: set[int]) -> dict:
+        """The load report's LoRA fields (``LoadReport.lora_*``): the resident adapters, the slots an adapter could
+        take now (free, or not in ``in_use``, the slots of live requests), the mean load time, the parked requests."""
+        if self.slots is None:
+            return {}
+        return {"lora_resident": [n for n in self.resident if n is not None],
+                "lora_slots_free": sum(1 for s in range(self.max_loras) if s not in in_use),
+                "lora_load_seconds": self.load_seconds, "lora_parked": len(self.parked)}
 
     def _install(self, slot: int, name: str, adapter) -> None:
         self._slots().install(slot, adapter)
@@ -165,6 +182,10 @@ class EngineLora:
     def lora_names(self) -> list[str]:
         """The registered adapters' names (served as model names)."""
         return self.loras.names()
+
+    def lora_load_fields(self) -> dict:
+        """The LoRA fields of the engine's load report (:meth:`LoraManager.report`; none without adapters)."""
+        return self.loras.report(self._lora_slots_in_use())
 
     def lora_hash_roots(self) -> list[int]:
         """Per name of :meth:`lora_names`, the root its requests' KV block hashes chain from."""

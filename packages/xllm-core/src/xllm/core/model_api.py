@@ -129,6 +129,9 @@ class FusedForward(Protocol):
 
     max_batch: int
     max_step_tokens: int
+    #: whether a step whose rows use LoRA adapters may run fused (inside :meth:`LoraSlots.rows`, which tells the
+    #: fused forward each row's adapter)
+    serves_lora: bool
 
     def supports(self, kv: SlotKV) -> bool:
         """Whether the fused steps can run over ``kv``'s rows (e.g. its quantized KV format)."""

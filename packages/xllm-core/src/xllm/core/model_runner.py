@@ -130,8 +130,9 @@ class ModelRunner:
         # alone costs one more pass over the weights (~30 ms for SmolLM2)
         self.share_max_rows = 64
         self.overlap: OverlapChooser | None = None  # decides eager vs overlapped steps (set_overlap)
-        # the model's LoRA adapter slots (xllm.core.lora sets them): a step with adapter rows runs eager, its rows'
-        # slots given to the model's projections (the fused native steps and compiled graphs know no adapters)
+        # the model's LoRA adapter slots (xllm.core.lora sets them): a step with adapter rows gives its rows' slots
+        # to the model's projections; it runs fused where the fused forward serves_lora, else eager (the compiled
+        # graphs and the overlapped forward know no adapters)
         self.lora: LoraSlots | None = None
 
     def set_overlap(self, mode: str) -> None:
@@ -257,8 +258,8 @@ class ModelRunner:
         ``overlap`` (an eager step of two or more sequences that :attr:`overlap` chooses to overlap), else
         ``eager``. Tensor-parallel ranks compare it before a step: every rank must take the same one (a
         worker, which has no chooser, takes rank 0's ``overlap`` for its ``eager``). A step with LoRA adapter
-        rows (``batch.lora_slots``) runs ``eager``."""
-        if batch.lora_slots is not None:
+        rows (``batch.lora_slots``) runs fused when the fused forward ``serves_lora``, else ``eager``."""
+        if batch.lora_slots is not None and not (self.fused is not None and self.fused.serves_lora):
             return "eager"
         pure_decode = batch.num_decode == len(batch.input_ids)
         if self.fused is not None and not listening and self.hidden_sink is None:
@@ -268,6 +269,8 @@ class ModelRunner:
                 return "native_verify"
             if len(batch.input_ids) <= self.fused.max_step_tokens:
                 return "native_step"
+        if batch.lora_slots is not None:
+            return "eager"
         if pure_decode and self.graph is not None and self.hidden_sink is None and self.graph.covers(batch.num_decode):
             return "compiled"
         if (self.overlap is not None and not listening and self.hidden_sink is None
@@ -304,20 +307,9 @@ class ModelRunner:
                 self.model.compute_logits(hidden)
         mode = mode or self.path(batch, listening=on_layer is not None)
         self.mode_steps[mode] += 1
-        if mode == "native":
-            hidden = self.fused(batch.input_ids, batch.positions, self.kv.addressing.decode_slots(batch), self.kv)
-            return self._head(hidden, greedy)
-        if mode == "native_verify":
-            # decode rows and verify chunks only, few rows: the decode kernel streams the weights
-            # once for all of them; a verify chunk's rows share its slot at consecutive positions,
-            # which the kernel attends causally. Every row is a logit row, in logit_rows order.
-            hidden = self.fused(batch.input_ids, batch.positions, batch.address.token_slots, self.kv)
-            return self._head(hidden, greedy)
-        if mode == "native_step":
-            if not batch.needs_logits:
-                self.fused.step(self.step_tokens(batch), self.kv)
-                return _no_rows(greedy)
-            return self._head(self.fused.step(self.step_tokens(batch), self.kv), greedy)
+        if mode.startswith("native"):
+            with self._lora_rows(batch.lora_slots):
+                return self._execute_fused(batch, mode, greedy)
         if mode == "compiled":
             logits = self.graph(batch.input_ids, batch.positions, self.kv.addressing.decode_slots(batch))
             return argmax_rows(logits) if greedy else logits
@@ -337,6 +329,22 @@ class ModelRunner:
         if timed:
             self.overlap.record(len(batch.input_ids), mode, self.overlap.clock() - start)
         return out
+
+    def _execute_fused(self, batch: BatchInputs, mode: str, greedy: bool) -> torch.Tensor:
+        """A step of the fused forward (``mode``: ``native``, ``native_verify`` or ``native_step``)."""
+        if mode == "native":
+            hidden = self.fused(batch.input_ids, batch.positions, self.kv.addressing.decode_slots(batch), self.kv)
+            return self._head(hidden, greedy)
+        if mode == "native_verify":
+            # decode rows and verify chunks only, few rows: the decode kernel streams the weights
+            # once for all of them; a verify chunk's rows share its slot at consecutive positions,
+            # which the kernel attends causally. Every row is a logit row, in logit_rows order.
+            hidden = self.fused(batch.input_ids, batch.positions, batch.address.token_slots, self.kv)
+            return self._head(hidden, greedy)
+        if not batch.needs_logits:
+            self.fused.step(self.step_tokens(batch), self.kv)
+            return _no_rows(greedy)
+        return self._head(self.fused.step(self.step_tokens(batch), self.kv), greedy)
 
     def _lora_rows(self, slots: torch.Tensor | None):
         """The context of a forward whose rows use the adapter slots ``slots`` (None: the base model's)."""

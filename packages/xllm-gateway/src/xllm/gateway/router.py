@@ -69,8 +69,9 @@ class RecentLatencies:
 class PromptMatch:
     """The prompt's block hashes per block size and, per candidate instance, how much of the prompt it
     holds: ``device`` tokens in its KV memory, then ``lower`` (tier, tokens) it could load from its lower
-    tiers (:meth:`xllm.kvstore.GlobalKVIndex.match_tiers`)."""
+    tiers (:meth:`xllm.kvstore.GlobalKVIndex.match_tiers`); ``lora``: the request's adapter ("": the base model)."""
 
+    lora: str = ""
     hashes_by_bs: dict[int, list[int]] = field(default_factory=dict)
     device: dict[str, int] = field(default_factory=dict)
     lower: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
@@ -160,7 +161,7 @@ class Router:
         candidates = [s for s in self.registry.routable(model) if s.instance_id not in exclude and _serves(s, lora)]
         if not candidates:
             raise NoInstanceError(f"no live instance serves {_what(model, lora)}")
-        return self._route_among(candidates, prompt, session, offline, _root(candidates, lora))
+        return self._route_among(candidates, prompt, session, offline, lora)
 
     def route_move(self, model: str, tokens: Sequence[int], exclude: Collection[str] = (), lora: str = "") -> Ticket:
         """An instance to continue a running request on (its tokens so far): one that decodes (a
@@ -169,7 +170,7 @@ class Router:
                       if s.instance_id not in exclude and s.role != "prefill" and s.flip is None and _serves(s, lora)]
         if not candidates:
             raise NoInstanceError(f"no other live instance decodes {_what(model, lora)}")
-        return self._route_among(candidates, tokens, None, root=_root(candidates, lora))
+        return self._route_among(candidates, tokens, None, lora=lora)
 
     def fastest_prefill(self, model: str) -> float:
         """The highest prefill speed (tokens/s) a live instance of ``model`` measured (0: none has)."""
@@ -177,11 +178,11 @@ class Router:
                    default=0.0)
 
     def _route_among(self, candidates: list[InstanceState], prompt: Sequence[int], session: str | None,
-                     offline: bool = False, root: int = ROOT_HASH) -> Ticket:
+                     offline: bool = False, lora: str = "") -> Ticket:
         if len(candidates) == 1:
             return Ticket(candidates[0], RouteDecision(candidates[0].instance_id, "only"), len(prompt), 0,
                           offline=offline)
-        match = self._match(candidates, prompt, root)
+        match = self._match(candidates, prompt, lora)
         snaps = [self._snapshot(s, match) for s in candidates]
         decision = self.policy.route(RouteRequest(len(prompt), session, offline=offline), snaps)
         ticket = self._ticket(candidates, decision, prompt, match)
@@ -204,7 +205,7 @@ class Router:
         prefills, decodes = self.pd_pools(model, exclude, lora)
         if not prefills or not decodes:
             raise NoInstanceError(f"no live prefill and decode instances serve {_what(model, lora)}")
-        match = self._match(prefills + decodes, prompt, _root(prefills, lora))
+        match = self._match(prefills + decodes, prompt, lora)
         request = RouteRequest(len(prompt), session, max_new_tokens)
         decision = self.placement.route(request, [self._snapshot(s, match) for s in prefills],
                                         [self._snapshot(s, match) for s in decodes])
@@ -220,15 +221,16 @@ class Router:
         prefills, _ = self.pd_pools(model, exclude, lora)
         if not prefills:
             raise NoInstanceError(f"no live prefill instance serves {_what(model, lora)}")
-        match = self._match(prefills, prompt, _root(prefills, lora))
+        match = self._match(prefills, prompt, lora)
         snaps = [self._snapshot(s, match) for s in prefills]
         decision = self.placement.prefill_policy.route(RouteRequest(len(prompt), session), snaps)
         return self._ticket(prefills, decision, prompt, match)
 
-    def _match(self, candidates: list[InstanceState], prompt: Sequence[int], root: int = ROOT_HASH) -> PromptMatch:
-        """The prompt's block hashes per block size (chained from ``root``: an adapter's KV is its own), and the
-        prefix each candidate holds (in memory and in its lower KV tiers)."""
-        match = PromptMatch()
+    def _match(self, candidates: list[InstanceState], prompt: Sequence[int], lora: str = "") -> PromptMatch:
+        """The prompt's block hashes per block size (chained from the root of the adapter ``lora``: an adapter's KV
+        is its own), and the prefix each candidate holds (in memory and in its lower KV tiers)."""
+        match = PromptMatch(lora)
+        root = _root(candidates, lora)
         for bs in {s.block_size for s in candidates if s.block_size > 0}:
             hashes = match.hashes_by_bs[bs] = block_hashes(prompt, bs, parent=root)
             ids = {s.instance_id for s in candidates if s.block_size == bs}
@@ -239,7 +241,7 @@ class Router:
         return match
 
     def _snapshot(self, s: InstanceState, match: PromptMatch) -> InstanceSnapshot:
-        return self.snapshot(s, match.device.get(s.instance_id, 0), match.lower.get(s.instance_id, ()))
+        return self.snapshot(s, match.device.get(s.instance_id, 0), match.lower.get(s.instance_id, ()), match.lora)
 
     @staticmethod
     def _ticket(candidates: list[InstanceState], decision: RouteDecision, prompt: Sequence[int],
@@ -249,10 +251,12 @@ class Router:
                       match.hashes_by_bs.get(state.block_size, []))
 
     def snapshot(self, s: InstanceState, matched_tokens: int,
-                 lower_matched: tuple[tuple[str, int], ...] = ()) -> InstanceSnapshot:
+                 lower_matched: tuple[tuple[str, int], ...] = (), lora: str = "") -> InstanceSnapshot:
         """What the policies see of ``s``: its last load report and this gateway's requests on it, with
-        ``matched_tokens`` of the prompt in its memory and then ``lower_matched`` (tier, tokens) it can load."""
+        ``matched_tokens`` of the prompt in its memory and then ``lower_matched`` (tier, tokens) it can load;
+        for a request of the adapter ``lora``, whether the adapter is resident there and a slot could take it."""
         load = s.load
+        resident = not lora or load is None or lora in load.lora_resident
         # The engine reports the whole prompts of its queued requests (it cannot know their cache hits
         # before admission); this gateway knows its own requests' uncached part exactly. Queued work =
         # ours (uncached) + the rest of the report (other gateways' requests).
@@ -277,7 +281,9 @@ class Router:
                 (load.offline_pending_prefill_tokens if load is not None else 0) - s.off_pending_prompt, 0),
             step_model=predictor_from_report(load.step_predictor) if load is not None else None,
             token_budget=load.step_predictor.token_budget if load is not None else 0,
-            decode_context_tokens=load.decode_context_tokens if load is not None else 0)
+            decode_context_tokens=load.decode_context_tokens if load is not None else 0,
+            adapter_resident=resident, adapter_load_seconds=load.lora_load_seconds if load is not None else 0.0,
+            adapter_slot_free=resident or load.lora_slots_free > 0)
 
     # ---- accounting ----------------------------------------------------------------------------
     def dispatched(self, ticket: Ticket, num_requests: int) -> None:

@@ -21,6 +21,8 @@ but never the contract.
   and the routed SwiGLU experts.
 - :mod:`xllm.kernels.mla`: multi-head latent attention helpers (interleaved RoPE,
   weight-absorbed query/value projections).
+- :mod:`xllm.kernels.lora`: the segmented multi-LoRA product of a projection over a step's rows
+  (one native call, else a torch loop over the adapters).
 """
 
 from xllm.kernels.activation import silu_and_mul

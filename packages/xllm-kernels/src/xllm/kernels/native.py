@@ -82,6 +82,27 @@ class LlamaLayer(ctypes.Structure):
         (name, QWeight) for name in ("qkv_q", "o_q", "gate_up_q", "down_q")]
 
 
+class LoraProj(ctypes.Structure):
+    """Mirror of ``XllmLoraProj`` (kernels/cpu/llama_step.c): one projection's stacked LoRA adapters in the fused
+    steps (``a`` None: no adapter on it)."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("n", ctypes.c_int64), ("rank", ctypes.c_int64),
+                ("n_parts", ctypes.c_int64), ("part_end", ctypes.c_int64 * 3)]
+
+
+class LoraLayer(ctypes.Structure):
+    """Mirror of ``XllmLoraLayer``: a layer's four adapted projections."""
+
+    _fields_ = [(name, LoraProj) for name in ("qkv", "o", "gate_up", "down")]
+
+
+class LoraStep(ctypes.Structure):
+    """Mirror of ``XllmLoraStep``: a fused step's adapter rows (its last argument; NULL for the base model alone)."""
+
+    _fields_ = [("layers", ctypes.POINTER(LoraLayer)), ("row_slot", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("tmp", ctypes.c_void_p)]
+
+
 class NativeLibrary:
     """ctypes bindings of ``libxllm_cpu.so`` (argument types declared once)."""
 
@@ -108,10 +129,10 @@ class NativeLibrary:
                                            vp, vp]
         for name in ("xllm_llama_decode_bf16", "xllm_llama_decode_f32"):
             getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, vp,
-                                           vp, vp, vp, vp, vp]
+                                           vp, vp, vp, vp, vp, ctypes.POINTER(LoraStep)]
         for name in ("xllm_llama_forward_bf16", "xllm_llama_forward_f32"):
             getattr(lib, name).argtypes = [ctypes.POINTER(LlamaCfg), ctypes.POINTER(LlamaLayer), i64, vp, vp, i64,
-                                           vp, vp, vp, vp, vp, vp, vp, vp, vp]
+                                           vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(LoraStep)]
         for sfx in ("bf16", "f32"):
             getattr(lib, f"xllm_add_rmsnorm_{sfx}").argtypes = [vp, vp, vp, vp, i64, i64, f32, vp]
             getattr(lib, f"xllm_silu_mul_{sfx}").argtypes = [vp, i64, i64, vp]

@@ -202,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
             raise LoraAdapterError("LoRA adapters are not served with tensor parallelism yet")
         if self._lora is None or (self._lora.max_loras, self._lora.max_rank) != (max_loras, max_rank):
             self._lora = LoraStack(list(self.model.layers), max_loras, max_rank)
+            if self._fused is not None:  # the fused steps add the adapters too
+                self._fused.attach_lora(self._lora)
         return self._lora
 
     def layer_prefix(self, num_layers: int) -> LlamaForCausalLM:

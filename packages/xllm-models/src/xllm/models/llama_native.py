@@ -28,6 +28,11 @@ all-reduce and the final norm stay in Python, as in one process); a failed colle
 :class:`~xllm.core.parallel.comm.CollectiveError` naming the ranks that did not arrive. Other
 communicators (gloo) take the eager path.
 
+Multi-LoRA: once the model's adapter slots exist (:meth:`FusedLlamaForward.attach_lora`, from
+``LlamaForCausalLM.lora_stack``), a step whose rows use adapters (``LoraStack.rows`` on this thread) passes the
+kernels its rows' slots and the slots' scales, and they add each row's adapter product after every adapted
+projection (kernels/cpu/lora_step.h; gate/up then runs unfused, the adapter before SiLU-and-mul).
+
 It applies only where the C kernel's layout assumptions hold; :meth:`model_supported` says so and
 the caller falls back to the eager module path otherwise. It is the
 :class:`xllm.core.model_api.FusedForward` of Llama-family models.
@@ -47,6 +52,7 @@ from xllm.core.parallel.shm import ShmComm
 from xllm.kernels import native, quant_native, rms_norm
 from xllm.kernels.linear import MAX_NATIVE_ROWS
 from xllm.kernels.quant import QuantizedWeight
+from xllm.models.lora import LoraStack
 
 
 def _projections(layer) -> tuple:
@@ -70,6 +76,16 @@ class _Binding:
         return self.work
 
 
+@dataclass
+class _LoraBinding:
+    """The model's adapter slots as the kernels read them: per layer the four projections' stacked A/B
+    (``layers``, pointing into ``stack``'s tensors) and the widest projection's ``n`` (the scratch per row)."""
+
+    stack: LoraStack
+    layers: object  # ctypes array of native.LoraLayer
+    n_max: int
+
+
 class FusedLlamaForward:
     """Whole steps of a :class:`~xllm.models.llama.LlamaForCausalLM` through one native call each."""
 
@@ -89,6 +105,7 @@ class FusedLlamaForward:
         self._bindings: weakref.WeakKeyDictionary[SlotKV, _Binding] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()  # guards _bindings and _packed (built on first use)
         self._packed: list | None = None  # keeps the packed weights alive while the structs point at them
+        self._lora: _LoraBinding | None = None  # the model's adapter slots as the kernels read them (attach_lora)
         # cos/sin tables must stay float32 and contiguous for the kernel
         self._cos = model.rotary.cos.contiguous()
         self._sin = model.rotary.sin.contiguous()
@@ -210,6 +227,39 @@ class FusedLlamaForward:
                 down_q=quant[3])
         return _Binding(cfg, arr, keep=keep)
 
+    @property
+    def serves_lora(self) -> bool:
+        """Whether steps with LoRA adapter rows may run fused (the model's adapter slots are attached)."""
+        return self._lora is not None
+
+    def attach_lora(self, stack: LoraStack) -> None:
+        """Serve the adapters of ``stack`` (the model's slots; their tensors never move) in the fused steps."""
+        arr = (native.LoraLayer * len(self.model.model.layers))()
+        for i, layer in enumerate(self.model.model.layers):
+            for field_name, lin in zip(("qkv", "o", "gate_up", "down"), _projections(layer), strict=True):
+                proj = lin.lora
+                if proj is None:
+                    continue
+                ends = [start + size for _, start, size in sorted(proj.parts.values())]
+                setattr(arr[i], field_name, native.LoraProj(
+                    a=proj.a.data_ptr(), b=proj.b.data_ptr(), n=proj.a.shape[1], rank=proj.rank, n_parts=len(ends),
+                    part_end=(ctypes.c_int64 * 3)(*ends, *[ends[-1]] * (3 - len(ends)))))
+        n_max = max((p.a.shape[1] for p in stack.projections.values()), default=0)
+        self._lora = _LoraBinding(stack, arr, n_max)
+
+    def _lora_step(self, rows: int) -> tuple[native.LoraStep, tuple] | tuple[None, tuple]:
+        """The kernels' view of this thread's adapter rows for a step of ``rows`` rows (None: the base model's)."""
+        bound = self._lora
+        current = None if bound is None else bound.stack.current_rows()
+        if current is None:
+            return None, ()
+        if current.slots.numel() != rows:
+            raise ValueError(f"the step has {rows} rows but its LoRA slots name {current.slots.numel()}")
+        tmp = torch.empty(rows * bound.n_max, dtype=torch.float32)
+        step = native.LoraStep(layers=bound.layers, row_slot=current.slots.data_ptr(),
+                               scale=current.scales.data_ptr(), tmp=tmp.data_ptr())
+        return step, (current, tmp)
+
     def _comm_handle(self) -> int | None:
         """The shard's shared-memory group for the kernels' all-reduces (None: one process)."""
         tp = getattr(self.model, "tp", None)
@@ -251,10 +301,12 @@ class FusedLlamaForward:
         work = bound.workspace(self.max_batch * per_row, hidden.dtype)
         slots = slots.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
+        lora, _alive = self._lora_step(b)
         rc = self._kernel("decode", hidden.dtype)(
             ctypes.byref(c), bound.layers, b, slots.data_ptr(), positions.data_ptr(), self._cos.data_ptr(),
             self._sin.data_ptr(), hidden.data_ptr(), residual.data_ptr(), work.data_ptr(),
-            None if self.phase_seconds is None else self.phase_seconds.data_ptr())
+            None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
+            None if lora is None else ctypes.byref(lora))
         self._check(rc, "decode")
         norm = m.model.norm
         out, _ = rms_norm(hidden, norm.weight, norm.eps, residual)
@@ -278,11 +330,13 @@ class FusedLlamaForward:
         ints = [x.to(torch.int64).contiguous() for x in (tokens.token_slots, tokens.positions, tokens.seq_starts,
                                                            tokens.context_lens, tokens.seq_slots)]
         token_slots, positions, starts, lens, seq_slots = ints
+        lora, _alive = self._lora_step(t)
         rc = self._kernel("forward", hidden.dtype)(
             ctypes.byref(c), bound.layers, t, token_slots.data_ptr(), positions.data_ptr(), lens.numel(),
             starts.data_ptr(), lens.data_ptr(), seq_slots.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(),
             hidden.data_ptr(), residual.data_ptr(), work.data_ptr(),
-            None if self.phase_seconds is None else self.phase_seconds.data_ptr())
+            None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
+            None if lora is None else ctypes.byref(lora))
         self._check(rc, "general")
         rows = tokens.sample_rows
         norm = m.model.norm

@@ -28,7 +28,12 @@ _EXPERT_RE = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class RoutedExperts(SelfLoadingModule, nn.Module):
-    """``E`` SwiGLU experts of intermediate size ``I`` stacked into two parameters."""
+    """``E`` SwiGLU experts of intermediate size ``I`` stacked into two parameters. ``lora``: the resident LoRA
+    adapters of the experts (:class:`xllm.models.lora_experts.ExpertLora`, set when the model serves adapters):
+    a forward with rows of an adapter that has expert weights runs the experts with them, never the plain
+    :func:`xllm.kernels.moe_experts`."""
+
+    lora = None
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -38,6 +43,10 @@ class RoutedExperts(SelfLoadingModule, nn.Module):
         self._loaded: set[tuple[int, str]] = set()
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None:
+            out = self.lora.forward(hidden, self.w13, self.w2, weights, ids)
+            if out is not None:
+                return out
         return moe_experts(hidden, self.w13, self.w2, weights, ids)
 
     def load_checkpoint_tensor(self, rel_name: str, tensor: torch.Tensor) -> bool:

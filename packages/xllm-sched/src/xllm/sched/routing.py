@@ -34,7 +34,10 @@ Policies (by name through :data:`xllm.sched.ROUTING_POLICIES`):
   ``python -m benchmarks kv_tiers`` measures tier-aware routing against. A chat/session id is a strong hint: its
   previous instance is taken unless overloaded. A load-aware fallback sends the request to the
   fastest instance instead when the best-scoring one would be much slower, so a hot prefix
-  cannot pile every request onto one instance.
+  cannot pile every request onto one instance. A LoRA adapter's request pays, on an instance where
+  the adapter is not resident in a slot, the adapter's measured load time in its predicted latency, and
+  an instance whose slots are all held by other adapters' live requests counts as overloaded: residency
+  is weighed against load rather than pinned to (adapter affinity alone hot-spots one instance).
 """
 
 from __future__ import annotations
@@ -83,6 +86,12 @@ class InstanceSnapshot:
     step_model: StepTimeModel | None = None
     token_budget: int = 0
     decode_context_tokens: int = 0
+    # a request of a LoRA adapter (the base model's: the defaults): whether the adapter is resident in one of the
+    # instance's slots, the seconds the instance measured reading one into a slot (paid first when it is not),
+    # and whether a slot could take it now (none: every slot holds an adapter live requests use; it would park)
+    adapter_resident: bool = True
+    adapter_load_seconds: float = 0.0
+    adapter_slot_free: bool = True
 
     @property
     def outstanding(self) -> int:
@@ -261,6 +270,8 @@ class KVCacheAwarePolicy(RoutingPolicy):
         cached = c.matched_tokens + loaded
         uncached = max(num_prompt_tokens - cached, 1)
         running = self._running(c)
+        if not c.adapter_resident:  # its adapter is read into a slot first
+            load_seconds += c.adapter_load_seconds
         if model is not None:
             return model.ttft(num_prompt_tokens, c.pending_prefill_tokens, min(cached, num_prompt_tokens - 1),
                               c.token_budget, running, c.decode_context_tokens,
@@ -275,7 +286,7 @@ class KVCacheAwarePolicy(RoutingPolicy):
         return min(c.matched_tokens + saved * rate, num_prompt_tokens)
 
     def overloaded(self, c: InstanceSnapshot) -> bool:
-        return c.num_waiting >= self.max_waiting or c.kv_usage >= self.kv_high_watermark
+        return c.num_waiting >= self.max_waiting or c.kv_usage >= self.kv_high_watermark or not c.adapter_slot_free
 
     # ---- sessions -----------------------------------------------------------------------------
     def _session_instance(self, session_id: str | None) -> str | None:

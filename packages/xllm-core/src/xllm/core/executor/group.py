@@ -138,6 +138,8 @@ def mirror_kv(setup: RankSetup, local: KVCacheSpec):
 class _CappedFused:
     """A fused forward whose row limits are every rank's least (the ranks must take the same paths)."""
 
+    serves_lora = False  # LoRA adapters are not served with tensor parallelism
+
     def __init__(self, inner: FusedForward, max_batch: int, max_step_tokens: int) -> None:
         self.inner = inner
         self.max_batch = max_batch

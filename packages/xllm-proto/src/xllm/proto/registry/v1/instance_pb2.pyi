@@ -62,7 +62,7 @@ class RecordSignature(_message.Message):
     def __init__(self, issued_at: _Optional[float] = ..., lease: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_usage", "kv_free_tokens", "recent_ttft", "recent_tpot", "timestamp", "pending_prefill_tokens", "prefill_tokens_per_s", "decode_context_tokens", "step_predictor", "offline_longest_wait", "offline_running", "offline_waiting", "offline_pending_prefill_tokens", "tier_load_tokens_per_s")
+    __slots__ = ("instance_id", "num_running", "num_waiting", "kv_usage", "kv_free_tokens", "recent_ttft", "recent_tpot", "timestamp", "pending_prefill_tokens", "prefill_tokens_per_s", "decode_context_tokens", "step_predictor", "offline_longest_wait", "offline_running", "offline_waiting", "offline_pending_prefill_tokens", "tier_load_tokens_per_s", "lora_resident", "lora_slots_free", "lora_load_seconds", "lora_parked")
     class TierLoadTokensPerSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,10 @@ class LoadReport(_message.Message):
     OFFLINE_WAITING_FIELD_NUMBER: _ClassVar[int]
     OFFLINE_PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIER_LOAD_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LORA_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_FREE_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_PARKED_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_running: int
     num_waiting: int
@@ -104,7 +108,11 @@ class LoadReport(_message.Message):
     offline_waiting: int
     offline_pending_prefill_tokens: int
     tier_load_tokens_per_s: _containers.ScalarMap[str, float]
-    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., recent_ttft: _Optional[float] = ..., recent_tpot: _Optional[float] = ..., timestamp: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_context_tokens: _Optional[int] = ..., step_predictor: _Optional[_Union[StepTimePredictor, _Mapping]] = ..., offline_longest_wait: _Optional[float] = ..., offline_running: _Optional[int] = ..., offline_waiting: _Optional[int] = ..., offline_pending_prefill_tokens: _Optional[int] = ..., tier_load_tokens_per_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    lora_resident: _containers.RepeatedScalarFieldContainer[str]
+    lora_slots_free: int
+    lora_load_seconds: float
+    lora_parked: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., kv_free_tokens: _Optional[int] = ..., recent_ttft: _Optional[float] = ..., recent_tpot: _Optional[float] = ..., timestamp: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_context_tokens: _Optional[int] = ..., step_predictor: _Optional[_Union[StepTimePredictor, _Mapping]] = ..., offline_longest_wait: _Optional[float] = ..., offline_running: _Optional[int] = ..., offline_waiting: _Optional[int] = ..., offline_pending_prefill_tokens: _Optional[int] = ..., tier_load_tokens_per_s: _Optional[_Mapping[str, float]] = ..., lora_resident: _Optional[_Iterable[str]] = ..., lora_slots_free: _Optional[int] = ..., lora_load_seconds: _Optional[float] = ..., lora_parked: _Optional[int] = ...) -> None: ...
 
 class StepTimePredictor(_message.Message):
     __slots__ = ("coefficients", "correction", "profiled", "prediction_error", "token_budget", "measured_seconds", "predicted_seconds")
