@@ -44,6 +44,8 @@ REGISTRY: NameRegistry[Scenario] = NameRegistry("benchmark", {
     "spec": "benchmarks.spec:SCENARIO",
     "parallel": "benchmarks.parallel:SCENARIO",
     "tracing": "benchmarks.tracing_cost:SCENARIO",
+    "lora": "benchmarks.lora:SCENARIO",
+    "lora_kernel": "benchmarks.lora_kernel:SCENARIO",
     "quant": "benchmarks.quant:SCENARIO",
     "perplexity": "benchmarks.perplexity:SCENARIO",
     "hugepages": "benchmarks.hugepages:SCENARIO",
