@@ -38,8 +38,10 @@ POST_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions
                "/v1/recommend": "RecommendRequest", "/v1/responses": "ResponsesRequest",
                "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest",
                "/v1/load_lora_adapter": "LoadLoraAdapterRequest", "/v1/unload_lora_adapter": "UnloadLoraAdapterRequest",
-               "/v1/embeddings": "EmbeddingRequest"}
-ADMIN_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}  # the fuzzer's user key gets 403 there
+               "/v1/embeddings": "EmbeddingRequest", "/sleep": "SleepRequest", "/wake_up": "WakeUpRequest",
+               "/update_weights": "UpdateWeightsRequest", "/update_weights_from_disk": "UpdateWeightsRequest"}
+ADMIN_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter",  # the fuzzer's user key gets 403 there
+                "/sleep", "/wake_up", "/update_weights", "/update_weights_from_disk"}
 GOOD = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
                              "logit_bias": {"42": -5}, "stop": ["\n"], "stream": False, "audio": None},
@@ -51,6 +53,10 @@ GOOD = {
     "/v1/load_lora_adapter": {"lora_name": "sql", "lora_path": "/nowhere"},  # (the fake engine refuses: 400)
     "/v1/unload_lora_adapter": {"lora_name": "sql"},  # (nobody serves it: 404)
     "/v1/embeddings": {"input": ["red", "green"], "encoding_format": "base64"},
+    "/sleep": {"level": 1},  # (the fake engine neither sleeps nor updates weights: 400)
+    "/wake_up": {},
+    "/update_weights": {"model_path": "/nowhere"},
+    "/update_weights_from_disk": {"model_path": "/nowhere"},
 }
 BAD = [  # (route, field, value): refused by the server and by the published schema
     ("/v1/chat/completions", "audio", {"voice": "x"}),

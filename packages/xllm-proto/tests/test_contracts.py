@@ -9,7 +9,7 @@ def test_engine_service_methods():
     service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
     methods = {m.name: m for m in service.methods}
     assert set(methods) == {"Generate", "Abort", "Health", "GetLoad", "GetKVEvents", "TransferKV", "Migrate",
-                            "Prove", "Reattach", "LoadLora", "Embed"}
+                            "Prove", "Reattach", "LoadLora", "Embed", "Control"}
     assert methods["Reattach"].server_streaming and not methods["Reattach"].client_streaming
     assert methods["Reattach"].output_type.full_name == "xllm.engine.v1.GenerateResponse"
     assert not methods["Prove"].client_streaming and not methods["Prove"].server_streaming

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, TypeVar
 from xllm.core.compute_thread import ComputeThread
 from xllm.core.disagg import DisaggListener, MoveSnapshot
 from xllm.core.engine import LLMEngine
+from xllm.core.engine_weights import ModelSleepingError
 from xllm.engine_api.errors import EngineCrashedError, EngineDeadError, EngineOverloadedError
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.registry.v1 import instance_pb2
@@ -123,6 +124,10 @@ class AsyncEngine:
         self._busy_since: float | None = None  # monotonic start of the step running now
         self.steps_done = 0  # steps the loop completed (the step watchdog's sign of progress)
         self.longest_step = 0.0  # seconds, the longest of them as stalled_for() saw it (the watchdog's margin)
+        # weight commands (sleep, wake_up, update_weights) waiting for the engine to drain, in order, and the
+        # requests that arrived meanwhile (held outside the engine; run once the commands ran)
+        self._barriers: deque[tuple[Callable[[LLMEngine], object], asyncio.Future]] = deque()
+        self._held: list[tuple[tuple, RequestStream]] = []
 
     # ---- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -158,8 +163,11 @@ class AsyncEngine:
         stream ended."""
         if not self.is_running:
             raise EngineDeadError(self.dead_reason or "engine is not running")
+        if self._engine.weights.level:
+            raise ModelSleepingError(self._engine.weights.level)
         self._engine.validate(req)
-        if len(self._engine.scheduler.waiting) + self._commands.qsize() >= self._engine.config.max_waiting_requests:
+        waiting = len(self._engine.scheduler.waiting) + self._commands.qsize() + len(self._held)
+        if waiting >= self._engine.config.max_waiting_requests:
             raise EngineOverloadedError("too many requests waiting; retry later")
         stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
         with self._closing:  # never queued after the loop's last look at its commands
@@ -222,6 +230,53 @@ class AsyncEngine:
     def embed(self, prompt: list[int], pooling: str, normalize: bool) -> asyncio.Future[tuple[float, ...]]:
         """The pooled final hidden state of ``prompt`` (:meth:`LLMEngine.embed`), computed between steps."""
         return self._call(lambda e: e.embed(prompt, pooling, normalize))
+
+    # ---- weight commands: run once the engine drained (running and queued requests finished; requests that
+    # arrive meanwhile wait outside the engine and run afterwards, or are refused if it then sleeps) ----------
+    def sleep(self, level: int) -> asyncio.Future[int]:
+        """Drain, then sleep at ``level`` (:meth:`LLMEngine.sleep <xllm.core.engine_weights.EngineWeights.sleep>`:
+        1 frees the KV memory and prefix cache, 2 the weights too); resolves to the level it sleeps at. From then
+        on :meth:`submit` raises :class:`ModelSleepingError` (as do requests that arrived while it drained)."""
+        return self._barrier(lambda e: e.sleep(level))
+
+    def wake_up(self) -> asyncio.Future[int]:
+        """Wake (after the commands queued before it); resolves to the level it slept at (0: it was awake)."""
+        return self._barrier(lambda e: e.wake_up())
+
+    def update_weights(self, path: str) -> asyncio.Future[str]:
+        """Drain, then read the safetensors weights in ``path`` in place (:meth:`LLMEngine.update_weights
+        <xllm.core.engine_weights.EngineWeights.update_weights>`); resolves to the new KV identity, or fails with
+        ``InvalidRequestError`` naming ``model_path`` (the old weights serve on). Requests that arrive while it
+        drains or reads run afterwards, on the new weights."""
+        return self._barrier(lambda e: e.update_weights(path))
+
+    def is_sleeping(self) -> int:
+        """0 awake, else the level the engine sleeps at (any thread)."""
+        return self._engine.weights.level
+
+    def _barrier(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("barrier", fn, future))
+        self._wake.set()
+        return future
+
+    def _pass_barriers(self, out: list[engine_pb2.GenerateResponse]) -> None:
+        """The engine drained: run the waiting weight commands in order, then the held requests (refused with
+        :class:`ModelSleepingError` if the engine now sleeps)."""
+        while self._barriers:
+            fn, future = self._barriers.popleft()
+            _call_on_engine(self._engine, fn, future, out)
+        held, self._held = self._held, []
+        level = self._engine.weights.level
+        for payload, stream in held:
+            if level:
+                _post(stream, ModelSleepingError(level))
+                continue
+            try:
+                out.extend(self._engine.add_request(*payload))
+                self._streams[payload[0].request_id] = stream
+            except Exception as exc:
+                _post(stream, exc)
 
     def _call(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
         """Run ``fn(engine)`` on the engine thread between steps; chunks it returns (a list) are
@@ -355,6 +410,13 @@ class AsyncEngine:
 
     def _fail_queued(self, err: BaseException) -> None:
         """Requests queued while the loop stopped: they get the error (they would wait forever)."""
+        held, self._held = self._held, []
+        for _payload, stream in held:
+            _post(stream, err)
+        while self._barriers:
+            _fn, future = self._barriers.popleft()
+            with contextlib.suppress(RuntimeError):
+                future.get_loop().call_soon_threadsafe(_settle, future, None, err)
         while True:
             try:
                 kind, _payload, stream = self._commands.get_nowait()
@@ -362,7 +424,7 @@ class AsyncEngine:
                 return
             if kind == "add":
                 _post(stream, err)
-            elif kind == "call":
+            elif kind in ("call", "barrier"):
                 with contextlib.suppress(RuntimeError):
                     stream.get_loop().call_soon_threadsafe(_settle, stream, None, err)
 
@@ -373,7 +435,11 @@ class AsyncEngine:
                 kind, payload, stream = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add":
+            if kind == "add" and self._barriers:  # a weight command waits for the engine to drain
+                self._held.append((payload, stream))
+            elif kind == "barrier":
+                self._barriers.append((payload, stream))
+            elif kind == "add":
                 try:
                     ready = self._engine.add_request(*payload)
                     self._streams[payload[0].request_id] = stream
@@ -383,9 +449,12 @@ class AsyncEngine:
             elif kind == "call":
                 _call_on_engine(self._engine, payload, stream, out)
             else:
+                self._held = [(p, st) for p, st in self._held if p[0].request_id != payload]
                 final = self._engine.abort(payload)
                 if final is not None:
                     out.append(final)
+        if self._barriers and not self._engine.has_work():
+            self._pass_barriers(out)
         if out:
             self._deliver(out)
 

@@ -43,6 +43,7 @@ from xllm.core.engine_build import (
     build_worker,
 )
 from xllm.core.engine_moves import EngineMoves
+from xllm.core.engine_weights import EngineWeights, WeightsState
 from xllm.core.grammar import Grammars
 from xllm.core.lora import EngineLora, build_loras
 from xllm.core.model_api import CausalLM
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineMoves, EngineBeams, EngineLora):
+class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
     """Continuous-batching engine over one model instance (``model`` satisfies
     :class:`~xllm.core.model_api.CausalLM`)."""
 
@@ -106,6 +107,7 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora):
         self.limits = RequestLimits(int(model.vocab_size), self.max_model_len, self.layout, config.request_bounds)
         self.runner = build_runner(config, model, self.kv, self.platform.device, ranks)
         self.loras = build_loras(config, model, self.runner)  # LoRA adapters (xllm.core.lora)
+        self.weights = WeightsState()  # sleep, wake, weight updates (xllm.core.engine_weights)
         if config.kv_tiers_enabled:  # through the transfer store: every rank's KV heads with tensor parallelism
             attach_tiers(config, self.kv, self.transfer_store())
         eos = frozenset(tokenizer.eos_token_ids)
@@ -567,7 +569,8 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora):
             offline_longest_wait=self.counters.offline_longest_wait,
             offline_running=sum(s.offline for s in self.scheduler.running),
             offline_waiting=sum(s.offline for s in self.scheduler.waiting),
-            tier_load_tokens_per_s=tier_load_rates(self.kv.tier_stats(), self.layout.block_size))
+            tier_load_tokens_per_s=tier_load_rates(self.kv.tier_stats(), self.layout.block_size),
+            **self.lora_load_fields())
 
 
 def tier_load_rates(stats: dict, block_size: int) -> dict[str, float]:

@@ -25,6 +25,7 @@ from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
 
 log = logging.getLogger(__name__)
+CONTROL_TIMEOUT_S = 1800.0  # EngineService.Control: a sleep or weight update drains the engine first
 
 
 class EngineClient(Protocol):
@@ -65,6 +66,11 @@ class EngineClient(Protocol):
     async def embed(self, req: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
         """A prompt's pooled hidden state (raises ``InvalidRequestError`` naming the field, or
         ``InstanceUnavailableError``)."""
+        ...
+
+    async def control(self, req: engine_pb2.ControlRequest) -> engine_pb2.ControlResponse:
+        """Sleep, wake, update the weights or ask whether it sleeps (``EngineService.Control``); a refusal is
+        ``ok`` false with its reason (raises ``InstanceUnavailableError``)."""
         ...
 
     async def kv_events(self, since_version: int, epoch: int, snapshot: bool = False) -> kv_events_pb2.KVCacheEvents:
@@ -253,23 +259,24 @@ class GrpcEngineClient:
             raise error_from_status(code, await call.details(), await call.trailing_metadata(), self.info.instance_id)
         return RemoteStream(call, self, request_id)
 
-    async def _unary(self, method: str, req):
+    async def _unary(self, method: str, req, timeout: float | None = None):
         """One unary call after the proof. Raises ``InstanceUnavailableError`` when the instance is
         unreachable, fails its proof, or the channel was closed under the call (the instance left the
         registry while the call was in flight: grpc then cancels the call locally, which must not read
         as the caller's own cancellation)."""
         try:
-            return await self._call(method, req)
+            return await self._call(method, req, timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._unavailable(exc) from None
         except ClusterAuthError as exc:
             raise InstanceUnavailableError(str(exc), self.info.instance_id) from None
 
-    async def _call(self, method: str, req):
-        """:meth:`_unary` with the call's own ``AioRpcError`` and ``ClusterAuthError`` left as they are."""
+    async def _call(self, method: str, req, timeout: float | None = None):
+        """:meth:`_unary` with the call's own ``AioRpcError`` and ``ClusterAuthError`` left as they are
+        (``timeout``: the deadline, ``rpc_timeout`` by default)."""
         try:
             stub = await self._ready()
-            return await getattr(stub, method)(req, timeout=self.rpc_timeout)
+            return await getattr(stub, method)(req, timeout=timeout or self.rpc_timeout)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -301,6 +308,10 @@ class GrpcEngineClient:
 
     async def load_lora(self, name: str, path: str) -> engine_pb2.LoadLoraResponse:
         return await self._unary("LoadLora", engine_pb2.LoadLoraRequest(lora_name=name, lora_path=path))
+
+    async def control(self, req: engine_pb2.ControlRequest) -> engine_pb2.ControlResponse:
+        # draining and reading weights take as long as the requests in flight and the weights' size
+        return await self._unary("Control", req, CONTROL_TIMEOUT_S)
 
     async def embed(self, req: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
         try:

@@ -53,6 +53,9 @@ class InProcessEngineClient:
     async def embed(self, req: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
         return await embed_answer(self.engine, req)
 
+    async def control(self, req: engine_pb2.ControlRequest) -> engine_pb2.ControlResponse:
+        return await control_answer(self.engine, req)
+
     async def load(self) -> instance_pb2.LoadReport:
         return self.engine.load_report()
 
@@ -73,6 +76,26 @@ async def load_lora_answer(engine: AsyncEngine, req: engine_pb2.LoadLoraRequest)
     except (EngineError, ValueError) as exc:  # (an engine that cannot take adapters: a ConfigError)
         return engine_pb2.LoadLoraResponse(ok=False, error=str(exc), param=getattr(exc, "param", None) or "")
     return engine_pb2.LoadLoraResponse(ok=True, hash_root=root)
+
+
+async def control_answer(engine: AsyncEngine, req: engine_pb2.ControlRequest) -> engine_pb2.ControlResponse:
+    """``EngineService.Control`` on ``engine`` (the gRPC service's and the in-process client's): sleep, wake, update
+    the weights (each after the engine drained: :mod:`xllm.core.engine_weights`) or report whether it sleeps; a
+    refusal is an answer (``error``, the field at fault in ``param``)."""
+    answer = engine_pb2.ControlResponse(ok=True)
+    try:
+        if req.action == engine_pb2.CONTROL_ACTION_SLEEP:
+            await engine.sleep(req.level or 1)
+        elif req.action == engine_pb2.CONTROL_ACTION_WAKE_UP:
+            answer.woke_from = await engine.wake_up()
+        elif req.action == engine_pb2.CONTROL_ACTION_UPDATE_WEIGHTS:
+            answer.weights_identity = await engine.update_weights(req.model_path)
+        elif req.action != engine_pb2.CONTROL_ACTION_IS_SLEEPING:
+            return engine_pb2.ControlResponse(ok=False, error=f"unknown control action {req.action}", param="action")
+    except (EngineError, ValueError) as exc:
+        answer = engine_pb2.ControlResponse(ok=False, error=str(exc), param=getattr(exc, "param", None) or "")
+    answer.sleeping_level = engine.is_sleeping()
+    return answer
 
 
 async def embed_answer(engine: AsyncEngine, req: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:

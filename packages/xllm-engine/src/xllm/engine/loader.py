@@ -18,6 +18,7 @@ from xllm.engine_api.stats import StatsObserver
 from xllm.kvstore.tier import model_identity
 from xllm.models import Tokenizer, load_model, resolve_model
 from xllm.models.quantize import weight_format
+from xllm.models.reload import read_weights
 from xllm.models.source import gguf_file
 from xllm.proto.registry.v1 import instance_pb2
 from xllm.sched.latency import PerfProfile
@@ -68,6 +69,7 @@ def load_engine(model: str | None, name: str, cfg: EngineConfig | None, instance
                               forward_executor=compute,
                               grammars=load_grammars(model_dir, tokenizer, weights.vocab_size), draft_model=draft,
                               ranks=ranks)
+        compute.call(engine.attach_weights, str(model_dir), read_weights, weights_refusal(cfg, stored, weights))
     except BaseException:
         if ranks is not None:
             ranks.close()
@@ -114,6 +116,17 @@ def weights_suffix(cfg: EngineConfig, stored: pathlib.Path | None) -> str:
     if stored is not None:  # the conversion may hold no weights: name the file
         return f":gguf-as-stored:{stored.name}:{stored.stat().st_size}"
     return "" if cfg.quantization in ("auto", "none") else f":{cfg.quantization}"
+
+
+def weights_refusal(cfg: EngineConfig, stored: pathlib.Path | None, weights) -> str | None:
+    """Why the engine cannot read its weights again from a safetensors directory (sleep level 2, weight
+    updates: :mod:`xllm.core.engine_weights`), None when it can: float weights only."""
+    if stored is not None:
+        return f"its weights are served as stored from {stored.name} (GGUF): serve float weights (--dtype)"
+    fmt = weight_format(weights)
+    if fmt is not None or cfg.quantization not in ("auto", "none"):
+        return f"its weights are quantized ({fmt or cfg.quantization}): serve float weights (--quantization none)"
+    return None
 
 
 def load_grammars(model_dir: pathlib.Path, tokenizer: Tokenizer, vocab_size: int) -> Grammars | None:

@@ -51,7 +51,7 @@ from xllm.engine.detached import DetachedRequests, ReattachRefused
 from xllm.engine.handoff import grpc as grpc_transport
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.handoff.manager import HandoffManager
-from xllm.engine.inprocess import embed_answer, load_lora_answer
+from xllm.engine.inprocess import control_answer, embed_answer, load_lora_answer
 from xllm.engine.intake import Intake, message_bounds
 from xllm.engine.tracing import EngineTracer
 from xllm.engine_api.credential import prove_mac
@@ -403,6 +403,11 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         """Load (or, with an empty path, unload) a LoRA adapter between steps; a refusal is an answer, not a
         failed call (``error`` and the field at fault in ``param``)."""
         return await load_lora_answer(self.engine, request)
+
+    async def Control(self, request: engine_pb2.ControlRequest, context) -> engine_pb2.ControlResponse:
+        """Sleep, wake, update the weights in place (after draining) or report whether it sleeps; a refusal is
+        an answer (``error``, ``param``)."""
+        return await control_answer(self.engine, request)
 
     async def Embed(self, request: engine_pb2.EmbedRequest, context) -> engine_pb2.EmbedResponse:
         """A prompt's pooled hidden state, computed between steps; a refused one ends with its status."""

@@ -28,9 +28,10 @@ from xllm.gateway.openai.protocol import DEFAULT_OFFLINE_PRIORITY, OpenAIRequest
 API_KEY_ENV = "XLLM_API_KEY"
 API_PREFIX = "/v1/"
 DASHBOARD_DATA_PREFIX = "/dashboard/api/"  # the live cluster page's data
-# what the API keys guard (ApiGuard; the bearer scheme of /openapi.json): the OpenAI routes, the page's data
-# and vLLM's tokenizer routes
-KEYED_PREFIXES = (API_PREFIX, DASHBOARD_DATA_PREFIX, "/tokenize", "/detokenize")
+# what the API keys guard (ApiGuard; the bearer scheme of /openapi.json): the OpenAI routes, the page's data,
+# vLLM's tokenizer routes and the sleep / weight-update routes (xllm.gateway.openai.serving_weights)
+KEYED_PREFIXES = (API_PREFIX, DASHBOARD_DATA_PREFIX, "/tokenize", "/detokenize", "/sleep", "/wake_up", "/is_sleeping",
+                  "/update_weights")
 SCHEME = "bearer"
 
 

@@ -69,6 +69,7 @@ from xllm.gateway.openai.serving_recommend import RecommendServing
 from xllm.gateway.openai.serving_responses import ResponsesServing
 from xllm.gateway.openai.serving_resume import ResumeServing
 from xllm.gateway.openai.serving_tokenize import TokenizeServing
+from xllm.gateway.openai.serving_weights import WeightsAdmin, add_weights_routes
 from xllm.gateway.openai.stream_ids import StreamSeal
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER
 from xllm.gateway.progress import StallLimits
@@ -212,6 +213,8 @@ def create_app(state: GatewayState) -> FastAPI:
     _add_tokenizer_routes(app, bodies, preprocessor, by_model)
     _add_resume_route(app, ResumeServing(state.registry, fronts.tokenizers(), seal))
     _add_lora_routes(app, bodies, preprocessor, state.access, LoraAdmin(state.registry, dispatcher))
+    add_weights_routes(app, bodies, preprocessor, state.access,  # /sleep, /wake_up, /update_weights
+                       WeightsAdmin(state.registry, dispatcher))
     _add_service_routes(app, state, roles, fronts)
     add_dashboard_routes(app, state, router, roles, dispatcher.mover,  # the live cluster page, /dashboard
                          timelines=state.recent_traces, hub=hub)

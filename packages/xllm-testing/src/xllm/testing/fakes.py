@@ -89,6 +89,13 @@ class FakeEngineClient:
         return engine_pb2.LoadLoraResponse(ok=False, error="this scripted engine serves no LoRA adapters",
                                            param="lora_path")
 
+    async def control(self, req: engine_pb2.ControlRequest) -> engine_pb2.ControlResponse:
+        """A scripted engine neither sleeps nor updates weights (it only says it is awake)."""
+        if req.action == engine_pb2.CONTROL_ACTION_IS_SLEEPING:
+            return engine_pb2.ControlResponse(ok=True)
+        return engine_pb2.ControlResponse(ok=False, error="this scripted engine neither sleeps nor updates weights",
+                                          param="model")
+
     async def embed(self, req: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
         """A scripted embedding: the prompt's length and token sum (and the pooling's name length)."""
         ids = list(req.prompt_token_ids)

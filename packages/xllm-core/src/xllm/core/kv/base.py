@@ -116,6 +116,20 @@ class KVCacheBackend(KVAllocator, KVTensors, KVTransfer, ABC):
     def close(self) -> None:
         """Release OS resources (only at shutdown: tensors become invalid)."""
 
+    # ---- sleep (xllm.core.engine_weights; only while no sequence holds KV) ------------------------------
+    def drop_cached(self) -> int:
+        """Forget every prefix-cached block nobody references (not written down to lower tiers); returns
+        how many (backends without a prefix cache: none)."""
+        return 0
+
+    def release_memory(self) -> int:
+        """Hand the KV memory back to the OS while no sequence holds KV (engine sleep); returns the bytes
+        released. The tensors stay valid (reading zeros) until :meth:`restore_memory`. Default: none."""
+        return 0
+
+    def restore_memory(self) -> None:
+        """Undo :meth:`release_memory` (the memory is taken again, zeroed)."""
+
     # ---- lower KV tiers (xllm.core.kv.lower_tiers; backends with a prefix cache) -------------------------
     @property
     def has_tiers(self) -> bool:
@@ -130,6 +144,9 @@ class KVCacheBackend(KVAllocator, KVTensors, KVTransfer, ABC):
 
     def attach_tiers(self, tiers: LowerTiers) -> None:
         raise ValueError(f"the {type(self).__name__} backend has no prefix cache to back with KV tiers")
+
+    def detach_tiers(self) -> None:
+        """Stop using the attached tiers (the caller closes them); nothing without tiers."""
 
     def begin_load(self, seq) -> LoadJob | None:
         """Start bringing ``seq``'s next prefix blocks up from the lower tiers (None: nothing to load)."""

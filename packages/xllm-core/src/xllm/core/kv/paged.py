@@ -50,6 +50,22 @@ class PagedKVCache(PrefixCachingBackend):
         return PageStore(self.layout.fingerprint, buffers, tuple(t[0].nbytes for _, t in pools),
                          tuple(layer for layer, _ in pools))
 
+    def release_memory(self) -> int:
+        """Free the K/V pools' storage (engine sleep; no sequence holds KV); the tensors keep their shapes and
+        get zeroed storage back in :meth:`restore_memory`. Returns the bytes freed."""
+        freed = 0
+        for t in (*self.k, *self.v):
+            if t is not None and t.untyped_storage().nbytes():
+                freed += t.untyped_storage().nbytes()
+                t.untyped_storage().resize_(0)
+        return freed
+
+    def restore_memory(self) -> None:
+        for t in (*self.k, *self.v):
+            if t is not None and not t.untyped_storage().nbytes():
+                t.untyped_storage().resize_(t.nbytes)
+                t.zero_()
+
     def physical_bytes_in_use(self) -> int:
         return self.pool.num_in_use * self.bytes_per_page
 

@@ -165,6 +165,20 @@ class PrefixCachingBackend(KVCacheBackend):
         self.lower = tiers
         self.pool.on_evict = tiers.on_evict
 
+    def detach_tiers(self) -> None:
+        self.lower = None
+        self.pool.on_evict = None
+
+    def drop_cached(self) -> int:
+        """Forget every cached block nobody references, without writing it down (its KV is no longer
+        wanted: new weights, or the memory goes while the engine sleeps); returns how many."""
+        dropped = 0
+        for page in self.pool.pages:
+            if page.block_hash is not None and page.ref_count == 0:
+                self.pool.discard(page.page_id)
+                dropped += 1
+        return dropped
+
     def begin_load(self, seq) -> LoadJob | None:
         """Look ``seq``'s prefix up in the lower tiers after this memory's prefix cache; when they hold
         the next blocks, take pages for them (loads hold at most 3/4 of the pool) and start loading.

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ctypes.util
 import dataclasses
 import logging
 import math
@@ -485,6 +486,21 @@ class XTensorKVCache(PrefixCachingBackend):
     def physical_bytes_in_use(self) -> int:
         return self.pool.num_in_use * sum(pb for _, pb, _ in self._ranges)
 
+    def release_memory(self) -> int:
+        """Punch the whole memfd out (its pages go back to the OS; every mapping stays, reading zeros) once
+        no sequence holds KV; returns the bytes it spanned. Pages come back on demand as they are written."""
+        if self.fd is None:
+            return 0
+        for page in self.pool.pages:
+            if page.ref_count:
+                raise ValueError(f"page {page.page_id} is still in use: release KV memory only when idle")
+        for future in list(self._pending.values()):
+            future.result()
+        if not _punch_hole(self.fd, self.physical_bytes_total):
+            os.ftruncate(self.fd, 0)  # (no hole punching: truncating frees the pages too)
+            os.ftruncate(self.fd, self.physical_bytes_total)
+        return self.physical_bytes_total
+
     def close(self) -> None:
         """Unmap and release everything (also what a failed ``__init__`` had set up)."""
         super().close()  # the lower tiers first: their writer may still read queued blocks, never pages
@@ -502,3 +518,20 @@ class XTensorKVCache(PrefixCachingBackend):
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def _punch_hole(fd: int, length: int) -> bool:
+    """``fallocate(PUNCH_HOLE | KEEP_SIZE)`` over ``[0, length)`` of ``fd``; False where it is unavailable."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        ok = libc.fallocate(ctypes.c_int(fd), ctypes.c_int(_FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE),
+                            ctypes.c_long(0), ctypes.c_long(length)) == 0
+    except (OSError, AttributeError):
+        return False
+    return ok

@@ -29,6 +29,14 @@ class MigrationStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MIGRATION_STAGE_NONE: _ClassVar[MigrationStage]
     MIGRATION_STAGE_COPY: _ClassVar[MigrationStage]
     MIGRATION_STAGE_FINAL: _ClassVar[MigrationStage]
+
+class ControlAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTROL_ACTION_UNSPECIFIED: _ClassVar[ControlAction]
+    CONTROL_ACTION_SLEEP: _ClassVar[ControlAction]
+    CONTROL_ACTION_WAKE_UP: _ClassVar[ControlAction]
+    CONTROL_ACTION_UPDATE_WEIGHTS: _ClassVar[ControlAction]
+    CONTROL_ACTION_IS_SLEEPING: _ClassVar[ControlAction]
 DISAGG_PHASE_NONE: DisaggPhase
 DISAGG_PHASE_PREFILL: DisaggPhase
 DISAGG_PHASE_DECODE: DisaggPhase
@@ -41,6 +49,11 @@ FINISH_REASON_HANDED_OFF: FinishReason
 MIGRATION_STAGE_NONE: MigrationStage
 MIGRATION_STAGE_COPY: MigrationStage
 MIGRATION_STAGE_FINAL: MigrationStage
+CONTROL_ACTION_UNSPECIFIED: ControlAction
+CONTROL_ACTION_SLEEP: ControlAction
+CONTROL_ACTION_WAKE_UP: ControlAction
+CONTROL_ACTION_UPDATE_WEIGHTS: ControlAction
+CONTROL_ACTION_IS_SLEEPING: ControlAction
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "logit_bias", "include_stop_str_in_output", "skip_special_tokens", "structured", "prompt_logprobs", "beam_width", "length_penalty", "early_stopping", "item_catalog")
@@ -458,3 +471,29 @@ class EmbedResponse(_message.Message):
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     embedding: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, embedding: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ControlRequest(_message.Message):
+    __slots__ = ("action", "level", "model_path")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    action: ControlAction
+    level: int
+    model_path: str
+    def __init__(self, action: _Optional[_Union[ControlAction, str]] = ..., level: _Optional[int] = ..., model_path: _Optional[str] = ...) -> None: ...
+
+class ControlResponse(_message.Message):
+    __slots__ = ("ok", "error", "param", "sleeping_level", "woke_from", "weights_identity")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    SLEEPING_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    WOKE_FROM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    param: str
+    sleeping_level: int
+    woke_from: int
+    weights_identity: str
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., param: _Optional[str] = ..., sleeping_level: _Optional[int] = ..., woke_from: _Optional[int] = ..., weights_identity: _Optional[str] = ...) -> None: ...

@@ -91,6 +91,11 @@ class EngineServiceStub:
                 request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Control = channel.unary_unary(
+                '/xllm.engine.v1.EngineService/Control',
+                request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ControlRequest.SerializeToString,
+                response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ControlResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -172,6 +177,13 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Control(self, request, context):
+        """Sleep, wake, update the weights in place, or ask whether it sleeps (see ControlAction); a refusal is an answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -229,6 +241,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
                     response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Control': grpc.unary_unary_rpc_method_handler(
+                    servicer.Control,
+                    request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ControlRequest.FromString,
+                    response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ControlResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -528,6 +545,33 @@ class EngineService:
             '/xllm.engine.v1.EngineService/Embed',
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Control(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xllm.engine.v1.EngineService/Control',
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ControlRequest.SerializeToString,
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ControlResponse.FromString,
             options,
             channel_credentials,
             insecure,
