@@ -15,6 +15,8 @@ ARCHITECTURES: NameRegistry[type] = NameRegistry("architecture", {
     "Qwen2ForCausalLM": "xllm.models.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "xllm.models.qwen:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "xllm.models.qwen_moe:Qwen3MoeForCausalLM",
+    "Qwen2VLForConditionalGeneration": "xllm.models.qwen_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "xllm.models.qwen_vl:Qwen2_5_VLForConditionalGeneration",
     "DeepseekV2ForCausalLM": "xllm.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "xllm.models.deepseek:DeepseekV3ForCausalLM",
 })

@@ -1,0 +1,210 @@
+"""Qwen2-VL / Qwen2.5-VL (:mod:`xllm.models.qwen_vl`, :mod:`xllm.models.vision`) against HF transformers: tiny
+random-weight models saved by HF with SmolLM2's tokenizer plus the vision special tokens, images from HF's PIL
+image processor. The vision tower, the M-RoPE positions and the full-prompt logits (no, one and two images of
+different sizes) must equal HF's."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+IMAGE_SIZES = [(56, 84), (112, 56)]  # (width, height): patch grids 6x4 and 4x8
+
+
+def _text_config(vocab: int) -> dict:
+    return dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+
+
+def _hf_config(family: str, vocab: int, ids: dict[str, int]):
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    special = dict(vision_start_token_id=ids["<|vision_start|>"], image_token_id=ids["<|image_pad|>"],
+                   vision_end_token_id=ids["<|vision_end|>"], video_token_id=ids["<|video_pad|>"])
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        return Qwen2VLConfig(text_config=_text_config(vocab), vision_config=vision, **special)
+    # window 56 px = 2 merged tokens: both images split into several (padded) windows; block 0 windowed
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    return Qwen2_5_VLConfig(text_config=_text_config(vocab), vision_config=vision, **special)
+
+
+def _save_random(config, path: pathlib.Path, seed: int = 0):
+    """HF's model for ``config`` with random weights wide enough for sharp attention, saved with save_pretrained."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".weight") and ("norm" in name or "ln_q" in name):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    return tok
+
+
+@pytest.fixture(scope="module")
+def images():
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    g = torch.Generator().manual_seed(3)
+    pics = [Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy())
+            for w, h in IMAGE_SIZES]
+    out = Qwen2VLImageProcessorPil()(images=pics, return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def models(request, tokenizer, tmp_path_factory, one_torch_thread):
+    from xllm.models.qwen_vl import load_qwen_vl
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    path = tmp_path_factory.mktemp(request.param)
+    hf = _save_random(_hf_config(request.param, len(tokenizer), ids), path)
+    tokenizer.save_pretrained(path)
+    return hf, load_qwen_vl(path, torch.float32), path
+
+
+def _prompt(tokenizer, model, grid_thw: torch.Tensor) -> torch.Tensor:
+    """Text, then each image's vision_start, image pads and vision_end, text between and after."""
+    ids = tokenizer("Describe what you see:")["input_ids"]
+    start, pad, end = (tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS[:3])
+    for i, (t, h, w) in enumerate(grid_thw.tolist()):
+        ids += [start] + [pad] * (t * h * w // model.vision_cfg.merge_unit) + [end]
+        ids += tokenizer(f" and picture {i} is here")["input_ids"]
+    return torch.tensor(ids)
+
+
+def _patches(pixel_values: torch.Tensor, grid_thw: torch.Tensor, which: list[int]) -> torch.Tensor:
+    counts = grid_thw.prod(-1).tolist()
+    parts = pixel_values.split(counts)
+    return torch.cat([parts[i] for i in which])
+
+
+@torch.inference_mode()
+def test_vision_tower_matches_hf(models, images):
+    hf, ours, _ = models
+    pixel_values, grid = images
+    assert grid.tolist() == [[1, 6, 4], [1, 4, 8]]
+    expect = hf.model.visual(pixel_values, grid_thw=grid).pooler_output
+    got = ours.encode_images(pixel_values, grid)
+    assert [e.shape[0] for e in got] == [6, 8]
+    torch.testing.assert_close(torch.cat(got), expect, atol=2e-5, rtol=1e-5)
+    # an image alone encodes as in the batch (images never attend to each other)
+    alone = ours.encode_images(_patches(pixel_values, grid, [1]), grid[1:])
+    torch.testing.assert_close(alone[0], got[1], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("which", [[], [0], [1, 0]])
+@torch.inference_mode()
+def test_mrope_positions_match_hf(models, images, tokenizer, which):
+    hf, ours, _ = models
+    grid = images[1][which] if which else None
+    ids = _prompt(tokenizer, ours, grid if grid is not None else torch.zeros(0, 3, dtype=torch.int64))
+    positions, delta = ours.mrope_positions(ids, grid)
+    if grid is None:
+        assert delta == 0 and torch.equal(positions, torch.arange(len(ids)).expand(3, -1))
+        return
+    types = (ids == ours.image_token_id).int()[None]
+    expect, expect_delta = hf.model.get_rope_index(ids[None], types, image_grid_thw=grid)
+    assert torch.equal(positions, expect[:, 0])
+    assert delta == int(expect_delta) and delta < 0
+
+
+@pytest.mark.parametrize("which", [[], [0], [1, 0]])
+@torch.inference_mode()
+def test_logits_match_hf(models, images, tokenizer, which):
+    from xllm.testing.reference import DenseContext
+
+    hf, ours, _ = models
+    pixel_values, all_grid = images
+    grid = all_grid[which] if which else torch.zeros(0, 3, dtype=torch.int64)
+    ids = _prompt(tokenizer, ours, grid)
+    if which:
+        pv = _patches(pixel_values, all_grid, which)
+        types = (ids == ours.image_token_id).int()[None]
+        expect = hf(input_ids=ids[None], pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=types).logits[0]
+        positions, _ = ours.mrope_positions(ids, grid)
+        embeds = torch.cat(ours.encode_images(pv, grid))
+        hidden = ours.forward(ids, torch.arange(len(ids)), DenseContext(), mrope_positions=positions,
+                              image_embeds=embeds)
+    else:
+        expect = hf(input_ids=ids[None]).logits[0]
+        hidden = ours.forward(ids, torch.arange(len(ids)), DenseContext())
+    got = ours.compute_logits(hidden)
+    assert got.shape == expect.shape
+    torch.testing.assert_close(got, expect, atol=5e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_image_changes_logits_and_bad_inputs_fail(models, images, tokenizer):
+    """The images matter (a wrong image changes the text's logits: the test above would see a dropped
+    image), and mismatched image rows are refused."""
+    from xllm.testing.reference import DenseContext
+
+    _, ours, _ = models
+    pixel_values, grid = images
+    ids = _prompt(tokenizer, ours, grid[:1])
+    positions, _ = ours.mrope_positions(ids, grid[:1])
+    embeds = ours.encode_images(_patches(pixel_values, grid, [0]), grid[:1])[0]
+    base = ours.forward(ids, torch.arange(len(ids)), DenseContext(), mrope_positions=positions, image_embeds=embeds)
+    other = ours.forward(ids, torch.arange(len(ids)), DenseContext(), mrope_positions=positions,
+                         image_embeds=embeds.flip(0))
+    assert (base[-1] - other[-1]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="image_embeds has 5 rows for 6 image tokens"):
+        ours.forward(ids, torch.arange(len(ids)), DenseContext(), image_embeds=embeds[:5])
+    with pytest.raises(ValueError, match="needs 8 image tokens"):
+        ours.mrope_positions(ids, grid[1:])
+
+
+@torch.inference_mode()
+def test_text_only_request_through_engine(models, tokenizer, tmp_path):
+    """The registered architecture loads through the engine's loader from a directory laid out as the hub's
+    checkpoints are (text fields at the top of config.json, ``model.*`` / ``visual.*`` tensor names), and a
+    text-only request decodes HF's greedy tokens (the plain Qwen2 path, native fused steps where they run)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from xllm.models import load_model
+    from xllm.models.qwen_vl import _our_name
+    from xllm.testing.models import IdTokenizer, run_engine
+
+    hf, _, path = models
+    for f in path.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    raw = json.loads((path / "config.json").read_text())
+    flat = {k: v for k, v in raw.items() if k != "text_config"} | raw["text_config"]
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": flat.pop("rope_parameters")["mrope_section"]}
+    flat["rope_theta"] = 10000.0
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    (file,) = tmp_path.glob("*.safetensors")
+    tensors = {_our_name(n): t for n, t in load_file(file).items()}  # (transformers 5 may save these names)
+    assert any(n.startswith("model.layers.") for n in tensors) and any(n.startswith("visual.") for n in tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+    model = load_model(tmp_path, torch.float32, progress=False)
+    assert type(model).__name__ == raw["architectures"][0]
+    prompt = tokenizer("Describe what you see, then the rest")["input_ids"]
+    run = run_engine(model, IdTokenizer(), [prompt], 8)
+    expect = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    assert run.tokens["p0"] == expect
