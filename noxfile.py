@@ -47,6 +47,7 @@ TEST_SUPPORT = "xllm-testing"  # test-only; installed --no-deps beside the packa
 # import name -> distribution, where they differ
 DISTRIBUTIONS = {"grpc": "grpcio", "google": "protobuf", "prometheus_client": "prometheus-client",
                  "mooncake": "mooncake-transfer-engine-non-cuda",
+                 "PIL": "pillow",
                  "opentelemetry": "opentelemetry-sdk"}  # (a namespace: the api and exporters share it)
 
 

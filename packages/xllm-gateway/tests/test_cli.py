@@ -58,6 +58,8 @@ API_FLAGS = ["--api-key", "--priority-api-key", "--allow-client-priority", "--ma
 API_FLAGS = [*API_FLAGS, "--offline-priority", "--admin-api-key"]  # offline priority; LoRA loading
 API_FLAGS = [*API_FLAGS, "--http-header-timeout-s", "--http-body-timeout-s", "--http-keep-alive-s",
              "--max-connections-per-client", "--max-connections"]  # HTTP connection bounds (xllm.gateway.http_guard)
+API_FLAGS = [*API_FLAGS, "--allowed-media-domains", "--max-image-mib", "--max-image-pixels",
+             "--max-images-per-request", "--media-fetch-timeout-s"]  # image inputs (xllm.gateway.media.limits)
 SERVE_FLAGS = [*SERVE_FLAGS, *API_FLAGS]  # the OpenAI API's keys and limits (xllm.gateway.api_flags)
 SERVE_FLAGS = [*SERVE_FLAGS, "--stream-stall-timeout"]  # streams of stopped engines (xllm.gateway.progress)
 ENGINE_FLAGS = [*ENGINE_FLAGS, "--step-timeout"]  # the step watchdog (xllm.engine.server)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from xllm.common.argtypes import non_negative_int, positive_float, positive_int
 from xllm.gateway.access import API_KEY_ENV, AccessPolicy, parse_keys
 from xllm.gateway.http_guard import HttpGuardOptions
+from xllm.gateway.media.limits import MediaLimits
 from xllm.gateway.openai.limits import MIB, OPENAI_MAX_N, ApiLimits
 from xllm.gateway.openai.protocol import DEFAULT_OFFLINE_PRIORITY
 
@@ -51,6 +52,30 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprobs", type=non_negative_int, default=d.max_logprobs, metavar="N",
                    help="most alternatives per token a request may ask for (`top_logprobs`, completions `logprobs`)")
     add_http_flags(p)
+    add_media_flags(p)
+
+
+def add_media_flags(p: argparse.ArgumentParser) -> None:
+    """The image-input flags of ``xllm serve`` (:class:`~xllm.gateway.media.limits.MediaLimits`,
+    :class:`~xllm.gateway.media.limits.AllowedMediaDomains`; built by ``media_limits`` /
+    ``allowed_media_domains`` there)."""
+    d = MediaLimits()
+    g = p.add_argument_group("Image inputs", "image_url content parts: where images may come from and how large")
+    g.add_argument("--allowed-media-domains", action="append", default=None, metavar="HOST[,HOST...]",
+                   help="host names http(s) image URLs may name, exactly (no wildcards or subdomains; an IP "
+                        "address only when listed; repeatable or comma-separated); redirects are checked again. "
+                        "Default: none, so only data: URLs are accepted")
+    g.add_argument("--max-image-mib", type=positive_float, default=d.max_image_bytes / MIB, metavar="MIB",
+                   help="largest encoded image (a data: URL's payload or a fetched body), in MiB; larger is 400. "
+                        "A data: URL is also bounded by --max-body-mib")
+    g.add_argument("--max-image-pixels", type=positive_int, default=d.max_image_pixels, metavar="N",
+                   help="most pixels (width x height) of one image, checked from its header before decoding; "
+                        "more is 400 (decompression bombs)")
+    g.add_argument("--max-images-per-request", type=positive_int, default=d.max_images, metavar="N",
+                   help="most image parts in one request; more is 400")
+    g.add_argument("--media-fetch-timeout-s", type=positive_float, default=d.fetch_timeout_s, metavar="SECONDS",
+                   help="the whole fetch of one image URL (redirects and body included) must end within this; "
+                        "else 400")
 
 
 def add_http_flags(p: argparse.ArgumentParser) -> None:
