@@ -122,7 +122,8 @@ def run(args: argparse.Namespace, output: Output) -> dict:
     for name, (in_dim, sizes) in shapes.items():
         for rank in ranks:
             for rows in row_counts:
-                for adapters in adapter_counts:
+                # (more adapters than rows is the same cell as one adapter per row: measured once)
+                for adapters in dict.fromkeys(min(a, rows) for a in adapter_counts):
                     seed += 1
                     cell = _cell(in_dim, sizes, rank, rows, adapters, reps, inner, seed)
                     cell["projection"] = name

@@ -31,6 +31,7 @@
 
 #include "attend.h"
 #include "gemm_quant.h"
+#include "lora_team.h"
 #include "shm_allreduce.h"
 
 #define MAX_B 8
@@ -96,11 +97,12 @@ typedef struct {
     XllmLoraProj qkv, o, gate_up, down;
 } XllmLoraLayer;
 
-/* a step's adapter rows (NULL for a step of the base model alone): the slot of each row (-1: none), the scale
- * of each slot, the layers' adapted projections, and an fp32 scratch of rows x max(n) shared by the team */
+/* a step's adapter rows (NULL for a step of the base model alone): the layers' adapted projections, the rows
+ * grouped by slot (lora_team.h; rows of the base model in no group), the scale of each slot, and an fp32
+ * scratch of rows x max(n) shared by the team */
 typedef struct {
     const XllmLoraLayer *layers;
-    const int64_t *row_slot;
+    XllmLoraGroups groups;
     const float *scale;
     float *tmp;
 } XllmLoraStep;

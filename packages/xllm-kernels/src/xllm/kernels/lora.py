@@ -32,6 +32,8 @@ from xllm.kernels import native
 _VP, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 #: the largest rank per part the native kernel takes (its expand tile lives on the thread's stack)
 MAX_NATIVE_RANK = 256
+#: the most parts of one projection the native kernel takes (``LORA_MAX_PARTS``)
+MAX_NATIVE_PARTS = 8
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,16 @@ class LoraRows:
     slots: torch.Tensor
     scales: torch.Tensor
     groups: tuple[tuple[int, torch.Tensor, float], ...]
+
+    def grouped(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The groups as the native kernels take them (``XllmLoraGroups``): int64 ``order`` (the rows of every
+        group, group after group), ``gslot`` (each group's slot) and ``gstart`` (``[groups + 1]``, where each
+        group's rows start in ``order``)."""
+        sizes = [len(idx) for _, idx, _ in self.groups]
+        order = torch.cat([idx for _, idx, _ in self.groups]) if self.groups else torch.empty(0, dtype=torch.int64)
+        gslot = torch.tensor([s for s, _, _ in self.groups], dtype=torch.int64)
+        gstart = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
+        return order.contiguous(), gslot, gstart
 
     @classmethod
     def of(cls, slots: torch.Tensor, scales: Sequence[float]) -> LoraRows:
@@ -108,8 +120,9 @@ def native_segmented_lora(x2: torch.Tensor, out2: torch.Tensor, a: torch.Tensor,
                           layout: LoraLayout) -> bool:
     """The product by ``kernels/cpu/lora.c`` into ``out2`` (in place); False (``out2`` untouched) where it cannot
     run: no native library (``XLLM_NATIVE=0``, no AVX-512 BF16 or compiler), tensors not all contiguous CPU
-    bf16/fp32 of one dtype, under ``torch.compile``, or a rank above :data:`MAX_NATIVE_RANK`."""
-    if layout.rank > MAX_NATIVE_RANK or rows.slots.device.type != "cpu":
+    bf16/fp32 of one dtype, under ``torch.compile``, a rank above :data:`MAX_NATIVE_RANK` or more than
+    :data:`MAX_NATIVE_PARTS` parts."""
+    if layout.rank > MAX_NATIVE_RANK or layout.n_parts > MAX_NATIVE_PARTS or rows.slots.device.type != "cpu":
         return False
     lib = native.for_tensors(x2, out2, a, b)
     if lib is None:

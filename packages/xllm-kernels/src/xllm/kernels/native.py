@@ -96,10 +96,17 @@ class LoraLayer(ctypes.Structure):
     _fields_ = [(name, LoraProj) for name in ("qkv", "o", "gate_up", "down")]
 
 
+class LoraGroups(ctypes.Structure):
+    """Mirror of ``XllmLoraGroups`` (kernels/cpu/lora_team.h): rows grouped by adapter slot (int64 arrays)."""
+
+    _fields_ = [("order", ctypes.c_void_p), ("gslot", ctypes.c_void_p), ("gstart", ctypes.c_void_p),
+                ("groups", ctypes.c_int64)]
+
+
 class LoraStep(ctypes.Structure):
     """Mirror of ``XllmLoraStep``: a fused step's adapter rows (its last argument; NULL for the base model alone)."""
 
-    _fields_ = [("layers", ctypes.POINTER(LoraLayer)), ("row_slot", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+    _fields_ = [("layers", ctypes.POINTER(LoraLayer)), ("groups", LoraGroups), ("scale", ctypes.c_void_p),
                 ("tmp", ctypes.c_void_p)]
 
 

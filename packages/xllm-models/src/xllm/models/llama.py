@@ -188,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
         """Build non-parameter state (RoPE table, native decoder) once parameters are materialized."""
         self.rotary = build_rotary(self.cfg, self.cfg.head_dim)
         self._fused = FusedLlamaForward(self) if FusedLlamaForward.model_supported(self) else None
+        if self._fused is not None and getattr(self, "_lora", None) is not None:  # (rebuilt after a weight update)
+            self._fused.attach_lora(self._lora)
 
     def fused_forward(self) -> FusedLlamaForward | None:
         """The native whole-step forward (:class:`xllm.core.model_api.SupportsFusedForward`), or None

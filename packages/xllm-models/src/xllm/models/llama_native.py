@@ -256,9 +256,12 @@ class FusedLlamaForward:
         if current.slots.numel() != rows:
             raise ValueError(f"the step has {rows} rows but its LoRA slots name {current.slots.numel()}")
         tmp = torch.empty(rows * bound.n_max, dtype=torch.float32)
-        step = native.LoraStep(layers=bound.layers, row_slot=current.slots.data_ptr(),
-                               scale=current.scales.data_ptr(), tmp=tmp.data_ptr())
-        return step, (current, tmp)
+        order, gslot, gstart = current.grouped()
+        groups = native.LoraGroups(order=order.data_ptr(), gslot=gslot.data_ptr(), gstart=gstart.data_ptr(),
+                                   groups=len(current.groups))
+        step = native.LoraStep(layers=bound.layers, groups=groups, scale=current.scales.data_ptr(),
+                               tmp=tmp.data_ptr())
+        return step, (current, tmp, order, gslot, gstart)
 
     def _comm_handle(self) -> int | None:
         """The shard's shared-memory group for the kernels' all-reduces (None: one process)."""
