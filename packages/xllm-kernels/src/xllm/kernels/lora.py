@@ -55,7 +55,7 @@ class LoraRows:
         sizes = [len(idx) for _, idx, _ in self.groups]
         order = torch.cat([idx for _, idx, _ in self.groups]) if self.groups else torch.empty(0, dtype=torch.int64)
         gslot = torch.tensor([s for s, _, _ in self.groups], dtype=torch.int64)
-        gstart = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
+        gstart = torch.tensor([0, *sizes], dtype=torch.int64).cumsum(0)
         return order.contiguous(), gslot, gstart
 
     @classmethod
