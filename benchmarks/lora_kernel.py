@@ -64,11 +64,10 @@ def _cell(in_dim: int, sizes: tuple[int, ...], rank: int, rows: int, adapters: i
     out_dim, n = sum(sizes), len(sizes) * rank
     slots_n = max(adapters, 1)
     a = (torch.randn(slots_n, n, in_dim, generator=g) / in_dim ** 0.5).to(dt)
-    b = torch.zeros(slots_n, out_dim, n, dtype=dt)
+    b = torch.zeros(slots_n, out_dim, rank, dtype=dt)
     starts = [sum(sizes[:p]) for p in range(len(sizes))]
-    for p, (start, size) in enumerate(zip(starts, sizes, strict=True)):  # a part's rows only in its columns
-        part = torch.randn(slots_n, size, rank, generator=g) * 1e-3
-        b[:, start:start + size, p * rank:(p + 1) * rank] = part.to(dt)
+    for start, size in zip(starts, sizes, strict=True):  # each part's output rows: that part's rank columns
+        b[:, start:start + size] = (torch.randn(slots_n, size, rank, generator=g) * 1e-3).to(dt)
     w = (torch.randn(out_dim, in_dim, generator=g) / in_dim ** 0.5).to(dt)
     x = torch.randn(rows, in_dim, generator=g).to(dt)
     slots = torch.arange(rows, dtype=torch.int64) % adapters
@@ -76,7 +75,7 @@ def _cell(in_dim: int, sizes: tuple[int, ...], rank: int, rows: int, adapters: i
     layout = lora.LoraLayout.of(rank, [(p, s, z) for p, (s, z) in enumerate(zip(starts, sizes, strict=True))])
     out = F.linear(x, w)
     fns = {"native": lambda: lora.native_segmented_lora(x, out, a, b, lrows, layout),
-           "torch_loop": lambda: lora.torch_segmented_lora(x, out, a, b, lrows),
+           "torch_loop": lambda: lora.torch_segmented_lora(x, out, a, b, lrows, layout),
            "base": lambda: F.linear(x, w)}
     if not lora.native_segmented_lora(x, out, a, b, lrows, layout):
         del fns["native"]

@@ -15,7 +15,7 @@ def test_quick_run_writes_the_report(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     cells = results["cells"]
     assert [(c["projection"], c["rank"], c["rows"], c["adapters"]) for c in cells] == [
-        (p, 4, t, n) for p in lora_kernel.QUICK for t in (1, 5) for n in (1, 3)]
+        (p, 4, t, n) for p in lora_kernel.QUICK for t, n in ((1, 1), (5, 1), (5, 3))]  # (T=1 has one adapter)
     with_native = native.unavailable_reason() is None
     for c in cells:
         assert c["distinct"] == min(c["rows"], c["adapters"])
@@ -24,6 +24,6 @@ def test_quick_run_writes_the_report(tmp_path):
             assert 0 < u["best"] <= u["p10"] <= u["p50"] <= u["p90"]
         assert ("torch_over_native" in c) == with_native and c["torch_over_base"] > 0
     text = (tmp_path / "summary.md").read_text()
-    assert text.count("\n| qkv | 4 |") == 4 and text.count("\n| down | 4 |") == 4
+    assert text.count("\n| qkv | 4 |") == 3 and text.count("\n| down | 4 |") == 3
     assert (tmp_path / "lora_kernel.png").stat().st_size > 1000
     assert main(["lora_kernel", "--report", str(tmp_path), "--no-plots"]) == 0

@@ -84,9 +84,9 @@ typedef struct {
 } XllmLlamaLayer;
 
 /* one LoRA-adapted projection of a layer in the fused steps (lora_step.h): the stacked adapters A [slots, n, K]
- * and B [slots, N, n] in the model dtype (xllm.models.lora.LoraProjection), n = n_parts * rank; part p owns A's
- * rows / B's columns [p * rank, (p + 1) * rank) and the output rows [part_end[p - 1], part_end[p]) (a fused
- * qkv has 3 parts, gate/up 2); a == NULL: no adapter on this projection */
+ * and B [slots, N, rank] in the model dtype (xllm.models.lora.LoraProjection), n = n_parts * rank; part p owns
+ * A's rows [p * rank, (p + 1) * rank) and the output rows [part_end[p - 1], part_end[p]) (a fused qkv has 3
+ * parts, gate/up 2), whose B rows hold its rank columns; a == NULL: no adapter on this projection */
 typedef struct {
     const void *a, *b;
     int64_t n, rank, n_parts;

@@ -1,12 +1,12 @@
 /* The segmented LoRA product of one projection over a step's rows (multi-LoRA, xllm.kernels.lora):
  *
- *   out[t, :] += scales[s] * (x[t] @ A[s]^T) @ B[s]^T     for every row t with s = slots[t] in [0, n_slots)
+ *   out[t, P] += scales[s] * (x[t] @ A[s, p]^T) @ B[s, P]^T   for every row t with s = slots[t] in [0, n_slots)
+ *                                                            and every part p (output columns P)
  *
  * (rows with another slot, -1 the base model, are untouched). Layout of xllm.models.lora.LoraStack: per slot
- * A [n_parts * rank, in] and B [out_dim, n_parts * rank], contiguous, zero padded; a fused projection (qkv,
- * gate_up) has one part per checkpoint projection: part p's A rows are p*rank .. p*rank+rank-1, and B's output
- * rows part_start[p] .. part_start[p]+part_size[p]-1 use only B's columns p*rank .. p*rank+rank-1 (the other
- * columns are zero there and never read).
+ * A [n_parts * rank, in] and B [out_dim, rank], contiguous, zero padded; a fused projection (qkv, gate_up) has
+ * one part per checkpoint projection: part p's A rows are p*rank .. p*rank+rank-1, and its output rows
+ * part_start[p] .. part_start[p]+part_size[p]-1 (P) hold that part's rank columns of B.
  *
  * Steps: group the rows by slot (counting sort, in the caller's thread), then one OpenMP team runs
  * lora_team.h's two phases:

@@ -3,8 +3,8 @@
  *
  * A projection y[M, N] = x[M, K] . W^T of a step whose row m uses the adapter in slot s_m (-1: the base model
  * alone) gets, for every such row, y[m] += scale[s_m] * (x[m] . A[s_m]^T) . B[s_m]^T: the segmented LoRA
- * product of xllm.models.lora (LoraProjection: A [slots, n, K], B [slots, N, n] in the model dtype,
- * n = n_parts * rank, part p's rank columns [p * rank, (p + 1) * rank) feeding its output rows
+ * product of xllm.models.lora (LoraProjection: A [slots, n, K], B [slots, N, rank] in the model dtype,
+ * n = n_parts * rank, part p's A rows [p * rank, (p + 1) * rank) feeding its output rows
  * [part_end[p - 1], part_end[p])) by lora_team.h's two phases, with the rows grouped by slot once per step
  * (XllmLoraStep.groups) and the same rounding points as the eager path's kernel (lora.c).
  */

@@ -9,9 +9,9 @@
  *      tile [rank][64], then each row of the group gets delta = h[t, part] @ tile (fp32 FMA, exact products of
  *      the rounded h) and out = round(out + round(scale) * round(delta)).
  *
- * Layout (xllm.models.lora.LoraStack): per slot A [n_parts * rank, in] and B [out_dim, n_parts * rank],
- * contiguous, zero padded; part p's output rows part_start[p] .. part_start[p]+part_size[p]-1 use only B's
- * columns p*rank .. p*rank+rank-1 (the others are zero there and never read). At most LORA_MAX_PARTS parts.
+ * Layout (xllm.models.lora.LoraStack): per slot A [n_parts * rank, in] and B [out_dim, rank], contiguous,
+ * zero padded; part p's A rows are p*rank .. p*rank+rank-1 and feed its output rows part_start[p] ..
+ * part_start[p]+part_size[p]-1, whose B rows hold that part's rank columns. At most LORA_MAX_PARTS parts.
  */
 #ifndef XLLM_LORA_TEAM_H
 #define XLLM_LORA_TEAM_H
@@ -104,14 +104,14 @@ ALWAYS_INLINE __mmask16 lora_mask(int64_t n) {
             const int64_t c0 = part_start[p] + (u - ublock[p]) * LORA_BLOCK;                                     \
             const int64_t cols = part_start[p] + part_size[p] - c0 < LORA_BLOCK ? part_start[p] + part_size[p] - c0 \
                                                                                 : LORA_BLOCK;                     \
-            const T *bs = b + gslot[g] * out_dim * nh + p * rank;                                                 \
+            const T *bs = b + gslot[g] * out_dim * rank;                                                          \
             float tile[rank * LORA_BLOCK]; /* tile[k * 64 + c] = B[c0 + c][p*rank + k] */                        \
             for (int64_t sb = 0; sb < LORA_BLOCK; sb += 16)                                                       \
                 for (int64_t kb = 0; kb < rank; kb += 16) {                                                       \
                     __m512i r[16];                                                                                \
                     for (int64_t c = 0; c < 16; c++)                                                              \
                         r[c] = sb + c < cols ? _mm512_castps_si512(                                               \
-                                                   lora_load16_##SFX(bs + (c0 + sb + c) * nh + kb, rank - kb))    \
+                                                   lora_load16_##SFX(bs + (c0 + sb + c) * rank + kb, rank - kb))    \
                                              : _mm512_setzero_si512();                                            \
                     transpose16_epi32(r);                                                                         \
                     for (int64_t k = 0; k < 16 && kb + k < rank; k++)                                             \

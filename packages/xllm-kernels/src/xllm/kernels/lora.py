@@ -1,16 +1,17 @@
 """The segmented LoRA product of one projection over a step's rows (multi-LoRA serving).
 
 A projection with resident adapters (:class:`xllm.models.lora.LoraProjection`) holds per adapter slot ``s``
-``A[s]`` ``[n_parts * rank, in]`` and ``B[s]`` ``[out, n_parts * rank]`` (zero padded to the stack's largest
-rank; a fused projection, qkv or gate_up, has one part per checkpoint projection: part ``p``'s output rows
-use only B's columns ``p * rank .. p * rank + rank - 1``, its :class:`LoraLayout`), and a scale per slot.
-:func:`segmented_lora` adds to each row ``t`` of the base projection's output
+``A[s]`` ``[n_parts * rank, in]`` and ``B[s]`` ``[out, rank]`` (zero padded to the stack's largest rank; a fused
+projection, qkv or gate_up, has one part per checkpoint projection, its :class:`LoraLayout`: part ``p``'s A rows
+are ``p * rank .. p * rank + rank - 1`` and its output rows' B rows hold that part's ``rank`` columns, so B has
+no zero blocks to stream), and a scale per slot. :func:`segmented_lora` adds to each row ``t`` of the base
+projection's output, for each part ``p`` (output columns ``P``)
 
-    ``out[t] += scales[s] * (x[t] @ A[s]^T) @ B[s]^T``  with ``s = slots[t]`` (``-1``: the base model, untouched)
+    ``out[t, P] += scales[s] * (x[t] @ A[s, p]^T) @ B[s, P]^T``  with ``s = slots[t]`` (``-1``: the base model)
 
 in one native call (``kernels/cpu/lora.c``: rows grouped by slot, so each adapter's A and B are streamed once per
-call; only each part's own B columns are read; OpenMP) where the library and the tensors allow it, else with the
-torch loop over the step's distinct slots (:func:`torch_segmented_lora`, also the reference of the tests).
+call; OpenMP) where the library and the tensors allow it, else with the torch loop over the step's distinct
+slots and the parts (:func:`torch_segmented_lora`, also the reference of the tests).
 
 Rounding (bf16): the native kernel keeps the torch loop's rounding points: ``h = x @ A^T`` rounded to bf16 (torch's
 bf16 matmul: fp32 sums, one rounding), the delta ``h @ B^T`` rounded to bf16, then ``index_add_(alpha=scale)``'s
@@ -98,7 +99,7 @@ def _check(x2: torch.Tensor, out2: torch.Tensor, a: torch.Tensor, b: torch.Tenso
            layout: LoraLayout) -> None:
     n = layout.n_parts * layout.rank
     if (x2.dim() != 2 or out2.dim() != 2 or a.dim() != 3 or b.dim() != 3 or x2.shape[0] != out2.shape[0]
-            or a.shape[1:] != (n, x2.shape[1]) or b.shape != (a.shape[0], out2.shape[1], n)
+            or a.shape[1:] != (n, x2.shape[1]) or b.shape != (a.shape[0], out2.shape[1], layout.rank)
             or rows.slots.shape != (x2.shape[0],) or rows.scales.shape != (a.shape[0],)
             or max((s + z for s, z in zip(layout.starts, layout.sizes, strict=True)), default=0) > out2.shape[1]):
         raise ValueError(f"segmented_lora: x {tuple(x2.shape)}, out {tuple(out2.shape)}, A {tuple(a.shape)}, "
@@ -107,12 +108,16 @@ def _check(x2: torch.Tensor, out2: torch.Tensor, a: torch.Tensor, b: torch.Tenso
 
 
 def torch_segmented_lora(x2: torch.Tensor, out2: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                         rows: LoraRows) -> torch.Tensor:
-    """The torch loop over ``rows.groups``: ``index_select`` the slot's rows, two matmuls (in the tensors'
-    dtype), ``index_add_`` with the slot's scale into ``out2`` (in place); returns ``out2``."""
+                         rows: LoraRows, layout: LoraLayout) -> torch.Tensor:
+    """The torch loop over ``rows.groups``: ``index_select`` the slot's rows, ``h = xs @ A^T``, then per part
+    ``h_p @ B_p^T`` ``index_add_``-ed with the slot's scale into the part's columns of ``out2`` (in place; the
+    tensors' dtype); returns ``out2``."""
+    r = layout.rank
     for slot, idx, scale in rows.groups:
-        xs = x2.index_select(0, idx)
-        out2.index_add_(0, idx, (xs @ a[slot].t()) @ b[slot].t(), alpha=scale)
+        h = x2.index_select(0, idx) @ a[slot].t()
+        for p, (start, size) in enumerate(zip(layout.starts, layout.sizes, strict=True)):
+            delta = h[:, p * r:(p + 1) * r] @ b[slot, start:start + size].t()
+            out2[:, start:start + size].index_add_(0, idx, delta, alpha=scale)
     return out2
 
 
@@ -144,10 +149,10 @@ def segmented_lora(x2: torch.Tensor, out2: torch.Tensor, a: torch.Tensor, b: tor
                    layout: LoraLayout) -> torch.Tensor:
     """Add every row's adapter delta to ``out2`` in place and return it: ``x2`` ``[T, in]`` the projection's
     input rows, ``out2`` ``[T, out]`` its base output, ``a`` ``[slots, n_parts * rank, in]`` and ``b``
-    ``[slots, out, n_parts * rank]`` the stack's weights in the model dtype, ``rows`` the rows' slots, ``layout``
+    ``[slots, out, rank]`` the stack's weights in the model dtype, ``rows`` the rows' slots, ``layout``
     the parts. The native kernel where :func:`native_segmented_lora` runs, else :func:`torch_segmented_lora`
     (the same rounding points, see the module docstring). ValueError where the shapes disagree."""
     _check(x2, out2, a, b, rows, layout)
     if not native_segmented_lora(x2, out2, a, b, rows, layout):
-        torch_segmented_lora(x2, out2, a, b, rows)
+        torch_segmented_lora(x2, out2, a, b, rows, layout)
     return out2

@@ -5,9 +5,9 @@
   what is not supported with a :class:`LoraAdapterError` naming the field (DoRA, biases, ``modules_to_save``,
   rank or alpha patterns on modules, parameter targets other than MoE experts, a rank above ``max_rank``).
 - :class:`LoraStack` holds the resident adapters of a model in ``max_loras`` fixed slots: per target projection
-  A ``[slots, parts * r_max, in]`` and B ``[slots, out, parts * r_max]`` (zero padded; a fused projection, qkv or
-  gate_up, has one part per checkpoint projection and B's rows of a part only in that part's columns), a
-  scale per slot. A projection adds ``scale[s] * (x @ A[s]^T) @ B[s]^T`` to the rows whose slot is ``s``
+  A ``[slots, parts * r_max, in]`` and B ``[slots, out, r_max]`` (zero padded; a fused projection, qkv or
+  gate_up, has one part per checkpoint projection: its A rows a block of ``r_max``, its output rows' B rows that
+  part's columns, so B holds no zero blocks), a scale per slot. A projection adds ``scale[s] * (x @ A[s]^T) @ B[s]^T`` to the rows whose slot is ``s``
   (slot -1: the base model alone): the segmented product, grouped by slot (:func:`xllm.kernels.lora.segmented_lora`:
   one native call per projection, else a torch loop over the step's distinct slots). :meth:`LoraStack.rows`
   says which slot each row of the forward about to run uses (per thread: a draft forward on another thread is
@@ -256,7 +256,7 @@ class LoraProjection:
         w = module.weight
         n = len(self.parts) * rank
         self.a = torch.zeros(slots, n, w.shape[1], dtype=w.dtype, device=w.device)
-        self.b = torch.zeros(slots, w.shape[0], n, dtype=w.dtype, device=w.device)
+        self.b = torch.zeros(slots, w.shape[0], rank, dtype=w.dtype, device=w.device)
         self.layout = LoraLayout.of(rank, self.parts.values())
 
     def clear(self, slot: int) -> None:
@@ -276,7 +276,7 @@ class LoraProjection:
         i, start, size = self.parts[part]
         r = a.shape[0]
         self.a[slot, i * self.rank:i * self.rank + r].copy_(a)
-        self.b[slot, start:start + size, i * self.rank:i * self.rank + r].copy_(b)
+        self.b[slot, start:start + size, :r].copy_(b)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the base projection of ``x``) plus each row's adapter delta (in place where it has any): the
