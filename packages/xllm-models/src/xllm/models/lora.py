@@ -7,11 +7,11 @@
 - :class:`LoraStack` holds the resident adapters of a model in ``max_loras`` fixed slots: per target projection
   A ``[slots, parts * r_max, in]`` and B ``[slots, out, r_max]`` (zero padded; a fused projection, qkv or
   gate_up, has one part per checkpoint projection: its A rows a block of ``r_max``, its output rows' B rows that
-  part's columns, so B holds no zero blocks), a scale per slot. A projection adds ``scale[s] * (x @ A[s]^T) @ B[s]^T`` to the rows whose slot is ``s``
-  (slot -1: the base model alone): the segmented product, grouped by slot (:func:`xllm.kernels.lora.segmented_lora`:
-  one native call per projection, else a torch loop over the step's distinct slots). :meth:`LoraStack.rows`
-  says which slot each row of the forward about to run uses (per thread: a draft forward on another thread is
-  not affected).
+  part's columns, so B holds no zero blocks), a scale per slot. A projection adds, per part, ``scale[s] *
+  (x @ A[s, part]^T) @ B[s, part rows]^T`` to the rows whose slot is ``s`` (slot -1: the base model alone):
+  the segmented product, grouped by slot (:func:`xllm.kernels.lora.segmented_lora`: one native call per
+  projection, else a torch loop over the step's distinct slots). :meth:`LoraStack.rows` says which slot each
+  row of the forward about to run uses (per thread: a draft forward on another thread is not affected).
 
 Targets: q, k, v, o, gate, up, down projections of Llama-style layers (attention and dense MLPs), and a sparse
 MoE block's experts (PEFT ``target_parameters`` ``experts.gate_up_proj`` / ``experts.down_proj``, with their
