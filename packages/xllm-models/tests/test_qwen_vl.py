@@ -208,3 +208,121 @@ def test_text_only_request_through_engine(models, tokenizer, tmp_path):
     run = run_engine(model, IdTokenizer(), [prompt], 8)
     expect = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
     assert run.tokens["p0"] == expect
+
+
+def _hf_greedy(hf, ids: torch.Tensor, pv: torch.Tensor | None, grid: torch.Tensor | None, image_id: int,
+               n: int) -> list[int]:
+    """HF's greedy continuation by full forwards (its own M-RoPE positions from the token types and grids)."""
+    out = []
+    for _ in range(n):
+        cur = torch.cat([ids, torch.tensor(out, dtype=torch.int64)])[None]
+        if pv is None:
+            logits = hf(input_ids=cur).logits
+        else:
+            types = (cur == image_id).int()
+            logits = hf(input_ids=cur, pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=types).logits
+        out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+def _image_input(pixel_values, grid, i: int, tag: bytes):
+    from xllm.proto.engine.v1 import engine_pb2
+
+    return engine_pb2.ImageInput(pixel_values=_patches(pixel_values, grid, [i]).float().contiguous().numpy().tobytes(),
+                                 grid_thw=grid[i].tolist(), content_hash=tag)
+
+
+@pytest.mark.parametrize("budget", [512, 24], ids=["whole", "chunked"])
+@torch.inference_mode()
+def test_images_through_the_engine_equal_hf(models, images, tokenizer, budget):
+    """Requests with one image, two images and none, in one batch through the engine (prefill whole, or in
+    chunks of 24 tokens that split the images' token runs), greedy: each equals HF's greedy continuation with
+    the same images; the encoder ran once per image; a repeat of a request reuses its KV (prefix cache) and
+    equals it, a different image behind the same text does not take that KV and answers differently."""
+    from xllm.core.config import EngineConfig
+    from xllm.core.engine import LLMEngine
+    from xllm.proto.engine.v1 import engine_pb2
+    from xllm.testing.models import IdTokenizer
+
+    hf, ours, _ = models
+    pixel_values, grid = images
+    cases = {"one": [0], "two": [1, 0], "none": []}
+    engine = LLMEngine(ours, IdTokenizer(), EngineConfig(dtype=torch.float32, max_model_len=256, max_num_seqs=8,
+                                                          num_threads=1, max_num_batched_tokens=budget, block_size=32))
+
+    lead = torch.tensor(tokenizer("A long shared preamble, " * 8)["input_ids"])  # (two 32-token KV blocks)
+
+    def prompt(which: list[int]) -> torch.Tensor:
+        shown = grid[which] if which else torch.zeros(0, 3, dtype=torch.long)
+        return torch.cat([lead, _prompt(tokenizer, ours, shown)])
+
+    def request(rid: str, which: list[int], tags: dict[int, bytes]) -> engine_pb2.GenerateRequest:
+        ids = prompt(which)
+        return engine_pb2.GenerateRequest(
+            request_id=rid, prompt_token_ids=ids.tolist(),
+            images=[_image_input(pixel_values, grid, i, tags[i]) for i in which],
+            sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+
+    cached: dict[str, int] = {}
+
+    def run(reqs: list[engine_pb2.GenerateRequest]) -> dict[str, list[int]]:
+        for r in reqs:
+            engine.add_request(r)
+        got: dict[str, list[int]] = {}
+        while engine.has_work():
+            for c in engine.step():
+                got.setdefault(c.request_id, []).extend(c.token_ids)
+                if c.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                    cached[c.request_id] = c.usage.cached_prompt_tokens
+        return got
+
+    tags = {0: b"image-zero", 1: b"image-one"}
+    got = run([request(name, which, tags) for name, which in cases.items()])
+    for name, which in cases.items():
+        ids = prompt(which)
+        pv = _patches(pixel_values, grid, which) if which else None
+        assert got[name] == _hf_greedy(hf, ids, pv, grid[which] if which else None, ours.image_token_id, 6), name
+    cache = engine.runner.encoder_cache
+    assert (cache.misses, cache.hits >= 1) == (2, True)  # image 0 served both requests (and, chunked, several chunks)
+    assert engine.runner.mode_steps["eager"] >= 1
+    again = run([request("again", [0], tags)])
+    assert again["again"] == got["one"] and cached["again"] > 0 and cached["one"] == 0
+    # image 1's pixels under image 0's position: the same text and token count, other KV and another answer
+    swapped = {0: b"image-one-as-zero"}
+    other = engine_pb2.GenerateRequest(
+        request_id="other", prompt_token_ids=request("x", [0], tags).prompt_token_ids,
+        images=[engine_pb2.ImageInput(pixel_values=_image_input(pixel_values, grid, 0, b"").pixel_values[::-1],
+                                      grid_thw=grid[0].tolist(), content_hash=swapped[0])],
+        sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert run([other])["other"] != got["one"] and cached["other"] == 0
+
+
+@torch.inference_mode()
+def test_engine_refuses_bad_image_requests(models, images, tokenizer):
+    from xllm.core.config import EngineConfig
+    from xllm.core.engine import LLMEngine
+    from xllm.engine_api.errors import InvalidRequestError
+    from xllm.proto.engine.v1 import engine_pb2
+    from xllm.testing.models import IdTokenizer
+
+    _, ours, _ = models
+    pixel_values, grid = images
+    engine = LLMEngine(ours, IdTokenizer(), EngineConfig(dtype=torch.float32, max_model_len=256, num_threads=1))
+    ids = _prompt(tokenizer, ours, grid[[0]]).tolist()
+    good = _image_input(pixel_values, grid, 0, b"h")
+    sampling = engine_pb2.SamplingParams(temperature=0, max_tokens=2)
+    bad = {
+        "without its image": ([], ids, "prompt_token_ids"),
+        "short pixels": ([engine_pb2.ImageInput(pixel_values=good.pixel_values[:-4], grid_thw=good.grid_thw,
+                                                content_hash=b"h")], ids, "images"),
+        "no hash": ([engine_pb2.ImageInput(pixel_values=good.pixel_values, grid_thw=good.grid_thw)], ids, "images"),
+        "too few tokens": ([good], [t for t in ids if t != ours.image_token_id][:10] + [ours.image_token_id] * 3,
+                           "images"),
+        "two images, one run": ([good, good], ids, "images"),
+    }
+    for why, (imgs, prompt, field) in bad.items():
+        with pytest.raises(InvalidRequestError) as err:
+            engine.add_request(engine_pb2.GenerateRequest(request_id=why, prompt_token_ids=prompt, images=imgs,
+                                                          sampling=sampling))
+        assert err.value.param == field, why
+    assert not engine.has_work()

@@ -45,6 +45,7 @@ from xllm.core.engine_build import (
 from xllm.core.engine_moves import EngineMoves
 from xllm.core.engine_weights import EngineWeights, WeightsState
 from xllm.core.grammar import Grammars
+from xllm.core.images import admit_images
 from xllm.core.lora import EngineLora, build_loras
 from xllm.core.model_api import CausalLM
 from xllm.core.output_processor import OutputProcessor, RequestOutput
@@ -198,6 +199,7 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
                        req.priority, seed=seed, num_resumed=req.resumed_output_tokens, phase=phase,
                        offline=req.offline)
         self._admit_lora(seq, req)
+        admit_images(self.model, seq, req)  # (xllm.core.images: checked, hash root keyed by the images)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = PromptLogprobs()
         if params.beam_width is not None:

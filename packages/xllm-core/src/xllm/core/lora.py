@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from xllm.core.images import image_hash_root
 from xllm.core.model_api import LoraSlots, SupportsLora
 from xllm.engine_api.errors import ConfigError, EngineOverloadedError, InvalidRequestError
 
@@ -266,5 +267,7 @@ class EngineLora:
             except EngineOverloadedError:
                 waiting.append((seq, name))
                 continue
+            if seq.images is not None:  # (its KV is keyed by its images after the adapter)
+                seq.hash_root = image_hash_root(seq.hash_root, seq.images.hashes)
             self.scheduler.add(seq)
         self.loras.parked = waiting

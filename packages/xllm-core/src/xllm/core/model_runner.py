@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from xllm.core.images import BatchImages, EncoderCache, batch_images
 from xllm.core.kv.addressing import PageAddress, SlotAddress
 from xllm.core.kv.contracts import KVTensors
 from xllm.core.model_api import (
@@ -39,7 +40,8 @@ class BatchInputs:
     ``spec_rows``). A speculating sequence (``spec_spans``: the sequence and its drafts, in row order)
     runs as a chunk of its last known token plus its drafts, is not in ``sample_seqs``, and all its
     rows are in ``spec_rows`` (:mod:`xllm.core.spec`). ``lora_slots``: the LoRA adapter slot of every row
-    (-1: the base model), None when every row is the base model's (:mod:`xllm.core.lora`).
+    (-1: the base model), None when every row is the base model's (:mod:`xllm.core.lora`). ``images``: the
+    M-RoPE positions and image embeddings of a step with image sequences (:mod:`xllm.core.images`), else None.
     """
 
     input_ids: torch.Tensor
@@ -57,6 +59,7 @@ class BatchInputs:
     spec_spans: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     chunks: list[tuple[Sequence, int]] = field(default_factory=list)  # the packed chunks, in row order
     lora_slots: torch.Tensor | None = None
+    images: BatchImages | None = None
 
     @property
     def logit_rows(self) -> torch.Tensor:
@@ -134,6 +137,7 @@ class ModelRunner:
         # to the model's projections; it runs fused where the fused forward serves_lora, else eager (the compiled
         # graphs and the overlapped forward know no adapters)
         self.lora: LoraSlots | None = None
+        self.encoder_cache = EncoderCache()  # image embeddings by content hash (xllm.core.images)
 
     def set_overlap(self, mode: str) -> None:
         """``--tp-overlap`` ``mode`` (``auto``, ``on``, ``off``): whether eager steps may run overlapped
@@ -233,7 +237,8 @@ class ModelRunner:
             sample_rows=tensor(sample_rows), sample_seqs=sample_seqs,
             address=self.kv.addressing.pack(chunks, decode_seqs, prefill_seqs, tensor),
             prompt_rows=prompt_rows, prompt_spans=prompt_spans, spec_rows=spec_rows, spec_spans=spec_spans,
-            chunks=list(chunks), lora_slots=lora_slots)
+            chunks=list(chunks), lora_slots=lora_slots,
+            images=batch_images(chunks, self.model, self.encoder_cache, dev))
 
     def _skinny_verify(self, batch: BatchInputs) -> bool:
         """Whether ``batch`` is decode rows plus speculative verify chunks only (no prompt chunk, no
@@ -259,8 +264,9 @@ class ModelRunner:
         ``eager``. Tensor-parallel ranks compare it before a step: every rank must take the same one (a
         worker, which has no chooser, takes rank 0's ``overlap`` for its ``eager``). A step with LoRA adapter
         rows (``batch.lora_slots``) runs fused when the fused forward ``serves_lora``, else ``eager``."""
-        if batch.lora_slots is not None and not (self.fused is not None and self.fused.serves_lora):
-            return "eager"
+        if batch.images is not None or (batch.lora_slots is not None
+                                        and not (self.fused is not None and self.fused.serves_lora)):
+            return "eager"  # (M-RoPE and image embeddings: the eager forward only)
         pure_decode = batch.num_decode == len(batch.input_ids)
         if self.fused is not None and not listening and self.hidden_sink is None:
             if pure_decode and batch.num_decode <= self.fused.max_batch:
@@ -293,7 +299,8 @@ class ModelRunner:
             raise ValueError("execute: extra rows need their logits (greedy is for the batch's rows alone)")
         if extra is not None:
             if (self.fused is None or on_layer is not None or self.hidden_sink is not None
-                    or batch.lora_slots is not None or len(batch.input_ids) <= self.share_max_rows):
+                    or batch.lora_slots is not None or batch.images is not None
+                    or len(batch.input_ids) <= self.share_max_rows):
                 return self._execute_with(batch, on_layer, extra)
             # fused, then the extra rows in a forward of their own; a tensor-parallel worker runs the same nested
             # call without a chooser, so rank 0's runs without one too (the same path, the same collectives)
@@ -322,7 +329,7 @@ class ModelRunner:
             if on_layer is not None:
                 ctx = _ReportingContext(ctx, on_layer)
             with self._lora_rows(batch.lora_slots):
-                hidden = self.model.forward(batch.input_ids, batch.positions, ctx)
+                hidden = self.model.forward(batch.input_ids, batch.positions, ctx, **_image_kwargs(batch))
         if self.hidden_sink is not None:
             self.hidden_sink(batch, hidden)
         out = self._head(hidden[batch.logit_rows], greedy) if batch.needs_logits else _no_rows(greedy)
@@ -371,11 +378,23 @@ class ModelRunner:
             slots = torch.cat([slots, slots.new_full((len(extra.input_ids),), -1)])
         with self._lora_rows(slots):
             hidden = self.model.forward(torch.cat([batch.input_ids, extra.input_ids]),
-                                        torch.cat([batch.positions, extra.positions]), ctx)
+                                        torch.cat([batch.positions, extra.positions]), ctx,
+                                        **_image_kwargs(batch, extra.positions))
         if self.hidden_sink is not None:
             self.hidden_sink(batch, hidden[:n])
         rows = torch.cat([batch.logit_rows, torch.arange(n, len(hidden), device=batch.logit_rows.device)])
         return self.model.compute_logits(hidden[rows])
+
+
+def _image_kwargs(batch: BatchInputs, extra_positions: torch.Tensor | None = None) -> dict:
+    """The forward's image arguments of ``batch`` (none without images); extra rows (beams, text) after its
+    rows take their plain positions on all three M-RoPE axes."""
+    if batch.images is None:
+        return {}
+    kwargs = batch.images.forward_kwargs()
+    if extra_positions is not None:
+        kwargs["mrope_positions"] = torch.cat([kwargs["mrope_positions"], extra_positions.expand(3, -1)], dim=1)
+    return kwargs
 
 
 def _no_rows(greedy: bool) -> torch.Tensor:

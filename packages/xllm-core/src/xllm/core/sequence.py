@@ -10,6 +10,7 @@ from xllm.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from xllm.core.grammar import GrammarState
+    from xllm.core.images import SequenceImages
     from xllm.core.request_trace import RequestTrace
 
 PLACEHOLDER = -1  # stands for a token still being computed (async scheduling)
@@ -79,6 +80,7 @@ class Sequence:
     offline: bool = False    # best-effort work (service_tier flex): xllm.sched.colocation
     lora_slot: int = -1      # the LoRA adapter slot its rows use (-1: the base model; xllm.core.lora)
     hash_root: int = 0       # the parent of its first KV block's hash: its adapter's identity (0: the base model)
+    images: SequenceImages | None = None  # a multimodal prompt's images (xllm.core.images)
     grammar: GrammarState | None = None  # constrained decoding (xllm.core.grammar): follows the known output
     prompt_logprobs: PromptLogprobs | None = None  # asked for (SamplingParams.prompt_logprobs): what is computed
     trace: RequestTrace | None = None  # a traced request's record (xllm.core.request_trace), filled after each step

@@ -169,6 +169,16 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         sizes = [int(t * h * w) // m2 for t, h, w in image_grid_thw.tolist()]
         return list(merged.to(self.dtype).split(sizes))
 
+    def image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        """The image tokens of one image of patch grid ``grid_thw`` (``t * h * w / merge_size**2``)."""
+        t, h, w = grid_thw
+        return t * h * w // self.vision_cfg.merge_unit
+
+    def patch_dim(self) -> int:
+        """Floats per row of ``pixel_values`` (channels x temporal patch x patch x patch)."""
+        c = self.vision_cfg
+        return c.in_channels * c.temporal_patch_size * c.patch_size * c.patch_size
+
     def mrope_positions(self, input_ids: torch.Tensor,
                         image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         """:func:`mrope_positions` with this model's image token and merge size."""
@@ -176,15 +186,16 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, *,
                 mrope_positions: torch.Tensor | None = None,
-                image_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden rows ``[T, hidden]``; the keyword arguments as the module docstring states."""
+                image_embeds: torch.Tensor | None = None, image_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden rows ``[T, hidden]``; the keyword arguments as the module docstring states (``image_rows``: the
+        rows ``image_embeds`` replace, in order; by default every row whose token is the image token)."""
         hidden = self.model.embed_tokens(input_ids)
         if image_embeds is not None:
-            mask = input_ids == self.image_token_id
-            if int(mask.sum()) != image_embeds.shape[0]:
-                raise ValueError(f"image_embeds has {image_embeds.shape[0]} rows for {int(mask.sum())} image tokens")
+            rows = (input_ids == self.image_token_id).nonzero().flatten() if image_rows is None else image_rows
+            if rows.shape[0] != image_embeds.shape[0]:
+                raise ValueError(f"image_embeds has {image_embeds.shape[0]} rows for {rows.shape[0]} image tokens")
             hidden = hidden.clone()
-            hidden[mask] = image_embeds.to(hidden.dtype)
+            hidden[rows] = image_embeds.to(hidden.dtype)
         if mrope_positions is None:
             rope: RopeBatch = RopeBatch(self.rotary, positions)
         else:
