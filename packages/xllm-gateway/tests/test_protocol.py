@@ -300,13 +300,17 @@ def test_messages():
         chat(messages=[{"role": "wizard", "content": "x"}])
     with pytest.raises(ValidationError):
         chat(messages=[{"role": "user", "content": 5}])
-    for parts, match in (([{"type": "image_url", "image_url": "x"}], "only text parts"),
+    for parts, match in (([{"type": "input_audio"}], "only text and image_url parts"),
                          ([{"type": "text", "text": "a"}, {"type": "input_audio"}], "content part 1"),
                          ([{"type": "text"}], "must be"), ([{"type": "text", "text": "a", "x": 1}], "must be"),
-                         (["a"], "only text parts")):
+                         (["a"], "only text and image_url parts")):
         with pytest.raises(ValidationError, match=match) as info:
             chat(messages=[{"role": "user", "content": parts}])
         assert error_locs(info.value) == {"messages"}
+    msg = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {
+        "type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]).messages[0]
+    assert msg.has_images() and msg.text() == "a"  # (the image part itself: xllm.gateway.media, 400s by field)
+    assert msg.for_template()["content"] == [{"type": "text", "text": "a"}, {"type": "image"}]
     with pytest.raises(ValidationError, match="function"):
         chat(messages=[{"role": "function", "content": "x", "name": "f"}])
     for field, value in (("audio", {"id": "a1"}), ("function_call", {"name": "f", "arguments": "{}"})):

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from xllm.common.argtypes import non_negative_int, positive_float, positive_int
 from xllm.gateway.access import API_KEY_ENV, AccessPolicy, parse_keys
 from xllm.gateway.http_guard import HttpGuardOptions
-from xllm.gateway.media.limits import MediaLimits
+from xllm.gateway.media.intake import MediaIntake
+from xllm.gateway.media.limits import AllowedMediaDomains, MediaLimits
 from xllm.gateway.openai.limits import MIB, OPENAI_MAX_N, ApiLimits
 from xllm.gateway.openai.protocol import DEFAULT_OFFLINE_PRIORITY
 
@@ -57,8 +58,7 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
 
 def add_media_flags(p: argparse.ArgumentParser) -> None:
     """The image-input flags of ``xllm serve`` (:class:`~xllm.gateway.media.limits.MediaLimits`,
-    :class:`~xllm.gateway.media.limits.AllowedMediaDomains`; built by ``media_limits`` /
-    ``allowed_media_domains`` there)."""
+    :class:`~xllm.gateway.media.limits.AllowedMediaDomains`; built by :func:`media_intake`)."""
     d = MediaLimits()
     g = p.add_argument_group("Image inputs", "image_url content parts: where images may come from and how large")
     g.add_argument("--allowed-media-domains", action="append", default=None, metavar="HOST[,HOST...]",
@@ -118,6 +118,15 @@ def api_limits(args: argparse.Namespace) -> ApiLimits:
                      max_stop=args.max_stop, max_stop_chars=args.max_stop_chars,
                      max_stop_token_ids=args.max_stop_token_ids, max_logit_bias=args.max_logit_bias,
                      max_inflight_requests=args.max_inflight_requests or None)
+
+
+def media_intake(args: argparse.Namespace) -> MediaIntake:
+    """The image intake of the flags (:mod:`xllm.gateway.media.intake`); ``ValueError`` for a bad host or limit."""
+    hosts = [h for value in args.allowed_media_domains or [] for h in value.split(",") if h.strip()]
+    return MediaIntake(MediaLimits(max_image_bytes=max(int(args.max_image_mib * MIB), 1),
+                                   max_image_pixels=args.max_image_pixels, max_images=args.max_images_per_request,
+                                   fetch_timeout_s=args.media_fetch_timeout_s),
+                       AllowedMediaDomains.of(hosts))
 
 
 def access_policy(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> AccessPolicy:

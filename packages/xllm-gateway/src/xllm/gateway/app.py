@@ -27,6 +27,7 @@ from xllm.gateway.dashboard import EventHub, add_dashboard_routes
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.fronts import ModelFront, ModelFronts
 from xllm.gateway.guard import REQUEST_ID_HEADER, ApiGuard, caller_of, request_id_of
+from xllm.gateway.media.intake import MediaIntake
 from xllm.gateway.metrics import EngineMetrics, MoveMetrics, PDMetrics, PDRoleMetrics, RouterMetrics
 from xllm.gateway.moves import MoveOptions, Mover
 from xllm.gateway.openai.errors import RETRY_AFTER_SECONDS, APIError, internal_error, model_not_found, new_request_id
@@ -105,6 +106,7 @@ class GatewayState:
     moves: MoveOptions = field(default_factory=MoveOptions)  # requests on draining instances
     pd_roles: PDRoleOptions = field(default_factory=PDRoleOptions)  # static or dynamic PD roles
     tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (--tool-call-parser)
+    media: MediaIntake = field(default_factory=MediaIntake)  # image inputs (--allowed-media-domains, limits)
     stall: StallLimits = field(default_factory=StallLimits)  # streams of stopped instances (--stream-stall-timeout)
     stream_key: bytes | None = None  # resumable stream ids' key (the cluster's; None: random, this gateway only)
     # the other models this gateway serves, each with its own tokenizer and context (xllm.gateway.fronts)
@@ -133,11 +135,11 @@ class _ByModel:
     """Each request's model → its :class:`_Servings` (404 for a model this gateway has no front for)."""
 
     def __init__(self, dispatcher: Dispatcher, fronts: ModelFronts, preprocessor: Preprocessor, tool_parser: str,
-                 seal: StreamSeal) -> None:
+                 seal: StreamSeal, media: MediaIntake) -> None:
         self.dispatcher = dispatcher
         self._servings: dict[str, _Servings] = {}
         for f in fronts:
-            chat = ChatServing(dispatcher, f.tokenizer, f.max_model_len, preprocessor, tool_parser, seal)
+            chat = ChatServing(dispatcher, f.tokenizer, f.max_model_len, preprocessor, tool_parser, seal, media)
             self._servings[f.name] = _Servings(
                 chat, CompletionServing(dispatcher, f.tokenizer, f.max_model_len, preprocessor, seal),
                 RecommendServing(dispatcher, f.tokenizer, f.max_model_len, preprocessor),
@@ -207,7 +209,7 @@ def create_app(state: GatewayState) -> FastAPI:
     bodies = RequestBodies()
     seal = StreamSeal(state.stream_key)
     fronts = state.fronts()
-    by_model = _ByModel(dispatcher, fronts, preprocessor, state.tool_parser, seal)
+    by_model = _ByModel(dispatcher, fronts, preprocessor, state.tool_parser, seal, state.media)
     _add_openai_routes(app, bodies, preprocessor, state.access, by_model)
     _add_responses_routes(app, bodies, state.access, ResponsesServing(preprocessor, state.limits), by_model)
     _add_tokenizer_routes(app, bodies, preprocessor, by_model)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from xllm.common.argtypes import int_list_at_least, non_negative_float, positive_float, positive_int
 from xllm.engine_api import flags
 from xllm.engine_api.tracing import add_tracing_flags, tracing_options
-from xllm.gateway.api_flags import access_policy, add_api_flags, api_limits, http_guard_options
+from xllm.gateway.api_flags import access_policy, add_api_flags, api_limits, http_guard_options, media_intake
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from xllm.sched import MOVE_MODES, PD_POLICIES, ROUTING_POLICIES
 
@@ -255,7 +255,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         flags.check_handoff_flags(args)  # checked here, not by each spawned engine
-        api = {"limits": api_limits(args), "access": access_policy(args), "tool_parser": args.tool_call_parser}
+        api = {"limits": api_limits(args), "access": access_policy(args), "tool_parser": args.tool_call_parser,
+               "media": media_intake(args)}
         if args.instances or args.etcd or args.prefill_instances:
             from xllm.gateway.cluster import ClusterOptions, build_cluster
             from xllm.gateway.moves import MoveOptions

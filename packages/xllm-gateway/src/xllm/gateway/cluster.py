@@ -45,6 +45,7 @@ from xllm.gateway.access import AccessPolicy
 from xllm.gateway.app import GatewayState, create_app
 from xllm.gateway.fronts import ModelFront
 from xllm.gateway.kv_tier_metrics import KVTierCollector, from_registry
+from xllm.gateway.media.intake import MediaIntake
 from xllm.gateway.metrics import EngineMetrics, RegistryMetrics
 from xllm.gateway.moves import MoveOptions
 from xllm.gateway.openai.limits import ApiLimits
@@ -74,6 +75,7 @@ class ClusterOptions:
     request_timeout: float | None = None  # deadline of each Generate call
     routing: str = "kv_aware"
     tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (xllm.gateway.openai.tools)
+    media: MediaIntake = field(default_factory=MediaIntake)  # image inputs (xllm.gateway.media.intake)
     max_model_len: int | None = None
     engine_args: list[str] = field(default_factory=list)  # extra engine flags (engine config)
     log_level: str = "info"
@@ -184,6 +186,7 @@ def build_cluster(opts: ClusterOptions):
                          default_model=fronts[0].name, max_model_len=fronts[0].max_model_len,
                          extra_models=tuple(fronts[1:]), routing=opts.routing, limits=opts.limits, access=opts.access,
                          moves=opts.moves, pd_roles=opts.pd_roles, tool_parser=opts.tool_parser, stall=opts.stall,
+                         media=opts.media,
                          stream_key=security.keys.stream if security.keys else None,  # any gateway resumes any's
                          **gateway_tracing(opts.tracing))
     if any(opts.instances.values()):

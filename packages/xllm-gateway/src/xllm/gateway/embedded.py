@@ -23,6 +23,7 @@ from xllm.gateway.access import AccessPolicy
 from xllm.gateway.app import GatewayState, create_app
 from xllm.gateway.fronts import ModelFront
 from xllm.gateway.kv_tier_metrics import KVTierCollector
+from xllm.gateway.media.intake import MediaIntake
 from xllm.gateway.metrics import EngineMetrics
 from xllm.gateway.openai.limits import ApiLimits
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER
@@ -43,6 +44,7 @@ class ServeOptions:
     limits: ApiLimits = field(default_factory=ApiLimits)  # of the OpenAI API
     access: AccessPolicy = field(default_factory=AccessPolicy)  # API keys, priority permission
     tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (xllm.gateway.openai.tools)
+    media: MediaIntake = field(default_factory=MediaIntake)  # image inputs (xllm.gateway.media.intake)
     tracing: TracingOptions = field(default_factory=TracingOptions)  # request traces (gateway and engine spans)
     # more models, each with its own engine here: (model, served name) (xllm serve --model A --model B)
     more_models: list[tuple[str | None, str | None]] = field(default_factory=list)
@@ -88,7 +90,7 @@ def build_embedded(opts: ServeOptions):
                          default_model=first.front.name, max_model_len=first.front.max_model_len,
                          extra_models=tuple(e.front for e in engines[1:]), on_shutdown=[stop_engines],
                          routing=opts.routing, limits=opts.limits, access=opts.access,
-                         tool_parser=opts.tool_parser, **traced)
+                         tool_parser=opts.tool_parser, media=opts.media, **traced)
     return create_app(state)
 
 

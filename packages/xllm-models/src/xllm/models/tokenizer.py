@@ -31,6 +31,8 @@ class Tokenizer:
         # clean-up of spaces): a quarter of the cost per call, and the engine decodes two small windows
         # per generated token (xllm.core.detokenizer)
         self._raw_decode = _raw_decoder(self._tok)
+        # a model that takes images (xllm.gateway.media): its directory (the image processor's) and image token
+        self.image_dir, self.image_token_id = _image_inputs(model_dir)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
@@ -95,3 +97,18 @@ def _eos_ids(model_dir: pathlib.Path, tok_eos: int | None) -> frozenset[int]:
         elif isinstance(eos, list):
             ids.update(int(e) for e in eos)
     return frozenset(ids)
+
+
+def _image_inputs(model_dir: pathlib.Path) -> tuple[str | None, int | None]:
+    """``(model_dir, image token id)`` when the directory is a model that takes images (an image processor's
+    ``preprocessor_config.json`` and a ``config.json`` with a ``vision_config`` and ``image_token_id``), else
+    ``(None, None)``."""
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    token = cfg.get("image_token_id")
+    if not (model_dir / "preprocessor_config.json").is_file() or not cfg.get("vision_config") or \
+            not isinstance(token, int):
+        return None, None
+    return str(model_dir), token

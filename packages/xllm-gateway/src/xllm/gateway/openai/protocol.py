@@ -219,11 +219,23 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageUrl(_Strict):
+    url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(_Strict):
+    """An image (a ``data:`` URL, or an ``http(s)`` URL of an allowed host: :mod:`xllm.gateway.media`)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl | Annotated[str, Field(min_length=1)]  # (vLLM also takes the URL itself)
+
+
 class ChatMessage(_Strict):
     """One message. Text content only; ``tool_calls`` / ``tool_call_id`` go to the chat template."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageUrlPart] | None = None
     name: Identifier | None = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant
     tool_call_id: Identifier | None = None  # tool
@@ -242,23 +254,41 @@ class ChatMessage(_Strict):
         if isinstance(v, list):
             for i, part in enumerate(v):
                 kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "image_url":
+                    continue  # (its shape: ImageUrlPart's)
                 if kind != "text":
-                    raise ValueError(f"content part {i} has type {str(kind)[:32]!r}: only text parts are supported")
+                    raise ValueError(f"content part {i} has type {str(kind)[:32]!r}: only text and image_url parts "
+                                     "are supported")
                 if not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
                     raise ValueError(f"content part {i} must be {{'type': 'text', 'text': <string>}}")
         elif v is not None and not isinstance(v, str):
-            raise ValueError("must be a string, a list of text parts or null")
+            raise ValueError("must be a string, a list of text and image_url parts or null")
         return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if isinstance(p, TextPart))
         if self.content is None:
             return self.refusal or ""
         return self.content
 
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImageUrlPart) for p in self.content)
+
+    def content_json(self) -> Any:
+        """The content as JSON values (what :func:`xllm.gateway.media.parts.image_parts` reads)."""
+        if isinstance(self.content, list):
+            return [p.model_dump(exclude_none=True) for p in self.content]
+        return self.content
+
     def for_template(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        """The message as chat templates take it: the content a string, or with images the list of text and
+        ``{"type": "image"}`` parts in order (as multimodal templates such as Qwen2-VL's render them)."""
+        content: Any = self.text()
+        if self.has_images():
+            content = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                       for p in self.content]  # type: ignore[union-attr]
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name:
             msg["name"] = self.name
         if self.tool_calls is not None:
@@ -266,6 +296,12 @@ class ChatMessage(_Strict):
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+class TextChatMessage(ChatMessage):
+    """A message of text parts only (where images are not taken: recommendations)."""
+
+    content: str | list[TextPart] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -12,13 +12,13 @@ from typing import Annotated
 from pydantic import Field, field_validator, model_validator
 
 from xllm.engine_api.bounds import MAX_BEAM_WIDTH
-from xllm.gateway.openai.protocol import INT32_MAX, ChatMessage, Identifier, TokenId, _Strict
+from xllm.gateway.openai.protocol import INT32_MAX, Identifier, TextChatMessage, TokenId, _Strict
 
 
 class RecommendRequest(_Strict):
     model: Identifier | None = None
     prompt: str | Annotated[list[TokenId], Field(min_length=1)] | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    messages: Annotated[list[TextChatMessage], Field(min_length=1)] | None = None
     top_n: Annotated[int, Field(ge=1, le=MAX_BEAM_WIDTH)] = 10
     beam_width: Annotated[int, Field(ge=1, le=MAX_BEAM_WIDTH)] | None = None  # default: top_n
     top_k: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None  # candidates per beam (default: all allowed)

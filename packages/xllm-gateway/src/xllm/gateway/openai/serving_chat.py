@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from xllm.gateway.dispatch import Dispatcher
+from xllm.gateway.media.intake import MediaIntake, engine_images, expand_image_tokens
 from xllm.gateway.openai.beam import beam_sampling, beam_width, best_hypotheses, check_beam_fields, finish_name
 from xllm.gateway.openai.errors import bad_request
 from xllm.gateway.openai.logprobs import chat_logprobs, vllm_prompt_logprobs
@@ -40,8 +41,9 @@ class ChatServing:
 
     def __init__(self, dispatcher: Dispatcher, tokenizer: Tokenizer, max_model_len: int,
                  preprocessor: Preprocessor, tool_parser: str = DEFAULT_TOOL_PARSER,
-                 seal: StreamSeal | None = None) -> None:
+                 seal: StreamSeal | None = None, media: MediaIntake | None = None) -> None:
         self.dispatcher = dispatcher
+        self.media = media or MediaIntake()
         self.seal = seal or StreamSeal()
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -90,8 +92,16 @@ class ChatServing:
             raise bad_request("prompt_logprobs is not streamed in chat completions; use /v1/completions",
                               "prompt_logprobs")
         spans = spans_of(raw.scope)
+        images = None
+        if any(m.has_images() for m in req.messages):  # fetched, decoded, the model's processor (400s name parts)
+            images = await self.media.load([m.content_json() for m in req.messages], self.tokenizer,
+                                           self.preprocessor.run)
+            if req.use_beam_search:
+                raise bad_request("beam search does not take images yet", "use_beam_search")
         with spans.phase("tokenize") as span:
             prompt, structured = await self.preprocessor.run(self._render, req)
+            if images is not None:
+                prompt = expand_image_tokens(prompt, self.tokenizer.image_token_id, images)
             if span is not None:
                 span.set_attribute("gen_ai.usage.input_tokens", len(prompt))
         spans.set(**{"gen_ai.request.model": model, "xllm.stream": bool(req.stream), "xllm.n": req.n})
@@ -103,7 +113,7 @@ class ChatServing:
             max_tokens = self.max_model_len - len(prompt)
         created = int(time.time())
         tools = ToolChoice.of(req.tools, req.tool_choice).mode != "none"
-        if req.stream and not req.logprobs and not tools and not req.use_beam_search:
+        if req.stream and not req.logprobs and not tools and not req.use_beam_search and images is None:
             rid = self.seal.issue(StreamTicket("chatcmpl", model, created, bool(
                 req.stream_options and req.stream_options.include_usage), bool(
                 req.stream_options and req.stream_options.continuous_usage_stats), (len(prompt),), req.n,
@@ -122,6 +132,9 @@ class ChatServing:
                                model, scheduling)
                 for i in range(req.n)
             ]
+            if images is not None:
+                for r in reqs:
+                    r.images.extend(engine_images(images))
         client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key(), spans=spans)
         headers = {INSTANCE_HEADER: client.info.instance_id}
         if req.stream:

@@ -1,0 +1,142 @@
+"""Chat completions with images over an embedded tiny random Qwen2-VL (``image_url`` parts as ``data:`` URLs),
+through the official ``openai`` client: the answer equals HF transformers' greedy continuation of the same
+conversation with the same image (HF's own image processor and the template's one image token per image,
+expanded to the image's tokens); an image sent twice answers the same and reuses its KV; a text model, a
+broken image and image tokens typed into the text are 400s naming the field."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from xllm.core import EngineConfig
+from xllm.gateway.embedded import ServeOptions, build_embedded
+
+transformers = pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL.Image")
+VISION = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+            "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+            "{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _png(seed: int, size=(56, 84)) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy()
+    buf = io.BytesIO()
+    PIL.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, smollm2_dir):
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = tmp_path_factory.mktemp("qwen2vl")
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tok.add_special_tokens({"additional_special_tokens": VISION})
+    tok.chat_template = TEMPLATE
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION}
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, vision_start_token_id=ids["<|vision_start|>"],
+                           image_token_id=ids["<|image_pad|>"], vision_end_token_id=ids["<|vision_end|>"],
+                           video_token_id=ids["<|video_pad|>"])
+    torch.manual_seed(0)
+    hf = AutoModelForImageTextToText.from_config(config).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            scale = 0.2 if name.endswith(".weight") and "norm" in name else 0.15
+            p.copy_((1 if scale == 0.2 else 0) + scale * torch.randn(p.shape, generator=g))
+    hf.save_pretrained(path)
+    tok.save_pretrained(path)
+    processor = Qwen2VLImageProcessorPil()
+    processor.save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())  # the text fields at the top, as the loader reads them
+    flat = {k: v for k, v in raw.items() if k != "text_config"} | raw["text_config"]
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": flat.pop("rope_parameters")["mrope_section"]}
+    flat["rope_theta"] = 10000.0
+    (path / "config.json").write_text(json.dumps(flat))
+    cfg = EngineConfig(dtype=torch.float32, kv_cache_memory_gib=0.05, max_model_len=256, num_threads=1,
+                       block_size=32)
+    app = build_embedded(ServeOptions(model=str(path), served_model_name="vl", engine=cfg, progress=False))
+    with TestClient(app, raise_server_exceptions=False) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        yield hf, tok, processor, client, http
+
+
+@torch.inference_mode()
+def _hf_answer(hf, tok, processor, messages: list[dict], png: bytes, n: int) -> list[int]:
+    """HF's greedy tokens: the template rendered by HF's tokenizer, its image token expanded to the image's
+    tokens, HF's processor on the image, full forwards with HF's own M-RoPE."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    image = processor(images=[PIL.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt")
+    grid = image["image_grid_thw"]
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    ids = []
+    for t in tok(text, add_special_tokens=False)["input_ids"]:
+        ids.extend([pad] * int(grid.prod() // 4) if t == pad else [t])
+    out = []
+    for _ in range(n):
+        cur = torch.tensor([ids + out])
+        logits = hf(input_ids=cur, pixel_values=image["pixel_values"], image_grid_thw=grid,
+                    mm_token_type_ids=(cur == pad).int()).logits
+        out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+def test_image_chat_equals_hf(served):
+    hf, tok, processor, client, _ = served
+    png = _png(1)
+    lead = "Please look carefully at the picture below before you answer. " * 3  # (a full 32-token KV block)
+    question = [{"type": "text", "text": lead + "What is in this picture? "},
+                {"type": "image_url", "image_url": {"url": _url(png)}}, {"type": "text", "text": " Tell me."}]
+    got = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": question}], max_tokens=6,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    hf_messages = [{"role": "user", "content": [{"type": "text", "text": lead + "What is in this picture? "},
+                                                {"type": "image"}, {"type": "text", "text": " Tell me."}]}]
+    want = tok.decode(_hf_answer(hf, tok, processor, hf_messages, png, 6))
+    assert got.choices[0].message.content == want
+    again = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": question}], max_tokens=6,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert again.choices[0].message.content == want
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    other = [question[0], {"type": "image_url", "image_url": {"url": _url(_png(2))}}, question[2]]
+    third = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": other}], max_tokens=6,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert third.usage.prompt_tokens_details.cached_tokens == 0  # another image: none of that KV
+    assert third.choices[0].message.content != want
+
+
+def test_bad_images_are_400s_naming_the_field(served):
+    _, _, _, _, http = served
+    cases = [
+        ([{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+         "messages[0].content[1].image_url.url"),
+        ([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],
+         "messages[0].content[0].image_url.url"),
+        ([{"type": "text", "text": "typed <|image_pad|> token"}, {"type": "image_url", "image_url": {
+            "url": _url(_png(3))}}], "messages"),
+    ]
+    for content, field in cases:
+        r = http.post("/v1/chat/completions", json={"model": "vl", "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 400, (field, r.text)
+        assert r.json()["error"]["param"] == field, r.json()
+    assert http.get("/health").status_code == 200
