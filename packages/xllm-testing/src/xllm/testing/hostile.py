@@ -121,7 +121,8 @@ CASES: tuple[HostileCase, ...] = (
     case("web-search", CHAT, chat(web_search_options={}), "web_search_options"),
     case("store-true", CHAT, chat(store=True), "store"),
     case("image-part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url",
-                                                                        "image_url": {"url": "x"}}]}]), "messages"),
+                                                                        "image_url": {"url": "x"}}]}]),
+         "messages[0].content[0].image_url"),  # (a text model: no images)
     case("function-role", CHAT, chat(messages=[{"role": "function", "name": "f", "content": "x"}]), "messages"),
     case("suffix", COMPLETIONS, completion(suffix="!"), "suffix"),
     case("best-of-below-n", COMPLETIONS, completion(best_of=1, n=2), "best_of"),
