@@ -68,23 +68,6 @@ MOE_ADAPTERS = {
 }
 
 
-def save_moe_lora(base: pathlib.Path, out: pathlib.Path, name: str, seed: int) -> pathlib.Path:
-    """A PEFT adapter ``name`` of :data:`MOE_ADAPTERS` on the Qwen3-MoE in ``base``, A and B random (std 0.3)."""
-    rank, alpha, _, rslora = ADAPTERS[name]
-    targets, parameters = MOE_ADAPTERS[name]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, target_parameters=parameters,
-                          use_rslora=rslora, lora_dropout=0.0)
-    model = peft.get_peft_model(hf, cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            if "lora_A" in key or "lora_B" in key:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def arch(request, tmp_path_factory):
     """(base dir, {adapter: dir}, our model)."""
@@ -93,10 +76,11 @@ def arch(request, tmp_path_factory):
     save_random_hf_model(base, CONFIGS[request.param](), seed=3, std=0.15)
     adapters = {}
     for i, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        parameters = None
         if request.param == "qwen3_moe":
-            adapters[name] = save_moe_lora(base, root / name, name, seed=11 + i)
-        else:
-            adapters[name] = save_random_lora(base, root / name, rank, alpha, targets, rslora, seed=11 + i)
+            targets, parameters = MOE_ADAPTERS[name]
+        adapters[name] = save_random_lora(base, root / name, rank, alpha, targets, rslora, seed=11 + i,
+                                          parameters=parameters)
     return base, adapters, load_model(base, torch.float32)
 
 

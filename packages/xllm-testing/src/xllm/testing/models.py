@@ -65,14 +65,16 @@ def save_tiny_llama(path: pathlib.Path, tokenizer_dir: pathlib.Path, seed: int =
 
 
 def save_random_lora(base_dir: pathlib.Path, out: pathlib.Path, rank: int, alpha: int, targets: list[str],
-                     rslora: bool = False, seed: int = 0) -> pathlib.Path:
+                     rslora: bool = False, seed: int = 0, parameters: list[str] | None = None) -> pathlib.Path:
     """A PEFT adapter on the HF model in ``base_dir`` with random A and B (std 0.3: PEFT starts B at zero, which
-    would change nothing), made and saved by PEFT itself in ``out``."""
+    would change nothing), made and saved by PEFT itself in ``out``; ``parameters``: PEFT's ``target_parameters``
+    (a MoE block's expert parameters, ``mlp.experts.down_proj``)."""
     import peft
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, target_parameters=parameters,
+                          use_rslora=rslora, lora_dropout=0.0)
     model = peft.get_peft_model(hf, cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
