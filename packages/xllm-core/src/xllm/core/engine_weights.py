@@ -23,8 +23,6 @@ instances and with the ``self``/``mtp`` proposers (the engine says why in ``refu
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -32,6 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from xllm.common.memory import release_freed_memory
 from xllm.engine_api.errors import EngineOverloadedError, InvalidRequestError
 from xllm.kvstore.tier import model_identity
 
@@ -134,7 +133,7 @@ class EngineWeights:
         if level == SLEEP_WEIGHTS:
             self._drop_weights()
         w.level = level
-        _trim_heap()
+        release_freed_memory()
         return level
 
     def wake_up(self) -> int:
@@ -241,12 +240,3 @@ class EngineWeights:
                 old.close()
             attach_tiers(self.config, self.kv, self.transfer_store())  # type: ignore[attr-defined]
         return self.config.kv_model_identity
-
-
-def _trim_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(name).malloc_trim(0)

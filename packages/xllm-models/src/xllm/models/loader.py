@@ -20,12 +20,13 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from xllm.common.memory import release_freed_memory
 from xllm.core.parallel.comm import Communicator
 from xllm.engine_api.names import WEIGHT_QUANTIZATIONS, canonical_quantization
 from xllm.models.config import ModelConfig, ModelConfigError
 from xllm.models.gguf_weights import StoredWeights, read_gguf_weights
 from xllm.models.placement import StreamsWeights, place_weights
-from xllm.models.quantize import install_quantized, quantize_model, release_freed_memory
+from xllm.models.quantize import install_quantized, quantize_model
 from xllm.models.registry import model_class
 from xllm.models.smoothing import calibration_ids, smooth_for_w8a8
 from xllm.models.tensor_parallel import TPShard

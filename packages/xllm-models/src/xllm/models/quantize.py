@@ -14,9 +14,6 @@ quantized tied embedding a :class:`~xllm.models.layers.QuantEmbedding`):
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 from collections.abc import Iterable
 
 import torch
@@ -128,14 +125,3 @@ def _shard_name(path: str, shard: str, stacked: tuple[StackedName, ...]) -> str:
         if rule.shard == shard and path.endswith(rule.fused_part.lstrip(".")):
             return f"{path[:-len(rule.fused_part)]}{rule.ckpt_part}.weight"
     return f"{path}.<{shard}>"  # no rule: never a checkpoint name, so the layer stays float
-
-
-def release_freed_memory() -> None:
-    """Hand the heap pages freed by dropping float weights back to the OS (glibc's ``malloc_trim``; a no-op
-    elsewhere). Without it a model quantized at load keeps the float model's resident size: glibc keeps
-    the freed arenas (measured on SmolLM2 int8: 665 MB resident before, 367 MB after)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
-        ctypes.CDLL(name).malloc_trim(0)
