@@ -85,12 +85,12 @@ typedef struct {
 
 /* one LoRA-adapted projection of a layer in the fused steps (lora_step.h): the stacked adapters A [slots, n, K]
  * and B [slots, N, rank] in the model dtype (xllm.models.lora.LoraProjection), n = n_parts * rank; part p owns
- * A's rows [p * rank, (p + 1) * rank) and the output rows [part_end[p - 1], part_end[p]) (a fused qkv has 3
- * parts, gate/up 2), whose B rows hold its rank columns; a == NULL: no adapter on this projection */
+ * A's rows [p * rank, (p + 1) * rank) and the output rows part_start[p] .. part_start[p] + part_size[p] - 1 (a
+ * fused qkv has 3 parts, gate/up 2), whose B rows hold its rank columns; a == NULL: no adapter on it */
 typedef struct {
     const void *a, *b;
     int64_t n, rank, n_parts;
-    int64_t part_end[3];
+    int64_t part_start[3], part_size[3];
 } XllmLoraProj;
 
 typedef struct {

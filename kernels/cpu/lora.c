@@ -8,8 +8,8 @@
  * one part per checkpoint projection: part p's A rows are p*rank .. p*rank+rank-1, and its output rows
  * part_start[p] .. part_start[p]+part_size[p]-1 (P) hold that part's rank columns of B.
  *
- * Steps: group the rows by slot (counting sort, in the caller's thread), then one OpenMP team runs
- * lora_team.h's two phases:
+ * The rows come grouped by slot (order, gslot, gstart, groups: xllm.kernels.lora.LoraRows, made once per
+ * forward); one OpenMP team runs lora_team.h's two phases:
  *   shrink: h[t, p*rank + k] = x[t] . A[s][p*rank + k], fp32 accumulation (vdpbf16ps for bf16, FMA for fp32),
  *      h rounded to the model dtype as torch's bf16 matmul rounds its output (fp32: no rounding); work items
  *      (group, A row) so each A row is streamed once per call for all the group's rows;
@@ -21,34 +21,25 @@
  * out + alpha * delta once (in its 32-column vectors; its scalar tail, a row's last out % 32 columns, rounds
  * alpha * delta first). Elsewhere the two differ only where the fp32 sums' order flips a rounding. fp32: no
  * rounding but the output's; summation order only.
- * Returns 0, or 1 when the scratch rows cannot be allocated (out untouched).
+ * Returns 0, or 1 when the scratch rows cannot be allocated or there are more than LORA_MAX_PARTS parts (out
+ * untouched).
  */
 #include "lora_team.h"
 
 #define DEFINE_LORA(SFX, T)                                                                                        \
     int xllm_lora_segmented_##SFX(const T *x, T *out, int64_t n_rows, int64_t in_dim, int64_t out_dim,           \
-                                   const T *a, const T *b, int64_t n_slots, const int64_t *slots,                 \
-                                   const float *scales, int64_t n_parts, const int64_t *part_start,               \
-                                   const int64_t *part_size, int64_t rank) {                                     \
+                                   const T *a, const T *b, const int64_t *order, const int64_t *gslot,            \
+                                   const int64_t *gstart, int64_t groups, const float *scales, int64_t n_parts,   \
+                                   const int64_t *part_start, const int64_t *part_size, int64_t rank) {          \
         if (n_parts > LORA_MAX_PARTS) return 1;                                                                   \
         const int64_t nh = n_parts * rank; /* A rows / B columns per slot */                                      \
-        int64_t *order = malloc(sizeof(int64_t) * (size_t)(n_rows + 2 * n_slots + 2));                           \
         float *h = malloc(sizeof(float) * (size_t)(n_rows * nh + 1));                                             \
-        if (!order || !h) {                                                                                       \
-            free(order), free(h);                                                                                 \
-            return 1;                                                                                             \
-        }                                                                                                         \
-        int64_t *gslot = order + n_rows, *gstart = gslot + n_slots + 1;                                           \
-        const int64_t groups = lora_group_rows(slots, n_rows, n_slots, order, gslot, gstart);                     \
-        if (groups < 0) {                                                                                         \
-            free(order), free(h);                                                                                 \
-            return 1;                                                                                             \
-        }                                                                                                         \
+        if (!h) return 1;                                                                                         \
         const XllmLoraGroups G = {order, gslot, gstart, groups};                                                  \
         const int64_t work = gstart[groups] * (nh * in_dim + rank * out_dim);                                     \
         _Pragma("omp parallel if (work >= (1 << 16))")                                                            \
             lora_team_##SFX(x, out, in_dim, out_dim, a, b, &G, scales, n_parts, part_start, part_size, rank, h);  \
-        free(order), free(h);                                                                                     \
+        free(h);                                                                                                  \
         return 0;                                                                                                 \
     }
 

@@ -5,20 +5,15 @@
  * alone) gets, for every such row, y[m] += scale[s_m] * (x[m] . A[s_m]^T) . B[s_m]^T: the segmented LoRA
  * product of xllm.models.lora (LoraProjection: A [slots, n, K], B [slots, N, rank] in the model dtype,
  * n = n_parts * rank, part p's A rows [p * rank, (p + 1) * rank) feeding its output rows
- * [part_end[p - 1], part_end[p])) by lora_team.h's two phases, with the rows grouped by slot once per step
+ * part_start[p] ..) by lora_team.h's two phases, with the rows grouped by slot once per step
  * (XllmLoraStep.groups) and the same rounding points as the eager path's kernel (lora.c).
  */
 
 static void CAT(lora_add_team_, SFX)(const XllmLoraProj *P, const XllmLoraStep *S, const T *x, int64_t M,
                                      int64_t K, T *y, int64_t N) {
     (void)M;
-    int64_t start[3], size[3];
-    for (int64_t p = 0; p < P->n_parts; p++) {
-        start[p] = p ? P->part_end[p - 1] : 0;
-        size[p] = P->part_end[p] - start[p];
-    }
-    CAT(lora_team_, SFX)(x, y, K, N, (const T *)P->a, (const T *)P->b, &S->groups, S->scale, P->n_parts, start,
-                         size, P->rank, S->tmp);
+    CAT(lora_team_, SFX)(x, y, K, N, (const T *)P->a, (const T *)P->b, &S->groups, S->scale, P->n_parts,
+                         P->part_start, P->part_size, P->rank, S->tmp);
 }
 
 /* the projection `proj` of layer l's adapters, when the step has adapter rows and the projection has any */

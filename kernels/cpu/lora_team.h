@@ -1,5 +1,5 @@
 /* The segmented LoRA product's two team phases (shared by lora.c's standalone kernel and the fused steps'
- * lora_step.h): rows already grouped by slot (lora_group_rows), called by every thread of an OpenMP team (or
+ * lora_step.h): rows already grouped by slot (xllm.kernels.lora.LoraRows), called by every thread of an OpenMP team (or
  * by one thread outside any parallel region); each phase is a worksharing loop ending with a barrier.
  *
  *   shrink: h[t, p*rank + k] = x[t] . A[s][p*rank + k], fp32 accumulation (vdpbf16ps for bf16, FMA for fp32),
@@ -29,29 +29,6 @@ typedef struct {
 } XllmLoraGroups;
 
 #define LORA_BLOCK 64 /* output columns per expand work item (4 vectors of 16) */
-
-/* Rows grouped by slot: order[gstart[g] .. gstart[g+1]) are the rows of slot gslot[g]. Returns the groups. */
-static inline int64_t lora_group_rows(const int64_t *slots, int64_t T, int64_t n_slots, int64_t *order, int64_t *gslot,
-                               int64_t *gstart) {
-    int64_t *count = calloc((size_t)n_slots + 1, sizeof(int64_t));
-    if (!count) return -1;
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] >= 0 && slots[t] < n_slots) count[slots[t]]++;
-    int64_t groups = 0, pos = 0;
-    for (int64_t s = 0; s < n_slots; s++) {
-        if (!count[s]) continue;
-        gslot[groups] = s;
-        gstart[groups++] = pos;
-        const int64_t c = count[s];
-        count[s] = pos; /* now the next write position of slot s */
-        pos += c;
-    }
-    gstart[groups] = pos;
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] >= 0 && slots[t] < n_slots) order[count[slots[t]]++] = t;
-    free(count);
-    return groups;
-}
 
 /* 16 elements of a B row (n <= 16 of them, zero beyond) as fp32 lanes */
 ALWAYS_INLINE __m512 lora_load16_bf16(const uint16_t *p, int64_t n) {

@@ -153,6 +153,7 @@ def test_rows_groups_and_shape_checks():
     rows = lora.LoraRows.of(torch.tensor([2, -1, 0, 2, -1]), [0.5, 1.0, 2.0])
     assert [(s, idx.tolist(), sc) for s, idx, sc in rows.groups] == [(0, [2], 0.5), (2, [0, 3], 2.0)]
     assert rows.scales.dtype == torch.float32 and rows.scales.tolist() == [0.5, 1.0, 2.0]
+    assert (rows.order.tolist(), rows.gslot.tolist(), rows.gstart.tolist()) == ([2, 0, 3], [0, 2], [0, 1, 3])
     x, out, a, b, lrows, lay = _case("qkv", "mixed_37", 8, torch.float32)
     with pytest.raises(ValueError, match="do not fit together"):
         lora.segmented_lora(x[:, :-1], out, a, b, lrows, lay)

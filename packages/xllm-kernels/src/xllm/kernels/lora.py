@@ -43,21 +43,17 @@ class LoraRows:
 
     ``slots``: int64 ``[T]`` (``-1``: the base model); ``scales``: float32 ``[n_slots]``, the scale of every
     slot; ``groups``: ``(slot, rows, scale)`` per slot the rows use (ascending slot, ``rows`` the int64 row
-    indices), what the torch loop and per-slot users (MoE experts) iterate over."""
+    indices), what the torch loop and per-slot users (MoE experts) iterate over. The same groups as the native
+    kernels take them (``XllmLoraGroups``, made once per forward): int64 ``order`` (the rows of every group,
+    group after group), ``gslot`` (each group's slot) and ``gstart`` (``[groups + 1]``, where each group's rows
+    start in ``order``)."""
 
     slots: torch.Tensor
     scales: torch.Tensor
     groups: tuple[tuple[int, torch.Tensor, float], ...]
-
-    def grouped(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The groups as the native kernels take them (``XllmLoraGroups``): int64 ``order`` (the rows of every
-        group, group after group), ``gslot`` (each group's slot) and ``gstart`` (``[groups + 1]``, where each
-        group's rows start in ``order``)."""
-        sizes = [len(idx) for _, idx, _ in self.groups]
-        order = torch.cat([idx for _, idx, _ in self.groups]) if self.groups else torch.empty(0, dtype=torch.int64)
-        gslot = torch.tensor([s for s, _, _ in self.groups], dtype=torch.int64)
-        gstart = torch.tensor([0, *sizes], dtype=torch.int64).cumsum(0)
-        return order.contiguous(), gslot, gstart
+    order: torch.Tensor
+    gslot: torch.Tensor
+    gstart: torch.Tensor
 
     @classmethod
     def of(cls, slots: torch.Tensor, scales: Sequence[float]) -> LoraRows:
@@ -65,7 +61,10 @@ class LoraRows:
         slots = slots.reshape(-1).to(torch.int64).contiguous()
         groups = tuple((int(s), (slots == s).nonzero().flatten(), float(scales[s]))
                        for s in torch.unique(slots).tolist() if s >= 0)
-        return cls(slots, torch.tensor(list(scales), dtype=torch.float32), groups)
+        order = torch.cat([idx for _, idx, _ in groups]) if groups else torch.empty(0, dtype=torch.int64)
+        gstart = torch.tensor([0, *(len(idx) for _, idx, _ in groups)], dtype=torch.int64).cumsum(0)
+        return cls(slots, torch.tensor(list(scales), dtype=torch.float32), groups, order.contiguous(),
+                   torch.tensor([s for s, _, _ in groups], dtype=torch.int64), gstart)
 
 
 @dataclass(frozen=True)
@@ -101,6 +100,7 @@ def _check(x2: torch.Tensor, out2: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     if (x2.dim() != 2 or out2.dim() != 2 or a.dim() != 3 or b.dim() != 3 or x2.shape[0] != out2.shape[0]
             or a.shape[1:] != (n, x2.shape[1]) or b.shape != (a.shape[0], out2.shape[1], layout.rank)
             or rows.slots.shape != (x2.shape[0],) or rows.scales.shape != (a.shape[0],)
+            or (len(rows.groups) and int(rows.gslot[-1]) >= a.shape[0])
             or max((s + z for s, z in zip(layout.starts, layout.sizes, strict=True)), default=0) > out2.shape[1]):
         raise ValueError(f"segmented_lora: x {tuple(x2.shape)}, out {tuple(out2.shape)}, A {tuple(a.shape)}, "
                          f"B {tuple(b.shape)}, slots {tuple(rows.slots.shape)}, scales {tuple(rows.scales.shape)} "
@@ -135,11 +135,12 @@ def native_segmented_lora(x2: torch.Tensor, out2: torch.Tensor, a: torch.Tensor,
     if not rows.groups or x2.shape[0] == 0:
         return True
     sfx = native.suffix(x2.dtype)
-    fn = lib.fn(f"xllm_lora_segmented_{sfx}", [_VP, _VP, _I64, _I64, _I64, _VP, _VP, _I64, _VP, _VP, _I64, _VP,
-                                                _VP, _I64], _I32)
+    fn = lib.fn(f"xllm_lora_segmented_{sfx}", [_VP, _VP, _I64, _I64, _I64, _VP, _VP, _VP, _VP, _VP, _I64, _VP,
+                                                _I64, _VP, _VP, _I64], _I32)
     rc = fn(x2.data_ptr(), out2.data_ptr(), x2.shape[0], x2.shape[1], out2.shape[1], a.data_ptr(), b.data_ptr(),
-            a.shape[0], rows.slots.data_ptr(), rows.scales.data_ptr(), layout.n_parts, layout.start_tensor.data_ptr(),
-            layout.size_tensor.data_ptr(), layout.rank)
+            rows.order.data_ptr(), rows.gslot.data_ptr(), rows.gstart.data_ptr(), len(rows.groups),
+            rows.scales.data_ptr(), layout.n_parts, layout.start_tensor.data_ptr(), layout.size_tensor.data_ptr(),
+            layout.rank)
     if rc != 0:
         raise MemoryError("segmented_lora: the native kernel could not allocate its scratch rows")
     return True

@@ -87,7 +87,7 @@ class LoraProj(ctypes.Structure):
     steps (``a`` None: no adapter on it)."""
 
     _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("n", ctypes.c_int64), ("rank", ctypes.c_int64),
-                ("n_parts", ctypes.c_int64), ("part_end", ctypes.c_int64 * 3)]
+                ("n_parts", ctypes.c_int64), ("part_start", ctypes.c_int64 * 3), ("part_size", ctypes.c_int64 * 3)]
 
 
 class LoraLayer(ctypes.Structure):

@@ -240,10 +240,11 @@ class FusedLlamaForward:
                 proj = lin.lora
                 if proj is None:
                     continue
-                ends = [start + size for _, start, size in sorted(proj.parts.values())]
+                layout = proj.layout
                 setattr(arr[i], field_name, native.LoraProj(
-                    a=proj.a.data_ptr(), b=proj.b.data_ptr(), n=proj.a.shape[1], rank=proj.rank, n_parts=len(ends),
-                    part_end=(ctypes.c_int64 * 3)(*ends, *[ends[-1]] * (3 - len(ends)))))
+                    a=proj.a.data_ptr(), b=proj.b.data_ptr(), n=proj.a.shape[1], rank=proj.rank,
+                    n_parts=layout.n_parts, part_start=(ctypes.c_int64 * 3)(*layout.starts),
+                    part_size=(ctypes.c_int64 * 3)(*layout.sizes)))
         n_max = max((p.a.shape[1] for p in stack.projections.values()), default=0)
         self._lora = _LoraBinding(stack, arr, n_max)
 
@@ -256,12 +257,11 @@ class FusedLlamaForward:
         if current.slots.numel() != rows:
             raise ValueError(f"the step has {rows} rows but its LoRA slots name {current.slots.numel()}")
         tmp = torch.empty(rows * bound.n_max, dtype=torch.float32)
-        order, gslot, gstart = current.grouped()
-        groups = native.LoraGroups(order=order.data_ptr(), gslot=gslot.data_ptr(), gstart=gstart.data_ptr(),
-                                   groups=len(current.groups))
+        groups = native.LoraGroups(order=current.order.data_ptr(), gslot=current.gslot.data_ptr(),
+                                   gstart=current.gstart.data_ptr(), groups=len(current.groups))
         step = native.LoraStep(layers=bound.layers, groups=groups, scale=current.scales.data_ptr(),
                                tmp=tmp.data_ptr())
-        return step, (current, tmp, order, gslot, gstart)
+        return step, (current, tmp)
 
     def _comm_handle(self) -> int | None:
         """The shard's shared-memory group for the kernels' all-reduces (None: one process)."""
