@@ -218,9 +218,7 @@ class EngineWeights:
             if post_load is not None:
                 post_load()
         runner = self.runner
-        if runner.fused is not None:
-            fused = model.fused_forward()  # type: ignore[attr-defined]
-            runner.fused = fused if fused is not None and fused.supports(self.kv) else None
+        runner.refresh_fused()
         if getattr(runner, "graph", None) is not None:
             from xllm.core.graph_runner import build_compiled_decode
             runner.graph = build_compiled_decode(model, self.kv, runner, self.config.max_num_seqs)

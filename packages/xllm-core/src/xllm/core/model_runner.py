@@ -117,8 +117,7 @@ class ModelRunner:
         self.device = device
         self.fused: FusedForward | None = None
         if native_decode and kv.addressing.fused_steps and isinstance(model, SupportsFusedForward):
-            fused = model.fused_forward()
-            self.fused = fused if fused is not None and fused.supports(kv) else None
+            self.refresh_fused(initial=True)
         self.graph = None  # a CompiledDecode for larger decode batches (see graph_runner)
         # hears every forward's final hidden states ``[rows, hidden]`` (the ``mtp`` proposer); while
         # set, every step runs eager (the fused and compiled paths return the sampled rows only)
@@ -239,6 +238,15 @@ class ModelRunner:
             prompt_rows=prompt_rows, prompt_spans=prompt_spans, spec_rows=spec_rows, spec_spans=spec_spans,
             chunks=list(chunks), lora_slots=lora_slots,
             images=batch_images(chunks, self.model, self.encoder_cache, dev))
+
+    def refresh_fused(self, initial: bool = False) -> None:
+        """Take the model's fused forward again (it is rebuilt after the model's weights changed in place: the old
+        one is bound over the old packed copies); a runner that does not run fused stays so (``initial``: the
+        first binding, at construction)."""
+        if self.fused is None and not initial:
+            return
+        fused = self.model.fused_forward()  # type: ignore[attr-defined]
+        self.fused = fused if fused is not None and fused.supports(self.kv) else None
 
     def _skinny_verify(self, batch: BatchInputs) -> bool:
         """Whether ``batch`` is decode rows plus speculative verify chunks only (no prompt chunk, no
