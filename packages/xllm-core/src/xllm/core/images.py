@@ -44,7 +44,8 @@ class SupportsImages(Protocol):
 
     def mrope_positions(self, input_ids: torch.Tensor,
                         image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        """The prompt's M-RoPE positions ``[3, P]`` and the offset of the positions after it."""
+        """The prompt's M-RoPE positions ``[3, P]`` and the offset of the positions after it; ``ValueError`` unless
+        the prompt holds each image's run of image tokens, in order, and no other image token."""
         ...
 
     def image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
@@ -120,19 +121,16 @@ def admit_images(model: object, seq: Sequence, req: engine_pb2.GenerateRequest) 
         grids.append(grid)
         hashes.append(bytes(image.content_hash))
     ids = torch.tensor(seq.prompt_ids, dtype=torch.int64)
+    grid_t = torch.tensor(grids, dtype=torch.int64)
+    try:  # (the model checks that the prompt holds each image's run of image tokens, in order, and no more)
+        positions, delta = model.mrope_positions(ids, grid_t)
+    except ValueError as exc:
+        raise InvalidRequestError(f"the prompt's image tokens do not fit its images: {exc}", "images") from None
     at = (ids == model.image_token_id).nonzero().flatten().tolist()
     spans, k = [], 0
-    for i, grid in enumerate(grids):
-        n = model.image_tokens(grid)
-        run = at[k:k + n]
-        if len(run) != n or run[-1] - run[0] != n - 1:
-            raise InvalidRequestError(f"images[{i}] needs a run of {n} image tokens in the prompt", "images")
-        spans.append((run[0], n))
-        k += n
-    if k != len(at):
-        raise InvalidRequestError(f"the prompt has {len(at)} image tokens, its {len(grids)} image(s) {k}", "images")
-    grid_t = torch.tensor(grids, dtype=torch.int64)
-    positions, delta = model.mrope_positions(ids, grid_t)
+    for grid in grids:
+        spans.append((at[k], model.image_tokens(grid)))
+        k += spans[-1][1]
     seq.images = SequenceImages(pixels, grid_t, hashes, spans, positions.to(torch.int64), int(delta))
     seq.hash_root = image_hash_root(seq.hash_root, hashes)
 

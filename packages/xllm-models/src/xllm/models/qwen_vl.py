@@ -18,8 +18,8 @@ nothing else):
   image_embeds=None)``: ``positions`` ``[T]`` stays the 1-D token index of the KV layout; ``mrope_positions``
   ``[3, T]`` (a chunk's columns of :func:`mrope_positions`' result, or ``index + delta`` repeated thrice past
   the prompt) rotates q and k instead when given; ``image_embeds`` ``[n, hidden]`` replaces the embedding
-  rows of the ``n`` ``<|image_pad|>`` tokens of ``input_ids``, in order (a chunk's share of its images'
-  rows). Without both, a row at 1-D position ``p`` rotates as M-RoPE with ``t = h = w = p`` (equal to 1-D
+  rows ``image_rows`` (default: the ``n`` ``<|image_pad|>`` tokens of ``input_ids``), in order (a chunk's share
+  of its images' rows). Without both, a row at 1-D position ``p`` rotates as M-RoPE with ``t = h = w = p`` (equal to 1-D
   RoPE), so text-only requests, and decode steps given ``positions + delta``, run the plain Qwen2 path,
   native fused steps included.
 """
