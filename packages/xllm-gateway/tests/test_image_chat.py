@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 
 import openai
 import pytest
@@ -17,10 +16,16 @@ from fastapi.testclient import TestClient
 
 from xllm.core import EngineConfig
 from xllm.gateway.embedded import ServeOptions, build_embedded
+from xllm.testing.models import (
+    VISION_TOKENS,
+    flatten_vl_config,
+    hf_greedy_with_images,
+    save_random_vl,
+    tiny_qwen_vl_config,
+)
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
-VISION = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
             "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
             "{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
@@ -41,38 +46,19 @@ def _url(png: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, smollm2_dir):
-    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLConfig
+    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     path = tmp_path_factory.mktemp("qwen2vl")
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    tok.add_special_tokens({"additional_special_tokens": VISION})
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.chat_template = TEMPLATE
-    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION}
-    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
-    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2)
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, vision_start_token_id=ids["<|vision_start|>"],
-                           image_token_id=ids["<|image_pad|>"], vision_end_token_id=ids["<|vision_end|>"],
-                           video_token_id=ids["<|video_pad|>"])
-    torch.manual_seed(0)
-    hf = AutoModelForImageTextToText.from_config(config).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            scale = 0.2 if name.endswith(".weight") and "norm" in name else 0.15
-            p.copy_((1 if scale == 0.2 else 0) + scale * torch.randn(p.shape, generator=g))
-    hf.save_pretrained(path)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    hf = save_random_vl(tiny_qwen_vl_config("qwen2_vl", len(tok), ids), path)
     tok.save_pretrained(path)
     processor = Qwen2VLImageProcessorPil()
     processor.save_pretrained(path)
-    raw = json.loads((path / "config.json").read_text())  # the text fields at the top, as the loader reads them
-    flat = {k: v for k, v in raw.items() if k != "text_config"} | raw["text_config"]
-    flat["rope_scaling"] = {"type": "mrope", "mrope_section": flat.pop("rope_parameters")["mrope_section"]}
-    flat["rope_theta"] = 10000.0
-    (path / "config.json").write_text(json.dumps(flat))
+    flatten_vl_config(path, path)  # the text fields at the top, as the loader reads them
     cfg = EngineConfig(dtype=torch.float32, kv_cache_memory_gib=0.05, max_model_len=256, num_threads=1,
                        block_size=32)
     app = build_embedded(ServeOptions(model=str(path), served_model_name="vl", engine=cfg, progress=False))
@@ -92,13 +78,7 @@ def _hf_answer(hf, tok, processor, messages: list[dict], png: bytes, n: int) -> 
     ids = []
     for t in tok(text, add_special_tokens=False)["input_ids"]:
         ids.extend([pad] * int(grid.prod() // 4) if t == pad else [t])
-    out = []
-    for _ in range(n):
-        cur = torch.tensor([ids + out])
-        logits = hf(input_ids=cur, pixel_values=image["pixel_values"], image_grid_thw=grid,
-                    mm_token_type_ids=(cur == pad).int()).logits
-        out.append(int(logits[0, -1].argmax()))
-    return out
+    return hf_greedy_with_images(hf, ids, image["pixel_values"], grid, pad, n)
 
 
 def test_image_chat_equals_hf(served):

@@ -5,51 +5,18 @@ different sizes) must equal HF's."""
 
 from __future__ import annotations
 
-import pathlib
-
 import pytest
 import torch
 
-VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+from xllm.testing.models import (
+    VISION_TOKENS,
+    flatten_vl_config,
+    hf_greedy_with_images,
+    save_random_vl,
+    tiny_qwen_vl_config,
+)
+
 IMAGE_SIZES = [(56, 84), (112, 56)]  # (width, height): patch grids 6x4 and 4x8
-
-
-def _text_config(vocab: int) -> dict:
-    return dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
-
-
-def _hf_config(family: str, vocab: int, ids: dict[str, int]):
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
-
-    special = dict(vision_start_token_id=ids["<|vision_start|>"], image_token_id=ids["<|image_pad|>"],
-                   vision_end_token_id=ids["<|vision_end|>"], video_token_id=ids["<|video_pad|>"])
-    if family == "qwen2_vl":
-        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
-                      spatial_merge_size=2, temporal_patch_size=2)
-        return Qwen2VLConfig(text_config=_text_config(vocab), vision_config=vision, **special)
-    # window 56 px = 2 merged tokens: both images split into several (padded) windows; block 0 windowed
-    vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
-    return Qwen2_5_VLConfig(text_config=_text_config(vocab), vision_config=vision, **special)
-
-
-def _save_random(config, path: pathlib.Path, seed: int = 0):
-    """HF's model for ``config`` with random weights wide enough for sharp attention, saved with save_pretrained."""
-    from transformers import AutoModelForImageTextToText
-
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".weight") and ("norm" in name or "ln_q" in name):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +46,7 @@ def models(request, tokenizer, tmp_path_factory, one_torch_thread):
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     path = tmp_path_factory.mktemp(request.param)
-    hf = _save_random(_hf_config(request.param, len(tokenizer), ids), path)
+    hf = save_random_vl(tiny_qwen_vl_config(request.param, len(tokenizer), ids), path)
     tokenizer.save_pretrained(path)
     return hf, load_qwen_vl(path, torch.float32), path
 
@@ -181,7 +148,6 @@ def test_text_only_request_through_engine(models, tokenizer, tmp_path):
     """The registered architecture loads through the engine's loader from a directory laid out as the hub's
     checkpoints are (text fields at the top of config.json, ``model.*`` / ``visual.*`` tensor names), and a
     text-only request decodes HF's greedy tokens (the plain Qwen2 path, native fused steps where they run)."""
-    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -193,11 +159,7 @@ def test_text_only_request_through_engine(models, tokenizer, tmp_path):
     hf, _, path = models
     for f in path.iterdir():
         shutil.copy(f, tmp_path / f.name)
-    raw = json.loads((path / "config.json").read_text())
-    flat = {k: v for k, v in raw.items() if k != "text_config"} | raw["text_config"]
-    flat["rope_scaling"] = {"type": "mrope", "mrope_section": flat.pop("rope_parameters")["mrope_section"]}
-    flat["rope_theta"] = 10000.0
-    (tmp_path / "config.json").write_text(json.dumps(flat))
+    raw = flatten_vl_config(path, tmp_path)
     (file,) = tmp_path.glob("*.safetensors")
     tensors = {_our_name(n): t for n, t in load_file(file).items()}  # (transformers 5 may save these names)
     assert any(n.startswith("model.layers.") for n in tensors) and any(n.startswith("visual.") for n in tensors)
@@ -208,21 +170,6 @@ def test_text_only_request_through_engine(models, tokenizer, tmp_path):
     run = run_engine(model, IdTokenizer(), [prompt], 8)
     expect = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
     assert run.tokens["p0"] == expect
-
-
-def _hf_greedy(hf, ids: torch.Tensor, pv: torch.Tensor | None, grid: torch.Tensor | None, image_id: int,
-               n: int) -> list[int]:
-    """HF's greedy continuation by full forwards (its own M-RoPE positions from the token types and grids)."""
-    out = []
-    for _ in range(n):
-        cur = torch.cat([ids, torch.tensor(out, dtype=torch.int64)])[None]
-        if pv is None:
-            logits = hf(input_ids=cur).logits
-        else:
-            types = (cur == image_id).int()
-            logits = hf(input_ids=cur, pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=types).logits
-        out.append(int(logits[0, -1].argmax()))
-    return out
 
 
 def _image_input(pixel_values, grid, i: int, tag: bytes):
@@ -281,7 +228,8 @@ def test_images_through_the_engine_equal_hf(models, images, tokenizer, budget):
     for name, which in cases.items():
         ids = prompt(which)
         pv = _patches(pixel_values, grid, which) if which else None
-        assert got[name] == _hf_greedy(hf, ids, pv, grid[which] if which else None, ours.image_token_id, 6), name
+        want = hf_greedy_with_images(hf, ids.tolist(), pv, grid[which] if which else None, ours.image_token_id, 6)
+        assert got[name] == want, name
     cache = engine.runner.encoder_cache
     assert (cache.misses, cache.hits >= 1) == (2, True)  # image 0 served both requests (and, chunked, several chunks)
     assert engine.runner.mode_steps["eager"] >= 1

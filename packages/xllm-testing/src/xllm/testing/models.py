@@ -248,3 +248,74 @@ def save_tp_arch_model(path: pathlib.Path, name: str, tokenizer_dir: pathlib.Pat
         if (pathlib.Path(tokenizer_dir) / file).is_file():
             shutil.copy(pathlib.Path(tokenizer_dir) / file, pathlib.Path(path) / file)
     return pathlib.Path(path)
+
+
+# ---- tiny random Qwen2-VL / Qwen2.5-VL (xllm.models.qwen_vl) -------------------------------------------------
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+
+
+def tiny_qwen_vl_config(family: str, vocab: int, ids: dict[str, int]):
+    """HF's config of a tiny ``family`` ("qwen2_vl" or "qwen2_5_vl") model with ``vocab`` tokens and the vision
+    special tokens' ``ids`` (2.5: windows of 2 merged tokens, so images split into several padded windows)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    special = dict(vision_start_token_id=ids["<|vision_start|>"], image_token_id=ids["<|image_pad|>"],
+                   vision_end_token_id=ids["<|vision_end|>"], video_token_id=ids["<|video_pad|>"])
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **special)
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
+
+
+def save_random_vl(config, path: pathlib.Path, seed: int = 0):
+    """HF's image-text model for ``config`` with random weights wide enough for sharp attention (norms near 1),
+    saved with ``save_pretrained``; returns it (eval mode)."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".weight") and ("norm" in name or "ln_q" in name):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(path)
+    return model
+
+
+def flatten_vl_config(src: pathlib.Path, dst: pathlib.Path) -> dict:
+    """Write ``src``'s ``config.json`` into ``dst`` with the text fields at the top (as older checkpoints lay them
+    out, and as the engine's loader reads them); returns the original."""
+    import json
+
+    raw = json.loads((src / "config.json").read_text())
+    flat = {k: v for k, v in raw.items() if k != "text_config"} | raw["text_config"]
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": flat.pop("rope_parameters")["mrope_section"]}
+    flat["rope_theta"] = 10000.0
+    (dst / "config.json").write_text(json.dumps(flat))
+    return raw
+
+
+@torch.inference_mode()
+def hf_greedy_with_images(hf, ids: list[int], pixel_values: torch.Tensor | None, grid: torch.Tensor | None,
+                          image_token_id: int, n: int) -> list[int]:
+    """HF's greedy continuation of ``ids`` by full forwards (its own M-RoPE positions from the token types and
+    the images' grids; no images: ``pixel_values`` None)."""
+    out: list[int] = []
+    for _ in range(n):
+        cur = torch.tensor([list(ids) + out])
+        if pixel_values is None:
+            logits = hf(input_ids=cur).logits
+        else:
+            logits = hf(input_ids=cur, pixel_values=pixel_values, image_grid_thw=grid,
+                        mm_token_type_ids=(cur == image_token_id).int()).logits
+        out.append(int(logits[0, -1].argmax()))
+    return out
