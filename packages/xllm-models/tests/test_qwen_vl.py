@@ -274,3 +274,9 @@ def test_engine_refuses_bad_image_requests(models, images, tokenizer):
                                                           sampling=sampling))
         assert err.value.param == field, why
     assert not engine.has_work()
+    speculating = LLMEngine(ours, IdTokenizer(), EngineConfig(dtype=torch.float32, max_model_len=256, num_threads=1,
+                                                              speculative="ngram"))
+    with pytest.raises(InvalidRequestError) as err:  # (images are not served with speculative decoding yet)
+        speculating.add_request(engine_pb2.GenerateRequest(request_id="spec", prompt_token_ids=ids, images=[good],
+                                                           sampling=sampling))
+    assert err.value.param == "images" and not speculating.has_work()

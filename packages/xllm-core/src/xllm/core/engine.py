@@ -199,7 +199,7 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
                        req.priority, seed=seed, num_resumed=req.resumed_output_tokens, phase=phase,
                        offline=req.offline)
         self._admit_lora(seq, req)
-        admit_images(self.model, seq, req)  # (xllm.core.images: checked, hash root keyed by the images)
+        admit_images(self.model, seq, req, self.spec is not None)  # (xllm.core.images: hash root keyed by them)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = PromptLogprobs()
         if params.beam_width is not None:

@@ -89,10 +89,11 @@ def image_hash_root(root: int, hashes: list[bytes]) -> int:
     return int.from_bytes(h.digest(), "little") >> 1 or 1
 
 
-def admit_images(model: object, seq: Sequence, req: engine_pb2.GenerateRequest) -> None:
+def admit_images(model: object, seq: Sequence, req: engine_pb2.GenerateRequest, speculative: bool = False) -> None:
     """Check ``req.images`` against the model and the prompt and give ``seq`` its :class:`SequenceImages` (and
     the hash root they key); a prompt of a multimodal model must not hold image tokens without their images.
-    :class:`InvalidRequestError` naming ``images`` (or ``prompt_token_ids``)."""
+    ``speculative``: the engine speculates (images are refused there). :class:`InvalidRequestError` naming
+    ``images`` (or ``prompt_token_ids``)."""
     takes = isinstance(model, SupportsImages)
     images = list(req.images)
     if not images:
@@ -102,8 +103,9 @@ def admit_images(model: object, seq: Sequence, req: engine_pb2.GenerateRequest) 
         return
     if not takes:
         raise InvalidRequestError("this model takes no images (a text model)", "images")
-    if req.sampling.beam_width or req.disagg_phase:
-        raise InvalidRequestError("images are not served with beam search or prefill/decode hand-offs yet", "images")
+    if req.sampling.beam_width or req.disagg_phase or speculative:
+        raise InvalidRequestError("images are not served with beam search, prefill/decode hand-offs or speculative "
+                                  "decoding yet", "images")
     pixels, grids, hashes = [], [], []
     dim = model.patch_dim()
     for i, image in enumerate(images):
