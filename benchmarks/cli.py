@@ -46,6 +46,7 @@ REGISTRY: NameRegistry[Scenario] = NameRegistry("benchmark", {
     "tracing": "benchmarks.tracing_cost:SCENARIO",
     "lora": "benchmarks.lora:SCENARIO",
     "lora_kernel": "benchmarks.lora_kernel:SCENARIO",
+    "moe": "benchmarks.moe:SCENARIO",
     "quant": "benchmarks.quant:SCENARIO",
     "perplexity": "benchmarks.perplexity:SCENARIO",
     "hugepages": "benchmarks.hugepages:SCENARIO",

@@ -181,3 +181,17 @@ def test_a_backend_that_cannot_run_names_its_substitute(caplog):
     kv = build_kv_cache("xtensor", SPEC, torch.float32, torch.device("meta"), 2, 64, 0.001)
     assert type(kv).__name__ == "PagedKVCache" and kv.layout.block_size == 16 and kv.layout.row_align == 1
     assert "using the paged backend" in caplog.text
+
+
+def test_expert_parallel_flags_are_checked_together():
+    """--enable-expert-parallel needs ranks; EPLB and redundant experts need expert parallelism (issue 46)."""
+    with pytest.raises(ConfigError, match="--enable-expert-parallel places experts over the ranks"):
+        EngineConfig(enable_expert_parallel=True)
+    with pytest.raises(ConfigError, match="--enable-eplb and --num-redundant-experts need --enable-expert-parallel"):
+        EngineConfig(tensor_parallel_size=2, enable_eplb=True, num_redundant_experts=2)
+    with pytest.raises(ConfigError, match="--eplb-policy"):
+        EngineConfig(tensor_parallel_size=2, enable_expert_parallel=True, eplb_policy="random")
+    with pytest.raises(ConfigError, match="--eplb-step-interval"):
+        EngineConfig(tensor_parallel_size=2, enable_expert_parallel=True, eplb_step_interval=0)
+    cfg = EngineConfig(tensor_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=2, enable_eplb=True)
+    assert cfg.enable_eplb and cfg.num_redundant_experts == 2

@@ -32,6 +32,8 @@ ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--quantization", "--kv-cache-dtype
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--item-catalog"]  # generative recommendation (issue 19)
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--tensor-parallel-size", "--tp-comm",
                        "--tp-overlap"]  # tensor parallelism (issue 45)
+ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--enable-expert-parallel", "--num-redundant-experts", "--enable-eplb",
+                       "--eplb-step-interval", "--eplb-policy"]  # expert parallelism and EPLB (issue 46)
 # the request limits of gateway and engines, defined once (xllm.engine_api.flags.add_request_bound_flags)
 REQUEST_BOUND_FLAGS = ["--max-prompt-chars", "--max-stop", "--max-stop-chars", "--max-stop-token-ids",
                        "--max-logit-bias"]

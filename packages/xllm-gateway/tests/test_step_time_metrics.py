@@ -59,3 +59,24 @@ def test_measured_and_predicted_step_seconds_are_counters_across_restarts() -> N
     s = _samples(m)
     assert s[("xllm:step_time_measured_seconds_total", LABELS)] == 6.0
     assert s[("xllm:step_time_predicted_seconds_total", LABELS)] == 3.5
+
+
+def test_expert_load_windows_set_the_moe_series() -> None:
+    """An expert-parallel engine's closed load windows (xllm.core.eplb): the imbalance gauge, tokens per expert
+    counted over windows, switches completed."""
+    from xllm.engine_api.stats import ExpertBalance
+
+    m = EngineMetrics()
+    obs = m.observer("m", "i0")
+    step = _step(None)
+    step.experts = ExpertBalance(1.8, [30, 0, 10], switching=True, rebalances=0)
+    obs.on_step(step)
+    obs.on_step(_step(None))  # no window closed: nothing changes
+    step = _step(None)
+    step.experts = ExpertBalance(1.05, [20, 5, 15], rebalances=1)
+    obs.on_step(step)
+    s = _samples(m)
+    assert s[("xllm:moe_expert_load_imbalance", LABELS)] == 1.05
+    assert s[("xllm:eplb_rebalances", LABELS)] == 1
+    tokens = {dict(k[1])["expert"]: v for k, v in s.items() if k[0] == "xllm:moe_expert_tokens_total"}
+    assert tokens == {"0": 50, "1": 5, "2": 25}

@@ -12,6 +12,7 @@ from xllm.engine_api.credential import ClusterKeys
 from xllm.engine_api.errors import ConfigError
 from xllm.engine_api.names import DTYPES, KV_BACKENDS, KV_CACHE_DTYPES, PROPOSERS, TP_COMMS, canonical_quantization
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
+from xllm.sched.eplb import EPLB_POLICIES
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -77,6 +78,9 @@ class EngineConfig:
     rendezvous; ``None``: a free port, one host only), collectives and plans over gloo. ``cluster_keys``: the
     cluster token's keys every rank proves before the group is used (:mod:`xllm.core.parallel.trust`; needed
     for a ``master_addr`` beyond loopback); never shown.
+    ``enable_expert_parallel`` (with ``tensor_parallel_size`` above 1, a MoE model from safetensors): each rank
+    holds whole routed experts (``num_redundant_experts`` extra replicas), placed by rank; ``enable_eplb``
+    rebalances that placement every ``eplb_step_interval`` steps by ``eplb_policy`` (:mod:`xllm.core.eplb`).
     ``tp_overlap`` (``--tp-overlap``: auto/on/off): eager TP steps as two overlapped micro-batches (xllm.core.overlap).
     ``quantization`` (:data:`xllm.engine_api.names.WEIGHT_QUANTIZATIONS`): the linears' weight format the loader
     builds (``"auto"``: a GGUF's stored formats; ``"none"``: float in ``dtype``; ``"int8"``/``"int4"``/
@@ -129,6 +133,11 @@ class EngineConfig:
     node_rank: int = 0  # this host's node (0: the engine's)
     master_addr: str = "127.0.0.1"  # rank 0's rendezvous host
     master_port: int | None = None  # ... and port (None: a free one; one host only)
+    enable_expert_parallel: bool = False  # MoE experts whole, placed over the ranks (xllm.models.expert_parallel)
+    num_redundant_experts: int = 0  # extra expert replicas per MoE layer with expert parallelism
+    enable_eplb: bool = False  # rebalance the expert placement from the measured load (xllm.core.eplb)
+    eplb_step_interval: int = 1000  # steps per load window (and between EPLB decisions)
+    eplb_policy: str = "auto"  # xllm.sched.eplb.EPLB_POLICIES
     cluster_keys: ClusterKeys | None = field(default=None, repr=False, compare=False)  # the ranks' credential
     # what one request may ask for beyond the context length, applied again after the gateway (the request
     # limit flags, xllm.engine_api.flags.add_request_bound_flags); sizes the largest accepted message too
@@ -189,6 +198,7 @@ class EngineConfig:
         if self.tp_comm not in TP_COMMS:
             raise ConfigError(f"tp_comm (--tp-comm) must be one of {', '.join(TP_COMMS)}, got {self.tp_comm!r}")
         self._check_nodes()
+        self._check_experts()
         if n == 1:
             return
         refused = []
@@ -201,6 +211,21 @@ class EngineConfig:
             refused.append("--compile-decode")
         if refused:
             raise ConfigError(f"--tensor-parallel-size {n} does not support {', '.join(refused)} yet")
+
+    def _check_experts(self) -> None:
+        if self.num_redundant_experts < 0:
+            raise ConfigError(f"--num-redundant-experts must be >= 0, got {self.num_redundant_experts}")
+        if self.eplb_step_interval < 1:
+            raise ConfigError(f"--eplb-step-interval must be >= 1, got {self.eplb_step_interval}")
+        if self.eplb_policy not in EPLB_POLICIES:
+            raise ConfigError(f"--eplb-policy must be one of {', '.join(EPLB_POLICIES)}, got {self.eplb_policy!r}")
+        if self.enable_expert_parallel and self.tensor_parallel_size < 2:
+            raise ConfigError("--enable-expert-parallel places experts over the ranks: it needs --tensor-parallel-size "
+                              "2 or more")
+        needs_ep = [f for f, on in (("--enable-eplb", self.enable_eplb),
+                                    ("--num-redundant-experts", self.num_redundant_experts > 0)) if on]
+        if needs_ep and not self.enable_expert_parallel:
+            raise ConfigError(f"{' and '.join(needs_ep)} need --enable-expert-parallel")
 
     def _check_nodes(self) -> None:
         n, hosts, node = self.tensor_parallel_size, self.nnodes, self.node_rank

@@ -56,7 +56,7 @@ from xllm.core.sampling_params import SamplingParams
 from xllm.core.sequence import PLACEHOLDER, Phase, PromptLogprobs, SeqStatus, Sequence
 from xllm.core.spec.speculator import Speculator
 from xllm.core.step import StepInFlight
-from xllm.core.step_stats import finished_request, offline_scheduling, spec_stats
+from xllm.core.step_stats import expert_stats, finished_request, offline_scheduling, spec_stats
 from xllm.core.validation import RequestLimits
 from xllm.engine_api.errors import EngineOverloadedError, InvalidRequestError
 from xllm.engine_api.stats import EngineCounters, FinishedRequest, OfflineStepStats, StatsObserver, StepStats
@@ -532,7 +532,8 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
             kv_usage=self.kv.usage, step_time=step_time, prompt_tokens=prompt_tokens, ttfts=ttfts,
             inter_token_latencies=itls, finished=finished, prefix_cache_queries=prefix.queries - before.queries,
             prefix_cache_hits=prefix.hits - before.hits, step_time_prediction_error=prediction_error,
-            offline=offline, **spec_stats(flight), **beam_stats(beams, flight.beam_starts)))
+            offline=offline, **spec_stats(flight), **beam_stats(beams, flight.beam_starts),
+            **expert_stats(self.runner)))
 
     def _notify(self, stats: StepStats) -> None:
         for obs in self.observers:

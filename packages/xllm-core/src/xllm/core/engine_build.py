@@ -99,8 +99,10 @@ def build_runner(config: EngineConfig, model: CausalLM, kv: KVCacheBackend, devi
         if ranks is None or ranks.size != config.tensor_parallel_size:
             raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size}: the engine needs its "
                               f"{config.tensor_parallel_size - 1} worker rank(s) (xllm.engine.loader starts them)")
+        from xllm.core.eplb import EplbSettings
         from xllm.core.executor.runner import TensorParallelRunner
-        tp_runner = TensorParallelRunner(model, kv, device, ranks, native_decode=config.native_decode)
+        eplb = EplbSettings(config.enable_eplb, config.eplb_step_interval, config.eplb_policy, nodes=config.nnodes)
+        tp_runner = TensorParallelRunner(model, kv, device, ranks, native_decode=config.native_decode, eplb=eplb)
         tp_runner.set_overlap(config.tp_overlap)  # --tp-overlap (xllm.core.overlap)
         return tp_runner
     runner = ModelRunner(model, kv, device, native_decode=config.native_decode)

@@ -36,6 +36,14 @@ def spec_stats(flight: StepInFlight) -> dict:
                 spec_accepted_tokens=sum(v.num_accepted for v in flight.verified), spec_accepted_per_pos=per_pos)
 
 
+def expert_stats(runner: object) -> dict:
+    """The MoE load window an expert-parallel runner closed this step, as the :class:`StepStats` field (none
+    otherwise; :mod:`xllm.core.eplb`)."""
+    eplb = getattr(runner, "eplb", None)
+    report = eplb.take_report() if eplb is not None else None
+    return {"experts": report} if report is not None else {}
+
+
 def finished_request(seq: Sequence, reason: str, now: float) -> FinishedRequest:
     """``seq`` ended with ``reason`` at ``now`` (wall seconds): its request as the step reports it."""
     ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time

@@ -29,6 +29,7 @@ from xllm.engine_api.security import TOKEN_ENV, ClusterSecurity, resolve_token
 from xllm.engine_api.tracing import add_tracing_flags
 from xllm.proto.enums import ROLE_NAMES
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
+from xllm.sched.eplb import EPLB_POLICIES
 
 ENGINE_DESCRIPTION = ("Run one engine instance serving the xllm.engine.v1.EngineService gRPC contract; with "
                       "--etcd (or --registry) it registers itself and heartbeats load and KV cache events so "
@@ -148,6 +149,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "--tp-comm gloo, whose all-reduce runs in its own threads; the shm all-reduce and the fused "
                         "native steps run on the rank's own thread). auto: per step size, rank 0 times both ways for "
                         "a few steps, keeps the faster and logs both; on: always; off: never (default auto)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: each rank holds whole MoE experts (placed by rank, "
+                        "attention still tensor-parallel) instead of a slice of every expert (Qwen3-MoE, "
+                        "DeepSeek-V2/V3 from safetensors)")
+    p.add_argument("--num-redundant-experts", type=non_negative_int, default=0, metavar="N",
+                   help="with --enable-expert-parallel: N extra replicas per MoE layer for the hot experts (rounded "
+                        "up so every rank holds as many experts; default 0)")
+    p.add_argument("--enable-eplb", action="store_true",
+                   help="with --enable-expert-parallel: rebalance the expert placement from the measured load at run "
+                        "time (new experts loaded in the background, switched between steps on every rank at once)")
+    p.add_argument("--eplb-step-interval", type=positive_int, default=1000, metavar="STEPS",
+                   help="steps per expert-load window: /metrics reports each window's balance, and --enable-eplb "
+                        "decides after each (default %(default)s)")
+    p.add_argument("--eplb-policy", choices=EPLB_POLICIES, default="auto",
+                   help="EPLB placement policy: global (replicate and pack over all ranks), hierarchical (expert "
+                        "groups to hosts first, with --nnodes), auto (hierarchical where it applies)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
     p.add_argument("--slo-ttft-ms", type=positive_float, default=None, metavar="MS",
                    help="online time-to-first-token target in ms (dynamic PD flips roles against it; "

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from xllm.engine_api.stats import StepStats
 
@@ -50,6 +50,14 @@ class StepHistograms:
             "xllm:step_time_prediction_error", "Relative error |predicted - measured| / measured of the engine's "
             "step-time prediction, per step (see xllm.core.step_timing).", labels,
             buckets=ERROR_BUCKETS, registry=r)
+        # expert parallelism (xllm.core.eplb): one update per closed load window
+        self.expert_imbalance = Gauge(
+            "xllm:moe_expert_load_imbalance", "Max / mean of the tokens each rank's routed experts computed over "
+            "the last load window (mean over MoE layers; 1 is even).", labels, registry=r)
+        self.expert_tokens = Counter("xllm:moe_expert_tokens", "Tokens routed to each logical expert (summed over "
+                                     "MoE layers).", [*labels, "expert"], registry=r)
+        self.eplb_rebalances = Gauge("xllm:eplb_rebalances", "Expert placement switches completed (EPLB).", labels,
+                                     registry=r)
 
     def observe(self, model_name: str, instance: str, s: StepStats) -> None:
         """Record step ``s`` of ``instance`` (engine thread)."""
@@ -69,6 +77,12 @@ class StepHistograms:
             itl = self.itl.labels(*lb)
             for v in s.inter_token_latencies:
                 itl.observe(v)
+        if s.experts is not None:
+            self.expert_imbalance.labels(*lb).set(s.experts.imbalance)
+            self.eplb_rebalances.labels(*lb).set(s.experts.rebalances)
+            for e, n in enumerate(s.experts.tokens):
+                if n:
+                    self.expert_tokens.labels(*lb, str(e)).inc(n)
         for f in s.finished:
             self.request_success.labels(*lb, f.finish_reason).inc()
             self.e2e.labels(*lb).observe(f.e2e_latency)

@@ -30,6 +30,20 @@ class OfflineStepStats:
 
 
 @dataclass
+class ExpertBalance:
+    """One closed window of an expert-parallel instance's MoE load (:mod:`xllm.core.eplb`): ``imbalance``, the
+    max / mean of the tokens each rank's experts computed (mean over the MoE layers; 1.0 is even), ``tokens``
+    routed to each logical expert (summed over the layers; ``layer_tokens``: per MoE layer), whether a placement
+    switch starts (``switching``) and the switches completed before it (``rebalances``)."""
+
+    imbalance: float
+    tokens: list[int]
+    switching: bool = False
+    rebalances: int = 0
+    layer_tokens: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
 class StepStats:
     """One engine step, handed to observers after the step completes."""
 
@@ -63,6 +77,8 @@ class StepStats:
     beam_rows: int = 0
     beam_candidates_scanned: int = 0
     beam_early_terminations: int = 0
+    # expert parallelism (xllm.core.eplb): set on the step that closed a load window
+    experts: ExpertBalance | None = None
 
 
 class StatsObserver(Protocol):

@@ -52,8 +52,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_store_metadata=args.mooncake_metadata,
         kv_store_segment_gib=args.kv_store_segment, item_catalog=args.item_catalog,
         tensor_parallel_size=tp, tp_comm=getattr(args, "tp_comm", "auto"),
-        tp_overlap=getattr(args, "tp_overlap", "auto"), **node_options(args, tp),
+        tp_overlap=getattr(args, "tp_overlap", "auto"), **node_options(args, tp), **expert_options(args),
         request_bounds=request_bounds(args), **lora_options(args))
+
+
+def expert_options(args: argparse.Namespace) -> dict:
+    """The expert-parallel flags as :class:`EngineConfig` fields."""
+    return dict(enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+                num_redundant_experts=getattr(args, "num_redundant_experts", 0),
+                enable_eplb=getattr(args, "enable_eplb", False),
+                eplb_step_interval=getattr(args, "eplb_step_interval", 1000),
+                eplb_policy=getattr(args, "eplb_policy", "auto"))
 
 
 def lora_options(args: argparse.Namespace) -> dict:

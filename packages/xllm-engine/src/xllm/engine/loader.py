@@ -56,7 +56,8 @@ def load_engine(model: str | None, name: str, cfg: EngineConfig | None, instance
     device = detect_platform(cfg.device).device  # the weights go where the engine runs (ValueError if absent)
     compute = ComputeThread()
     try:
-        shard = model_kwargs(0, cfg.tensor_parallel_size, ranks.comm) if ranks is not None else {}
+        shard = model_kwargs(0, cfg.tensor_parallel_size, ranks.comm, cfg.enable_expert_parallel,
+                             cfg.num_redundant_experts) if ranks is not None else {}
         weights = compute.call(load_model, model_dir, cfg.dtype, progress=progress, mtp=cfg.speculative == "mtp",
                                quantization=cfg.quantization, gguf_file=stored, device=device, **shard)
         draft = None

@@ -83,6 +83,8 @@ class RankSpec:
     log_level: int = logging.INFO  # rank 0's
     log_format: str = "text"  # rank 0's (xllm.engine_api.logs)
     keys: ClusterKeys | None = None  # the cluster token's, proved to the other ranks (never shown)
+    expert_parallel: bool = False  # --enable-expert-parallel (xllm.models.expert_parallel)
+    redundant_experts: int = 0  # --num-redundant-experts
 
 
 def join_comm(spec: CommSpec, rank: int, size: int) -> Communicator:
@@ -153,9 +155,13 @@ def route_interface(host: str) -> str | None:
     return None
 
 
-def model_kwargs(rank: int, size: int, comm: Communicator) -> dict:
-    """``load_model``'s tensor-parallel arguments for ``rank`` of ``size``."""
-    return {} if size == 1 else {"tp_rank": rank, "tp_size": size, "comm": comm}
+def model_kwargs(rank: int, size: int, comm: Communicator, expert_parallel: bool = False,
+                 redundant_experts: int = 0) -> dict:
+    """``load_model``'s tensor-parallel (and expert-parallel) arguments for ``rank`` of ``size``."""
+    if size == 1:
+        return {}
+    ep = {"expert_parallel": True, "redundant_experts": redundant_experts} if expert_parallel else {}
+    return {"tp_rank": rank, "tp_size": size, "comm": comm, **ep}
 
 
 def rank_main(spec: RankSpec) -> None:
@@ -175,7 +181,8 @@ def rank_main(spec: RankSpec) -> None:
         channel, comm = join_group(spec.channel, spec.comm, spec.rank, spec.size, spec.keys)
         model = load_model(spec.model_dir, spec.dtype, device=spec.device, progress=False,
                            quantization=spec.quantization, gguf_file=spec.gguf_file,
-                           **model_kwargs(spec.rank, spec.size, comm))
+                           **model_kwargs(spec.rank, spec.size, comm, spec.expert_parallel,
+                                          spec.redundant_experts))
         steps = serve_rank(model, comm, channel, torch.device(spec.device),  # type: ignore[arg-type]
                            parent_alive(spec.parent_pid))
         log.info("rank %d of %d stopped after %d steps", spec.rank, spec.size, steps)
@@ -235,7 +242,8 @@ def spawn_ranks(ranks: range, model_dir: pathlib.Path, cfg: EngineConfig, gguf: 
         for rank in ranks:
             spec = RankSpec(rank, cfg.tensor_parallel_size, str(model_dir), cfg.dtype, cfg.quantization,
                             None if gguf is None else str(gguf), threads, cfg.device, os.getpid(), channel, comm,
-                            logging.getLogger().getEffectiveLevel(), logs.current_format(), cfg.cluster_keys)
+                            logging.getLogger().getEffectiveLevel(), logs.current_format(), cfg.cluster_keys,
+                            cfg.enable_expert_parallel, cfg.num_redundant_experts)
             p = ctx.Process(target=rank_main, args=(spec,), name=f"xllm-rank-{rank}", daemon=True)
             p.start()
             processes.append(p)

@@ -36,7 +36,7 @@ from xllm.kernels.attention import (
 from xllm.kernels.gemm import PackedWeight, packed_linear
 from xllm.kernels.linear import linear
 from xllm.kernels.mla import absorb_query, apply_rotary_interleaved, expand_values
-from xllm.kernels.moe import RoutingConfig, moe_experts, select_experts
+from xllm.kernels.moe import RoutingConfig, moe_expert_pairs, moe_experts, select_experts
 from xllm.kernels.norm import rms_norm
 from xllm.kernels.rotary import RopeBatch, RotaryTable, apply_rotary
 
@@ -51,6 +51,7 @@ __all__ = [
     "decode_attention",
     "expand_values",
     "linear",
+    "moe_expert_pairs",
     "moe_experts",
     "packed_linear",
     "paged_decode_attention",

@@ -113,14 +113,24 @@ def moe_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
     increasing expert order. Output dtype is ``hidden.dtype``.
     """
     tokens, k = ids.shape
+    token_of = torch.arange(tokens, device=ids.device).repeat_interleave(k)
+    return moe_expert_pairs(hidden, w13, w2, token_of, ids.reshape(-1), weights.reshape(-1))
+
+
+def moe_expert_pairs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, tokens: torch.Tensor,
+                     experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """:func:`moe_experts` over a list of (token, expert, weight) pairs (``[P]`` each): token ``t``'s output is
+    the weighted sum of the SwiGLU MLPs of the experts its pairs name, zero for a token without pairs (an
+    expert-parallel rank passes the pairs of the experts it holds, :mod:`xllm.models.expert_parallel`).
+    Contributions are accumulated expert by expert in increasing expert order, pairs of one expert in their
+    given order."""
     out = torch.zeros_like(hidden)
-    if tokens == 0:
+    if len(experts) == 0:
         return out
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    token_of = order // k
-    weight_of = weights.reshape(-1)[order]
+    order = experts.argsort(stable=True)  # pairs grouped by expert
+    counts = torch.bincount(experts, minlength=w13.shape[0]).tolist()
+    token_of = tokens[order]
+    weight_of = weights[order]
     start = 0
     for expert, n in enumerate(counts):
         if n == 0:

@@ -33,6 +33,7 @@ from torch import nn
 from xllm.core.model_api import AttentionContext, KVCacheSpec
 from xllm.kernels import RotaryTable, RoutingConfig
 from xllm.models.config import ModelConfig, ModelConfigError
+from xllm.models.expert_parallel import ExpertParallelHost
 from xllm.models.layers import Linear, LMHead, RMSNorm, TiedLMHead
 from xllm.models.llama import LlamaMLP, LlamaModel
 from xllm.models.mla import MLADims, MLAttention, build_mla_rotary
@@ -139,7 +140,7 @@ class DeepseekMTP:
         return head.head(head.norm(hidden)).float()
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(ExpertParallelHost, nn.Module):
     """DeepSeek-V2 (incl. V2-Lite: no ``q_lora_rank``) with HF weight names.
 
     KV cache: one shared head of ``kv_lora_rank + qk_rope_head_dim`` channels per
@@ -207,7 +208,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         shared_inter = int(cfg.get(SHARED_INTERMEDIATE_KEY) or inter * n_shared)  # (a rank's: its channels)
         shared = LlamaMLP(cfg.hidden_size, shared_inter, bias) if n_shared else None
         return SparseMoeBlock(cfg.hidden_size, experts, inter, self.routing(cfg), fp32_router=True,
-                              correction_bias=self.version == 3, shared=shared)
+                              correction_bias=self.version == 3, shared=shared, slots=self.tp.expert_slots(experts))
 
     def post_load(self) -> None:
         """Build the RoPE table and the per-head absorbed-weight views once parameters are loaded."""

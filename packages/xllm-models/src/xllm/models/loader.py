@@ -24,6 +24,7 @@ from xllm.common.memory import release_freed_memory
 from xllm.core.parallel.comm import Communicator
 from xllm.engine_api.names import WEIGHT_QUANTIZATIONS, canonical_quantization
 from xllm.models.config import ModelConfig, ModelConfigError
+from xllm.models.expert_parallel import CheckpointExperts, ExpertParallelSpec
 from xllm.models.gguf_weights import StoredWeights, read_gguf_weights
 from xllm.models.placement import StreamsWeights, place_weights
 from xllm.models.quantize import install_quantized, quantize_model
@@ -112,7 +113,8 @@ def _no_init(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", progress: bool = True, tp_rank: int = 0,
                tp_size: int = 1, mtp: bool = False, quantization: str = "none",
-               gguf_file: str | pathlib.Path | None = None, comm: Communicator | None = None) -> torch.nn.Module:
+               gguf_file: str | pathlib.Path | None = None, comm: Communicator | None = None,
+               expert_parallel: bool = False, redundant_experts: int = 0) -> torch.nn.Module:
     """Build the model class for ``model_dir``'s architecture and load its weights.
 
     Parameters are allocated directly in ``dtype`` on ``device`` (no random
@@ -130,6 +132,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     :mod:`xllm.models.smoothing`). ``gguf_file``: load the weights from this GGUF as stored
     (its Q8_0/Q4_0/Q4_1 tensors stay quantized, :mod:`xllm.models.gguf_weights`) instead of ``model_dir``'s
     safetensors, which then only gives the config (``model_dir`` is the GGUF's conversion).
+    ``expert_parallel`` (with ``tp_size > 1``): the routed experts whole, ``redundant_experts`` extra replicas,
+    placed over the ranks and rebalanced at run time (:mod:`xllm.models.expert_parallel`; safetensors only).
     Returns the model in eval mode.
     """
     model_dir = pathlib.Path(model_dir)
@@ -144,8 +148,11 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     if (fmt is not None or gguf_file is not None) and torch.device(device).type != "cpu":
         raise ModelConfigError("quantized weights run on the CPU (use --quantization none)")
     shard = None
+    if expert_parallel and (tp_size == 1 or gguf_file is not None):
+        raise ModelConfigError("--enable-expert-parallel needs --tensor-parallel-size > 1 and safetensors weights")
     if tp_size != 1 or tp_rank != 0:
-        shard = TPShard.for_config(cfg, tp_rank, tp_size, comm)
+        spec = ExpertParallelSpec(redundant_experts) if expert_parallel else None
+        shard = TPShard.for_config(cfg, tp_rank, tp_size, comm, spec)
     if gguf_file is not None:
         if mtp:
             raise ModelConfigError(f"{gguf_file}: a GGUF model has no multi-token-prediction layers")
@@ -167,6 +174,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     with torch.device("meta"), _skip_init():
         model = _build(cls, cfg, shard, mtp)
     _materialize(model, dtype, torch.device(device))
+    if expert_parallel:  # each MoE layer's slots placed before the weights load (they pick their experts)
+        model.attach_experts(tp_rank, tp_size, redundant_experts, CheckpointExperts(shard_files(model_dir), dtype))
     model.load_weights(weights)
     if fmt == "w8a8":  # outliers moved into the weights first (a calibration forward: post_load's state)
         model.post_load()

@@ -17,12 +17,16 @@ filled one checkpoint tensor at a time, in file order, by
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from xllm.kernels import RoutingConfig, moe_experts, select_experts
+from xllm.kernels import RoutingConfig, moe_expert_pairs, moe_experts, select_experts
 from xllm.models.weights import SelfLoadingModule
+
+if TYPE_CHECKING:
+    from xllm.models.expert_parallel import ExpertLoad, ExpertMap
 
 _EXPERT_RE = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -31,18 +35,43 @@ class RoutedExperts(SelfLoadingModule, nn.Module):
     """``E`` SwiGLU experts of intermediate size ``I`` stacked into two parameters. ``lora``: the resident LoRA
     adapters of the experts (:class:`xllm.models.lora_experts.ExpertLora`, set when the model serves adapters):
     a forward with rows of an adapter that has expert weights runs the experts with them, never the plain
-    :func:`xllm.kernels.moe_experts`."""
+    :func:`xllm.kernels.moe_experts`.
+
+    ``slots`` (expert parallelism, :mod:`xllm.models.expert_parallel`): the module holds ``slots`` whole experts
+    (``w13`` ``[slots, 2I, H]``), the ones :meth:`place` names, and a forward runs only the (token, expert) pairs
+    routed to them: its output is this rank's part of the sum."""
 
     lora = None
+    expert_map: ExpertMap | None = None  # set by place() (expert parallelism)
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, slots: int | None = None) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.slots = slots
+        rows = num_experts if slots is None else slots
+        self.w13 = nn.Parameter(torch.empty(rows, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(rows, hidden, intermediate))
         self._loaded: set[tuple[int, str]] = set()
+        self._layer, self._load = 0, None
+
+    def place(self, expert_map: ExpertMap, layer: int, load: ExpertLoad | None) -> None:
+        """Hold the experts ``expert_map`` gives this rank (before loading: the checkpoint's other experts are
+        skipped); ``layer``: the MoE layer's index in ``load`` (rank 0's routed-token counts; None: not counted)."""
+        self.expert_map, self._layer, self._load = expert_map, layer, load
+
+    def swap(self, w13: torch.Tensor, w2: torch.Tensor, expert_map: ExpertMap) -> None:
+        """Serve from ``w13`` / ``w2`` laid out by ``expert_map`` from the next forward on (an EPLB switch)."""
+        self.w13.data, self.w2.data, self.expert_map = w13, w2, expert_map
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        emap = self.expert_map
+        if emap is not None:
+            phys = emap.route(ids)
+            if self._load is not None:
+                self._load.add(self._layer, phys)
+            local = phys - emap.base
+            t, j = ((local >= 0) & (local < emap.slots)).nonzero(as_tuple=True)
+            return moe_expert_pairs(hidden, self.w13, self.w2, t, local[t, j], weights[t, j])
         if self.lora is not None:
             out = self.lora.forward(hidden, self.w13, self.w2, weights, ids)
             if out is not None:
@@ -61,10 +90,20 @@ class RoutedExperts(SelfLoadingModule, nn.Module):
             if expert >= self.num_experts:
                 return False
             i = self.intermediate
-            dest = {"gate_proj": self.w13.data[expert, :i], "up_proj": self.w13.data[expert, i:],
-                    "down_proj": self.w2.data[expert]}[part]
-            _copy(dest, tensor, rel_name)
+            for row in self._rows(expert):
+                dest = {"gate_proj": self.w13.data[row, :i], "up_proj": self.w13.data[row, i:],
+                        "down_proj": self.w2.data[row]}[part]
+                _copy(dest, tensor, rel_name)
             self._loaded.add((expert, part))
+            return True
+        if self.expert_map is not None and rel_name in ("gate_up_proj", "down_proj"):  # stacked: this rank's rows
+            dest = self.w13.data if rel_name == "gate_up_proj" else self.w2.data
+            if tensor.shape[0] != self.num_experts:
+                raise ValueError(f"{rel_name}: checkpoint holds {tensor.shape[0]} experts, not {self.num_experts}")
+            for row, expert in enumerate(self.expert_map.local):
+                _copy(dest[row], tensor[expert], rel_name)
+            parts = ("gate_proj", "up_proj") if rel_name == "gate_up_proj" else ("down_proj",)
+            self._loaded.update((e, p) for e in range(self.num_experts) for p in parts)
             return True
         if rel_name == "gate_up_proj":
             _copy(self.w13.data, tensor, rel_name)
@@ -75,6 +114,12 @@ class RoutedExperts(SelfLoadingModule, nn.Module):
             self._loaded.update((e, "down_proj") for e in range(self.num_experts))
             return True
         return False
+
+    def _rows(self, expert: int) -> list[int]:
+        """The rows of ``w13`` / ``w2`` that hold logical expert ``expert`` (none: another rank's)."""
+        if self.expert_map is None:
+            return [expert]
+        return [row for row, e in enumerate(self.expert_map.local) if e == expert]
 
     def missing_checkpoint_tensors(self) -> list[str]:
         return [f"{e}.{p}.weight" for e in range(self.num_experts) for p in ("gate_proj", "up_proj", "down_proj")
@@ -126,15 +171,17 @@ class SparseMoeBlock(nn.Module):
     """Router -> top-k experts (weighted sum) [+ always-on shared experts].
 
     ``shared`` is any ``[T, H] -> [T, H]`` module (DeepSeek's shared experts) or
-    None. Output: ``sum_j w_j expert_j(x) (+ shared(x))``.
+    None. Output: ``sum_j w_j expert_j(x) (+ shared(x))``. ``slots``: expert-parallel experts
+    (:class:`RoutedExperts`).
     """
 
     def __init__(self, hidden: int, num_experts: int, intermediate: int, routing: RoutingConfig,
-                 fp32_router: bool = False, correction_bias: bool = False, shared: nn.Module | None = None) -> None:
+                 fp32_router: bool = False, correction_bias: bool = False, shared: nn.Module | None = None,
+                 slots: int | None = None) -> None:
         super().__init__()
         self.routing = routing
         self.gate = Router(num_experts, hidden, fp32_router, correction_bias)
-        self.experts = RoutedExperts(num_experts, hidden, intermediate)
+        self.experts = RoutedExperts(num_experts, hidden, intermediate, slots)
         self.shared_experts = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

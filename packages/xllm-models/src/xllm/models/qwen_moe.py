@@ -13,6 +13,7 @@ from torch import nn
 
 from xllm.kernels import RoutingConfig
 from xllm.models.config import ModelConfig, ModelConfigError
+from xllm.models.expert_parallel import ExpertParallelHost
 from xllm.models.llama import LlamaForCausalLM, LlamaMLP
 from xllm.models.moe import SparseMoeBlock
 from xllm.models.tensor_parallel import TPShard
@@ -24,7 +25,7 @@ def _sparse_layer(cfg: ModelConfig, layer: int) -> bool:
     return experts > 0 and layer not in (cfg.get("mlp_only_layers") or []) and (layer + 1) % step == 0
 
 
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
+class Qwen3MoeForCausalLM(ExpertParallelHost, LlamaForCausalLM):
     """Qwen3-MoE decoder with HF weight names (experts stacked, qkv / gate_up fused at load)."""
 
     qk_norm = True
@@ -40,4 +41,5 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         routing = RoutingConfig(top_k=int(cfg.raw["num_experts_per_tok"]), scoring="softmax",
                                 renormalize=bool(cfg.get("norm_topk_prob", False)))
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts"))
-        return SparseMoeBlock(cfg.hidden_size, experts, int(cfg.raw["moe_intermediate_size"]), routing)
+        return SparseMoeBlock(cfg.hidden_size, experts, int(cfg.raw["moe_intermediate_size"]), routing,
+                              slots=self.tp.expert_slots(experts))

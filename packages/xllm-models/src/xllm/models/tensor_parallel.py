@@ -35,6 +35,7 @@ import torch
 from xllm.core.parallel.comm import Communicator, SingleRank
 from xllm.kernels.quant import BLOCK_BYTES, QuantizedWeight
 from xllm.models.config import ModelConfig, ModelConfigError
+from xllm.models.expert_parallel import ExpertParallelSpec
 from xllm.models.tp_plan import Span, channel_span, gqa_heads, mla_heads, vocab_span
 
 #: an xllm-only config key of a rank's local config: DeepSeek's shared-experts intermediate size
@@ -63,6 +64,7 @@ _RULES: dict[str, tuple[tuple[str, str], ...]] = {
     "DeepseekV3ForCausalLM": _DEEPSEEK,
 }
 _ROW_KINDS = frozenset({"o", "mlp_row", "expert_row", "shared_row", "experts_down"})
+_EXPERT_KINDS = frozenset({"expert_col", "expert_row", "experts_gate_up", "experts_down"})
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,11 @@ class TPShard:
     local: dict[str, int] = field(default_factory=dict)  # local sizes: heads, kv heads, intermediates
     vocab: Span | None = None
     vocab_size: int = 0
+    experts: ExpertParallelSpec | None = None  # expert parallelism: routed experts whole, placed by rank
+
+    def expert_slots(self, num_experts: int) -> int | None:
+        """The whole experts each rank's MoE layer holds under expert parallelism (None: split channel-wise)."""
+        return None if self.experts is None or not self.parallel else self.experts.slots(num_experts, self.size)
 
     @property
     def parallel(self) -> bool:
@@ -95,9 +102,11 @@ class TPShard:
         return self.size > 1
 
     @classmethod
-    def for_config(cls, cfg: ModelConfig, rank: int, size: int, comm: Communicator | None = None) -> TPShard:
+    def for_config(cls, cfg: ModelConfig, rank: int, size: int, comm: Communicator | None = None,
+                   experts: ExpertParallelSpec | None = None) -> TPShard:
         """Rank ``rank`` of ``size``'s shard of ``cfg``'s model; ``comm`` (default: no collectives)
-        must be a group of ``size`` in which this process is ``rank``.
+        must be a group of ``size`` in which this process is ``rank``; ``experts``: the routed experts whole,
+        placed over the ranks (:mod:`xllm.models.expert_parallel`; a model without them: ModelConfigError).
 
         :class:`ModelConfigError` for an architecture without a plan, or sizes that cannot be split;
         ``ValueError`` for a rank outside ``[0, size)`` or a ``comm`` of another shape."""
@@ -111,9 +120,12 @@ class TPShard:
             comm = SingleRank(rank, size)
         elif (comm.rank, comm.size) != (rank, size):
             raise ValueError(f"the communicator is rank {comm.rank} of {comm.size}, not rank {rank} of {size}")
-        cuts, local = _plan(cfg, rank, size)
+        if experts is not None and not cfg.get("moe_intermediate_size"):
+            raise ModelConfigError(f"--enable-expert-parallel: {cfg.architecture} has no routed experts")
+        cuts, local = _plan(cfg, rank, size, experts is not None)
         compiled = tuple((re.compile(p), kind) for p, kind in rules)
-        return cls(rank, size, comm, compiled, cuts, local, vocab_span(cfg.vocab_size, size, rank), cfg.vocab_size)
+        return cls(rank, size, comm, compiled, cuts, local, vocab_span(cfg.vocab_size, size, rank), cfg.vocab_size,
+                   experts)
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """``cfg`` with the sizes this rank holds: its heads and KV heads (MLA: its heads; the latent is
@@ -142,7 +154,7 @@ class TPShard:
         if not self.parallel:
             return tensor
         kind = self.kind(name)
-        if kind is None:
+        if kind is None or (self.experts is not None and kind in _EXPERT_KINDS):  # (EP: the experts pick theirs)
             return tensor
         if kind in _ROW_KINDS and tensor.dim() == 1:  # a row-parallel bias: added once, by rank 0
             return tensor if self.rank == 0 else torch.zeros_like(tensor, device="cpu")
@@ -182,8 +194,9 @@ class TPShard:
             yield name, self.shard(name, tensor)
 
 
-def _plan(cfg: ModelConfig, rank: int, size: int) -> tuple[dict[str, Cut], dict[str, int]]:
-    """The cuts and local sizes of rank ``rank`` of ``size`` for ``cfg``."""
+def _plan(cfg: ModelConfig, rank: int, size: int, whole_experts: bool = False) -> tuple[dict[str, Cut], dict[str, int]]:
+    """The cuts and local sizes of rank ``rank`` of ``size`` for ``cfg`` (``whole_experts``: routed experts not
+    split, expert parallelism)."""
     cuts: dict[str, Cut] = {}
     local: dict[str, int] = {}
     if "kv_lora_rank" in cfg.raw:  # MLA: heads split, the latent whole
@@ -206,11 +219,12 @@ def _plan(cfg: ModelConfig, rank: int, size: int) -> tuple[dict[str, Cut], dict[
         local["intermediate_size"] = span.size
     if cfg.get("moe_intermediate_size"):
         total = int(cfg.raw["moe_intermediate_size"])
-        span = channel_span(total, size, rank, "moe_intermediate_size")
-        cuts["expert_col"], cuts["expert_row"] = Cut(0, (span,)), Cut(-1, (span,))
-        cuts["experts_gate_up"] = Cut(1, (span, Span(total + span.start, total + span.end)))
-        cuts["experts_down"] = Cut(-1, (span,))
-        local["moe_intermediate_size"] = span.size
+        if not whole_experts:
+            span = channel_span(total, size, rank, "moe_intermediate_size")
+            cuts["expert_col"], cuts["expert_row"] = Cut(0, (span,)), Cut(-1, (span,))
+            cuts["experts_gate_up"] = Cut(1, (span, Span(total + span.start, total + span.end)))
+            cuts["experts_down"] = Cut(-1, (span,))
+            local["moe_intermediate_size"] = span.size
         shared = total * int(cfg.get("n_shared_experts") or 0)
         if shared:
             span = channel_span(shared, size, rank, "moe_intermediate_size * n_shared_experts")

@@ -11,6 +11,7 @@ batch policy (co-location included), role flips — while step times come from a
 - :mod:`xllm.sim.roles`: role flips and the moves they cause.
 - :mod:`xllm.sim.metrics`: per-request records and the report.
 - :mod:`xllm.sim.profile`: the default step-time profile.
+- :mod:`xllm.sim.moe`: expert-parallel load per rank and EPLB (the policies of :mod:`xllm.sched.eplb`).
 - :mod:`xllm.sim.cli`: ``xllm-sim``.
 """
 

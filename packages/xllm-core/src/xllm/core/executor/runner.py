@@ -16,6 +16,9 @@ forward, a page read, a page write) the same on every rank. A thread holding it 
 thread that may wait for it (a step's forward waits for nothing else; page reads and writes come from the
 engine, loader and hand-off threads between steps), so none deadlocks.
 
+Expert parallelism (a model with an ``expert_plane``): :attr:`TensorParallelRunner.eplb` closes the MoE load
+windows and switches the expert placement between steps (:mod:`xllm.core.eplb`).
+
 Beam rows (:mod:`xllm.core.beam_mirror`): a step's (``extra``) ride in its plan, a forward of beam rows alone
 (:meth:`TensorParallelRunner.forward_beams`) is a ``BEAM`` message; each worker mirrors the groups' beam KV
 with its own heads.
@@ -34,6 +37,7 @@ import numpy as np
 import torch
 
 from xllm.core.beam_mirror import BEAM, BeamKeys, encode_beams
+from xllm.core.eplb import EplbController, EplbSettings
 from xllm.core.executor.channel import DRAFT_OPS, DRAFT_SETUP, DRAFT_STEP, OPS, SETUP, STEP, RankFailed
 from xllm.core.executor.group import RankGroup, RankSetup, agree_capabilities
 from xllm.core.executor.kv_pages import KVHeads, ShardedPageStore, agree_kv_heads
@@ -75,7 +79,8 @@ class TensorParallelRunner(ModelRunner):
     served model's runner's ``lock`` (one order of everything on the channel); closing it stops nothing."""
 
     def __init__(self, model: CausalLM, kv: KVTensors, device: torch.device, group: RankGroup,
-                 native_decode: bool = True, lock: threading.Lock | None = None, draft_layers: int = 0) -> None:
+                 native_decode: bool = True, lock: threading.Lock | None = None, draft_layers: int = 0,
+                 eplb: EplbSettings | None = None) -> None:
         super().__init__(model, kv, device, native_decode)
         self.group = group
         self.stream = DRAFT if draft_layers else MAIN
@@ -98,6 +103,9 @@ class TensorParallelRunner(ModelRunner):
                 self.kv_heads: KVHeads = agree_kv_heads(model, group.comm)
             except CollectiveError as e:
                 raise group.failure(e) from e
+        plane = getattr(model, "expert_plane", None) if not draft_layers else None
+        # expert parallelism: the load windows and placement switches (xllm.core.eplb), around every step
+        self.eplb = EplbController(plane, group, eplb or EplbSettings()) if plane is not None else None
 
     @property
     def transfer_layout(self) -> KVCacheLayout:
@@ -158,12 +166,16 @@ class TensorParallelRunner(ModelRunner):
             try:
                 beams = None if extra is None else encode_beams(extra.input_ids, extra.positions,
                                                                 extra.rows, self._beam_keys)  # type: ignore[attr-defined]
+                if self.eplb is not None:
+                    self.eplb.before_step()
                 mode = self.publish(batch, greedy, beams)
                 self._executing = threading.get_ident()
                 if extra is not None:
                     out = super().execute(batch, extra=extra)
                 else:
                     out = super().execute(batch, greedy=greedy, mode=mode)
+                if self.eplb is not None:
+                    self.eplb.after_step()
             except CollectiveError as e:
                 raise self.group.failure(e) from e
             finally:

@@ -5,8 +5,9 @@
 0's ``SETUP`` (same layout, its own KV heads; :func:`~xllm.core.executor.group.mirror_kv`), agrees the
 paths with the other ranks, then per ``STEP`` message applies rank 0's KV mapping operations, checks it
 takes rank 0's path and executes; ``KV_READ`` / ``KV_WRITE`` move its KV heads of some pages for a hand-off
-(:mod:`xllm.core.executor.kv_pages`); ``BEAM`` runs beam rows alone (:mod:`xllm.core.beam_mirror`); ``DRAFT_*``
-run the ``self`` draft (:mod:`xllm.core.executor.draft_rank`); ``SHUTDOWN`` ends it. Rank 0's death (the plan
+(:mod:`xllm.core.executor.kv_pages`); ``BEAM`` runs beam rows alone (:mod:`xllm.core.beam_mirror`);
+``EPLB_*`` switch the expert placement (:mod:`xllm.core.eplb`); ``DRAFT_*`` run the ``self`` draft
+(:mod:`xllm.core.executor.draft_rank`); ``SHUTDOWN`` ends it. Rank 0's death (the plan
 channel's liveness check) or a failed collective ends it with :class:`~xllm.core.executor.channel.RankFailed`.
 """
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from xllm.core.beam_mirror import BEAM, BeamMirror
+from xllm.core.eplb import EPLB_COMMIT, EPLB_PREPARE, serve_eplb_message
 from xllm.core.executor.channel import (
     DRAFT_OPS,
     DRAFT_SETUP,
@@ -82,6 +84,9 @@ def serve_rank(model: CausalLM, comm: Communicator, channel: StepChannel, device
                 continue
             if kind in (DRAFT_STEP, DRAFT_OPS):
                 draft.serve(kind, words)  # type: ignore[union-attr]  (a DRAFT_SETUP came first)
+                continue
+            if kind in (EPLB_PREPARE, EPLB_COMMIT):  # expert placement switches (xllm.core.eplb)
+                serve_eplb_message(kind, words, getattr(model, "expert_plane", None), comm)
                 continue
             if kind in (KV_READ, KV_WRITE):
                 if pages is None:
