@@ -44,6 +44,7 @@ CLUSTER_SECURITY_FLAGS = ["--cluster-token", "--cluster-token-file", "--tls-cert
 SERVE_FLAGS = ["--model", "--served-model-name", "--host", "--port", *ENGINE_CONFIG_FLAGS, "--no-progress",
                "--log-level", "--instances", "--etcd", "--etcd-prefix", "--routing", "--drain-moves",
                "--kv-bandwidth-prior", "--prefill-instances", "--decode-instances", "--etcd-watch-timeout",
+               "--routing-fallback-ratio",
                "--engine-idle-timeout", "--request-timeout", "--tool-call-parser",
                *HANDOFF_FLAGS, *CLUSTER_SECURITY_FLAGS]
 ENGINE_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--instance-id", "--advertise-address",
@@ -122,11 +123,24 @@ def test_cluster_flags_parse():
     assert (args.instances, args.etcd, args.etcd_prefix, args.routing) == (2, "127.0.0.1:2379", "/xllm", "round_robin")
     assert build_parser().parse_args(["serve"]).instances is None
     assert build_parser().parse_args(["serve"]).routing == "kv_aware"
+    assert build_parser().parse_args(["serve", "--routing-fallback-ratio", "50"]).routing_fallback_ratio == 50.0
+    with pytest.raises(SystemExit):  # a ratio below 1 would leave the fastest instance itself
+        build_parser().parse_args(["serve", "--routing-fallback-ratio", "0.5"])
     args = build_parser().parse_args(["engine", "--etcd", "h:1", "--instance-id", "e1", "--port", "0",
                                       "--lease-ttl", "3", "--heartbeat-interval", "0.5"])
     assert (args.etcd, args.instance_id, args.port, args.lease_ttl, args.heartbeat_interval) == ("h:1", "e1", 0,
                                                                                                 3.0, 0.5)
     assert (args.host, args.drain_timeout, args.registry) == ("127.0.0.1", 30.0, None)
+
+
+def test_routing_fallback_ratio_reaches_the_kv_aware_policy():
+    from xllm.gateway.registry.embedded import EmbeddedRegistry
+    from xllm.gateway.router import Router
+
+    kv = Router(EmbeddedRegistry(), "kv_aware", fallback_ratio=50.0)
+    assert kv.policy.fallback_ratio == 50.0 and kv.placement.prefill_policy.fallback_ratio == 50.0
+    assert Router(EmbeddedRegistry(), "kv_aware").policy.fallback_ratio == 2.0  # the policy's default
+    assert Router(EmbeddedRegistry(), "least_load", fallback_ratio=50.0).policy.name == "least_load"  # (no knob)
 
 
 def test_engine_args_for_spawned_instances():

@@ -2,7 +2,8 @@
 through the official ``openai`` client: the answer equals HF transformers' greedy continuation of the same
 conversation with the same image (HF's own image processor and the template's one image token per image,
 expanded to the image's tokens); an image sent twice answers the same and reuses its KV; a text model, a
-broken image and image tokens typed into the text are 400s naming the field."""
+broken image and image tokens typed into the text are 400s naming the field. The Responses API's ``input_image``
+parts take the same path."""
 
 from __future__ import annotations
 
@@ -104,6 +105,25 @@ def test_image_chat_equals_hf(served):
     assert third.choices[0].message.content != want
 
 
+def test_image_in_responses_equals_hf(served):
+    """``input_image`` parts of the Responses API reach the same image path: the answer is HF's greedy one, and a
+    follow-up turn (``previous_response_id``) reuses the image's KV."""
+    hf, tok, processor, client, _ = served
+    png = _png(4)
+    lead = "Describe the picture that follows in a few words, please. " * 3
+    got = client.responses.create(model="vl", max_output_tokens=6, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": lead},
+                                     {"type": "input_image", "image_url": _url(png), "detail": "auto"}]}])
+    hf_messages = [{"role": "user", "content": [{"type": "text", "text": lead}, {"type": "image"}]}]
+    want = _hf_answer(hf, tok, processor, hf_messages, png, 6)
+    if tok.eos_token_id in want:  # (no ignore_eos in the Responses API: the answer stops at EOS)
+        want = want[:want.index(tok.eos_token_id)]
+    assert got.output_text == tok.decode(want)
+    follow = client.responses.create(model="vl", max_output_tokens=2, temperature=0, previous_response_id=got.id,
+                                     input="And the colours?")
+    assert follow.usage.input_tokens_details.cached_tokens > 0  # the first turn's image KV, reused
+
+
 def test_bad_images_are_400s_naming_the_field(served):
     _, _, _, _, http = served
     cases = [
@@ -119,4 +139,10 @@ def test_bad_images_are_400s_naming_the_field(served):
                                                      "messages": [{"role": "user", "content": content}]})
         assert r.status_code == 400, (field, r.text)
         assert r.json()["error"]["param"] == field, r.json()
+    for content in ([{"type": "input_image", "file_id": "file-1"}],  # no files API
+                    [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]):  # a broken image
+        r = http.post("/v1/responses", json={"model": "vl", "max_output_tokens": 2,
+                                             "input": [{"role": "user", "content": content}]})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"].startswith("input"), r.json()
     assert http.get("/health").status_code == 200

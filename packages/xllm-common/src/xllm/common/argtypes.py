@@ -40,6 +40,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def at_least_one(text: str) -> float:
+    """A finite number >= 1 (a ratio)."""
+    value = float(text)
+    if not (value >= 1 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """A number in (0, 1]."""
     value = float(text)

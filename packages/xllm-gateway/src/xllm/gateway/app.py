@@ -100,6 +100,7 @@ class GatewayState:
     on_shutdown: list[Callable[[], object]] = field(default_factory=list)
     on_startup: list[Callable[[], object]] = field(default_factory=list)
     routing: str = "kv_aware"
+    routing_fallback_ratio: float = 2.0  # --routing-fallback-ratio (kv_aware's load fallback)
     started: float = field(default_factory=time.time)
     limits: ApiLimits = field(default_factory=ApiLimits)
     access: AccessPolicy = field(default_factory=AccessPolicy)
@@ -163,6 +164,7 @@ async def _call(fn: Callable[[], object]) -> None:
 def create_app(state: GatewayState) -> FastAPI:
     """The gateway app: the OpenAI routes over a dispatcher and router, and the service routes."""
     router = Router(state.registry, state.routing, metrics=RouterMetrics(state.metrics.registry),
+                    fallback_ratio=state.routing_fallback_ratio,
                     pd_slo_ttft_s=state.pd_roles.overflow_slo_ttft_s, pd_predictor=state.pd_roles.predictor)
 
     def on_instance(event: str, st: InstanceState) -> None:

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
-from xllm.common.argtypes import int_list_at_least, non_negative_float, positive_float, positive_int
+from xllm.common.argtypes import at_least_one, int_list_at_least, non_negative_float, positive_float, positive_int
 from xllm.engine_api import flags
 from xllm.engine_api.tracing import add_tracing_flags, tracing_options
 from xllm.gateway.api_flags import access_policy, add_api_flags, api_limits, http_guard_options, media_intake
@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--routing", default="kv_aware", choices=ROUTING_POLICIES.choices(),
                        help="how the gateway picks an instance: kv_aware (prefix-cache reuse traded against "
                             "predicted latency, session affinity, load fallback), least_load or round_robin")
+    serve.add_argument("--routing-fallback-ratio", type=at_least_one, default=2.0, metavar="R",
+                       help="kv_aware routing: a request leaves its session's (or best-scored) instance for the "
+                            "fastest one when that instance's predicted time to first token exceeds R x the "
+                            "fastest's + 0.25 s (default %(default)s; a large R keeps sessions where they are)")
     serve.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, choices=TOOL_PARSERS.choices(),
                        help="the model family's tool-call format, parsed out of chat outputs into tool_calls and "
                             "enforced for tool_choice required / a named function: hermes (<tool_call>{...}"
@@ -270,7 +274,7 @@ def _serve(args: argparse.Namespace) -> int:
                 etcd=args.etcd, etcd_prefix=args.etcd_prefix, etcd_watch_timeout=args.etcd_watch_timeout,
                 engine_idle_timeout=args.engine_idle_timeout, request_timeout=args.request_timeout,
                 stall=StallLimits(no_chunk_s=args.stream_stall_timeout),
-                routing=args.routing,
+                routing=args.routing, routing_fallback_ratio=args.routing_fallback_ratio,
                 max_model_len=args.max_model_len,
                 engine_args=flags.engine_args(args, max(sum(roles.values()), 1)), log_level=args.log_level,
                 progress=not args.no_progress, security=flags.cluster_security(args),

@@ -74,6 +74,7 @@ class ClusterOptions:
     engine_idle_timeout: float = 300.0  # an engine silent this long on a request is taken for hung
     request_timeout: float | None = None  # deadline of each Generate call
     routing: str = "kv_aware"
+    routing_fallback_ratio: float = 2.0  # --routing-fallback-ratio
     tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (xllm.gateway.openai.tools)
     media: MediaIntake = field(default_factory=MediaIntake)  # image inputs (xllm.gateway.media.intake)
     max_model_len: int | None = None
@@ -185,8 +186,8 @@ def build_cluster(opts: ClusterOptions):
     state = GatewayState(registry=registry, tokenizer=fronts[0].tokenizer, metrics=metrics,
                          default_model=fronts[0].name, max_model_len=fronts[0].max_model_len,
                          extra_models=tuple(fronts[1:]), routing=opts.routing, limits=opts.limits, access=opts.access,
-                         moves=opts.moves, pd_roles=opts.pd_roles, tool_parser=opts.tool_parser, stall=opts.stall,
-                         media=opts.media,
+                         routing_fallback_ratio=opts.routing_fallback_ratio, moves=opts.moves,
+                         pd_roles=opts.pd_roles, tool_parser=opts.tool_parser, stall=opts.stall, media=opts.media,
                          stream_key=security.keys.stream if security.keys else None,  # any gateway resumes any's
                          **gateway_tracing(opts.tracing))
     if any(opts.instances.values()):

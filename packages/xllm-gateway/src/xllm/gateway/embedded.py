@@ -41,6 +41,7 @@ class ServeOptions:
     engine: EngineConfig | None = None
     progress: bool = True
     routing: str = "kv_aware"
+    routing_fallback_ratio: float = 2.0  # --routing-fallback-ratio
     limits: ApiLimits = field(default_factory=ApiLimits)  # of the OpenAI API
     access: AccessPolicy = field(default_factory=AccessPolicy)  # API keys, priority permission
     tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (xllm.gateway.openai.tools)
@@ -55,6 +56,7 @@ def serve_options(args: argparse.Namespace, **api) -> ServeOptions:
     ``tool_parser`` in ``api`` (raises ``ConfigError`` or ``ValueError`` naming a flag)."""
     models = served_models(args)
     return ServeOptions(*models[0], engine_config(args), not args.no_progress, routing=args.routing,
+                        routing_fallback_ratio=args.routing_fallback_ratio,
                         tracing=tracing_options(args, "xllm-gateway"), more_models=models[1:], **api)
 
 
@@ -89,8 +91,9 @@ def build_embedded(opts: ServeOptions):
     state = GatewayState(registry=registry, tokenizer=first.front.tokenizer, metrics=metrics,
                          default_model=first.front.name, max_model_len=first.front.max_model_len,
                          extra_models=tuple(e.front for e in engines[1:]), on_shutdown=[stop_engines],
-                         routing=opts.routing, limits=opts.limits, access=opts.access,
-                         tool_parser=opts.tool_parser, media=opts.media, **traced)
+                         routing=opts.routing, routing_fallback_ratio=opts.routing_fallback_ratio,
+                         limits=opts.limits, access=opts.access, tool_parser=opts.tool_parser, media=opts.media,
+                         **traced)
     return create_app(state)
 
 

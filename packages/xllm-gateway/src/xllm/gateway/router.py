@@ -27,7 +27,15 @@ from xllm.gateway.registry.base import InstanceState, NoInstanceError, Registry
 from xllm.gateway.roles import LatencyTracker
 from xllm.kvstore import block_hashes
 from xllm.kvstore.hashing import ROOT_HASH
-from xllm.sched import ROUTING_POLICIES, InstanceSnapshot, PDPlacement, RouteDecision, RouteRequest, RoutingPolicy
+from xllm.sched import (
+    ROUTING_POLICIES,
+    InstanceSnapshot,
+    KVCacheAwarePolicy,
+    PDPlacement,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+)
 from xllm.sched.latency import StepTimeModel, predictor_from_report
 
 log = logging.getLogger(__name__)
@@ -124,17 +132,26 @@ def _what(model: str, lora: str) -> str:
     return f"{model!r} with the adapter {lora!r}" if lora else repr(model)
 
 
+def _policy(name: str, fallback_ratio: float | None) -> RoutingPolicy:
+    """The routing policy ``name``; a KV-aware one with ``fallback_ratio`` (where given)."""
+    cls = ROUTING_POLICIES.get(name)
+    if fallback_ratio is not None and issubclass(cls, KVCacheAwarePolicy):
+        return cls(fallback_ratio=fallback_ratio)
+    return cls()
+
+
 class Router:
     """Chooses instances with a routing policy and tracks the load it sends them."""
 
     def __init__(self, registry: Registry, policy: RoutingPolicy | str = "kv_aware", expect_ttl: float = 2.0,
                  queued_expect_ttl: float = 120.0, metrics=None, pd_slo_ttft_s: float | None = None,
-                 pd_predictor: StepTimeModel | None = None) -> None:
+                 pd_predictor: StepTimeModel | None = None, fallback_ratio: float | None = None) -> None:
         """``pd_slo_ttft_s`` (with ``pd_predictor``, optional): PD placement overflows a request onto a
-        decode instance when every prefill instance is predicted to miss this TTFT objective."""
+        decode instance when every prefill instance is predicted to miss this TTFT objective.
+        ``fallback_ratio``: a KV-aware policy's load fallback (``--routing-fallback-ratio``; None: its default)."""
         self.registry = registry
-        self.policy = ROUTING_POLICIES.create(policy) if isinstance(policy, str) else policy
-        self.placement = PDPlacement(ROUTING_POLICIES.create(policy) if isinstance(policy, str) else None,
+        self.policy = _policy(policy, fallback_ratio) if isinstance(policy, str) else policy
+        self.placement = PDPlacement(_policy(policy, fallback_ratio) if isinstance(policy, str) else None,
                                      slo_ttft_s=pd_slo_ttft_s, predictor=pd_predictor)
         self.expect_ttl = expect_ttl              # after the first token: until heartbeats confirm the blocks
         self.queued_expect_ttl = queued_expect_ttl  # before it: the request may wait in the engine's queue

@@ -151,7 +151,10 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise ValueError(f"input[{i}].role must be user, system, developer or assistant")
-            out.append({"role": role, "content": _text_of(item.get("content"), f"input[{i}].content")})
+            where = f"input[{i}].content"
+            content = item.get("content")
+            out.append({"role": role, "content": _parts_of(content, where) if role == "user" and _has_image(content)
+                        else _text_of(content, where)})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", i), "type": "function",
                     "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
@@ -176,6 +179,29 @@ def _string(item: dict, key: str, i: int) -> str:
     return value
 
 
+def _has_image(content: Any) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image" for p in content)
+
+
+def _parts_of(content: list, where: str) -> list[dict[str, Any]]:
+    """A user message's text and ``input_image`` parts as chat content parts (``input_image``'s ``image_url``: a
+    ``data:`` URL or an allowed ``http(s)`` URL, as chat's; ``file_id`` is refused: there is no files API)."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise ValueError(f"{where}[{j}].image_url must be the image's URL (a data: URL or an allowed http(s) "
+                                 "URL; file_id is not supported)")
+            image: dict[str, Any] = {"url": url}
+            if part.get("detail") is not None:
+                image["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], f"{where}[{j}]")})
+    return parts
+
+
 def _text_of(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -185,7 +211,7 @@ def _text_of(content: Any, where: str) -> str:
             if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
                     or not isinstance(part.get("text"), str):
                 raise ValueError(f"{where}[{j}] must be a text part ({{'type': 'input_text', 'text': ...}}); "
-                                 "images and files are not supported")
+                                 "images only in user messages (input_image), files not at all")
             parts.append(part["text"])
         return "".join(parts)
     raise ValueError(f"{where} must be a string or a list of text parts")
