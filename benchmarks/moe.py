@@ -163,21 +163,15 @@ def simulate(args: argparse.Namespace, live: dict) -> dict:
         off = simulate_ep(trace, ranks, redundant=ranks, groups=8)
         on = simulate_ep(trace, ranks, redundant=ranks, eplb=True, groups=8)
         # EPLB's first window runs the default placement: both compared from the second window on
-        out["synthetic"].append({"ranks": ranks, "off_imbalance": _mean(off.imbalance[1:]),
-                                 "on_imbalance": _mean(on.imbalance[1:]),
-                                 "off_wait": sum(off.wait_tokens[1:]), "on_wait": sum(on.wait_tokens[1:]),
-                                 "off_wait_fraction": sum(off.wait_tokens[1:]) / sum(off.busy_tokens[1:]),
-                                 "on_wait_fraction": sum(on.wait_tokens[1:]) / sum(on.busy_tokens[1:])})
+        out["synthetic"].append({"ranks": ranks, "off_imbalance": off.mean_imbalance(1),
+                                 "on_imbalance": on.mean_imbalance(1), "off_wait": off.wait(1), "on_wait": on.wait(1),
+                                 "off_wait_fraction": off.wait_fraction(1), "on_wait_fraction": on.wait_fraction(1)})
     ep = live.get("ep2")
     if ep and ep["windows"]:
         replay = [w["layer_tokens"] for w in ep["windows"]]
         sim = simulate_ep(replay, 2, redundant=args.redundant)
         out["validation"] = {"live": [w["imbalance"] for w in ep["windows"]], "sim": sim.imbalance}
     return out
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else 1.0
 
 
 def run(args: argparse.Namespace, output: Output) -> dict:

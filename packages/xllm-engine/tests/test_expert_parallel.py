@@ -25,6 +25,7 @@ from xllm.models import resolve_model
 from xllm.sched.eplb import Placement
 from xllm.testing.engine import Collected, drive_loaded, make_request
 from xllm.testing.models import save_tp_arch_model
+from xllm.testing.reference import hf_greedy_tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,11 +143,7 @@ def test_greedy_tokens_match_hugging_face(arch):
     _, path, _, two = arch
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     for r in workload()[:2]:
-        prompt = list(r.prompt_token_ids)
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
-        assert two.got.tokens[r.request_id] == out[0, len(prompt):].tolist(), r.request_id
+        assert two.got.tokens[r.request_id] == hf_greedy_tokens(hf, list(r.prompt_token_ids), 24), r.request_id
 
 
 def test_placement_switches_mid_stream(arch):

@@ -28,6 +28,7 @@ from xllm.models import load_model, resolve_model
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.engine import Collected, drive_loaded, make_request
 from xllm.testing.models import save_tp_arch_model, tiny_tp_arch_configs
+from xllm.testing.reference import hf_greedy_tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -131,8 +132,5 @@ def test_greedy_tokens_match_hugging_face(arch):
     _, path, _, two = arch
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     for r in workload()[:2]:
-        prompt = list(r.prompt_token_ids)
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=r.sampling.max_tokens, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-        assert two.got.tokens[r.request_id] == out[0, len(prompt):].tolist(), r.request_id
+        want = hf_greedy_tokens(hf, list(r.prompt_token_ids), r.sampling.max_tokens)
+        assert two.got.tokens[r.request_id] == want, r.request_id

@@ -30,6 +30,7 @@ from xllm.models import resolve_model
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.engine import Collected, drive_loaded, make_request, stream_until_killed
 from xllm.testing.models import save_llama_9q3kv
+from xllm.testing.reference import hf_greedy_tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,10 +111,7 @@ def test_greedy_tokens_match_hugging_face_at_two_ranks_and_workers_outlive_group
     group delivers them) leave it serving, under rank 0's graceful drain; it exits 0 when rank 0 closes."""
     prompt = SYSTEM[:30]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    want = out[0, len(prompt):].tolist()
+    want = hf_greedy_tokens(hf, prompt, 16)
     two = load(model_dir, "xtensor", 2)
     worker = two.engine.runner.group.processes[0]
     try:

@@ -101,11 +101,6 @@ class EplbController:
         self._report: ExpertBalance | None = None
         self._history: list[list[float]] | None = None  # the windows' logical loads, older ones decayed
 
-    @property
-    def pending(self) -> bool:
-        """Whether a switch is under way (prepared or being prepared on some rank)."""
-        return self._pending is not None
-
     def request(self, placement: Placement | None = None) -> None:
         """Switch to ``placement`` (None: the policy's placement for the load since the last window) at the
         next step, whatever the gain."""
@@ -128,15 +123,20 @@ class EplbController:
 
     def _window(self) -> tuple[list[list[int]], list[list[float]]]:
         """The window's tokens per physical slot and per logical expert, per MoE layer."""
-        now = self.plane.load.snapshot()  # type: ignore[union-attr]
-        phys = [[a - b for a, b in zip(n, m, strict=True)] for n, m in zip(now, self._mark, strict=True)]
-        self._mark, self._since = now, 0
+        mark = self._mark
+        now = self._start_window()
+        phys = [[a - b for a, b in zip(n, m, strict=True)] for n, m in zip(now, mark, strict=True)]
         p = self.plane.placement
         logical = [[0.0] * p.experts for _ in p.layers]
         for i, layer in enumerate(phys):
             for slot, n in enumerate(layer):
                 logical[i][p.layers[i][slot]] += n
         return phys, logical
+
+    def _start_window(self) -> list[list[int]]:
+        """A new window from now (after a window closed, or a switch: the slots hold other experts); the counts."""
+        self._mark, self._since = self.plane.load.snapshot(), 0  # type: ignore[union-attr]
+        return self._mark
 
     def _close_window(self) -> None:
         phys, load = self._window()
@@ -152,8 +152,7 @@ class EplbController:
         elif (forced or (self.settings.enabled and self.imbalance > self.settings.trigger)) and sum(tokens):
             s = self.settings
             new = rebalance(h, p.ranks, p.slots, self.plane.groups, s.nodes, s.policy)
-            gain = placement_imbalance(h, p) - placement_imbalance(h, new)
-            if forced or (gain > s.min_gain and new != p):
+            if forced or (placement_imbalance(h, p) - placement_imbalance(h, new) > s.min_gain and new != p):
                 switch = new
         self._report = ExpertBalance(self.imbalance, tokens, switching=switch is not None,
                                      rebalances=self.rebalances, layer_tokens=[[int(n) for n in x] for x in load])
@@ -173,8 +172,7 @@ class EplbController:
             self._pending = None
             self.rebalances += 1
             self.switch_steps.append(self.steps)
-            self._mark = self.plane.load.snapshot()  # type: ignore[union-attr]  (slots hold other experts now)
-            self._since = 0
+            self._start_window()
 
     def _publish(self, kind: int, words: np.ndarray) -> None:
         g = self.group

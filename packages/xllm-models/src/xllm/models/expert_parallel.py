@@ -238,11 +238,7 @@ class ExpertParallelHost:
         experts = found[0][1].num_experts
         placement = default_placement(len(found), experts, ranks, redundant)
         groups = int(self.cfg.get("n_group") or 1)  # type: ignore[attr-defined]
-        self.expert_plane = ExpertLayers([m for _, m in found], [_checkpoint_prefix(n) for n, _ in found], rank,
-                                         ranks, placement, source, groups)
+        # (a module's path is its tensors' checkpoint prefix: model.layers.3.mlp.experts)
+        self.expert_plane = ExpertLayers([m for _, m in found], [n for n, _ in found], rank, ranks, placement, source,
+                                         groups)
         return self.expert_plane
-
-
-def _checkpoint_prefix(module_name: str) -> str:
-    """The checkpoint prefix of a RoutedExperts module's tensors (its module path: ``model.layers.3.mlp.experts``)."""
-    return module_name

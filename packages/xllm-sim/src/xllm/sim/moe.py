@@ -34,15 +34,20 @@ class EPResult:
     wait_tokens: list[float] = field(default_factory=list)
     busy_tokens: list[float] = field(default_factory=list)  # the most loaded rank's work, summed over layers
 
-    @property
-    def mean_imbalance(self) -> float:
-        return sum(self.imbalance) / len(self.imbalance) if self.imbalance else 1.0
+    def mean_imbalance(self, start: int = 0) -> float:
+        """The mean of the windows' imbalance from window ``start`` on (1.0: none)."""
+        xs = self.imbalance[start:]
+        return sum(xs) / len(xs) if xs else 1.0
 
-    @property
-    def wait_fraction(self) -> float:
-        """The share of the MoE layers' time the average rank waits for the slowest (0: balanced)."""
-        busy = sum(self.busy_tokens)
-        return sum(self.wait_tokens) / busy if busy else 0.0
+    def wait(self, start: int = 0) -> float:
+        """The straggler wait summed over the windows from ``start`` on (token-expert pairs)."""
+        return sum(self.wait_tokens[start:])
+
+    def wait_fraction(self, start: int = 0) -> float:
+        """The share of the MoE layers' time the average rank waits for the slowest, from window ``start`` on
+        (0: balanced; EPLB's first window runs the default placement, so comparisons start at 1)."""
+        busy = sum(self.busy_tokens[start:])
+        return self.wait(start) / busy if busy else 0.0
 
 
 def simulate_ep(trace: Sequence[Sequence[Sequence[float]]], ranks: int, redundant: int = 0, eplb: bool = False,

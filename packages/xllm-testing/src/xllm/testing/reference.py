@@ -45,6 +45,14 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def hf_greedy_tokens(hf, prompt: list[int], n: int) -> list[int]:
+    """Hugging Face ``generate``'s greedy continuation of ``prompt``: exactly ``n`` tokens, EOS not stopping it
+    (what engine requests with ``ignore_eos`` produce)."""
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
 def recompute_greedy(model, prompt: list[int], n: int,
                      context: DenseContext | None = None) -> tuple[list[int], list[float]]:
     """Greedy decoding by re-running the whole sequence every step (no KV cache, no batching):
