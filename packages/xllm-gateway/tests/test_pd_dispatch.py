@@ -235,7 +235,7 @@ def test_a_decode_instance_dying_mid_stream_is_resumed_through_another_pair():
             async for chunk in stream:
                 got.add([chunk])
                 if len(got.tokens["r-0"]) >= 6 and stopper is None:
-                    stopper = asyncio.ensure_future(c.nodes[first_decode].stop())
+                    stopper = asyncio.ensure_future(c.nodes[first_decode].kill())
             await stopper
             return got, stream, first_decode
 

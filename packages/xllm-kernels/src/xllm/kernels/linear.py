@@ -12,6 +12,9 @@ from xllm.kernels.gemm_choice import GemmChoice
 from xllm.kernels.sampling import argmax_rows
 
 MAX_NATIVE_ROWS = 8
+#: the smallest fp32 weight the AVX2 library's GEMV takes (elements): below it torch's call is cheaper than the
+#: kernel's (a 64 x 128 product: ~7 against ~30 us, this session's Zen 3; from 64 x 1024 the kernel is ahead)
+AVX2_F32_MIN = 65536
 
 
 def native_linear_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -32,6 +35,8 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | No
         return None
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return None
+    if weight.dtype == torch.bfloat16 and native.library() is None and native.avx2_library() is not None:
+        return None  # (linear runs every bf16 product on the AVX2 library: the copy would never be read)
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
     except (RuntimeError, AttributeError):
@@ -95,6 +100,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _cast(y, out_dtype, widen)
     if _takes_packed(x, weight, bias, packed, native_packed, choice, WIDEN_SLACK if widen else 1.0):
         return packed_linear(x, native_packed, bias, out_dtype, widen=wide_bf16)
+    avx2 = _avx2_gemm(x, weight, bias)
+    if avx2 is not None:
+        return _avx2_linear(avx2, x, weight, bias, out_dtype, widen)
     if not native_linear_ok(x, weight) or (bias is not None and not bias.is_contiguous()):
         if packed is not None and x.dim() == 2 and x.dtype == weight.dtype:
             y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -128,6 +136,42 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if _takes_packed(x, weight, bias, packed, native_packed, choice, GREEDY_SLACK):
         return packed_argmax(x, native_packed, bias)
     return argmax_rows(linear(x, weight, bias, packed=packed, native_packed=native_packed, choice=choice, widen=True))
+
+
+def _avx2_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> native.NativeLibrary | None:
+    """The AVX2 library where it runs this product: a CPU without the AVX-512 library, contiguous CPU operands
+    of one dtype, bf16 at any row count (torch's bf16 GEMM there is its reference loop) or fp32 at up to
+    :data:`MAX_NATIVE_ROWS` rows of a weight of :data:`AVX2_F32_MIN` elements or more (the decode GEMV, as the
+    AVX-512 library runs it); else None."""
+    if x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu":
+        return None
+    if x.dim() < 1 or not (weight.is_contiguous() and weight.dim() == 2) or x.shape[-1] != weight.shape[1]:
+        return None
+    if x.dtype == torch.float32 and (x.dim() != 2 or x.shape[0] > MAX_NATIVE_ROWS or weight.numel() < AVX2_F32_MIN):
+        return None
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        return None
+    if native.library() is not None:
+        return None
+    return native.avx2_library()
+
+
+def _avx2_linear(lib: native.NativeLibrary, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype | None, widen: bool) -> torch.Tensor:
+    """:func:`linear` on the AVX2 library's GEMMs (``kernels/cpu/avx2/gemm_avx2.c``)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    n = weight.shape[0]
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if x.dtype == torch.float32:
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        lib.lib.xllm_gemm_f32(x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n, bias_ptr, y.data_ptr())
+        return _cast(y.reshape(*lead, n), out_dtype, widen)
+    mode = 2 if widen else 0 if out_dtype == torch.float32 else 1  # (2: bf16-rounded values written as fp32)
+    y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16 if mode == 1 else torch.float32)
+    lib.lib.xllm_gemm_bf16(x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n, bias_ptr, y.data_ptr(), mode)
+    y = y.reshape(*lead, n)
+    return y if widen or out_dtype == torch.float32 else _cast(y, out_dtype, False)
 
 
 def _cast(y: torch.Tensor, out_dtype: torch.dtype | None, widen: bool) -> torch.Tensor:

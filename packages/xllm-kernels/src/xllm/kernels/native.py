@@ -9,8 +9,10 @@ compiler, the CPU lacks AVX-512 BF16, or ``XLLM_NATIVE=0`` is set,
 :func:`library` returns ``None`` and callers use torch ops.
 
 CPUs with AVX2 + FMA + F16C but no AVX-512 (AMD Zen 1-3, most Intel client parts) get a second, smaller
-library from ``kernels/cpu/avx2`` (:func:`avx2_library`): the quantized products only, which
-:mod:`xllm.kernels.quant_native` uses where :func:`library` is None; every other op takes torch there.
+library from ``kernels/cpu/avx2`` (:func:`avx2_library`): the quantized products, which
+:mod:`xllm.kernels.quant_native` uses where :func:`library` is None, and the bf16 and decode-sized fp32
+GEMMs, which :func:`xllm.kernels.linear.linear` uses there (torch's own bf16 GEMM on such a CPU runs at
+about 1 GFLOP/s); every other op takes torch there.
 ``XLLM_NATIVE_ISA=avx2`` makes any CPU behave so (tests and benchmarks of the AVX2 path on AVX-512 machines).
 
 The library links the same OpenMP runtime as torch (``libgomp.so.1``, already
@@ -115,7 +117,8 @@ class NativeLibrary:
 
     def __init__(self, path: pathlib.Path, hold_gil: bool | None = None, isa: str = "avx512") -> None:
         self.path = path
-        #: "avx512" (every kernel of kernels/cpu) or "avx2" (kernels/cpu/avx2: the quantized products only)
+        #: "avx512" (every kernel of kernels/cpu) or "avx2" (kernels/cpu/avx2: the quantized products and the
+        #: bf16/fp32 GEMMs)
         self.isa = isa
         if hold_gil is None:
             hold_gil = os.environ.get("XLLM_NATIVE_RELEASE_GIL", "0") != "1"
@@ -126,10 +129,12 @@ class NativeLibrary:
         lib = (ctypes.PyDLL if hold_gil else ctypes.CDLL)(str(path))
         self.lib = lib
         self._declared: dict[str, object] = {}
+        vp, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        lib.xllm_gemm_bf16.argtypes = [vp, i64, i64, vp, i64, vp, vp, i32]  # (both libraries: any M on AVX2)
+        lib.xllm_gemm_f32.argtypes = [vp, i64, i64, vp, i64, vp, vp]
+        lib.xllm_gemm_bf16.restype = lib.xllm_gemm_f32.restype = None
         if isa != "avx512":
             return
-        vp, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        lib.xllm_gemm_bf16.argtypes = [vp, i64, i64, vp, i64, vp, vp, i32]
         lib.xllm_gemm_f32.argtypes = [vp, i64, i64, vp, i64, vp, vp]
         for name in ("xllm_decode_attention_bf16", "xllm_decode_attention_f32"):
             getattr(lib, name).argtypes = [vp, vp, vp, i64, i64, i64, i64, vp, vp, i64, i64, i64, i64, i64, f32, vp,
@@ -146,7 +151,7 @@ class NativeLibrary:
             getattr(lib, f"xllm_rope_{sfx}").argtypes = [vp, i64, i64, i64, i64, vp, vp, vp, i64]
         lib.xllm_argmax_f32.argtypes = [vp, i64, i64, vp]
         lib.xllm_argmax_f32.restype = None
-        for name in ("gemm", "decode_attention", "add_rmsnorm", "silu_mul", "rope"):
+        for name in ("decode_attention", "add_rmsnorm", "silu_mul", "rope"):
             for sfx in ("bf16", "f32"):
                 getattr(lib, f"xllm_{name}_{sfx}").restype = None
         for name in ("llama_decode", "llama_forward"):  # 0, or a failed collective's XSHM_* code (shm_allreduce.h)
@@ -302,8 +307,9 @@ def avx2_unavailable_reason() -> str | None:
 
 def avx2_library() -> NativeLibrary | None:
     """The AVX2 + FMA + F16C library (``kernels/cpu/avx2``: the quantized products of
-    :mod:`xllm.kernels.quant_native`, same entry points), built on first use; None where it cannot run.
-    :mod:`xllm.kernels.quant_native` takes it where :func:`library` is unavailable (CPUs without AVX-512)."""
+    :mod:`xllm.kernels.quant_native` and the bf16 and fp32 GEMMs of :func:`xllm.kernels.linear.linear`, same entry
+    points), built on first use; None where it cannot run. Both take it where :func:`library` is unavailable
+    (CPUs without AVX-512)."""
     with _lock:
         return _load(_AVX2)
 

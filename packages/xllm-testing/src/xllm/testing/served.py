@@ -55,14 +55,27 @@ class ServedEngine:
         return self
 
     async def stop(self) -> None:
-        """Stop serving (idempotent): what a dead instance looks like to its peers."""
-        if not self.aeng.is_running:
-            return
+        """Stop serving (idempotent): what a dead instance looks like to its peers. It drains first
+        (for 0 s), so its running requests are handed back or offered as moves."""
+        if self.aeng.is_running:
+            await self._leave()
+            await self.server.drain(0)
+            await self._close()
+
+    async def kill(self) -> None:
+        """Die as a crashed process does (idempotent): the calls break mid-stream, with no hand-back
+        and no move offer."""
+        if self.aeng.is_running:
+            await self._leave()
+            await self._close()
+
+    async def _leave(self) -> None:
         if self.agent is not None:
             await self.agent.stop()
         if self.client is not None:
             await self.client.close()
-        await self.server.drain(0)
+
+    async def _close(self) -> None:
         await self.server.stop(0)
         self.aeng.shutdown()
         self.engine.close()
