@@ -65,7 +65,8 @@ API_FLAGS = [*API_FLAGS, "--allowed-media-domains", "--max-image-mib", "--max-im
              "--max-images-per-request", "--media-fetch-timeout-s"]  # image inputs (xllm.gateway.media.limits)
 SERVE_FLAGS = [*SERVE_FLAGS, *API_FLAGS]  # the OpenAI API's keys and limits (xllm.gateway.api_flags)
 SERVE_FLAGS = [*SERVE_FLAGS, "--stream-stall-timeout"]  # streams of stopped engines (xllm.gateway.progress)
-ENGINE_FLAGS = [*ENGINE_FLAGS, "--step-timeout"]  # the step watchdog (xllm.engine.server)
+ENGINE_FLAGS = [*ENGINE_FLAGS, "--step-timeout"]  # the step watchdog (xllm.core.watchdog)
+SERVE_FLAGS = [*SERVE_FLAGS, "--step-timeout"]  # (in-process engines; passed on to spawned ones)
 ENGINE_FLAGS = [*ENGINE_FLAGS, "--metrics-port", "--metrics-host"]  # the engine's own /metrics (engine_api.metrics)
 ENGINE_FLAGS = [*ENGINE_FLAGS, "--nnodes", "--node-rank", "--master-addr", "--master-port"]  # TP over hosts (issue 45)
 PD_ROLE_FLAGS = ["--pd-policy", "--pd-flip-window", "--pd-flip-cooldown", "--pd-cluster-cooldown", "--pd-min-per-role",
@@ -145,11 +146,12 @@ def test_routing_fallback_ratio_reaches_the_kv_aware_policy():
 
 def test_engine_args_for_spawned_instances():
     args = build_parser().parse_args(["serve", "--instances", "2", "--dtype", "fp32", "--threads", "1",
-                                      "--kv-cache-memory", "0.5", "--block-size", "32", "--no-prefix-cache"])
+                                      "--kv-cache-memory", "0.5", "--block-size", "32", "--no-prefix-cache",
+                                      "--step-timeout", "7"])
     out = engine_args(args, 2)
     parsed = build_parser().parse_args(["engine", *out])
     assert (parsed.dtype, parsed.threads, parsed.kv_cache_memory, parsed.block_size) == ("fp32", 1, 0.5, 32)
-    assert parsed.no_prefix_cache
+    assert parsed.no_prefix_cache and parsed.step_timeout == 7.0
     default_threads = build_parser().parse_args(["engine", *engine_args(build_parser().parse_args(["serve"]), 64)])
     assert default_threads.threads == 1  # cores divided among instances, at least one each
 
@@ -426,9 +428,9 @@ def test_serve_passes_the_api_options_to_the_app(monkeypatch):
     monkeypatch.setattr(http_guard, "serve", lambda app, host, port, options, **kw: built.append((app, options)))
     monkeypatch.delenv("XLLM_API_KEY", raising=False)
     assert main(["serve", "--no-progress", "--api-key", "k", "--priority-api-key", "p", "--max-n", "3",
-                 "--http-header-timeout-s", "7"]) == 0
+                 "--http-header-timeout-s", "7", "--step-timeout", "9"]) == 0
     opts, (app, http) = built
-    assert app == "app" and http.header_timeout_s == 7.0
+    assert app == "app" and http.header_timeout_s == 7.0 and opts.step_timeout == 9.0
     assert opts.limits.max_n == 3 and opts.access.api_keys == {"k"} and opts.access.priority_keys == {"p"}
 
 

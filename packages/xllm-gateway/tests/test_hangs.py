@@ -52,10 +52,8 @@ class Cluster:
     def __init__(self, stall: StallLimits, step_timeout: float = 0.0) -> None:
         self.registry = EmbeddedRegistry()
         self.gates = {iid: StepGate(hold_after=HOLD_AFTER) for iid in ("a", "b")}
-        self.nodes = {iid: ServedEngine(named(gated(make_engine(LM), gate), iid), model=MODEL)
-                      for iid, gate in self.gates.items()}
-        for node in self.nodes.values():
-            node.server.stall_timeout = step_timeout
+        self.nodes = {iid: ServedEngine(named(gated(make_engine(LM), gate), iid), model=MODEL,
+                                        step_timeout=step_timeout) for iid, gate in self.gates.items()}
         self.dispatcher = Dispatcher(self.registry, MODEL, Router(self.registry, "kv_aware"), stall=stall)
 
     async def __aenter__(self) -> Cluster:
@@ -180,8 +178,7 @@ def test_a_long_step_below_the_margin_is_not_taken_for_hung():
             time.sleep(waits.get(self.steps, 0.0))
 
     async def main():
-        node = ServedEngine(gated(make_engine(LM), SlowSteps()), model=MODEL)
-        node.server.stall_timeout = floor
+        node = ServedEngine(gated(make_engine(LM), SlowSteps()), model=MODEL, step_timeout=floor)
         await node.start()
         try:
             chunks = [c async for c in await node.client.submit(make_request("r", PROMPT, max_tokens=8))]

@@ -386,12 +386,7 @@ def add_instance_flags(p: argparse.ArgumentParser) -> None:
                    help="how long a request whose gateway went away without aborting it (its Generate call "
                         "broke) keeps running, its output kept, for a gateway to continue it (Reattach); "
                         "then it is aborted. 0: a broken call aborts its request at once")
-    p.add_argument("--step-timeout", type=non_negative_float, default=60.0, metavar="SECONDS",
-                   help="step watchdog: an engine that has work but completes no step for this long (or 4 times "
-                        "its longest step so far, if more: a big prefill raises it) is taken for hung: its "
-                        "requests fail as in a crash (gateways resume them elsewhere), its health turns bad and "
-                        "the instance deregisters and exits with status 1. Keep it above the slowest step (the "
-                        "first, with its warm-up, included); 0: no watchdog")
+    add_step_timeout_flag(p)
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve this engine's step distributions (TTFT, inter-token latency, batch sizes, step-time "
                         "model error, finished requests) at http://--metrics-host:PORT/metrics for Prometheus (0: a "
@@ -406,6 +401,18 @@ def add_instance_flags(p: argparse.ArgumentParser) -> None:
                         "and first tokens, handing the KV to a decode instance) or decode (continues from "
                         "handed-off KV); a gateway routes in PD mode when it finds prefill and decode instances")
     add_handoff_flags(p)
+
+
+def add_step_timeout_flag(p: argparse.ArgumentParser) -> None:
+    """``--step-timeout``: the step watchdog of an engine process and of ``xllm serve``'s in-process engines
+    (passed on to the engines it spawns)."""
+    p.add_argument("--step-timeout", type=non_negative_float, default=60.0, metavar="SECONDS",
+                   help="step watchdog: an engine that has work but completes no step for this long (or 4 times "
+                        "its longest step so far, if more: a big prefill raises it) is taken for hung: its "
+                        "requests fail as in a crash (gateways resume them elsewhere), its health turns bad and "
+                        "the process exits with status 1 (an engine instance deregisters first; xllm serve "
+                        "with its engines in-process stops serving). Keep it above the slowest step (the first, "
+                        "with its warm-up, included); 0: no watchdog")
 
 
 def add_handoff_flags(p: argparse.ArgumentParser) -> None:
@@ -468,7 +475,8 @@ def add_engine_process_arguments(p: argparse.ArgumentParser) -> None:
 def engine_args(args: argparse.Namespace, instances: int) -> list[str]:
     """The engine flags of ``args`` as engine-process arguments (for spawned instances).
 
-    Derived from :func:`add_engine_flags` and :func:`add_handoff_flags` themselves, so a new engine
+    Derived from :func:`add_engine_flags`, :func:`add_handoff_flags` and :func:`add_step_timeout_flag`
+    themselves, so a new engine
     flag reaches spawned engines without being listed twice; ``--threads`` defaults to this process's
     cores split ``instances`` ways (and among each instance's ``--tensor-parallel-size`` ranks).
     """
@@ -476,6 +484,7 @@ def engine_args(args: argparse.Namespace, instances: int) -> list[str]:
     flags = argparse.ArgumentParser(add_help=False)
     add_engine_flags(flags)
     add_handoff_flags(flags)
+    add_step_timeout_flag(flags)
     out: list[str] = []
     for action in flags._actions:
         value = getattr(args, action.dest)

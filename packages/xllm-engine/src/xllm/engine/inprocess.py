@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from xllm.core import AsyncEngine
+from xllm.core.watchdog import StepWatchdog
 from xllm.engine.tracing import EngineTracer, traced_stream
 from xllm.engine_api.errors import EngineError
 from xllm.engine_api.tracing import TraceCarrier
@@ -17,11 +18,13 @@ class InProcessEngineClient:
     """:class:`xllm.engine_api.client.EngineClient` over an :class:`~xllm.core.AsyncEngine` in this process."""
 
     def __init__(self, engine: AsyncEngine, info: instance_pb2.InstanceInfo,
-                 tracer: EngineTracer | None = None) -> None:
-        """``tracer``: the engine's spans of the requests its caller traces (the gateway's tracing)."""
+                 tracer: EngineTracer | None = None, watchdog: StepWatchdog | None = None) -> None:
+        """``tracer``: the engine's spans of the requests its caller traces (the gateway's tracing);
+        ``watchdog``: the engine's step watchdog, whose view of a stuck step the health answer reports."""
         self.engine = engine
         self.info = info
         self.tracer = tracer
+        self.watchdog = watchdog
 
     async def submit(self, req: engine_pb2.GenerateRequest,
                      trace: TraceCarrier | None = None) -> AsyncIterator[engine_pb2.GenerateResponse]:
@@ -44,8 +47,11 @@ class InProcessEngineClient:
         return engine_pb2.MigrateResponse(accepted=False, error="an in-process engine does not migrate requests")
 
     async def health(self) -> engine_pb2.HealthResponse:
-        ok = self.engine.is_running
-        return engine_pb2.HealthResponse(healthy=ok, status="ok" if ok else (self.engine.dead_reason or "stopped"))
+        if self.watchdog is not None:
+            problem = self.watchdog.problem()
+        else:
+            problem = "" if self.engine.is_running else (self.engine.dead_reason or "stopped")
+        return engine_pb2.HealthResponse(healthy=not problem, status=problem or "ok")
 
     async def load_lora(self, name: str, path: str) -> engine_pb2.LoadLoraResponse:
         return await load_lora_answer(self.engine, engine_pb2.LoadLoraRequest(lora_name=name, lora_path=path))

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from xllm.core import AsyncEngine
+from xllm.core.watchdog import StepWatchdog
 from xllm.engine.detached import DetachedRequests, ReattachRefused
 from xllm.engine.handoff import grpc as grpc_transport
 from xllm.engine.handoff.base import HandoffOptions
@@ -67,9 +68,6 @@ from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
 
 log = logging.getLogger(__name__)
-
-STEP_MARGIN = 4.0  # the step watchdog allows a step this many times the longest one completed so far
-
 
 @dataclass
 class _Call:
@@ -97,19 +95,16 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
 
     ``security``: the cluster token and TLS the service requires, and its KV hand-offs to other
     instances present (:mod:`xllm.engine_api.security`). ``stall_timeout``: the step watchdog's
-    floor (0: no watchdog): an engine that has had work without completing a step for longer than
-    the larger of it and ``STEP_MARGIN`` times the longest step so far is taken for hung
-    (:meth:`AsyncEngine.declare_hung <xllm.core.AsyncEngine.declare_hung>`: its streams fail as
-    in a crash, which gateways resume elsewhere; its health and heartbeats say why, and the
-    instance process deregisters and stops)."""
+    floor (0: no watchdog; :class:`xllm.core.watchdog.StepWatchdog`): an engine taken for hung fails
+    its streams as in a crash, which gateways resume elsewhere; its health and heartbeats say why, and
+    the instance process deregisters and stops."""
 
     def __init__(self, engine: AsyncEngine, kv_history: int = 1 << 16, rate_alpha: float = 0.2,
                  handoff: HandoffOptions | None = None, security: ClusterSecurity = NO_SECURITY,
                  stall_timeout: float = 60.0, detached_grace_s: float = 0.0, tracing: Tracing | None = None) -> None:
         self.engine = engine
         self.security = security
-        self.stall_timeout = stall_timeout
-        self._watchdog: asyncio.Task | None = None
+        self.watchdog = StepWatchdog(engine, stall_timeout)
         self.detached = DetachedRequests(detached_grace_s, engine.abort)  # calls broken without an Abort
         self.tracer = EngineTracer(tracing or Tracing(), engine.instance_id)  # spans of traced callers' requests
         self.instance_id = engine.instance_id
@@ -183,8 +178,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         self._server, self.port = server, bound
         self.address = advertise or f"{host}:{bound}"  # as registered: what Prove answers for
         await self.handoff.start(self.address)
-        if self.stall_timeout > 0:
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch_steps())
+        self.watchdog.start()
         log.info("engine %s serving EngineService on %s:%d", self.instance_id, host, bound)
         return bound
 
@@ -234,9 +228,7 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
             prefill_tokens_per_s=self.prefill_tokens_per_s))
 
     async def stop(self, grace: float | None = 1.0) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
+        self.watchdog.stop()
         await self.detached.stop()
         await self.handoff.stop()
         if self._server is not None:
@@ -294,37 +286,10 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
                                       kv_tiers=tiers)
 
     def health_problem(self) -> str:
-        """Why the engine cannot serve ("" while it can): its loop died (or the step watchdog took it
-        for hung), or one step has been running for more than :meth:`step_bound` seconds (heartbeats
-        come from the event loop, so they keep flowing while the engine thread is stuck)."""
-        if not self.engine.is_running:
-            return self.engine.dead_reason or "engine stopped"
-        stalled = self.engine.stalled_for()
-        if self.stall_timeout > 0 and stalled > self.step_bound():
-            return f"engine step running for {stalled:.0f} s"
-        return ""
-
-    def step_bound(self) -> float:
-        """Seconds a step may run before the watchdog takes the engine for hung (see the class doc):
-        a long legitimate step (a big prefill) raises it for the ones after."""
-        return max(self.stall_timeout, STEP_MARGIN * self.engine.longest_step)
-
-    async def _watch_steps(self) -> None:
-        """The step watchdog (event loop): checks the engine thread's progress a few times a bound.
-        It counts the time it saw the same step running itself, each look adding at most two intervals:
-        a process stopped as a whole (SIGSTOP, then SIGCONT) or an event loop held up is not taken for a
-        stuck engine thread."""
-        interval = min(1.0, self.stall_timeout / 4)
-        stuck, seen, last = 0.0, -1, time.monotonic()
-        while self.engine.is_running:
-            await asyncio.sleep(interval)
-            now, busy, steps = time.monotonic(), self.engine.stalled_for(), self.engine.steps_done
-            stuck = 0.0 if busy == 0 or steps != seen else stuck + min(now - last, 2 * interval)
-            seen, last = steps, now
-            bound = self.step_bound()
-            if stuck > bound:
-                self.engine.declare_hung(f"engine hung: no step completed for {busy:.1f} s with work pending "
-                                         f"(bound {bound:.1f} s)")
+        """Why the engine cannot serve ("" while it can; :meth:`StepWatchdog.problem
+        <xllm.core.watchdog.StepWatchdog.problem>`): heartbeats come from the event loop, so they keep flowing
+        while the engine thread is stuck."""
+        return self.watchdog.problem()
 
     # ---- EngineService ------------------------------------------------------------------------
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):

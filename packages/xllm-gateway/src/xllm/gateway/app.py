@@ -114,6 +114,14 @@ class GatewayState:
     extra_models: tuple[ModelFront, ...] = ()
     tracing: Tracing = field(default_factory=Tracing)  # request traces (--otlp-traces-endpoint; off: a null object)
     recent_traces: RecentTraces | None = None  # the gateway's spans of its last requests (the cluster page)
+    # why this gateway can no longer serve (set by fail(): an in-process engine taken for hung); the HTTP
+    # server then stops and the process exits with status 1 (xllm.gateway.http_guard.serve)
+    failure: str | None = None
+
+    def fail(self, reason: str) -> None:
+        """This gateway cannot serve any more (the first reason is kept): see ``failure``."""
+        if self.failure is None:
+            self.failure = reason
 
 
     def fronts(self) -> ModelFronts:

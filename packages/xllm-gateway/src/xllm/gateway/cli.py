@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="interface to bind; use 0.0.0.0 to accept connections from other machines")
     serve.add_argument("--port", type=int, default=8000, help="TCP port of the HTTP API")
     flags.add_engine_flags(serve)
+    flags.add_step_timeout_flag(serve)
     serve.add_argument("--instances", type=positive_int, default=None, metavar="N",
                        help="cluster mode on this machine: start N engine processes (gRPC on loopback ports) "
                             "registered with this gateway's embedded registry (or in etcd with --etcd) and "

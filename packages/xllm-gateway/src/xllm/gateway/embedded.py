@@ -8,11 +8,13 @@ server half (loader, in-process client, the engine's settings from its flags); a
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 from dataclasses import dataclass, field, replace
 
 from xllm.core import AsyncEngine, ComputeThread, EngineConfig, LLMEngine
+from xllm.core.watchdog import StepWatchdog
 from xllm.engine.config import engine_config
 from xllm.engine.inprocess import InProcessEngineClient
 from xllm.engine.loader import load_engine
@@ -47,6 +49,7 @@ class ServeOptions:
     tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (xllm.gateway.openai.tools)
     media: MediaIntake = field(default_factory=MediaIntake)  # image inputs (xllm.gateway.media.intake)
     tracing: TracingOptions = field(default_factory=TracingOptions)  # request traces (gateway and engine spans)
+    step_timeout: float = 60.0  # --step-timeout: each engine's step watchdog (0: none; xllm.core.watchdog)
     # more models, each with its own engine here: (model, served name) (xllm serve --model A --model B)
     more_models: list[tuple[str | None, str | None]] = field(default_factory=list)
 
@@ -57,7 +60,8 @@ def serve_options(args: argparse.Namespace, **api) -> ServeOptions:
     models = served_models(args)
     return ServeOptions(*models[0], engine_config(args), not args.no_progress, routing=args.routing,
                         routing_fallback_ratio=args.routing_fallback_ratio,
-                        tracing=tracing_options(args, "xllm-gateway"), more_models=models[1:], **api)
+                        tracing=tracing_options(args, "xllm-gateway"), more_models=models[1:],
+                        step_timeout=args.step_timeout, **api)
 
 
 def build_embedded(opts: ServeOptions):
@@ -77,7 +81,7 @@ def build_embedded(opts: ServeOptions):
             tracing = Tracing(replace(opts.tracing, service_name="xllm-engine"), {"xllm.instance_id": iid},
                               processors=[recent.processor()] if recent is not None else (), roots=False)
             engines.append(_start_engine(model, served_name(model, served), cfg, iid, opts.progress, metrics,
-                                         registry, tracing))
+                                         registry, tracing, opts.step_timeout))
     except BaseException:
         for e in engines:
             e.stop()
@@ -94,6 +98,9 @@ def build_embedded(opts: ServeOptions):
                          routing=opts.routing, routing_fallback_ratio=opts.routing_fallback_ratio,
                          limits=opts.limits, access=opts.access, tool_parser=opts.tool_parser, media=opts.media,
                          **traced)
+    for e in engines:  # a hung step fails its streams, then the server stops (exit status 1)
+        state.on_startup.append(functools.partial(e.watchdog.start, state.fail))
+        state.on_shutdown.insert(0, e.watchdog.stop)
     return create_app(state)
 
 
@@ -106,6 +113,7 @@ class _Engine:
     async_engine: AsyncEngine
     compute: ComputeThread
     tracing: Tracing
+    watchdog: StepWatchdog
 
     def stop(self) -> None:
         """Stop the loop, then release the engine (a tensor-parallel one's worker ranks get their SHUTDOWN, as in
@@ -118,13 +126,16 @@ class _Engine:
 
 
 def _start_engine(model: str | None, name: str, cfg: EngineConfig | None, instance_id: str, progress: bool,
-                  metrics: EngineMetrics, registry: EmbeddedRegistry, tracing: Tracing) -> _Engine:
-    """Load ``model`` served as ``name``, start its engine and register it (its spans through ``tracing``)."""
+                  metrics: EngineMetrics, registry: EmbeddedRegistry, tracing: Tracing, step_timeout: float
+                  ) -> _Engine:
+    """Load ``model`` served as ``name``, start its engine and register it (its spans through ``tracing``; its
+    step watchdog's floor ``step_timeout``, started with the app)."""
     loaded = load_engine(model, name, cfg, instance_id, progress, observers=[metrics.observer(name, instance_id)])
     async_engine = AsyncEngine(loaded.engine, compute=loaded.compute)
     if async_engine.lower_tiers is not None:  # xllm:kv_tier_* series, read at scrape time
         metrics.registry.register(KVTierCollector(lambda: [(name, instance_id, async_engine.tier_stats())]))
     async_engine.start()
-    registry.register(InProcessEngineClient(async_engine, loaded.info, EngineTracer(tracing, instance_id)))
+    watchdog = StepWatchdog(async_engine, step_timeout)
+    registry.register(InProcessEngineClient(async_engine, loaded.info, EngineTracer(tracing, instance_id), watchdog))
     return _Engine(ModelFront(name, loaded.tokenizer, loaded.engine.max_model_len), loaded.engine, async_engine,
-                   loaded.compute, tracing)
+                   loaded.compute, tracing, watchdog)

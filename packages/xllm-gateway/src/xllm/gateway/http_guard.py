@@ -29,12 +29,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import resource
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from xllm.gateway.openai.errors import RETRY_AFTER_SECONDS, APIError, overloaded
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # not imported to build the command line's parser (HttpGuardOptions)
     import uvicorn
@@ -257,8 +260,10 @@ def guarded_protocol(base: type[asyncio.Protocol], tally: ConnectionTally) -> ty
 
 
 def build_server(app: App, host: str, port: int, options: HttpGuardOptions, registry: CollectorRegistry,
-                 log_level: str = "info", http: str = "auto") -> uvicorn.Server:
-    """A uvicorn server of ``app`` with these bounds, counted in ``registry`` (the app's /metrics)."""
+                 log_level: str = "info", http: str = "auto", stop_when: Callable[[], bool] | None = None
+                 ) -> uvicorn.Server:
+    """A uvicorn server of ``app`` with these bounds, counted in ``registry`` (the app's /metrics); it shuts
+    down (as on SIGTERM) once ``stop_when()`` is true, checked ten times a second."""
     import uvicorn
     from uvicorn.config import HTTP_PROTOCOLS
     from uvicorn.importer import import_from_string
@@ -274,17 +279,31 @@ def build_server(app: App, host: str, port: int, options: HttpGuardOptions, regi
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="auto", log_config=None,
                             http=guarded_protocol(base, tally), ws="none",
                             timeout_keep_alive=options.keep_alive_s)  # type: ignore[arg-type]
-    return uvicorn.Server(config)
+    if stop_when is None:
+        return uvicorn.Server(config)
+
+    class _StoppableServer(uvicorn.Server):
+        async def on_tick(self, counter: int) -> bool:
+            return await super().on_tick(counter) or stop_when()
+
+    return _StoppableServer(config)
 
 
 def serve(app: Any, host: str, port: int, options: HttpGuardOptions, log_level: str = "info") -> None:
     """Serve the gateway ``app`` (:func:`xllm.gateway.app.create_app`: its /metrics registry counts the
     refusals) until stopped, as ``uvicorn.run`` does: Ctrl-C ends quietly; a server that never started
-    (the port taken, the app's start-up failed) exits with uvicorn's start-up failure status."""
+    (the port taken, the app's start-up failed) exits with uvicorn's start-up failure status; a gateway
+    that failed (:meth:`GatewayState.fail <xllm.gateway.app.GatewayState.fail>`: an in-process engine
+    taken for hung) shuts down and exits with status 1."""
     from uvicorn.main import STARTUP_FAILURE
 
-    server = build_server(app, host, port, options, app.state.gateway.metrics.registry, log_level=log_level)
+    gateway = app.state.gateway
+    server = build_server(app, host, port, options, gateway.metrics.registry, log_level=log_level,
+                          stop_when=lambda: gateway.failure is not None)
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
     if not server.started:
         raise SystemExit(STARTUP_FAILURE)
+    if gateway.failure is not None:
+        log.error("xllm serve stopped: %s", gateway.failure)
+        raise SystemExit(1)

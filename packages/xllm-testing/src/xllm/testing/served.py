@@ -25,14 +25,16 @@ HANDED_OFF = engine_pb2.FINISH_REASON_HANDED_OFF
 class ServedEngine:
     """One :class:`LLMEngine` behind an :class:`EngineServer` on 127.0.0.1 (a free port), with a
     client to it; registered (heartbeats every 50 ms) when started with a lease table. ``security``:
-    the cluster token and TLS the server requires and its client presents."""
+    the cluster token and TLS the server requires and its client presents; ``step_timeout``: the step
+    watchdog's floor (0: none)."""
 
     def __init__(self, engine: LLMEngine, *, role: str = "mixed", model: str = "tiny",
-                 handoff: HandoffOptions | None = None, security: ClusterSecurity = NO_SECURITY) -> None:
+                 handoff: HandoffOptions | None = None, security: ClusterSecurity = NO_SECURITY,
+                 step_timeout: float = 60.0) -> None:
         self.engine = engine
         self.aeng = AsyncEngine(engine)
         self.security = security
-        self.server = EngineServer(self.aeng, handoff=handoff, security=security)
+        self.server = EngineServer(self.aeng, handoff=handoff, security=security, stall_timeout=step_timeout)
         self.info = instance_pb2.InstanceInfo(
             instance_id=engine.instance_id, role=role_from_name(role),
             model=instance_pb2.ModelInfo(served_name=model, max_model_len=engine.max_model_len,
