@@ -16,10 +16,11 @@ from prometheus_client import CollectorRegistry
 
 from xllm.gateway.dispatch import Dispatcher
 from xllm.gateway.metrics import PDMetrics
+from xllm.gateway.progress import StallLimits
 from xllm.gateway.registry import EmbeddedRegistry
 from xllm.gateway.router import Router
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.engine import Collected, generate, make_engine, make_request
+from xllm.testing.engine import Collected, StepGate, gated, generate, make_engine, make_request
 from xllm.testing.processes import until
 from xllm.testing.served import ServedEngine, ServedEngines
 from xllm.testing.tiny import TinyLM, tiny_tokenizer
@@ -36,13 +37,13 @@ TIMEOUT = 60.0
 class Cluster:
     """Prefill and decode instances registered with one in-process registry, and a dispatcher."""
 
-    def __init__(self, roles: dict[str, str], transport: str = "fd") -> None:
+    def __init__(self, roles: dict[str, str], transport: str = "fd", stall: StallLimits | None = None) -> None:
         self.registry = EmbeddedRegistry()
         self.served = ServedEngines(roles, lambda: make_engine(LM), transport, MODEL)
         self.nodes = self.served.nodes
         self.prom = CollectorRegistry()
         self.dispatcher = Dispatcher(self.registry, MODEL, Router(self.registry, "kv_aware"),
-                                     pd_metrics=PDMetrics(self.prom), handoff_grace=1.0)
+                                     pd_metrics=PDMetrics(self.prom), handoff_grace=1.0, stall=stall)
 
     async def __aenter__(self) -> Cluster:
         await self.served.start(self.registry)
@@ -186,6 +187,39 @@ def test_a_prefill_instance_dying_before_the_first_token_is_replaced(when):
     assert accepted == ([True] if when == "accepted" else [])  # the instance died where the case says
     assert len(died) == 1 and pd.prefill.state.instance_id != died[0] and pd.prefill_attempts == 2
     assert retries == 1 and resumes == 0  # the reservation waited: no resume needed
+    ref = reference("r", PROMPT, **SEEDED)
+    assert got.tokens["r-0"] == ref.tokens["r-0"] and got.text["r-0"] == ref.text["r-0"]
+
+
+def test_a_prefill_instance_that_stops_before_the_first_token_is_replaced():
+    """A prefill instance that stops without breaking its stream off (its engine thread held in its first
+    step, before the first token; its heartbeats gone: SIGSTOP seen from outside): once it has left the
+    registry the gateway breaks its prefill stream off, the other prefill instance prefills the request, the
+    decode side's reservation waits, and the stream equals one engine's."""
+    async def main():
+        stall = StallLimits(gone_silent_s=0.2, poll_s=0.05)
+        async with Cluster({"p1": "prefill", "p2": "prefill", "d": "decode"}, stall=stall) as c:
+            gates = {iid: StepGate(hold_after=1) for iid in ("p1", "p2")}
+            for iid, gate in gates.items():
+                gated(c.nodes[iid].engine, gate)
+            try:
+                _, (stream,) = await c.dispatcher.submit_all(MODEL, [make_request("r-0", PROMPT, **SEEDED)])
+                held = stream._stream.prefill.state.instance_id
+                for iid, gate in gates.items():
+                    if iid != held:
+                        gate.release()
+                await c.nodes[held].agent.stop()  # no more heartbeats: it leaves the registry
+                got = Collected()
+                async for chunk in stream:
+                    got.add([chunk])
+            finally:
+                for gate in gates.values():
+                    gate.release()
+            return got, held, stream._stream, stream.resumes, c.metric("xllm:pd_prefill_retries_total", instance=held)
+
+    got, held, pd, resumes, retries = run(main())
+    assert pd.prefill.state.instance_id != held and pd.prefill_attempts == 2
+    assert retries == 1 and resumes == 0
     ref = reference("r", PROMPT, **SEEDED)
     assert got.tokens["r-0"] == ref.tokens["r-0"] and got.text["r-0"] == ref.text["r-0"]
 

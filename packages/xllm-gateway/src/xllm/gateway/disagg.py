@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from xllm.engine_api.wire import InstanceUnavailableError
+from xllm.gateway.progress import StallLimits, watched
 from xllm.gateway.router import Router, Ticket
 from xllm.gateway.tracing import NO_SPANS, RequestSpans
 from xllm.proto.engine.v1 import engine_pb2
@@ -90,12 +91,15 @@ class PDStream:
     def __init__(self, placer: PrefillPlacer, router: Router, metrics: PDMetrics, model: str,
                  req: engine_pb2.GenerateRequest, prefill: Ticket, prefill_stream, decode: Ticket,
                  decode_iter: AsyncIterator, target: engine_pb2.KVTarget, session: str | None = None,
-                 handoff_grace: float = 5.0, prefill_attempts: int = 1, spans: RequestSpans = NO_SPANS) -> None:
+                 handoff_grace: float = 5.0, prefill_attempts: int = 1, spans: RequestSpans = NO_SPANS,
+                 stall: StallLimits | None = None) -> None:
         """``placer``: another prefill instance when one fails before the first token; ``router``: the
         prefill side's accounting and TTFT; ``metrics``: the PD metrics this stream counts (transfers,
         TTFT breakdown, prefill retries, lost hand-offs, cancelled requests); ``prefill_attempts``: the
         prefill instances already tried to send ``prefill_stream`` (:meth:`PrefillPlacer.submit_prefill`'s
-        count)."""
+        count); ``stall``: when a silent prefill instance is taken for stopped (:func:`watched`: one that left
+        the registry breaks its stream off, before the first token as after it), as the decode side's
+        stream is by its :class:`~xllm.gateway.dispatch.RoutedStream`."""
         self._placer = placer
         self._router = router
         self._metrics = metrics
@@ -113,9 +117,10 @@ class PDStream:
         self._prefill_done = False  # the current prefill instance's part is accounted with the router
         self._spans = spans         # the request's trace: each prefill instance's part ends in it
         self.decoding = False       # the decode instance streams (its first chunk came): it runs the request
+        self._stall = stall or StallLimits()
 
     async def __aiter__(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        p_iter, d_iter = aiter(self._p_stream), self._d_iter
+        p_iter, d_iter = self._watched_prefill(), self._d_iter
         watcher: asyncio.Future | None = None
         got_first = done = False
         try:
@@ -154,6 +159,10 @@ class PDStream:
             with contextlib.suppress(Exception):
                 await d_iter.aclose()
 
+    def _watched_prefill(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """The current prefill instance's stream, broken off if that instance stops (:func:`watched`)."""
+        return watched(aiter(self._p_stream), self.prefill.state, self._stall)
+
     def _finish_prefill(self, got_first: bool) -> None:
         """Account the end of the current prefill instance's part (once per instance tried)."""
         if not self._prefill_done:
@@ -176,7 +185,7 @@ class PDStream:
                 with contextlib.suppress(Exception):
                     await p_iter.aclose()
                 await self._retry_prefill()
-                p_iter = aiter(self._p_stream)
+                p_iter = self._watched_prefill()
                 continue
             self._on_first_token(chunk)
             return chunk, p_iter

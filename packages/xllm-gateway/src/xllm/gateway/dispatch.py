@@ -253,7 +253,8 @@ class Dispatcher:
                             phase_request(r, engine_pb2.DISAGG_PHASE_PREFILL, target),
                             spans.engine_call(p_ticket, "prefill", r.request_id))
                     streams.append(PDStream(self, self.router, self.pd_metrics, model, r, p_ticket, p_stream,
-                                            d_ticket, it, target, session, self.handoff_grace, attempts, spans))
+                                            d_ticket, it, target, session, self.handoff_grace, attempts, spans,
+                                            self._parts.stall))
             except BaseException as exc:
                 await self._close_all([it for _, it, _ in reserved])
                 raise to_api_error(exc) from exc
