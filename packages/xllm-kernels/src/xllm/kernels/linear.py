@@ -138,6 +138,15 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return argmax_rows(linear(x, weight, bias, packed=packed, native_packed=native_packed, choice=choice, widen=True))
 
 
+def dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)``, except on a CPU where only the AVX2 library runs: there the products
+    :func:`linear` would give it (bf16 at any row count: torch's bf16 GEMM there is its reference loop).
+    For products whose weights change per call (a MoE layer's experts), where ``linear``'s packed copies and
+    the AVX-512 GEMV's rounding are not wanted."""
+    lib = _avx2_gemm(x, weight, None) if x.dtype == torch.bfloat16 else None
+    return F.linear(x, weight) if lib is None else _avx2_linear(lib, x, weight, None, None, False)
+
+
 def _avx2_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> native.NativeLibrary | None:
     """The AVX2 library where it runs this product: a CPU without the AVX-512 library, contiguous CPU operands
     of one dtype, bf16 at any row count (torch's bf16 GEMM there is its reference loop) or fp32 at up to

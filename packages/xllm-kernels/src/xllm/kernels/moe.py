@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from xllm.kernels.linear import dense
+
 _SCORINGS = ("softmax", "sigmoid")
 _GROUP_SCORES = ("max", "top2_sum")
 
@@ -136,10 +138,10 @@ def moe_expert_pairs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         if n == 0:
             continue
         rows = token_of[start:start + n]
-        gate_up = F.linear(hidden[rows], w13[expert])
+        gate_up = dense(hidden[rows], w13[expert])
         inter = gate_up.shape[-1] // 2
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(act, w2[expert]) * weight_of[start:start + n, None]
+        y = dense(act.contiguous(), w2[expert]) * weight_of[start:start + n, None]
         out.index_add_(0, rows, y.to(out.dtype))
         start += n
     return out
