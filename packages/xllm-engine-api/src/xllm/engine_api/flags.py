@@ -487,7 +487,7 @@ def engine_args(args: argparse.Namespace, instances: int) -> list[str]:
     add_step_timeout_flag(flags)
     out: list[str] = []
     for action in flags._actions:
-        value = getattr(args, action.dest)
+        value = getattr(args, action.dest, None)  # (a flag the caller's parser lacks: the engine's default)
         if action.dest == "threads" and value is None:  # per rank with --tensor-parallel-size
             value = max(1, cores // instances // getattr(args, "tensor_parallel_size", 1))
         if action.nargs == 0:  # store_true switches
