@@ -11,13 +11,10 @@ one each; what happens to the process after the verdict is theirs (``on_hung``).
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 
 from xllm.core.async_engine import AsyncEngine
-
-log = logging.getLogger(__name__)
 
 STEP_MARGIN = 4.0  # a step may run this many times the longest one completed so far
 

@@ -20,11 +20,12 @@ class InProcessEngineClient:
     def __init__(self, engine: AsyncEngine, info: instance_pb2.InstanceInfo,
                  tracer: EngineTracer | None = None, watchdog: StepWatchdog | None = None) -> None:
         """``tracer``: the engine's spans of the requests its caller traces (the gateway's tracing);
-        ``watchdog``: the engine's step watchdog, whose view of a stuck step the health answer reports."""
+        ``watchdog``: the engine's step watchdog, whose view of a stuck step the health answer reports (none
+        given: one that is off, which reports a dead engine only)."""
         self.engine = engine
         self.info = info
         self.tracer = tracer
-        self.watchdog = watchdog
+        self.watchdog = watchdog or StepWatchdog(engine, stall_timeout=0.0)
 
     async def submit(self, req: engine_pb2.GenerateRequest,
                      trace: TraceCarrier | None = None) -> AsyncIterator[engine_pb2.GenerateResponse]:
@@ -47,10 +48,7 @@ class InProcessEngineClient:
         return engine_pb2.MigrateResponse(accepted=False, error="an in-process engine does not migrate requests")
 
     async def health(self) -> engine_pb2.HealthResponse:
-        if self.watchdog is not None:
-            problem = self.watchdog.problem()
-        else:
-            problem = "" if self.engine.is_running else (self.engine.dead_reason or "stopped")
+        problem = self.watchdog.problem()
         return engine_pb2.HealthResponse(healthy=not problem, status=problem or "ok")
 
     async def load_lora(self, name: str, path: str) -> engine_pb2.LoadLoraResponse:

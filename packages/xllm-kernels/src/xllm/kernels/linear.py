@@ -35,7 +35,7 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | No
         return None
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return None
-    if weight.dtype == torch.bfloat16 and native.library() is None and native.avx2_library() is not None:
+    if weight.dtype == torch.bfloat16 and _avx2_only() is not None:
         return None  # (linear runs every bf16 product on the AVX2 library: the copy would never be read)
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
@@ -160,9 +160,12 @@ def _avx2_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         return None
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return None
-    if native.library() is not None:
-        return None
-    return native.avx2_library()
+    return _avx2_only()
+
+
+def _avx2_only() -> native.NativeLibrary | None:
+    """The AVX2 library where it is the only one (a CPU without the AVX-512 library), else None."""
+    return native.avx2_library() if native.library() is None else None
 
 
 def _avx2_linear(lib: native.NativeLibrary, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -179,8 +182,7 @@ def _avx2_linear(lib: native.NativeLibrary, x: torch.Tensor, weight: torch.Tenso
     mode = 2 if widen else 0 if out_dtype == torch.float32 else 1  # (2: bf16-rounded values written as fp32)
     y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16 if mode == 1 else torch.float32)
     lib.lib.xllm_gemm_bf16(x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n, bias_ptr, y.data_ptr(), mode)
-    y = y.reshape(*lead, n)
-    return y if widen or out_dtype == torch.float32 else _cast(y, out_dtype, False)
+    return _cast(y.reshape(*lead, n), None if widen else out_dtype, False)  # (already fp32 when widened)
 
 
 def _cast(y: torch.Tensor, out_dtype: torch.dtype | None, widen: bool) -> torch.Tensor:

@@ -141,7 +141,7 @@ def moe_expert_pairs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         gate_up = dense(hidden[rows], w13[expert])
         inter = gate_up.shape[-1] // 2
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = dense(act.contiguous(), w2[expert]) * weight_of[start:start + n, None]
+        y = dense(act, w2[expert]) * weight_of[start:start + n, None]
         out.index_add_(0, rows, y.to(out.dtype))
         start += n
     return out
