@@ -179,12 +179,15 @@ def _image_input(pixel_values, grid, i: int, tag: bytes):
                                  grid_thw=grid[i].tolist(), content_hash=tag)
 
 
-@pytest.mark.parametrize("budget", [512, 24], ids=["whole", "chunked"])
+@pytest.mark.parametrize(("budget", "encode", "overlap"), [(512, 1, False), (24, 0, False), (24, 1, True)],
+                         ids=["whole-encode-phase", "chunked-lazy", "chunked-encode-phase-async"])
 @torch.inference_mode()
-def test_images_through_the_engine_equal_hf(models, images, tokenizer, budget):
+def test_images_through_the_engine_equal_hf(models, images, tokenizer, budget, encode, overlap):
     """Requests with one image, two images and none, in one batch through the engine (prefill whole, or in
     chunks of 24 tokens that split the images' token runs), greedy: each equals HF's greedy continuation with
-    the same images; the encoder ran once per image; a repeat of a request reuses its KV (prefix cache) and
+    the same images; the encoder ran once per image: in the encode phase (batches of at most ``encode`` images),
+    or, with the phase off, inside the prefill chunks (async scheduling: the encode on the forwards' thread);
+    a repeat of a request reuses its KV (prefix cache) and
     equals it, a different image behind the same text does not take that KV and answers differently."""
     from xllm.core.config import EngineConfig
     from xllm.core.engine import LLMEngine
@@ -195,7 +198,8 @@ def test_images_through_the_engine_equal_hf(models, images, tokenizer, budget):
     pixel_values, grid = images
     cases = {"one": [0], "two": [1, 0], "none": []}
     engine = LLMEngine(ours, IdTokenizer(), EngineConfig(dtype=torch.float32, max_model_len=256, max_num_seqs=8,
-                                                          num_threads=1, max_num_batched_tokens=budget, block_size=32))
+                                                          num_threads=1, max_num_batched_tokens=budget, block_size=32,
+                                                          max_encode_images=encode, async_scheduling=overlap))
 
     lead = torch.tensor(tokenizer("A long shared preamble, " * 8)["input_ids"])  # (two 32-token KV blocks)
 
@@ -232,6 +236,8 @@ def test_images_through_the_engine_equal_hf(models, images, tokenizer, budget):
         assert got[name] == want, name
     cache = engine.runner.encoder_cache
     assert (cache.misses, cache.hits >= 1) == (2, True)  # image 0 served both requests (and, chunked, several chunks)
+    # every image encoded in the encode phase, one per step (the bound); none there with the phase off
+    assert (cache.phase_images, cache.phase_batches, cache.largest_batch) == ((2, 2, 1) if encode else (0, 0, 0))
     assert engine.runner.mode_steps["eager"] >= 1
     again = run([request("again", [0], tags)])
     assert again["again"] == got["one"] and cached["again"] > 0 and cached["one"] == 0
@@ -280,3 +286,21 @@ def test_engine_refuses_bad_image_requests(models, images, tokenizer):
         speculating.add_request(engine_pb2.GenerateRequest(request_id="spec", prompt_token_ids=ids, images=[good],
                                                            sampling=sampling))
     assert err.value.param == "images" and not speculating.has_work()
+
+
+def test_encode_batch_bound_comes_from_the_profile_under_a_tpot_target(models):
+    """``--max-encode-images`` unset: with a TPOT target the bound is the profile's binary search over real encode
+    times of 448x448 images (a generous target: up to the sequence slots; one no image meets: 1); without one,
+    the default; a text model has no encode phase."""
+    from xllm.core.config import EngineConfig
+    from xllm.core.images import max_encode_images
+    from xllm.sched.encode import DEFAULT_MAX_ENCODE_IMAGES
+
+    _, ours, _ = models
+    assert ours.reference_grid() == (1, 32, 32)  # 448 / 14 patches a side, whole 2x2 merge blocks
+    config = EngineConfig(dtype=torch.float32, max_num_seqs=3)
+    assert max_encode_images(config, ours) == DEFAULT_MAX_ENCODE_IMAGES
+    assert max_encode_images(EngineConfig(max_encode_images=0), ours) == 0
+    assert max_encode_images(EngineConfig(slo_tpot_ms=60_000, max_num_seqs=3), ours) == 3
+    assert max_encode_images(EngineConfig(slo_tpot_ms=0.001, max_num_seqs=3), ours) == 1
+    assert max_encode_images(EngineConfig(max_encode_images=2), object()) == 0

@@ -24,6 +24,12 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def run_on(executor: Executor | None, fn: Callable[..., T], /, *args: Any) -> T:
+    """``fn(*args)`` on ``executor``'s thread, waiting for it (here when ``executor`` is None: the engine's
+    forwards run where its steps do)."""
+    return fn(*args) if executor is None else executor.submit(fn, *args).result()
+
+
 class ComputeThread(Executor):
     """A single long-lived worker thread; tasks run one at a time in submission order."""
 

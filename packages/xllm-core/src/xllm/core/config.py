@@ -50,6 +50,9 @@ class EngineConfig:
     keep the average step online decodes see within ``offline_slo_fraction`` × ``slo_tpot_ms``;
     an offline sequence that made no progress for ``offline_starvation_s`` gets a minimal
     guaranteed share (``xllm.sched.colocation``).
+    ``max_encode_images``: images a step encodes in the encode phase of multimodal requests (0: no encode
+    phase, images encoded in their prefill chunk; ``None``: from a start-up profile with ``slo_tpot_ms``, else
+    the default; :mod:`xllm.core.images`, :mod:`xllm.sched.encode`). A text model ignores it.
     ``speculative`` names a proposer of :data:`xllm.engine_api.names.PROPOSERS` (``None``: no
     speculative decoding): up to ``num_speculative_tokens`` drafts per decoding sequence, verified
     in one forward, while a step decodes at most ``speculative_max_batch`` sequences
@@ -110,6 +113,7 @@ class EngineConfig:
     slo_tpot_ms: float | None = None
     offline_starvation_s: float = 30.0
     offline_slo_fraction: float = DEFAULT_OFFLINE_SLO_FRACTION
+    max_encode_images: int | None = None
     profile_path: str | None = None
     speculative: str | None = None
     num_speculative_tokens: int = 3
@@ -174,6 +178,8 @@ class EngineConfig:
             raise ConfigError(f"offline_starvation_s must be > 0, got {self.offline_starvation_s}")
         if not 0 < self.offline_slo_fraction <= 1:
             raise ConfigError(f"offline_slo_fraction must be in (0, 1], got {self.offline_slo_fraction}")
+        if self.max_encode_images is not None and self.max_encode_images < 0:
+            raise ConfigError(f"max_encode_images (--max-encode-images) must be >= 0, got {self.max_encode_images}")
         self._check_speculative()
         self._check_kv_tiers()
         self._check_tensor_parallel()

@@ -26,6 +26,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
 from xllm.core.beam_check import check_beam_request
+from xllm.core.compute_thread import run_on
 from xllm.core.config import EngineConfig
 from xllm.core.detokenizer import EngineTokenizer
 from xllm.core.disagg import DisaggListener, PromptFinishing
@@ -45,7 +46,7 @@ from xllm.core.engine_build import (
 from xllm.core.engine_moves import EngineMoves
 from xllm.core.engine_weights import EngineWeights, WeightsState
 from xllm.core.grammar import Grammars
-from xllm.core.images import admit_images
+from xllm.core.images import admit_images, max_encode_images
 from xllm.core.lora import EngineLora, build_loras
 from xllm.core.model_api import CausalLM
 from xllm.core.output_processor import OutputProcessor, RequestOutput
@@ -115,7 +116,7 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
         self.sampler = Sampler(eos)
         self.outputs = OutputProcessor(tokenizer, eos, self.max_model_len)
         self.step_timing = build_step_timing(config)  # fed every step (shape in _prepare, time in _account)
-        self.scheduler = build_scheduler(config, self.kv, self.step_timing)
+        self.scheduler = build_scheduler(config, self.kv, self.step_timing, max_encode_images(config, model))
         self.spec: Speculator | None = build_spec(config, model, draft_model, self.runner, self.max_model_len,
                                                   self.platform.device)
         self.beams = build_beams(config, model, self.kv, tokenizer, eos, self.runner)
@@ -297,7 +298,7 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
         if self.config.async_scheduling:
             return self._step_overlapped()
         plan = self._schedule()
-        self.stalled = not plan and not self.beams.groups
+        self.stalled = not plan and not plan.encodes and not self.beams.groups
         if not plan:  # beam groups alone (else they ride in the plan's forward: StepInFlight.beam_pass)
             return self._beam_step() if self.beams.groups else []
         flight = self._prepare(plan)
@@ -325,7 +326,7 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
             # real last token: speculating sequences step synchronously (xllm.core.spec.speculator)
             parked |= set(prev.spec_starts) | {s for s in busy if self.spec.wants(s)}
         plan = self._schedule(hold=parked)
-        self.stalled = not plan and prev is None and not self.beams.groups
+        self.stalled = not plan and not plan.encodes and prev is None and not self.beams.groups
         flight = self._prepare(plan) if plan else None
         if prev is not None:
             self._swap_in(prev)
@@ -345,6 +346,8 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
     def _schedule(self, hold: set[Sequence] | frozenset[Sequence] = frozenset()) -> StepPlan:
         plan = self.scheduler.schedule(hold)
         self.counters.num_preemptions += len(plan.preempted)
+        if plan.encodes:  # the encode phase (xllm.sched.encode), on the thread that runs the forwards
+            run_on(self._worker, self.runner.encode, plan.encodes)
         return plan
 
     def _prepare(self, plan: StepPlan) -> StepInFlight:
@@ -404,9 +407,7 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
         responses: list[engine_pb2.GenerateResponse] = []
         now = time.time()
         prompt_tokens = 0
-        ttfts: list[float] = []
-        itls: list[float] = []
-        finished: list[FinishedRequest] = []
+        ttfts, itls, finished = [], [], []  # (seconds, seconds, FinishedRequest)
         offline = OfflineStepStats()
         result = flight.result
         for i, seq in enumerate(flight.batch.sample_seqs):

@@ -117,14 +117,16 @@ def build_step_timing(config: EngineConfig) -> StepTiming:
     return StepTiming(load_step_model(config.profile_path) if config.profile_path else None)
 
 
-def build_scheduler(config: EngineConfig, kv: KVCacheBackend, step_timing: StepTiming) -> Scheduler:
+def build_scheduler(config: EngineConfig, kv: KVCacheBackend, step_timing: StepTiming,
+                    max_encode_images: int = 0) -> Scheduler:
     """The scheduler over ``kv``: online work as decode-first batching, offline (flex) work in what
-    it leaves within the TPOT SLO (the ``colocation`` batch policy, priced by ``step_timing``)."""
+    it leaves within the TPOT SLO (the ``colocation`` batch policy, priced by ``step_timing``); with
+    ``max_encode_images``, the encode phase of multimodal requests (:mod:`xllm.sched.encode`)."""
     policy = BATCH_POLICIES.get("colocation").from_settings(BatchSettings(
         config.max_num_seqs, config.max_num_batched_tokens,
         slo_tpot_s=config.slo_tpot_ms / 1000 if config.slo_tpot_ms else None,
         offline_slo_fraction=config.offline_slo_fraction, predict=step_timing.step_seconds,
-        starvation_s=config.offline_starvation_s))
+        starvation_s=config.offline_starvation_s, max_encode_images=max_encode_images))
     return Scheduler(policy, kv)
 
 

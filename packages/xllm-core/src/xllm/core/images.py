@@ -1,4 +1,4 @@
-"""Image inputs of multimodal models in the engine (issue 47: the encode phase, first part).
+"""Image inputs of multimodal models in the engine, and their encode phase (xLLM §3.3).
 
 A request's images (``GenerateRequest.images``: the model processor's patch rows, grid and content hash) are
 checked at admission (:func:`admit_images`): the model must take images (:class:`SupportsImages`), the prompt
@@ -13,23 +13,41 @@ step computes (rows ``image_rows``), from the :class:`EncoderCache` (an image is
 also when its tokens span several prefill chunks). Such a step runs the eager forward (the fused native steps
 have plain RoPE only).
 
+**The encode phase** (:mod:`xllm.sched.encode`): a sequence with images starts with ``encode_pending`` = its
+image count. With the phase on (:func:`max_encode_images` > 0) the batch policy admits it to prefill only once
+a step has encoded its images (:func:`encode_phase`: one batched call of the vision tower for the images of
+the step's encode batch that the cache lacks), and encodes only while no prompt is mid-prefill, a bounded
+batch per step. The bound: ``--max-encode-images``, else a start-up profile with a TPOT target
+(:func:`profile_encode_images`: the largest batch of reference images the tower encodes within
+:data:`~xllm.sched.encode.ENCODE_SLO_SHARE` of the target), else
+:data:`~xllm.sched.encode.DEFAULT_MAX_ENCODE_IMAGES`. An image dropped from the cache before its prefill is
+encoded again in its chunk (never a wrong embedding).
+
 Not with images (refused, naming ``images``): speculative decoding, beam search, prefill/decode hand-offs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from xllm.engine_api.errors import InvalidRequestError
+from xllm.sched.encode import DEFAULT_MAX_ENCODE_IMAGES, ENCODE_SLO_SHARE, largest_within
 
 if TYPE_CHECKING:
+    from xllm.core.config import EngineConfig
     from xllm.core.sequence import Sequence
     from xllm.proto.engine.v1 import engine_pb2
+
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -54,6 +72,11 @@ class SupportsImages(Protocol):
 
     def patch_dim(self) -> int:
         """Floats per patch row of ``pixel_values``."""
+        ...
+
+    def reference_grid(self) -> tuple[int, int, int]:
+        """The patch grid of a typical image (448 x 448 pixels as the model's processor resizes it): what the
+        encode-phase profile encodes."""
         ...
 
 
@@ -135,34 +158,115 @@ def admit_images(model: object, seq: Sequence, req: engine_pb2.GenerateRequest, 
         k += spans[-1][1]
     seq.images = SequenceImages(pixels, grid_t, hashes, spans, positions.to(torch.int64), int(delta))
     seq.hash_root = image_hash_root(seq.hash_root, hashes)
+    seq.encode_pending = len(hashes)
 
 
 @dataclass
 class EncoderCache:
     """Image embeddings by content hash, least recently used dropped beyond ``max_bytes``; ``hits`` / ``misses``
-    count lookups (an image is encoded once while cached, however many chunks or requests use it)."""
+    count lookups (an image is encoded once while cached, however many chunks or requests use it; a miss is an
+    image encoded). Of the misses, ``phase_images`` were encoded in the encode phase (:meth:`encode_all`), in
+    ``phase_batches`` calls of the vision tower, the largest of ``largest_batch`` images; the others in a prefill
+    chunk."""
 
     max_bytes: int = 256 << 20
     hits: int = 0
     misses: int = 0
+    phase_images: int = 0
+    phase_batches: int = 0
+    largest_batch: int = 0
     _entries: OrderedDict[bytes, torch.Tensor] = field(default_factory=OrderedDict)
     _bytes: int = 0
 
-    def embeddings(self, model: SupportsImages, images: SequenceImages, i: int) -> torch.Tensor:
-        key = images.hashes[i]
+    def _lookup(self, key: bytes) -> torch.Tensor | None:
         got = self._entries.get(key)
         if got is not None:
             self._entries.move_to_end(key)
             self.hits += 1
-            return got
+        return got
+
+    def _put(self, key: bytes, got: torch.Tensor) -> None:
         self.misses += 1
-        (got,) = model.encode_images(images.pixels[i], images.grid[i:i + 1])
         self._entries[key] = got
         self._bytes += got.numel() * got.element_size()
         while self._bytes > self.max_bytes and len(self._entries) > 1:
             _, old = self._entries.popitem(last=False)
             self._bytes -= old.numel() * old.element_size()
+
+    def embeddings(self, model: SupportsImages, images: SequenceImages, i: int) -> torch.Tensor:
+        """Image ``i`` of ``images``: from the cache, else encoded now (alone)."""
+        got = self._lookup(images.hashes[i])
+        if got is None:
+            (got,) = model.encode_images(images.pixels[i], images.grid[i:i + 1])
+            self._put(images.hashes[i], got)
         return got
+
+    def encode_all(self, model: SupportsImages, wanted: Iterable[tuple[SequenceImages, int]]) -> int:
+        """Put the embeddings of every image ``(images, i)`` of ``wanted`` in the cache: those it lacks (each
+        content hash once) in one call of the vision tower. Returns how many images were encoded."""
+        todo: dict[bytes, tuple[SequenceImages, int]] = {}
+        for images, i in wanted:
+            key = images.hashes[i]
+            if key not in todo and self._lookup(key) is None:
+                todo[key] = (images, i)
+        if not todo:
+            return 0
+        pixels = torch.cat([images.pixels[i] for images, i in todo.values()])
+        grid = torch.cat([images.grid[i:i + 1] for images, i in todo.values()])
+        for key, got in zip(todo, model.encode_images(pixels, grid), strict=True):
+            self._put(key, got)
+        self.phase_images += len(todo)
+        self.phase_batches += 1
+        self.largest_batch = max(self.largest_batch, len(todo))
+        return len(todo)
+
+
+def encode_phase(seqs: Iterable[Sequence], model: object, cache: EncoderCache) -> int:
+    """The encode phase of ``seqs`` (a step's ``StepPlan.encodes``): their images into ``cache`` in one batch;
+    each sequence is then ready for prefill (``encode_pending`` 0). Returns the images encoded."""
+    seqs = list(seqs)
+    wanted = [(seq.images, i) for seq in seqs if seq.images is not None for i in range(len(seq.images.hashes))]
+    n = cache.encode_all(model, wanted) if wanted else 0  # type: ignore[arg-type]
+    for seq in seqs:
+        seq.encode_pending = 0
+    return n
+
+
+def max_encode_images(config: EngineConfig, model: object) -> int:
+    """Images encoded per step in the encode phase (0: no encode phase): none for a text model, else
+    ``config.max_encode_images`` when set, else the profile's bound with a TPOT target, else the default."""
+    if not isinstance(model, SupportsImages):
+        return 0
+    if config.max_encode_images is not None:
+        return config.max_encode_images
+    if config.slo_tpot_ms is None:
+        return DEFAULT_MAX_ENCODE_IMAGES
+    return profile_encode_images(model, config.slo_tpot_ms / 1000 * ENCODE_SLO_SHARE, config.max_num_seqs)
+
+
+def profile_encode_images(model: SupportsImages, limit_s: float, max_k: int, repeats: int = 2) -> int:
+    """The largest batch of reference images (:meth:`SupportsImages.reference_grid`, random pixels) the model's
+    vision tower encodes within ``limit_s`` (binary search, :func:`~xllm.sched.encode.largest_within`; each size
+    timed ``repeats`` times after one warm-up call, the fastest kept), at most ``max_k``, at least 1."""
+    grid = model.reference_grid()
+    rows = grid[0] * grid[1] * grid[2]
+    pixels = torch.randn(rows, model.patch_dim(), generator=torch.Generator().manual_seed(0))
+    model.encode_images(pixels, torch.tensor([grid]))  # (first call: allocations, kernel choices)
+    timed: dict[int, float] = {}
+
+    def measure(k: int) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.encode_images(pixels.repeat(k, 1), torch.tensor([grid] * k))
+            best = min(best, time.perf_counter() - t0)
+        timed[k] = best
+        return best
+
+    k = largest_within(measure, limit_s, max(1, min(max_k, 64)))
+    log.info("encode phase: %d image(s) of grid %s per step (profiled: %s; limit %.1f ms)", k, list(grid),
+             ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in sorted(timed.items())), limit_s * 1e3)
+    return k
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from xllm.core.images import BatchImages, EncoderCache, batch_images
+from xllm.core.images import BatchImages, EncoderCache, batch_images, encode_phase
 from xllm.core.kv.addressing import PageAddress, SlotAddress
 from xllm.core.kv.contracts import KVTensors
 from xllm.core.model_api import (
@@ -137,6 +137,12 @@ class ModelRunner:
         # graphs and the overlapped forward know no adapters)
         self.lora: LoraSlots | None = None
         self.encoder_cache = EncoderCache()  # image embeddings by content hash (xllm.core.images)
+
+    def encode(self, seqs: list[Sequence]) -> int:
+        """The encode phase of ``seqs``: their images' embeddings into :attr:`encoder_cache` in one batch (on the
+        thread that runs the forwards; :func:`xllm.core.images.encode_phase`). Returns the images encoded."""
+        with torch.inference_mode():
+            return encode_phase(seqs, self.model, self.encoder_cache)
 
     def set_overlap(self, mode: str) -> None:
         """``--tp-overlap`` ``mode`` (``auto``, ``on``, ``off``): whether eager steps may run overlapped

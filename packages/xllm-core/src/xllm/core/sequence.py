@@ -81,6 +81,7 @@ class Sequence:
     lora_slot: int = -1      # the LoRA adapter slot its rows use (-1: the base model; xllm.core.lora)
     hash_root: int = 0       # the parent of its first KV block's hash: its adapter's identity (0: the base model)
     images: SequenceImages | None = None  # a multimodal prompt's images (xllm.core.images)
+    encode_pending: int = 0  # images to encode before its prefill (the encode phase: xllm.sched.encode)
     grammar: GrammarState | None = None  # constrained decoding (xllm.core.grammar): follows the known output
     prompt_logprobs: PromptLogprobs | None = None  # asked for (SamplingParams.prompt_logprobs): what is computed
     trace: RequestTrace | None = None  # a traced request's record (xllm.core.request_trace), filled after each step

@@ -29,6 +29,7 @@ from xllm.engine_api.security import TOKEN_ENV, ClusterSecurity, resolve_token
 from xllm.engine_api.tracing import add_tracing_flags
 from xllm.proto.enums import ROLE_NAMES
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
+from xllm.sched.encode import DEFAULT_MAX_ENCODE_IMAGES, ENCODE_SLO_SHARE
 from xllm.sched.eplb import EPLB_POLICIES
 
 ENGINE_DESCRIPTION = ("Run one engine instance serving the xllm.engine.v1.EngineService gRPC contract; with "
@@ -186,6 +187,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline-starvation-s", type=positive_float, default=30.0, metavar="SECONDS",
                    help="an offline request that made no progress this long gets a minimal guaranteed share "
                         "of every step (one decode row or a small prompt chunk) until it progresses")
+    p.add_argument("--max-encode-images", type=non_negative_int, default=None, metavar="N",
+                   help="multimodal models: images one step encodes in the encode phase (a request's images are "
+                        "encoded in a step of their own, only while no prompt is mid-prefill, before its prefill "
+                        "is admitted); 0 encodes each image inside its first prefill chunk instead. Default: "
+                        "profiled at start-up with --slo-tpot-ms (the largest batch of 448x448 images encoded "
+                        f"within {ENCODE_SLO_SHARE:g} of the target), else {DEFAULT_MAX_ENCODE_IMAGES}")
     p.add_argument("--speculative", default=None, choices=PROPOSERS.choices(),
                    help="speculative decoding: a proposer guesses the next tokens of each decoding sequence and "
                         "one forward verifies them (outputs unchanged: greedy identical, sampling exact). ngram: "

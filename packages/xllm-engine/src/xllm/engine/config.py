@@ -44,6 +44,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         native_decode=not args.no_native_decode, compile_decode=args.compile_decode,
         num_threads=args.threads, seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
         offline_starvation_s=args.offline_starvation_s, offline_slo_fraction=args.offline_slo_fraction,
+        max_encode_images=getattr(args, "max_encode_images", None),
         profile_path=args.profile, speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch,
         draft_model_path=args.draft_model, speculative_self_layers=args.speculative_self_layers,

@@ -179,6 +179,12 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         c = self.vision_cfg
         return c.in_channels * c.temporal_patch_size * c.patch_size * c.patch_size
 
+    def reference_grid(self) -> tuple[int, int, int]:
+        """The patch grid of a 448 x 448 image (the encode-phase profile's reference; whole merge blocks)."""
+        c = self.vision_cfg
+        side = max(c.spatial_merge_size, 448 // c.patch_size // c.spatial_merge_size * c.spatial_merge_size)
+        return (1, side, side)
+
     def mrope_positions(self, input_ids: torch.Tensor,
                         image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         """:func:`mrope_positions` with this model's image token and merge size."""

@@ -6,6 +6,8 @@
 - :mod:`xllm.sched.colocation`: online/offline co-location as a batch policy (offline work in
   what online work leaves, within the TPOT SLO by prediction; preempted for online requests;
   starvation bounded).
+- :mod:`xllm.sched.encode`: the encode phase of multimodal requests in a step (which images, how
+  many per step: the start-up profile's search).
 - :mod:`xllm.sched.routing`: global routing across engine instances (round robin,
   least load, KV-cache-aware with session affinity and load-aware fallback).
 - :mod:`xllm.sched.pd`: placement for prefill/decode disaggregation (a decode instance, then a

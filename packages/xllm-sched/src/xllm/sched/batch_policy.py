@@ -6,6 +6,9 @@ partially prefilled sequences continue, then waiting sequences are admitted in
 (priority, arrival) order while budget, sequence slots and KV memory last.
 When KV memory runs out for a running sequence, the lowest-priority, latest
 arrived running sequence is preempted (its KV released, to be recomputed).
+With the encode phase of multimodal requests on, a waiting sequence whose images
+are not encoded yet is passed over by admission, and a step with no prompt
+mid-prefill encodes a bounded batch of images (:mod:`xllm.sched.encode`).
 
 The policy only *decides*. The queues, KV memory and the state of sequences
 belong to the engine's scheduler (``xllm.core.scheduler.Scheduler``), which the
@@ -20,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from xllm.sched.encode import encodes_for_step
 from xllm.sched.latency import StepShape
 
 # The engine's default token budget per step (--max-num-batched-tokens). Measured, not guessed: of
@@ -55,6 +59,7 @@ class BatchSettings:
     predict: Callable[[StepShape], float | None] | None = None
     starvation_s: float = 30.0
     clock: Callable[[], float] = time.monotonic
+    max_encode_images: int = 0
 
 
 class SchedulableSeq(Protocol):
@@ -74,6 +79,9 @@ class SchedulableSeq(Protocol):
 
     @property
     def offline(self) -> bool: ...        # best-effort work (service_tier flex): xllm.sched.colocation
+
+    @property
+    def encode_pending(self) -> int: ...  # images to encode before its prefill (xllm.sched.encode)
 
 
 class SchedulerQueues(Protocol):
@@ -128,6 +136,8 @@ class StepPlan:
     interrupted: list[SchedulableSeq] = field(default_factory=list)
     # the longest time an offline sequence in the queues has gone without a chunk, seconds
     longest_offline_wait: float = 0.0
+    # waiting sequences whose images the engine encodes this step (the encode phase: xllm.sched.encode)
+    encodes: list[SchedulableSeq] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -150,17 +160,22 @@ class BatchPolicyClass(Protocol):
 class DecodeFirstPolicy:
     """Decode-first continuous batching with chunked prefill (see the module docstring)."""
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool = True,
+                 max_encode_images: int = 0) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if max_encode_images < 0:
+            raise ValueError(f"max_encode_images must be >= 0, got {max_encode_images}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.max_encode_images = max_encode_images
 
     @classmethod
     def from_settings(cls, settings: BatchSettings) -> DecodeFirstPolicy:
-        """The policy for ``settings`` (it uses the slots, the token budget and chunking only)."""
-        return cls(settings.max_num_seqs, settings.max_num_batched_tokens, settings.chunked_prefill)
+        """The policy for ``settings`` (it uses the slots, the token budget, chunking and the encode phase)."""
+        return cls(settings.max_num_seqs, settings.max_num_batched_tokens, settings.chunked_prefill,
+                   settings.max_encode_images)
 
     @staticmethod
     def victim_order(seq: SchedulableSeq) -> tuple[int, float]:
@@ -196,8 +211,12 @@ class DecodeFirstPolicy:
                 budget -= n
         if plan.preempted:
             return plan  # memory is short: admit nothing new this step
-        while queues.waiting and budget > 0 and len(queues.running) < self.max_num_seqs:
-            seq = queues.waiting[0]
+        encoding = self.max_encode_images > 0
+        for seq in list(queues.waiting):
+            if budget <= 0 or len(queues.running) >= self.max_num_seqs:
+                break
+            if encoding and seq.encode_pending:
+                continue  # in its encode phase: not ready for prefill
             if not self.chunked_prefill and seq.num_tokens - seq.num_computed_tokens > budget:
                 break  # without chunking the whole prompt must fit this step's budget
             n = queues.admit(seq, budget)
@@ -206,6 +225,9 @@ class DecodeFirstPolicy:
             plan.admitted.append(seq)
             plan.chunks.append(ScheduledChunk(seq, n))
             budget -= n
+        if encoding and not prefills:  # the encode phase: only while no prompt is mid-prefill
+            plan.encodes = encodes_for_step(queues.waiting, self.max_encode_images,
+                                            self.max_num_seqs - len(queues.running))
         return plan
 
     def _pick_victim(self, running: Sequence[SchedulableSeq], scheduled: set[int],

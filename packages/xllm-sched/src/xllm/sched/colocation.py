@@ -79,6 +79,11 @@ priority at or above the gateway's ``--offline-priority``). :class:`ColocationPo
    which online SLOs come first, and ``StepPlan.longest_offline_wait`` (the engine's
    ``xllm:offline_longest_wait_seconds``) shows it.
 
+5. **The encode phase** of multimodal requests (``max_encode_images`` > 0; :mod:`xllm.sched.encode`): a
+   sequence with images still to encode is passed over by every admission (online, offline, starved), and
+   the step encodes the images of waiting sequences (online first) only while no online prompt is
+   mid-prefill.
+
 Pure logic, no torch; the engine and the cluster simulator run the same code.
 """
 
@@ -97,6 +102,7 @@ from xllm.sched.batch_policy import (
     SchedulerQueues,
     StepPlan,
 )
+from xllm.sched.encode import encodes_for_step
 from xllm.sched.latency import StepShape
 from xllm.sched.latency import is_decode_row as _is_decode_row
 
@@ -176,7 +182,7 @@ class ColocationPolicy:
                  clock: Callable[[], float] = time.monotonic, starved_chunk_tokens: int = 16,
                  starved_per_step: int = 1, slo_fraction: float = DEFAULT_OFFLINE_SLO_FRACTION,
                  window_steps: int = 128, miss_backoff: float = DEFAULT_MISS_BACKOFF,
-                 meet_regain: float = DEFAULT_MEET_REGAIN) -> None:
+                 meet_regain: float = DEFAULT_MEET_REGAIN, max_encode_images: int = 0) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if slo_tpot_s is not None and not slo_tpot_s > 0:
@@ -189,6 +195,9 @@ class ColocationPolicy:
             raise ValueError(f"miss_backoff and meet_regain must be in [0, 1], got {miss_backoff}, {meet_regain}")
         if not starvation_s > 0 or starved_chunk_tokens < 1 or starved_per_step < 1:
             raise ValueError("starvation_s must be > 0, starved_chunk_tokens and starved_per_step >= 1")
+        if max_encode_images < 0:
+            raise ValueError(f"max_encode_images must be >= 0, got {max_encode_images}")
+        self.max_encode_images = max_encode_images
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -211,7 +220,8 @@ class ColocationPolicy:
         """The policy for an engine's (or a simulated instance's) ``settings``."""
         return cls(settings.max_num_seqs, settings.max_num_batched_tokens, settings.chunked_prefill,
                    slo_tpot_s=settings.slo_tpot_s, predict=settings.predict, starvation_s=settings.starvation_s,
-                   clock=settings.clock, slo_fraction=settings.offline_slo_fraction)
+                   clock=settings.clock, slo_fraction=settings.offline_slo_fraction,
+                   max_encode_images=settings.max_encode_images)
 
     # ---- the decision ---------------------------------------------------------------------------
     def schedule(self, queues: SchedulerQueues) -> StepPlan:
@@ -231,7 +241,15 @@ class ColocationPolicy:
         self._offline_running(step, running, cap)
         if not step.plan.preempted:
             self._offline_admissions(step, cap)
+        if self.max_encode_images and not any(not s.offline and s.num_tokens - s.num_computed_tokens > 1
+                                              for s in running):
+            step.plan.encodes = encodes_for_step(queues.waiting, self.max_encode_images,
+                                                 self.max_num_seqs - len(queues.running))
         return self._finish(step, now)
+
+    def _encoding(self, seq: SchedulableSeq) -> bool:
+        """``seq`` is in its encode phase (not ready for prefill)."""
+        return self.max_encode_images > 0 and seq.encode_pending > 0
 
     def _track(self, seqs: list[SchedulableSeq],
                now: float) -> tuple[list[SchedulableSeq], dict[int, SchedulableSeq]]:
@@ -320,7 +338,8 @@ class ColocationPolicy:
                 if limit and self._allocate(step, seq, limit, evict_online=False):
                     step.add(seq, limit)
                     served += 1
-            elif limit and self._make_slot(step, starved_ok=False) and self._admit(step, seq, limit, evict=True):
+            elif (limit and not self._encoding(seq) and self._make_slot(step, starved_ok=False)
+                  and self._admit(step, seq, limit, evict=True)):
                 served += 1
 
     def _online_running(self, step: _Step, running: list[SchedulableSeq]) -> None:
@@ -341,6 +360,8 @@ class ColocationPolicy:
         for seq in [s for s in step.queues.waiting if not s.offline]:
             if step.budget <= 0:
                 return
+            if self._encoding(seq):
+                continue
             if len(step.queues.running) >= self.max_num_seqs and not self._make_slot(step, starved_ok=True):
                 return
             if not self.chunked_prefill and seq.num_tokens - seq.num_computed_tokens > step.budget:
@@ -367,6 +388,8 @@ class ColocationPolicy:
         for seq in [s for s in step.queues.waiting if s.offline and id(s) not in step.preempted]:
             if step.budget <= 0 or len(step.queues.running) >= self.max_num_seqs:
                 return
+            if self._encoding(seq):
+                continue
             need = seq.num_tokens - seq.num_computed_tokens
             limit = self._fit(step, seq, self._chunk(need, step.budget), cap)
             if not limit or not self._admit(step, seq, limit, evict=False):

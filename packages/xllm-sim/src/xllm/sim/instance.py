@@ -28,10 +28,12 @@ MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"  # a sequence's phase on a
 
 class SimSeq(KVSeq):
     """One request on one instance (a PD request has a prefill-phase one on P and a decode-phase one
-    on D). Satisfies ``xllm.sched.SchedulableSeq`` (and ``offline`` for co-location policies)."""
+    on D). Satisfies ``xllm.sched.SchedulableSeq`` (and ``offline`` for co-location policies; text only:
+    ``encode_pending`` is 0)."""
 
     __slots__ = ("arrival_time", "generated", "offline", "output_len", "phase", "preemptions", "priority",
                  "prompt_len", "req")
+    encode_pending = 0  # (the simulator models text requests: no encode phase)
 
     def __init__(self, req, phase: str = MIXED, generated: int = 0) -> None:
         spec = req.spec
