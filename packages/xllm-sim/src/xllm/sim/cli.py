@@ -18,8 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from xllm.common.argtypes import fraction, non_negative_float, positive_float, positive_int
+from xllm.common.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
 from xllm.sched import BATCH_POLICIES, DEFAULT_OFFLINE_SLO_FRACTION, ROUTING_POLICIES
+from xllm.sched.encode import DEFAULT_MAX_ENCODE_IMAGES
 from xllm.sched.registry import PD_POLICIES
 from xllm.sim.cluster import Cluster
 from xllm.sim.config import DEFAULT_KV_BLOCKS, SMOLLM2_BLOCK_SIZE, SMOLLM2_KV_BYTES_PER_TOKEN, SimConfig
@@ -137,6 +138,11 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help=f"KV capacity per instance in blocks (default {DEFAULT_KV_BLOCKS}: 2 GiB of SmolLM2 bf16)")
     g.add_argument("--max-model-len", type=int, default=0, help="longest sequence in tokens (default 0: unbounded)")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    g.add_argument("--max-encode-images", type=non_negative_int, default=DEFAULT_MAX_ENCODE_IMAGES,
+                   help="images one step encodes in the encode phase of image requests (the engine's flag; 0: "
+                        f"each image in its request's first prefill step; default {DEFAULT_MAX_ENCODE_IMAGES})")
+    g.add_argument("--encode-image-ms", type=non_negative_float, default=20.0,
+                   help="encode time of one image, ms (the engine logs its profile's times; default 20)")
     g = p.add_argument_group("costs")
     g.add_argument("--kv-bytes-per-token", type=positive_int, default=SMOLLM2_KV_BYTES_PER_TOKEN,
                    help=f"KV bytes per token (default {SMOLLM2_KV_BYTES_PER_TOKEN}: SmolLM2 bf16)")
@@ -180,6 +186,11 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-len", type=int, default=0, help="tokens of each shared system prompt (default 0)")
     g.add_argument("--offline-fraction", type=float, default=0.0,
                    help="fraction of requests that are offline (service_tier flex) (default 0)")
+    g.add_argument("--image-fraction", type=float, default=0.0,
+                   help="fraction of requests that carry images (their image tokens are part of the prompt "
+                        "length) (default 0)")
+    g.add_argument("--images-per-request", type=positive_int, default=1,
+                   help="images of each request that has images (default 1)")
     g.add_argument("--seed", type=int, default=0, help="random seed of the workload (default 0)")
     g = p.add_argument_group("objectives and output")
     g.add_argument("--slo-ttft-ms", type=positive_float, default=None,
@@ -225,7 +236,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         pd_overflow=args.pd_prefill_overflow,
         slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
         slo_tpot_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
-        offline_slo_fraction=args.offline_slo_fraction)
+        offline_slo_fraction=args.offline_slo_fraction, max_encode_images=args.max_encode_images,
+        encode_image_s=args.encode_image_ms / 1e3)
 
 
 def workload_from_args(args: argparse.Namespace) -> list[RequestSpec] | Workload:
@@ -233,6 +245,7 @@ def workload_from_args(args: argparse.Namespace) -> list[RequestSpec] | Workload
     w = Workload(arrivals=args.trace if args.trace in ARRIVALS else "poisson",
                  rate=args.rate or 1.0, cv=args.cv, prompt=args.prompt_len, output=args.output_len,
                  prefix_groups=args.prefix_groups, prefix_len=args.prefix_len, offline_fraction=args.offline_fraction,
+                 image_fraction=args.image_fraction, images_per_request=args.images_per_request,
                  phase_s=args.phase_s, prefill_mix=args.prefill_mix, decode_mix=args.decode_mix)
     w.check()
     if args.trace in ARRIVALS:
@@ -287,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     result["config"] = {k: v for k, v in vars(cfg).items()}
     result["workload"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                           if k in ("trace", "requests", "rate", "cv", "prompt_len", "output_len", "prefix_groups",
-                                   "prefix_len", "offline_fraction", "seed")
+                                   "prefix_len", "offline_fraction", "image_fraction", "images_per_request", "seed")
                           or (args.trace == "phases" and k in ("phase_s", "prefill_mix", "decode_mix"))}
     result["profile"] = {"path": str(args.profile or DEFAULT_PROFILE), "model": profile.model,
                          "machine": profile.machine, "provisional": is_provisional(args.profile),

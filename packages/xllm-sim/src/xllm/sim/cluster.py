@@ -59,7 +59,7 @@ def make_batch_policy(name: str, cfg: SimConfig, predict: Callable[[StepShape], 
     return BATCH_POLICIES.get(name).from_settings(BatchSettings(
         cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunked_prefill, slo_tpot_s=cfg.slo_tpot_s,
         offline_slo_fraction=cfg.offline_slo_fraction, predict=predict, starvation_s=cfg.offline_starvation_s,
-        clock=clock))
+        clock=clock, max_encode_images=cfg.max_encode_images))
 
 
 def noisy(step: Callable[[StepShape], float], sigma: float, seed: str = "step-noise") -> Callable[[StepShape], float]:
@@ -94,7 +94,8 @@ class Cluster:
             kv = SimKV(cfg.kv_blocks, cfg.block_size, cfg.prefix_cache, listener=partial(self._kv_event, i))
             policy = make_batch_policy(cfg.batch_policy, cfg, step, clock)
             self.instances.append(SimInstance(f"e{i}", i, role, kv, policy, actual, cfg.max_num_seqs,
-                                              cfg.max_model_len, reported, cfg.max_num_batched_tokens))
+                                              cfg.max_model_len, reported, cfg.max_num_batched_tokens,
+                                              cfg.encode_image_s / speed, cfg.max_encode_images > 0))
         placement = PDPlacement(ROUTING_POLICIES.create(cfg.routing),
                                 slo_ttft_s=cfg.slo_ttft_s if cfg.pd_overflow else None, predictor=model,
                                 token_budget=cfg.max_num_batched_tokens)
@@ -314,7 +315,8 @@ class Cluster:
         span = max(end - start, 1e-9)
         instances = [InstanceReport(i.instance_id, i.role, min(i.stats.busy_s / span, 1.0), i.stats.steps,
                                     i.stats.prefill_tokens, i.stats.decode_tokens, i.stats.preemptions,
-                                    i.stats.prefix_query_tokens, i.stats.prefix_hit_tokens, i.stats.role_flips)
+                                    i.stats.prefix_query_tokens, i.stats.prefix_hit_tokens, i.stats.role_flips,
+                                    i.stats.encoded_images)
                      for i in self.instances]
         flips = self.roles.log if self.roles is not None else []
         return report(self.requests, instances, self.cfg.slo_ttft_s, self.cfg.slo_tpot_s, flips,

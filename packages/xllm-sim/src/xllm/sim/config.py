@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
+from xllm.sched.encode import DEFAULT_MAX_ENCODE_IMAGES
 
 SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
 SMOLLM2_BLOCK_SIZE = 128
@@ -48,6 +49,10 @@ class SimConfig:
       and the SLO attainment of the report; ``offline_priority`` is the engine priority of offline
       requests (lower is more important; online requests have 0); ``offline_slo_fraction`` and
       ``offline_starvation_s`` are the co-location policy's headroom and starvation bound.
+    - Images (requests with ``RequestSpec.images``): ``max_encode_images`` per step in the policy's encode
+      phase (the engine's ``--max-encode-images``; 0: encoded in the request's first prefill step), each
+      taking ``encode_image_s`` (divided by ``speed``; the default is a guess for a 2B VLM's vision tower
+      on an accelerator: take it from the engine's ``encode phase`` log line).
     """
 
     instances: int = 2
@@ -83,6 +88,8 @@ class SimConfig:
     offline_priority: int = 1
     offline_starvation_s: float = 30.0
     offline_slo_fraction: float = DEFAULT_OFFLINE_SLO_FRACTION
+    max_encode_images: int = DEFAULT_MAX_ENCODE_IMAGES
+    encode_image_s: float = 0.02
 
     @property
     def pd(self) -> bool:
@@ -108,7 +115,8 @@ class SimConfig:
                             ("step_noise", self.step_noise),
                             ("transfer_latency_s", self.transfer_latency_s), ("max_model_len", self.max_model_len),
                             ("pd_window_s", self.pd_window_s), ("pd_cooldown_s", self.pd_cooldown_s),
-                            ("pd_cluster_cooldown_s", self.pd_cluster_cooldown_s)):
+                            ("pd_cluster_cooldown_s", self.pd_cluster_cooldown_s),
+                            ("max_encode_images", self.max_encode_images), ("encode_image_s", self.encode_image_s)):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if self.drain_moves not in ("auto", "migrate", "recompute", "off"):

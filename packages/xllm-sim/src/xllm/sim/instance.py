@@ -10,7 +10,9 @@ queues (``reserving``, ``awaiting``, ``handing_off``). A step is planned by the 
 ``xllm.core.step_timing.step_shape`` reads it), and lands in :meth:`finish_step`: computed tokens
 advance, full blocks enter the prefix cache, every sequence that computed all its known tokens
 samples one, finished ones leave and release their KV, PD prefills stop at their first token and
-keep their KV for the hand-off.
+keep their KV for the hand-off. Images (``encode_pending``): a step encoding ``k`` images lasts ``k`` ×
+``encode_image_s`` longer, in the policy's encode phase (``StepPlan.encodes``) or, with the phase off, in the
+step of the request's first prefill chunk (as the engine's eager path encodes them).
 """
 
 from __future__ import annotations
@@ -28,12 +30,11 @@ MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"  # a sequence's phase on a
 
 class SimSeq(KVSeq):
     """One request on one instance (a PD request has a prefill-phase one on P and a decode-phase one
-    on D). Satisfies ``xllm.sched.SchedulableSeq`` (and ``offline`` for co-location policies; text only:
-    ``encode_pending`` is 0)."""
+    on D). Satisfies ``xllm.sched.SchedulableSeq`` (and ``offline`` for co-location policies;
+    ``encode_pending``: its images not encoded yet)."""
 
-    __slots__ = ("arrival_time", "generated", "offline", "output_len", "phase", "preemptions", "priority",
-                 "prompt_len", "req")
-    encode_pending = 0  # (the simulator models text requests: no encode phase)
+    __slots__ = ("arrival_time", "encode_pending", "generated", "offline", "output_len", "phase", "preemptions",
+                 "priority", "prompt_len", "req")
 
     def __init__(self, req, phase: str = MIXED, generated: int = 0) -> None:
         spec = req.spec
@@ -43,6 +44,7 @@ class SimSeq(KVSeq):
         self.prompt_len = spec.prompt_len
         self.output_len = spec.output_len
         self.offline = spec.offline
+        self.encode_pending = spec.images if phase != DECODE else 0  # (a decode side gets the prompt's KV)
         self.priority = req.priority
         self.arrival_time = spec.arrival
         self.phase = phase
@@ -73,6 +75,7 @@ class InstanceStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     role_flips: int = 0
+    encoded_images: int = 0
 
 
 class SimInstance:
@@ -81,8 +84,11 @@ class SimInstance:
 
     def __init__(self, instance_id: str, index: int, role: str, kv: SimKV, policy: BatchPolicy,
                  step_seconds: Callable[[StepShape], float], max_num_seqs: int, max_model_len: int = 0,
-                 predictor: StepTimeModel | None = None, token_budget: int = 0) -> None:
+                 predictor: StepTimeModel | None = None, token_budget: int = 0, encode_image_s: float = 0.0,
+                 encode_phase: bool = False) -> None:
         self.instance_id, self.index, self.role = instance_id, index, role
+        # an image's encode time; whether the policy runs an encode phase (else images encode in their prefill)
+        self.encode_image_s, self.encode_phase = encode_image_s, encode_phase
         # the step-time model and token budget its load reports carry (xllm.core.step_timing.StepTiming.report)
         self.predictor, self.token_budget = predictor, token_budget
         self.kv = kv
@@ -222,9 +228,13 @@ class SimInstance:
     def start_step(self, now: float) -> float | None:
         """Plan a step at ``now`` with the batch policy; its end time, or None (nothing to run: idle)."""
         plan = self.policy.schedule(self)
-        if not plan.chunks:
+        if not plan.chunks and not plan.encodes:
             self.busy = False
             return None
+        images = 0
+        for seq in [*plan.encodes, *(c.seq for c in plan.chunks if not self.encode_phase)]:
+            images += seq.encode_pending
+            seq.encode_pending = 0
         decodes: list[int] = []
         prefills: list[tuple[int, int]] = []
         for c in plan.chunks:
@@ -234,7 +244,8 @@ class SimInstance:
                 decodes.append(cached + 1)
             else:
                 prefills.append((cached, n))
-        duration = self.step_seconds(StepShape(tuple(decodes), tuple(prefills)))
+        duration = (self.step_seconds(StepShape(tuple(decodes), tuple(prefills))) if plan.chunks else 0.0) \
+            + images * self.encode_image_s
         self.chunks = plan.chunks
         self.busy = True
         self.step_start = now
@@ -246,6 +257,7 @@ class SimInstance:
         st.steps += 1
         st.busy_s += duration
         st.decode_tokens += len(decodes)
+        st.encoded_images += images
         self._step_prefill = sum(n for _, n in prefills)
         self._step_decodes = len(decodes)
         st.prefill_tokens += self._step_prefill

@@ -99,6 +99,7 @@ class InstanceReport:
     prefix_query_tokens: int
     prefix_hit_tokens: int
     role_flips: int
+    encoded_images: int = 0
 
 
 def report(requests: Sequence[Request], instances: Sequence[InstanceReport], slo_ttft_s: float | None,

@@ -16,6 +16,8 @@ process (Poisson, Gamma) or a trace file.
   its prompt minus one) are the system prompt of one of G groups (Zipf-like popularity ``1/(g+1)``),
   so prefix-cache hits and KV-aware routing have something to find.
 - Offline: a fraction ``offline_fraction`` of the requests is offline (``service_tier: flex``).
+- Images: a fraction ``image_fraction`` of the requests carries ``images_per_request`` images each (their image
+  tokens are part of the prompt length); the instances run their encode phase (:mod:`xllm.sched.encode`).
 - Trace files: the public Azure LLM inference trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``,
   timestamps as ``2023-11-16 18:15:46.6805900`` or seconds), or ``arrival,prompt_len,output_len`` in
   seconds (the benchmarks' format). Arrivals are re-based to start at 0; a malformed row raises
@@ -50,6 +52,7 @@ class RequestSpec:
     prefix_group: int = -1
     prefix_len: int = 0       # leading prompt tokens shared with every request of the group
     offline: bool = False
+    images: int = 0           # images to encode before its prefill (their tokens are in prompt_len)
 
 
 # ---- lengths ---------------------------------------------------------------------------------------
@@ -116,6 +119,8 @@ class Workload:
     prefix_groups: int = 0
     prefix_len: int = 0
     offline_fraction: float = 0.0
+    image_fraction: float = 0.0
+    images_per_request: int = 1
     phase_s: tuple[float, float] = (60.0, 60.0)     # phases: prefill-heavy seconds, decode-heavy seconds
     prefill_mix: tuple[str, str] = PREFILL_HEAVY     # phases: (prompt spec, output spec) of prefill-heavy
     decode_mix: tuple[str, str] = DECODE_HEAVY       # phases: (prompt spec, output spec) of decode-heavy
@@ -128,6 +133,9 @@ class Workload:
             raise TraceError(f"rate and cv must be > 0, got rate={self.rate} cv={self.cv}")
         if self.prefix_groups < 0 or self.prefix_len < 0 or not 0 <= self.offline_fraction <= 1:
             raise TraceError("prefix_groups, prefix_len >= 0 and 0 <= offline_fraction <= 1 are required")
+        if not 0 <= self.image_fraction <= 1 or self.images_per_request < 1:
+            raise TraceError(f"0 <= image_fraction <= 1 and images_per_request >= 1 are required, got "
+                             f"{self.image_fraction} and {self.images_per_request}")
         if self.arrivals == "phases":
             if len(self.phase_s) != 2 or not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0
                                                  for x in self.phase_s):
@@ -157,7 +165,8 @@ def synthetic(workload: Workload, n: int, seed: int = 0) -> Iterator[RequestSpec
     the lengths does not move the arrivals)."""
     workload.check()
     mixes = workload.mixes()
-    r_arr, r_len, r_pre, r_off = (random.Random(f"{seed}:{k}") for k in ("arrival", "length", "prefix", "offline"))
+    r_arr, r_len, r_pre, r_off, r_img = (random.Random(f"{seed}:{k}")
+                                         for k in ("arrival", "length", "prefix", "offline", "images"))
     shape = 1.0 / (workload.cv * workload.cv)
     scale = 1.0 / (workload.rate * shape)
     weights = [1.0 / (g + 1) for g in range(workload.prefix_groups)]
@@ -167,25 +176,27 @@ def synthetic(workload: Workload, n: int, seed: int = 0) -> Iterator[RequestSpec
         t += r_arr.expovariate(workload.rate) if poisson else r_arr.gammavariate(shape, scale)
         prompt, output = mixes[workload.phase_of(t)]
         p, o = prompt.draw(r_len), output.draw(r_len)
-        yield _decorate(RequestSpec(rid, t, p, o), workload, weights, r_pre, r_off)
+        yield _decorate(RequestSpec(rid, t, p, o), workload, weights, r_pre, r_off, r_img)
 
 
 def _decorate(spec: RequestSpec, workload: Workload, weights: list[float], r_pre: random.Random,
-              r_off: random.Random) -> RequestSpec:
+              r_off: random.Random, r_img: random.Random) -> RequestSpec:
     group, plen = -1, 0
     if weights and workload.prefix_len > 0:
         group = r_pre.choices(range(len(weights)), weights)[0]
         plen = min(workload.prefix_len, spec.prompt_len - 1)
     offline = workload.offline_fraction > 0 and r_off.random() < workload.offline_fraction
-    return RequestSpec(spec.rid, spec.arrival, spec.prompt_len, spec.output_len, group, plen, offline)
+    images = workload.images_per_request if workload.image_fraction > 0 and r_img.random() < workload.image_fraction \
+        else 0
+    return RequestSpec(spec.rid, spec.arrival, spec.prompt_len, spec.output_len, group, plen, offline, images)
 
 
 def decorate(specs: list[RequestSpec], workload: Workload, seed: int = 0) -> list[RequestSpec]:
-    """Give trace requests shared prefixes and offline flags as ``workload`` says (lengths and
+    """Give trace requests shared prefixes, offline flags and images as ``workload`` says (lengths and
     arrivals kept)."""
     weights = [1.0 / (g + 1) for g in range(workload.prefix_groups)]
-    r_pre, r_off = random.Random(f"{seed}:prefix"), random.Random(f"{seed}:offline")
-    return [_decorate(s, workload, weights, r_pre, r_off) for s in specs]
+    r_pre, r_off, r_img = (random.Random(f"{seed}:{k}") for k in ("prefix", "offline", "images"))
+    return [_decorate(s, workload, weights, r_pre, r_off, r_img) for s in specs]
 
 
 # ---- trace files ----------------------------------------------------------------------------------------
