@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 
 from xllm.core import EngineConfig
 from xllm.gateway.embedded import ServeOptions, build_embedded
+from xllm.testing.metrics import metric_value, parse_metrics
 from xllm.testing.models import (
     VISION_TOKENS,
     flatten_vl_config,
@@ -82,8 +83,18 @@ def _hf_answer(hf, tok, processor, messages: list[dict], png: bytes, n: int) -> 
     return hf_greedy_with_images(hf, ids, image["pixel_values"], grid, pad, n)
 
 
+def _image_counts(http) -> tuple[float, float, float]:
+    samples = parse_metrics(http.get("/metrics").text)
+    return tuple(metric_value(samples, name, missing_ok=True) for name in (
+        "xllm:images_encoded_total", "xllm:image_encoder_cache_hits_total", "xllm:image_encode_seconds_total"))
+
+
 def test_image_chat_equals_hf(served):
-    hf, tok, processor, client, _ = served
+    """A chat with an image answers as HF does; asked again, it answers the same from the cached KV; another image
+    behind the same text gets none of that KV; ``/metrics`` counts the two images encoded and the one found in
+    the encoder cache."""
+    hf, tok, processor, client, http = served
+    before = _image_counts(http)
     png = _png(1)
     lead = "Please look carefully at the picture below before you answer. " * 3  # (a full 32-token KV block)
     question = [{"type": "text", "text": lead + "What is in this picture? "},
@@ -103,6 +114,8 @@ def test_image_chat_equals_hf(served):
                                            temperature=0, extra_body={"ignore_eos": True})
     assert third.usage.prompt_tokens_details.cached_tokens == 0  # another image: none of that KV
     assert third.choices[0].message.content != want
+    encoded, hits, seconds = (a - b for a, b in zip(_image_counts(http), before, strict=True))
+    assert encoded == 2 and hits >= 1 and seconds > 0
 
 
 def test_image_in_responses_equals_hf(served):

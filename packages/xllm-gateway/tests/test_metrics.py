@@ -134,3 +134,21 @@ def test_handoffs_through_the_kv_store_are_counted_from_heartbeats():
                                                            kv_handoff_store_fallbacks=1))
     assert value(m, "xllm:kv_handoff_store_blocks_total", instance="p0") == 7
     assert value(m, "xllm:kv_handoff_store_fallbacks_total", instance="p0") == 1
+
+
+def test_image_counters_from_steps_and_from_heartbeats():
+    """The encode phase's series: images encoded, encoder-cache hits, the vision tower's seconds, from an in-process
+    engine's steps and from a remote one's cumulative counters."""
+    m = EngineMetrics()
+    step = decode_step()
+    step.images_encoded, step.image_cache_hits, step.image_encode_seconds = 3, 1, 0.25
+    m.observer("m", "i0").on_step(step)
+    assert value(m, "xllm:images_encoded_total") == 3
+    assert value(m, "xllm:image_encoder_cache_hits_total") == 1
+    assert value(m, "xllm:image_encode_seconds_total") == 0.25
+    m.set_counters("m", "i1", instance_pb2.EngineCounters(steps=2, images_encoded=2, image_encode_seconds=0.5))
+    m.set_counters("m", "i1", instance_pb2.EngineCounters(steps=3, images_encoded=5, image_cache_hits=4,
+                                                           image_encode_seconds=1.25))
+    assert value(m, "xllm:images_encoded_total", instance="i1") == 5
+    assert value(m, "xllm:image_encoder_cache_hits_total", instance="i1") == 4
+    assert value(m, "xllm:image_encode_seconds_total", instance="i1") == 1.25

@@ -57,7 +57,7 @@ from xllm.core.sampling_params import SamplingParams
 from xllm.core.sequence import PLACEHOLDER, Phase, PromptLogprobs, SeqStatus, Sequence
 from xllm.core.spec.speculator import Speculator
 from xllm.core.step import StepInFlight
-from xllm.core.step_stats import expert_stats, finished_request, offline_scheduling, spec_stats
+from xllm.core.step_stats import expert_stats, finished_request, image_stats, offline_scheduling, spec_stats
 from xllm.core.validation import RequestLimits
 from xllm.engine_api.errors import EngineOverloadedError, InvalidRequestError
 from xllm.engine_api.stats import EngineCounters, FinishedRequest, OfflineStepStats, StatsObserver, StepStats
@@ -534,7 +534,7 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
             inter_token_latencies=itls, finished=finished, prefix_cache_queries=prefix.queries - before.queries,
             prefix_cache_hits=prefix.hits - before.hits, step_time_prediction_error=prediction_error,
             offline=offline, **spec_stats(flight), **beam_stats(beams, flight.beam_starts),
-            **expert_stats(self.runner)))
+            **expert_stats(self.runner), **image_stats(self.runner)))
 
     def _notify(self, stats: StepStats) -> None:
         for obs in self.observers:

@@ -167,7 +167,8 @@ class EncoderCache:
     count lookups (an image is encoded once while cached, however many chunks or requests use it; a miss is an
     image encoded). Of the misses, ``phase_images`` were encoded in the encode phase (:meth:`encode_all`), in
     ``phase_batches`` calls of the vision tower, the largest of ``largest_batch`` images; the others in a prefill
-    chunk."""
+    chunk. ``encode_seconds``: the vision tower's time, both ways. :meth:`take_report`: the step stats since
+    the last report."""
 
     max_bytes: int = 256 << 20
     hits: int = 0
@@ -175,6 +176,8 @@ class EncoderCache:
     phase_images: int = 0
     phase_batches: int = 0
     largest_batch: int = 0
+    encode_seconds: float = 0.0
+    _reported: tuple[int, int, float] = (0, 0, 0.0)
     _entries: OrderedDict[bytes, torch.Tensor] = field(default_factory=OrderedDict)
     _bytes: int = 0
 
@@ -197,9 +200,21 @@ class EncoderCache:
         """Image ``i`` of ``images``: from the cache, else encoded now (alone)."""
         got = self._lookup(images.hashes[i])
         if got is None:
+            t0 = time.perf_counter()
             (got,) = model.encode_images(images.pixels[i], images.grid[i:i + 1])
+            self.encode_seconds += time.perf_counter() - t0
             self._put(images.hashes[i], got)
         return got
+
+    def take_report(self) -> dict[str, int | float]:
+        """The images encoded, the cache hits and the encode seconds since the last call, as the ``StepStats``
+        fields (none when nothing happened)."""
+        now = (self.misses, self.hits, self.encode_seconds)
+        before, self._reported = self._reported, now
+        if now == before:
+            return {}
+        return {"images_encoded": now[0] - before[0], "image_cache_hits": now[1] - before[1],
+                "image_encode_seconds": now[2] - before[2]}
 
     def encode_all(self, model: SupportsImages, wanted: Iterable[tuple[SequenceImages, int]]) -> int:
         """Put the embeddings of every image ``(images, i)`` of ``wanted`` in the cache: those it lacks (each
@@ -213,7 +228,10 @@ class EncoderCache:
             return 0
         pixels = torch.cat([images.pixels[i] for images, i in todo.values()])
         grid = torch.cat([images.grid[i:i + 1] for images, i in todo.values()])
-        for key, got in zip(todo, model.encode_images(pixels, grid), strict=True):
+        t0 = time.perf_counter()
+        encoded = model.encode_images(pixels, grid)
+        self.encode_seconds += time.perf_counter() - t0
+        for key, got in zip(todo, encoded, strict=True):
             self._put(key, got)
         self.phase_images += len(todo)
         self.phase_batches += 1

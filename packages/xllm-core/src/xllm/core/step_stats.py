@@ -44,6 +44,13 @@ def expert_stats(runner: object) -> dict:
     return {"experts": report} if report is not None else {}
 
 
+def image_stats(runner: object) -> dict:
+    """The images the runner's encoder cache encoded or found since the last step report, as the
+    :class:`StepStats` fields (none for a text model's steps; :mod:`xllm.core.images`)."""
+    cache = getattr(runner, "encoder_cache", None)
+    return cache.take_report() if cache is not None else {}
+
+
 def finished_request(seq: Sequence, reason: str, now: float) -> FinishedRequest:
     """``seq`` ended with ``reason`` at ``now`` (wall seconds): its request as the step reports it."""
     ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time

@@ -79,6 +79,11 @@ class StepStats:
     beam_early_terminations: int = 0
     # expert parallelism (xllm.core.eplb): set on the step that closed a load window
     experts: ExpertBalance | None = None
+    # multimodal (xllm.core.images), since the last step: images the vision tower encoded (in the encode phase
+    # or a prefill chunk), images found in the encoder cache, the tower's seconds
+    images_encoded: int = 0
+    image_cache_hits: int = 0
+    image_encode_seconds: float = 0.0
 
 
 class StatsObserver(Protocol):

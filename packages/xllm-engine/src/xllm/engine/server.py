@@ -155,6 +155,9 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         c["beam_rows"] += s.beam_rows
         c["beam_candidates_scanned"] += s.beam_candidates_scanned
         c["beam_early_terminations"] += s.beam_early_terminations
+        c["images_encoded"] += s.images_encoded
+        c["image_cache_hits"] += s.image_cache_hits
+        c["image_encode_seconds"] += s.image_encode_seconds
         self._spec_per_pos.extend([0] * (len(s.spec_accepted_per_pos) - len(self._spec_per_pos)))
         for j, n in enumerate(s.spec_accepted_per_pos):
             self._spec_per_pos[j] += n

@@ -122,6 +122,14 @@ class EngineMetrics:
         self.beam_early_terminations = Counter(
             "xllm:beam_early_terminations", "Beam searches that ended before max_tokens (early_stopping, or no "
             "running beam could beat the finished ones).", labels, registry=r)
+        self.images_encoded = Counter(
+            "xllm:images_encoded", "Images the vision tower encoded (in the encode phase or a prefill chunk).", labels,
+            registry=r)
+        self.image_cache_hits = Counter(
+            "xllm:image_encoder_cache_hits", "Images found in the encoder cache by content hash (not encoded again).",
+            labels, registry=r)
+        self.image_encode_seconds = Counter(
+            "xllm:image_encode_seconds", "Seconds the vision tower spent encoding images.", labels, registry=r)
         self._last_counters: dict[tuple[str, str], instance_pb2.EngineCounters] = {}
         self._last_step_totals: dict[tuple[str, str], tuple[float, float]] = {}  # StepTimePredictor's totals
         cl = ["model_name"]
@@ -187,7 +195,9 @@ class EngineMetrics:
                   (self.spec_accepted_tokens, (), "spec_decode_num_accepted_tokens"),
                   (self.beam_steps, (), "beam_steps"), (self.beam_rows, (), "beam_rows"),
                   (self.beam_candidates_scanned, (), "beam_candidates_scanned"),
-                  (self.beam_early_terminations, (), "beam_early_terminations")]
+                  (self.beam_early_terminations, (), "beam_early_terminations"),
+                  (self.images_encoded, (), "images_encoded"), (self.image_cache_hits, (), "image_cache_hits"),
+                  (self.image_encode_seconds, (), "image_encode_seconds")]
         for counter, extra, field in series:
             delta = getattr(counters, field) - getattr(last, field)
             if delta > 0:  # a series appears with its first count
@@ -262,7 +272,9 @@ class _InstanceObserver:
                     m.spec_accepted_per_pos.labels(*lb, str(j)).inc(n)
         for counter, n in ((m.beam_steps, s.beam_steps), (m.beam_rows, s.beam_rows),
                            (m.beam_candidates_scanned, s.beam_candidates_scanned),
-                           (m.beam_early_terminations, s.beam_early_terminations)):
+                           (m.beam_early_terminations, s.beam_early_terminations),
+                           (m.images_encoded, s.images_encoded), (m.image_cache_hits, s.image_cache_hits),
+                           (m.image_encode_seconds, s.image_encode_seconds)):
             if n:  # a series appears with its first count
                 counter.labels(*lb).inc(n)
         self._offline(s)

@@ -133,7 +133,7 @@ class StepTimePredictor(_message.Message):
     def __init__(self, coefficients: _Optional[_Iterable[float]] = ..., correction: _Optional[float] = ..., profiled: _Optional[bool] = ..., prediction_error: _Optional[float] = ..., token_budget: _Optional[int] = ..., measured_seconds: _Optional[float] = ..., predicted_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineCounters(_message.Message):
-    __slots__ = ("prompt_tokens", "generation_tokens", "finished_requests", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "steps", "kv_handoffs_sent", "kv_handoffs_installed", "kv_handoff_failures", "kv_transfer_bytes", "kv_handoff_timeouts", "kv_reservations_expired", "kv_migrations_sent", "kv_migrations_installed", "kv_migration_failures", "offline_requests", "offline_prompt_tokens", "offline_generation_tokens", "offline_preemptions_kv", "offline_preemptions_batch_full", "offline_preemptions_slo", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "beam_steps", "beam_rows", "beam_candidates_scanned", "beam_early_terminations", "kv_handoff_store_blocks", "kv_handoff_store_fallbacks")
+    __slots__ = ("prompt_tokens", "generation_tokens", "finished_requests", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "steps", "kv_handoffs_sent", "kv_handoffs_installed", "kv_handoff_failures", "kv_transfer_bytes", "kv_handoff_timeouts", "kv_reservations_expired", "kv_migrations_sent", "kv_migrations_installed", "kv_migration_failures", "offline_requests", "offline_prompt_tokens", "offline_generation_tokens", "offline_preemptions_kv", "offline_preemptions_batch_full", "offline_preemptions_slo", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "beam_steps", "beam_rows", "beam_candidates_scanned", "beam_early_terminations", "kv_handoff_store_blocks", "kv_handoff_store_fallbacks", "images_encoded", "image_cache_hits", "image_encode_seconds")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,9 @@ class EngineCounters(_message.Message):
     BEAM_EARLY_TERMINATIONS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDOFF_STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDOFF_STORE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generation_tokens: int
     finished_requests: int
@@ -198,7 +201,10 @@ class EngineCounters(_message.Message):
     beam_early_terminations: int
     kv_handoff_store_blocks: int
     kv_handoff_store_fallbacks: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., kv_handoffs_sent: _Optional[int] = ..., kv_handoffs_installed: _Optional[int] = ..., kv_handoff_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_handoff_timeouts: _Optional[int] = ..., kv_reservations_expired: _Optional[int] = ..., kv_migrations_sent: _Optional[int] = ..., kv_migrations_installed: _Optional[int] = ..., kv_migration_failures: _Optional[int] = ..., offline_requests: _Optional[int] = ..., offline_prompt_tokens: _Optional[int] = ..., offline_generation_tokens: _Optional[int] = ..., offline_preemptions_kv: _Optional[int] = ..., offline_preemptions_batch_full: _Optional[int] = ..., offline_preemptions_slo: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., beam_steps: _Optional[int] = ..., beam_rows: _Optional[int] = ..., beam_candidates_scanned: _Optional[int] = ..., beam_early_terminations: _Optional[int] = ..., kv_handoff_store_blocks: _Optional[int] = ..., kv_handoff_store_fallbacks: _Optional[int] = ...) -> None: ...
+    images_encoded: int
+    image_cache_hits: int
+    image_encode_seconds: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., kv_handoffs_sent: _Optional[int] = ..., kv_handoffs_installed: _Optional[int] = ..., kv_handoff_failures: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_handoff_timeouts: _Optional[int] = ..., kv_reservations_expired: _Optional[int] = ..., kv_migrations_sent: _Optional[int] = ..., kv_migrations_installed: _Optional[int] = ..., kv_migration_failures: _Optional[int] = ..., offline_requests: _Optional[int] = ..., offline_prompt_tokens: _Optional[int] = ..., offline_generation_tokens: _Optional[int] = ..., offline_preemptions_kv: _Optional[int] = ..., offline_preemptions_batch_full: _Optional[int] = ..., offline_preemptions_slo: _Optional[int] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., beam_steps: _Optional[int] = ..., beam_rows: _Optional[int] = ..., beam_candidates_scanned: _Optional[int] = ..., beam_early_terminations: _Optional[int] = ..., kv_handoff_store_blocks: _Optional[int] = ..., kv_handoff_store_fallbacks: _Optional[int] = ..., images_encoded: _Optional[int] = ..., image_cache_hits: _Optional[int] = ..., image_encode_seconds: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("instance_id", "seq", "load", "kv_events", "counters", "draining", "unhealthy_reason", "kv_tiers", "signature")
