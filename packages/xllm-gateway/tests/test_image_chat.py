@@ -137,6 +137,31 @@ def test_image_in_responses_equals_hf(served):
     assert follow.usage.input_tokens_details.cached_tokens > 0  # the first turn's image KV, reused
 
 
+@torch.inference_mode()
+def test_beam_search_over_an_image_equals_hf(served):
+    """``use_beam_search`` with an image: the choices are HF ``generate(num_beams=3)``'s hypotheses, best first."""
+    hf, tok, processor, client, _ = served
+    png = _png(5)
+    content = [{"type": "text", "text": "Name this picture: "}, {"type": "image_url", "image_url": {"url": _url(png)}}]
+    got = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": content}], max_tokens=4,
+                                         n=3, extra_body={"use_beam_search": True})
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Name this picture: "},
+                                                                 {"type": "image"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    image = processor(images=[PIL.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt")
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    ids = []
+    for t in tok(text, add_special_tokens=False)["input_ids"]:
+        ids.extend([pad] * int(image["image_grid_thw"].prod() // 4) if t == pad else [t])
+    x = torch.tensor([ids])
+    out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), pixel_values=image["pixel_values"],
+                      image_grid_thw=image["image_grid_thw"], mm_token_type_ids=(x == pad).int(), num_beams=3,
+                      num_return_sequences=3, max_new_tokens=4, do_sample=False, temperature=None, top_p=None,
+                      top_k=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    want = [tok.decode([t for t in row if t != tok.eos_token_id]) for row in out[:, x.shape[1]:].tolist()]
+    assert [c.message.content for c in got.choices] == want
+
+
 def test_bad_images_are_400s_naming_the_field(served):
     _, _, _, _, http = served
     cases = [

@@ -304,3 +304,43 @@ def test_encode_batch_bound_comes_from_the_profile_under_a_tpot_target(models):
     assert max_encode_images(EngineConfig(slo_tpot_ms=60_000, max_num_seqs=3), ours) == 3
     assert max_encode_images(EngineConfig(slo_tpot_ms=0.001, max_num_seqs=3), ours) == 1
     assert max_encode_images(EngineConfig(max_encode_images=2), object()) == 0
+
+
+@torch.inference_mode()
+def test_beam_search_with_an_image_equals_hf_generate(models, images, tokenizer):
+    """A beam search over an image prompt (its beams' rows at the M-RoPE text positions after the image) equals HF
+    ``generate(num_beams=3, num_return_sequences=3)`` with the same image: the same hypotheses in the same order and
+    scores; a greedy request with the other image decodes in the same forwards and stays HF's."""
+    from xllm.core.config import EngineConfig
+    from xllm.core.engine import LLMEngine
+    from xllm.proto.engine.v1 import engine_pb2
+    from xllm.testing.models import IdTokenizer
+
+    hf, ours, _ = models
+    pixel_values, grid = images
+    engine = LLMEngine(ours, IdTokenizer(), EngineConfig(dtype=torch.float32, max_model_len=256, max_num_seqs=4,
+                                                          num_threads=1, block_size=32))
+    prompts = {i: _prompt(tokenizer, ours, grid[[i]]).tolist() for i in (0, 1)}
+    engine.add_request(engine_pb2.GenerateRequest(
+        request_id="beams", prompt_token_ids=prompts[0], images=[_image_input(pixel_values, grid, 0, b"zero")],
+        sampling=engine_pb2.SamplingParams(max_tokens=5, beam_width=3)))
+    engine.add_request(engine_pb2.GenerateRequest(
+        request_id="greedy", prompt_token_ids=prompts[1], images=[_image_input(pixel_values, grid, 1, b"one")],
+        sampling=engine_pb2.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)))
+    beams, tokens, modes = None, [], dict(engine.runner.mode_steps)
+    while engine.has_work():
+        for c in engine.step():
+            if c.request_id == "greedy":
+                tokens += c.token_ids
+            elif c.finish_reason:
+                beams = c.beams
+    x = torch.tensor([prompts[0]])  # (HF's M-RoPE positions need the token types: without them, text positions)
+    out = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), pixel_values=_patches(pixel_values, grid, [0]),
+                      image_grid_thw=grid[[0]], mm_token_type_ids=(x == ours.image_token_id).int(), num_beams=3,
+                      num_return_sequences=3, max_new_tokens=5, do_sample=False, output_scores=True,
+                      return_dict_in_generate=True, temperature=None, top_p=None, top_k=None)
+    assert [list(b.token_ids) for b in beams] == out.sequences[:, x.shape[1]:].tolist()
+    assert [b.score for b in beams] == pytest.approx(out.sequences_scores.tolist(), abs=2e-3)
+    assert tokens == hf_greedy_with_images(hf, prompts[1], _patches(pixel_values, grid, [1]), grid[[1]],
+                                           ours.image_token_id, 5)
+    assert engine.runner.mode_steps["beams"] > modes["beams"]  # the beams rode in the greedy request's forwards

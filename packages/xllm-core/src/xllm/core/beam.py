@@ -96,13 +96,16 @@ class BeamStepResult:
 
 @dataclass
 class BeamRows:
-    """The packed inputs of some groups' beam rows for one forward (a group's rows are contiguous)."""
+    """The packed inputs of some groups' beam rows for one forward (a group's rows are contiguous);
+    ``mrope_positions`` ``[3, R]`` when a group's prompt has images (its rows at ``position + delta`` on every
+    M-RoPE axis, :class:`~xllm.core.images.SequenceImages`), else None."""
 
     groups: list[BeamGroup]
     input_ids: torch.Tensor
     positions: torch.Tensor
     ctx: AttentionContext
     rows: list[GroupRows]
+    mrope_positions: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -244,7 +247,7 @@ class BeamRunner:
         return [(g.seq, self._final_chunk(g)) for g in result.finished]
 
     def _inputs(self, groups: list[BeamGroup]) -> BeamRows:
-        ids, positions, rows = [], [], []
+        ids, positions, rows, deltas = [], [], [], []
         start = 0
         for g in groups:
             s = g.search
@@ -254,9 +257,13 @@ class BeamRunner:
             prompt = g.seq.num_tokens
             ids.append(s.tokens[:, -1])
             positions.append(torch.full((b,), prompt + s.steps - 1, dtype=torch.int64))
+            deltas.append(g.seq.images.delta if g.seq.images is not None else None)
             rows.append(GroupRows(start, b, prompt, g.seq.slot, g.seq.kv_pages, g.kv, s.steps - 1))
             start += b
-        return BeamRows(groups, torch.cat(ids), torch.cat(positions), BeamAttention(self.kv, rows), rows)
+        mrope = None
+        if any(d is not None for d in deltas):  # an image prompt: M-RoPE text positions after it
+            mrope = torch.cat([p + (d or 0) for p, d in zip(positions, deltas, strict=True)]).expand(3, -1)
+        return BeamRows(groups, torch.cat(ids), torch.cat(positions), BeamAttention(self.kv, rows), rows, mrope)
 
     def _run(self, groups: list[BeamGroup], result: BeamStepResult) -> None:
         """One step of ``groups`` in a forward of their own."""
@@ -264,7 +271,9 @@ class BeamRunner:
         if self.forward is not None:
             logits = self.forward(inputs)
         else:
-            logits = self.model.compute_logits(self.model.forward(inputs.input_ids, inputs.positions, inputs.ctx))
+            rope = {} if inputs.mrope_positions is None else {"mrope_positions": inputs.mrope_positions}
+            logits = self.model.compute_logits(self.model.forward(inputs.input_ids, inputs.positions, inputs.ctx,
+                                                                  **rope))
         self._land(inputs, logits, result)
 
     def _land(self, inputs: BeamRows, logits: torch.Tensor, result: BeamStepResult) -> None:

@@ -23,7 +23,8 @@ batch per step. The bound: ``--max-encode-images``, else a start-up profile with
 :data:`~xllm.sched.encode.DEFAULT_MAX_ENCODE_IMAGES`. An image dropped from the cache before its prefill is
 encoded again in its chunk (never a wrong embedding).
 
-Not with images (refused, naming ``images``): speculative decoding, beam search, prefill/decode hand-offs.
+Not with images (refused, naming ``images``): speculative decoding, prefill/decode hand-offs. Beam search
+takes them: the prompt as above, the beams' rows at their M-RoPE text positions (:class:`xllm.core.beam.BeamRows`).
 """
 
 from __future__ import annotations
@@ -126,9 +127,9 @@ def admit_images(model: object, seq: Sequence, req: engine_pb2.GenerateRequest, 
         return
     if not takes:
         raise InvalidRequestError("this model takes no images (a text model)", "images")
-    if req.sampling.beam_width or req.disagg_phase or speculative:
-        raise InvalidRequestError("images are not served with beam search, prefill/decode hand-offs or speculative "
-                                  "decoding yet", "images")
+    if req.disagg_phase or speculative:
+        raise InvalidRequestError("images are not served with prefill/decode hand-offs or speculative decoding yet",
+                                  "images")
     pixels, grids, hashes = [], [], []
     dim = model.patch_dim()
     for i, image in enumerate(images):

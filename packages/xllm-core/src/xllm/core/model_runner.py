@@ -79,12 +79,14 @@ class BatchInputs:
 
 class ExtraRows(Protocol):
     """Rows that ride in a step's forward after its own, with their own attention (the beam rows of
-    :mod:`xllm.core.beam`): ``input_ids``/``positions`` ``[R]`` and the context their queries attend
-    through (it stores their K/V as it likes)."""
+    :mod:`xllm.core.beam`): ``input_ids``/``positions`` ``[R]``, the context their queries attend
+    through (it stores their K/V as it likes) and their M-RoPE positions ``[3, R]`` (None: ``positions`` on
+    every axis)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     ctx: AttentionContext
+    mrope_positions: torch.Tensor | None
 
 
 class ModelRunner:
@@ -393,21 +395,24 @@ class ModelRunner:
         with self._lora_rows(slots):
             hidden = self.model.forward(torch.cat([batch.input_ids, extra.input_ids]),
                                         torch.cat([batch.positions, extra.positions]), ctx,
-                                        **_image_kwargs(batch, extra.positions))
+                                        **_image_kwargs(batch, extra))
         if self.hidden_sink is not None:
             self.hidden_sink(batch, hidden[:n])
         rows = torch.cat([batch.logit_rows, torch.arange(n, len(hidden), device=batch.logit_rows.device)])
         return self.model.compute_logits(hidden[rows])
 
 
-def _image_kwargs(batch: BatchInputs, extra_positions: torch.Tensor | None = None) -> dict:
-    """The forward's image arguments of ``batch`` (none without images); extra rows (beams, text) after its
-    rows take their plain positions on all three M-RoPE axes."""
-    if batch.images is None:
+def _image_kwargs(batch: BatchInputs, extra: ExtraRows | None = None) -> dict:
+    """The forward's image arguments of ``batch`` and the ``extra`` rows after its rows (none when neither has
+    images); rows without M-RoPE positions of their own take their plain positions on all three axes."""
+    extra_rope = extra.mrope_positions if extra is not None else None
+    if batch.images is None and extra_rope is None:
         return {}
-    kwargs = batch.images.forward_kwargs()
-    if extra_positions is not None:
-        kwargs["mrope_positions"] = torch.cat([kwargs["mrope_positions"], extra_positions.expand(3, -1)], dim=1)
+    kwargs = batch.images.forward_kwargs() if batch.images is not None else {
+        "mrope_positions": batch.positions.expand(3, -1)}
+    if extra is not None:
+        rope = extra_rope if extra_rope is not None else extra.positions.expand(3, -1)
+        kwargs["mrope_positions"] = torch.cat([kwargs["mrope_positions"], rope.to(batch.positions.device)], dim=1)
     return kwargs
 
 

@@ -96,8 +96,6 @@ class ChatServing:
         if any(m.has_images() for m in req.messages):  # fetched, decoded, the model's processor (400s name parts)
             images = await self.media.load([m.content_json() for m in req.messages], self.tokenizer,
                                            self.preprocessor.run)
-            if req.use_beam_search:
-                raise bad_request("beam search does not take images yet", "use_beam_search")
         with spans.phase("tokenize") as span:
             prompt, structured = await self.preprocessor.run(self._render, req)
             if images is not None:
@@ -132,9 +130,9 @@ class ChatServing:
                                model, scheduling)
                 for i in range(req.n)
             ]
-            if images is not None:
-                for r in reqs:
-                    r.images.extend(engine_images(images))
+        if images is not None:
+            for r in reqs:
+                r.images.extend(engine_images(images))
         client, streams = await self.dispatcher.submit_all(model, reqs, session=req.affinity_key(), spans=spans)
         headers = {INSTANCE_HEADER: client.info.instance_id}
         if req.stream:
