@@ -23,6 +23,7 @@ ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--profile"]  # the step-time profi
 # online SLOs and offline co-location (xllm.sched.colocation)
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--slo-ttft-ms", "--slo-tpot-ms", "--offline-starvation-s",
                        "--offline-slo-fraction"]
+ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--max-encode-images"]  # the encode phase (xllm.sched.encode)
 ENGINE_CONFIG_FLAGS = [*ENGINE_CONFIG_FLAGS, "--speculative", "--num-speculative-tokens", "--speculative-max-batch",
                        "--speculative-self-layers", "--draft-model"]
 # KV tiers below the engine's KV memory (xllm.core.kv.lower_tiers)

@@ -344,3 +344,42 @@ def test_beam_search_with_an_image_equals_hf_generate(models, images, tokenizer)
     assert tokens == hf_greedy_with_images(hf, prompts[1], _patches(pixel_values, grid, [1]), grid[[1]],
                                            ours.image_token_id, 5)
     assert engine.runner.mode_steps["beams"] > modes["beams"]  # the beams rode in the greedy request's forwards
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+@torch.inference_mode()
+def test_an_image_request_resumed_elsewhere_continues_exactly(models, images, tokenizer, temperature):
+    """What the gateway's failover sends another instance (:func:`xllm.gateway.progress.continuation`'s shape: the
+    request with its images, its prompt plus the tokens the client has, marked as earlier output) finishes as the
+    uninterrupted run did, token for token, greedy and seeded: the tokens after the image keep their M-RoPE
+    positions and their sampling draws."""
+    from xllm.core.config import EngineConfig
+    from xllm.core.engine import LLMEngine
+    from xllm.proto.engine.v1 import engine_pb2
+    from xllm.testing.models import IdTokenizer
+
+    _, ours, _ = models
+    pixel_values, grid = images
+    request = engine_pb2.GenerateRequest(
+        request_id="r", prompt_token_ids=_prompt(tokenizer, ours, grid[[1]]).tolist(),
+        images=[_image_input(pixel_values, grid, 1, b"one")],
+        sampling=engine_pb2.SamplingParams(temperature=temperature, seed=7, max_tokens=8, ignore_eos=True))
+
+    def run(req: engine_pb2.GenerateRequest) -> list[int]:
+        engine = LLMEngine(ours, IdTokenizer(), EngineConfig(dtype=torch.float32, max_model_len=256,
+                                                              num_threads=1, block_size=32))
+        engine.add_request(req)
+        out: list[int] = []
+        while engine.has_work():
+            for c in engine.step():
+                out += c.token_ids
+        engine.close()
+        return out
+
+    whole = run(request)
+    cont = engine_pb2.GenerateRequest()
+    cont.CopyFrom(request)
+    cont.request_id = "r#1"
+    cont.prompt_token_ids.extend(whole[:3])
+    cont.resumed_output_tokens = 3
+    assert len(whole) == 8 and run(cont) == whole[3:]

@@ -34,11 +34,13 @@ _GROUP_WORDS = 9  # key, width, max tokens, start, beams, prompt length, slot (-
 
 @dataclass
 class MirroredRows:
-    """A worker's :class:`~xllm.core.model_runner.ExtraRows`: rank 0's beam rows over this rank's heads."""
+    """A worker's :class:`~xllm.core.model_runner.ExtraRows`: rank 0's beam rows over this rank's heads (text
+    models only: image models are not served with tensor parallelism)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     ctx: AttentionContext
+    mrope_positions: torch.Tensor | None = None
 
 
 class BeamKeys:
