@@ -307,6 +307,31 @@ def test_a_generates_parts_are_held_to_their_own_allowances_before_parsing():
     assert refusal(ok.SerializeToString()[:-1]) is None  # truncated: the parser's to report
 
 
+def test_images_are_bounded_by_the_context_a_multimodal_model_can_hold():
+    """A text model's request has no room for images (each held to the fixed allowance); a multimodal model's
+    images take what ``max_model_len`` image tokens need (several images together, one as large as the context),
+    no more: an image of more pixel bytes than the context's tokens can hold is refused before parsing, naming
+    ``images``."""
+    n, per_token = 160, 4 * 1176 * 4  # Qwen2-VL: 4 patch rows of 1,176 floats behind each image token
+
+    def image(tokens: int) -> engine_pb2.ImageInput:
+        return engine_pb2.ImageInput(pixel_values=b"\0" * (tokens * per_token), grid_thw=[1, 2, 2 * tokens],
+                                     content_hash=b"h" * 32)
+
+    def refusal(images: list, token_bytes: int):
+        req = make_request("r", PROMPT, max_tokens=4)
+        req.images.extend(images)
+        found = generate_shape(req.SerializeToString(), generate_allowance(n, image_token_bytes=token_bytes))
+        return found and found.param
+
+    assert refusal([image(8)], 0) == "images"  # a text model (the engine would refuse it: no images here)
+    assert refusal([image(8)] * 10, per_token) is None
+    assert refusal([image(n)], per_token) is None
+    assert refusal([image(2 * n)], per_token) == "images"
+    parts = generate_allowance(n, image_token_bytes=per_token)
+    assert parts.total - generate_allowance(n).total == parts.images < n * (per_token + 256) + MIB
+
+
 def test_the_served_engines_bounds_follow_its_configuration():
     engine = make_engine(kv_cache_backend="paged", block_size=16, kv_cache_memory_gib=0.01)
     try:

@@ -46,7 +46,7 @@ from xllm.core.engine_build import (
 from xllm.core.engine_moves import EngineMoves
 from xllm.core.engine_weights import EngineWeights, WeightsState
 from xllm.core.grammar import Grammars
-from xllm.core.images import admit_images, max_encode_images
+from xllm.core.images import admit_images, image_token_bytes, max_encode_images
 from xllm.core.lora import EngineLora, build_loras
 from xllm.core.model_api import CausalLM
 from xllm.core.output_processor import OutputProcessor, RequestOutput
@@ -106,7 +106,8 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
         self.max_model_len = config.resolve_max_model_len(int(model.max_context_len))
         self.kv = build_kv(config, model, self.platform.device, self.max_model_len)
         self.layout = self.kv.layout
-        self.limits = RequestLimits(int(model.vocab_size), self.max_model_len, self.layout, config.request_bounds)
+        self.limits = RequestLimits(int(model.vocab_size), self.max_model_len, self.layout, config.request_bounds,
+                                    image_token_bytes(model))
         self.runner = build_runner(config, model, self.kv, self.platform.device, ranks)
         self.loras = build_loras(config, model, self.runner)  # LoRA adapters (xllm.core.lora)
         self.weights = WeightsState()  # sleep, wake, weight updates (xllm.core.engine_weights)

@@ -23,8 +23,11 @@ batch per step. The bound: ``--max-encode-images``, else a start-up profile with
 :data:`~xllm.sched.encode.DEFAULT_MAX_ENCODE_IMAGES`. An image dropped from the cache before its prefill is
 encoded again in its chunk (never a wrong embedding).
 
-Not with images (refused, naming ``images``): speculative decoding, prefill/decode hand-offs. Beam search
-takes them: the prompt as above, the beams' rows at their M-RoPE text positions (:class:`xllm.core.beam.BeamRows`).
+Not with images (refused, naming ``images``): speculative decoding. Beam search takes them: the prompt as above,
+the beams' rows at their M-RoPE text positions (:class:`xllm.core.beam.BeamRows`). So do prefill/decode hand-offs:
+both sides get the request with its images (the same hash root, so the decode side's prefix cache matches only
+the same images; its decode rows at the M-RoPE text positions; a hand-off that fails is recomputed there, the
+images encoded in that prefill).
 """
 
 from __future__ import annotations
@@ -127,9 +130,8 @@ def admit_images(model: object, seq: Sequence, req: engine_pb2.GenerateRequest, 
         return
     if not takes:
         raise InvalidRequestError("this model takes no images (a text model)", "images")
-    if req.disagg_phase or speculative:
-        raise InvalidRequestError("images are not served with prefill/decode hand-offs or speculative decoding yet",
-                                  "images")
+    if speculative:
+        raise InvalidRequestError("images are not served with speculative decoding yet", "images")
     pixels, grids, hashes = [], [], []
     dim = model.patch_dim()
     for i, image in enumerate(images):
@@ -249,6 +251,16 @@ def encode_phase(seqs: Iterable[Sequence], model: object, cache: EncoderCache) -
     for seq in seqs:
         seq.encode_pending = 0
     return n
+
+
+def image_token_bytes(model: object) -> int:
+    """The ``pixel_values`` bytes behind one image token of ``model`` (float32 patch rows; 0 for a text model):
+    what bounds a request's images on the engine service (:func:`xllm.engine_api.bounds.generate_allowance`)."""
+    if not isinstance(model, SupportsImages):
+        return 0
+    grid = model.reference_grid()
+    rows = grid[0] * grid[1] * grid[2]
+    return -(-rows * model.patch_dim() * 4 // model.image_tokens(grid))
 
 
 def max_encode_images(config: EngineConfig, model: object) -> int:

@@ -69,6 +69,7 @@ class RequestLimits:
     max_model_len: int
     layout: KVCacheLayout
     bounds: RequestBounds = field(default_factory=RequestBounds)
+    image_token_bytes: int = 0  # a multimodal model's pixel bytes per image token (0: a text model)
 
     def check(self, req: engine_pb2.GenerateRequest) -> SamplingParams:
         """The request's validated sampling parameters; :class:`InvalidRequestError` names the

@@ -36,6 +36,7 @@ _PER_ID = 11             # an int32 varint of any sign (negative ones take 10 by
 _PER_STRING = 6          # a string's tag and length varint
 _PER_BIAS_ENTRY = 20     # a map<int32, float> entry: tag, length, key (any sign), value
 _PER_UTF8_CHAR = 4       # bytes of one character in UTF-8
+_PER_IMAGE = 128         # an ImageInput's framing, grid and content hash
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class GenerateAllowance:
     max_stop: int
     max_logit_bias: int
     fixed: int = _FIXED    # every other field of a message, together
+    images: int = 0        # the images of a multimodal model's request, together (0: a text model)
 
     @property
     def sampling(self) -> int:
@@ -88,13 +90,16 @@ class GenerateAllowance:
 
     @property
     def total(self) -> int:
-        return self.fixed + self.prompt + self.sampling
+        return self.fixed + self.prompt + self.sampling + self.images
 
 
-def generate_allowance(max_model_len: int, bounds: RequestBounds | None = None) -> GenerateAllowance:
+def generate_allowance(max_model_len: int, bounds: RequestBounds | None = None,
+                       image_token_bytes: int = 0) -> GenerateAllowance:
     """What a request within ``bounds`` and a context of ``max_model_len`` tokens can need: its prompt
     (a resumed request's earlier output included, which also fits the context), stop strings and ids,
-    ``logit_bias`` and output constraint, plus a fixed allowance for everything else."""
+    ``logit_bias`` and output constraint, plus a fixed allowance for everything else; with a multimodal
+    model (``image_token_bytes``: the pixel bytes behind one image token), its images: their tokens fit the
+    context too, each image at least one (so its framing, grid and hash count per token)."""
     bounds = bounds or RequestBounds()
     return GenerateAllowance(
         prompt=_PER_STRING + _PER_TOKEN * max_model_len,
@@ -104,7 +109,8 @@ def generate_allowance(max_model_len: int, bounds: RequestBounds | None = None) 
         # a string: 4 bytes a character; a choice: 4 a character and 6 a string, with characters + 4 * strings
         # <= max_grammar_chars (so at most 4 bytes a counted character too)
         constraint=_FIXED + _PER_UTF8_CHAR * bounds.max_grammar_chars,
-        max_stop=bounds.max_stop, max_logit_bias=bounds.max_logit_bias)
+        max_stop=bounds.max_stop, max_logit_bias=bounds.max_logit_bias,
+        images=_FIXED + (image_token_bytes + _PER_IMAGE) * max_model_len if image_token_bytes > 0 else 0)
 
 
 def generate_message_bytes(max_model_len: int, bounds: RequestBounds | None = None) -> int:

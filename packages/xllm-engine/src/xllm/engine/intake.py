@@ -5,7 +5,8 @@ Every ``EngineService`` call kind has a size bound derived from the engine's con
 
 - ``Generate``: what a valid request can need (:func:`xllm.engine_api.bounds.generate_message_bytes`:
   ``max_model_len`` prompt tokens plus the largest stop strings, stop ids, ``logit_bias`` and output
-  constraint the request bounds allow);
+  constraint the request bounds allow; with a multimodal model, the images of ``max_model_len`` image
+  tokens);
 - ``TransferKV``: one KV hand-off message (:func:`xllm.engine_api.bounds.kv_message_bytes`: a
   ``KVPages`` of at most :data:`~xllm.engine_api.bounds.KV_MESSAGE_BYTES`, or a commit naming every
   block of the context), by the engine's KV page sizes;
@@ -98,7 +99,7 @@ def message_bounds(limits: RequestLimits, page_bytes: tuple[int, ...] | list[int
     when it cannot receive KV, whose ``TransferKV`` then takes small messages only)."""
     kv = kv_message_bytes(limits.max_model_len, limits.layout.block_size, page_bytes) if page_bytes \
         else SMALL_MESSAGE_BYTES
-    parts = generate_allowance(limits.max_model_len, limits.bounds)
+    parts = generate_allowance(limits.max_model_len, limits.bounds, limits.image_token_bytes)
     return MessageBounds(generate=parts.total, transfer_kv=kv, generate_parts=parts)
 
 
@@ -174,7 +175,8 @@ def generate_shape(raw: bytes, parts: GenerateAllowance) -> Refusal | None:
         names = _NAMES["GenerateRequest"]
         for number, start, end in top:
             name = names.get(number, f"field {number}")
-            limit = {"prompt_token_ids": parts.prompt, "sampling": parts.sampling}.get(name, parts.fixed)
+            limit = {"prompt_token_ids": parts.prompt, "sampling": parts.sampling,
+                     "images": parts.images or parts.fixed}.get(name, parts.fixed)
             if end - start > limit:
                 return Refusal(f"{_API_NAME.get(name, name)}: {end - start} bytes; at most {limit}",
                                _API_NAME.get(name, name))

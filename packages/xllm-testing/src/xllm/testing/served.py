@@ -3,7 +3,7 @@ gateway drives it (for tests of the engine service and of the gateway's dispatch
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from xllm.core import AsyncEngine, LLMEngine
 from xllm.engine.handoff.base import HandoffOptions
@@ -106,24 +106,27 @@ class ServedEngines:
 
 
 def pd_request(rid: str, phase: int, prompt: list[int], target: engine_pb2.KVTarget | None = None,
-               **sampling) -> engine_pb2.GenerateRequest:
-    """:func:`~xllm.testing.engine.make_request` for one phase of a hand-off (to ``target``)."""
+               images: Sequence[engine_pb2.ImageInput] = (), **sampling) -> engine_pb2.GenerateRequest:
+    """:func:`~xllm.testing.engine.make_request` for one phase of a hand-off (to ``target``), with ``images``."""
     req = make_request(rid, prompt, **sampling)
     req.disagg_phase = phase
+    req.images.extend(images)
     if target is not None:
         req.kv_target.CopyFrom(target)
     return req
 
 
-async def pd_generate(prefill: ServedEngine, decode: ServedEngine, rid: str, prompt: list[int], **sampling
+async def pd_generate(prefill: ServedEngine, decode: ServedEngine, rid: str, prompt: list[int],
+                      images: Sequence[engine_pb2.ImageInput] = (), **sampling
                       ) -> tuple[Collected, engine_pb2.KVTarget, engine_pb2.DisaggStats | None]:
-    """What a gateway does: reserve on the decode side, prefill with its target, stream both.
-    Returns the client's view, the reservation and the decode side's hand-off stats (``None`` when
-    the request ended on the prefill side)."""
-    d_stream = aiter(await decode.client.submit(pd_request(rid, DECODE, prompt, **sampling)))
+    """What a gateway does: reserve on the decode side, prefill with its target, stream both (each side gets the
+    request's ``images``). Returns the client's view, the reservation and the decode side's hand-off stats
+    (``None`` when the request ended on the prefill side)."""
+    d_stream = aiter(await decode.client.submit(pd_request(rid, DECODE, prompt, images=images, **sampling)))
     reservation = (await anext(d_stream)).kv_reservation
     got, stats = Collected(), None
-    async for chunk in await prefill.client.submit(pd_request(rid, PREFILL, prompt, reservation, **sampling)):
+    async for chunk in await prefill.client.submit(pd_request(rid, PREFILL, prompt, reservation, images=images,
+                                                              **sampling)):
         if chunk.finish_reason == HANDED_OFF:
             break
         got.add([chunk])
