@@ -44,6 +44,7 @@ REGISTRY: NameRegistry[Scenario] = NameRegistry("benchmark", {
     "spec": "benchmarks.spec:SCENARIO",
     "parallel": "benchmarks.parallel:SCENARIO",
     "tracing": "benchmarks.tracing_cost:SCENARIO",
+    "multimodal": "benchmarks.multimodal:SCENARIO",
     "lora": "benchmarks.lora:SCENARIO",
     "lora_kernel": "benchmarks.lora_kernel:SCENARIO",
     "moe": "benchmarks.moe:SCENARIO",

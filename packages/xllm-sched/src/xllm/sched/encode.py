@@ -27,8 +27,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-DEFAULT_MAX_ENCODE_IMAGES = 4
-"""Images encoded per step when no TPOT target sets the bound by profile (``--max-encode-images``)."""
+DEFAULT_MAX_ENCODE_IMAGES = 1
+"""Images encoded per step when no TPOT target sets the bound by profile (``--max-encode-images``). Measured, not
+guessed (``python -m benchmarks multimodal``, docs/performance.md): on 2 CPU cores one image per step cut the
+longest decode-carrying step by a third and text TTFT p90 by 14-50 % against the phase off in both workload
+seeds, image TTFT unchanged; four per step was the best in one seed and the worst in the other."""
 ENCODE_SLO_SHARE = 0.5
 """The share of the TPOT target a step's encode batch may take in the start-up profile (the rest is the
 language model's step: decodes and the prefill admitted beside it)."""
