@@ -158,3 +158,32 @@ def test_placement_switches_mid_stream(arch):
         assert first.imbalance > 1.3, first  # the hot experts' load on one rank
         assert last.imbalance < first.imbalance and last.imbalance <= 1.2, [w.imbalance for w in two.windows]
         assert sum(first.tokens[e] for e in HOT) == sum(first.tokens)
+
+
+def test_a_killed_expert_rank_fails_the_instance_within_seconds(tmp_path):
+    """SIGKILL of the worker rank of an expert-parallel instance (EPLB on, load windows of 4 steps) while a stream
+    decodes: rank 0's next all-to-all fails the whole instance at once (``RankFailed``),
+    never a hung one; the gateway then resumes its streams elsewhere as for any crashed instance
+    (``integration_tests/test_cluster_tp.py`` shows that path for a killed tensor-parallel rank)."""
+    import os
+    import signal
+
+    from xllm.core.async_engine import AsyncEngine
+    from xllm.testing.engine import stream_until_killed
+
+    path = save_tp_arch_model(tmp_path / "qwen3_moe", "qwen3_moe", resolve_model(None, progress=False))
+    loaded = load_engine(str(path), "qwen3_moe", config(2, True, enable_eplb=True, eplb_step_interval=4),
+                         "ep-kill", progress=False)
+    worker = loaded.engine.runner.group.processes[0]
+    aeng = AsyncEngine(loaded.engine, compute=loaded.compute)
+    aeng.start()
+    try:
+        n, err, after = stream_until_killed(aeng, list(range(100, 140)), lambda: os.kill(worker.pid, signal.SIGKILL))
+        assert err is not None and n < 400, "the stream did not fail"
+        assert after < 10
+        assert aeng.crashed and "RankFailed" in (aeng.dead_reason or "")
+    finally:
+        aeng.shutdown(5)
+        loaded.engine.close()
+        loaded.compute.shutdown()
+    assert worker.exitcode == -signal.SIGKILL
