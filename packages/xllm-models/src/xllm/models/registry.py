@@ -17,6 +17,7 @@ ARCHITECTURES: NameRegistry[type] = NameRegistry("architecture", {
     "Qwen3MoeForCausalLM": "xllm.models.qwen_moe:Qwen3MoeForCausalLM",
     "Qwen2VLForConditionalGeneration": "xllm.models.qwen_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "xllm.models.qwen_vl:Qwen2_5_VLForConditionalGeneration",
+    "LlavaForConditionalGeneration": "xllm.models.llava:LlavaForConditionalGeneration",
     "DeepseekV2ForCausalLM": "xllm.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "xllm.models.deepseek:DeepseekV3ForCausalLM",
 })

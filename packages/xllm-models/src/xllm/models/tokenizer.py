@@ -101,13 +101,13 @@ def _eos_ids(model_dir: pathlib.Path, tok_eos: int | None) -> frozenset[int]:
 
 def _image_inputs(model_dir: pathlib.Path) -> tuple[str | None, int | None]:
     """``(model_dir, image token id)`` when the directory is a model that takes images (an image processor's
-    ``preprocessor_config.json`` and a ``config.json`` with a ``vision_config`` and ``image_token_id``), else
-    ``(None, None)``."""
+    ``preprocessor_config.json`` and a ``config.json`` with a ``vision_config`` and ``image_token_id``, or LLaVA's
+    ``image_token_index``), else ``(None, None)``."""
     try:
         cfg = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None, None
-    token = cfg.get("image_token_id")
+    token = cfg.get("image_token_id", cfg.get("image_token_index"))
     if not (model_dir / "preprocessor_config.json").is_file() or not cfg.get("vision_config") or \
             not isinstance(token, int):
         return None, None
