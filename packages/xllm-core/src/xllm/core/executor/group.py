@@ -69,9 +69,11 @@ class RankGroup:
             return cause
         return RankFailed(f"tensor-parallel step failed: {cause}")
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float = 15.0) -> None:
         """Stop the workers (a shutdown message; those still running after ``timeout_s`` are killed), leave
-        the group and remove the channel. Idempotent."""
+        the group and remove the channel. Idempotent. A worker that stopped still has to leave its interpreter
+        (torch's teardown): 1 s alone, more than 5 s once under a loaded CI run (it was killed after logging
+        its stop), so the bound is generous; a worker that exits returns at once."""
         if self._closed:
             return
         self._closed = True
