@@ -10,12 +10,11 @@ import contextlib
 
 import pytest
 
-from xllm.engine.handoff import grpc as grpc_transport
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.engine import generate, make_engine, make_request
 from xllm.testing.processes import until
-from xllm.testing.served import DECODE, HANDED_OFF, PREFILL, ServedEngine, pd_generate, pd_request
+from xllm.testing.served import DECODE, HANDED_OFF, PREFILL, ServedEngine, corrupt_grpc_pages, pd_generate, pd_request
 from xllm.testing.tiny import TinyLM, tiny_tokenizer
 
 MODEL = TinyLM()
@@ -65,20 +64,7 @@ def test_a_corrupted_block_makes_the_decode_side_recompute(monkeypatch):
     """Corrupt one range of pages in flight: the CRC catches it and the decode side computes the prompt
     itself; the client still gets exactly the one-engine answer."""
     mixed = generate(make_engine(MODEL), [make_request("r", PROMPT, **SEEDED)])
-    real = grpc_transport.TransferChannels.transfer
-
-    async def corrupting_transfer(self, address, messages, timeout):
-        async def flipped():  # one byte of the second range changes on the wire, after its CRC was taken
-            async for message in messages:
-                if message.HasField("pages") and message.pages.range == 1:
-                    data = bytearray(message.pages.data)
-                    data[100] ^= 0xFF
-                    message.pages.data = bytes(data)
-                yield message
-
-        return await real(self, address, flipped(), timeout)
-
-    monkeypatch.setattr(grpc_transport.TransferChannels, "transfer", corrupting_transfer)
+    corrupt_grpc_pages(monkeypatch, 1)  # one byte of the second range changes on the wire, after its CRC
 
     async def main():
         prefill, decode = await served("p", transport="grpc"), await served("d", transport="grpc")

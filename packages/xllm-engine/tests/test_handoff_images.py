@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from xllm.core import EngineConfig, LLMEngine
-from xllm.engine.handoff import grpc as grpc_transport
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.served import ServedEngine, pd_generate
+from xllm.testing.served import ServedEngine, corrupt_grpc_pages, pd_generate
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
@@ -112,20 +111,7 @@ def test_image_requests_hand_off_and_answer_as_hf(case, transport, request):
 
 def test_a_corrupted_image_prompt_transfer_is_recomputed_on_the_decode_side(case, monkeypatch):
     model, prompt, a, _, want = case
-    real = grpc_transport.TransferChannels.transfer
-
-    async def corrupting_transfer(self, address, messages, timeout):
-        async def flipped():  # one byte of the first range changes on the wire, after its CRC was taken
-            async for message in messages:
-                if message.HasField("pages") and message.pages.range == 0:
-                    data = bytearray(message.pages.data)
-                    data[100] ^= 0xFF
-                    message.pages.data = bytes(data)
-                yield message
-
-        return await real(self, address, flipped(), timeout)
-
-    monkeypatch.setattr(grpc_transport.TransferChannels, "transfer", corrupting_transfer)
+    corrupt_grpc_pages(monkeypatch, 0)  # one byte of the first range changes on the wire
     d_engine = new_engine(model, "d")
 
     async def main():

@@ -232,12 +232,30 @@ class LlamaForCausalLM(nn.Module):
         return KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, c.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        rope = RopeBatch(self.rotary, positions)
+        return self.decode_layers(self.model.embed_tokens(input_ids), RopeBatch(self.rotary, positions), ctx)
+
+    def decode_layers(self, hidden: torch.Tensor, rope: RopeBatch, ctx: AttentionContext) -> torch.Tensor:
+        """Every decoder layer and the final norm over embedded rows ``hidden`` (what :meth:`forward` runs after
+        the embedding; multimodal subclasses embed their own rows first)."""
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, rope, ctx)
         hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def embed_with_images(self, input_ids: torch.Tensor, image_token_id: int, image_embeds: torch.Tensor | None,
+                          image_rows: torch.Tensor | None) -> torch.Tensor:
+        """The token embeddings of ``input_ids`` with rows ``image_rows`` (default: every ``image_token_id``
+        token) replaced by ``image_embeds``, in order (multimodal subclasses); ``ValueError`` when the counts
+        differ."""
+        hidden = self.model.embed_tokens(input_ids)
+        if image_embeds is None:
+            return hidden
+        rows = (input_ids == image_token_id).nonzero().flatten() if image_rows is None else image_rows
+        if rows.shape[0] != image_embeds.shape[0]:
+            raise ValueError(f"image_embeds has {image_embeds.shape[0]} rows for {rows.shape[0]} image tokens")
+        hidden = hidden.clone()
+        hidden[rows] = image_embeds.to(hidden.dtype)
         return hidden
 
     def overlap_supported(self) -> bool:

@@ -208,19 +208,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 image_embeds: torch.Tensor | None = None, image_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden rows ``[T, hidden]``: the image rows' embeddings replaced by ``image_embeds`` (rows ``image_rows``,
         by default every image token), rotated by ``positions`` (``mrope_positions`` hold the same)."""
-        hidden = self.model.embed_tokens(input_ids)
-        if image_embeds is not None:
-            rows = (input_ids == self.image_token_id).nonzero().flatten() if image_rows is None else image_rows
-            if rows.shape[0] != image_embeds.shape[0]:
-                raise ValueError(f"image_embeds has {image_embeds.shape[0]} rows for {rows.shape[0]} image tokens")
-            hidden = hidden.clone()
-            hidden[rows] = image_embeds.to(hidden.dtype)
-        rope = RopeBatch(self.rotary, positions)
-        residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, rope, ctx)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        hidden = self.embed_with_images(input_ids, self.image_token_id, image_embeds, image_rows)
+        return self.decode_layers(hidden, RopeBatch(self.rotary, positions), ctx)
 
     def overlap_supported(self) -> bool:
         return False

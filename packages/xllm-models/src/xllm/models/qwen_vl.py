@@ -195,13 +195,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                 image_embeds: torch.Tensor | None = None, image_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden rows ``[T, hidden]``; the keyword arguments as the module docstring states (``image_rows``: the
         rows ``image_embeds`` replace, in order; by default every row whose token is the image token)."""
-        hidden = self.model.embed_tokens(input_ids)
-        if image_embeds is not None:
-            rows = (input_ids == self.image_token_id).nonzero().flatten() if image_rows is None else image_rows
-            if rows.shape[0] != image_embeds.shape[0]:
-                raise ValueError(f"image_embeds has {image_embeds.shape[0]} rows for {rows.shape[0]} image tokens")
-            hidden = hidden.clone()
-            hidden[rows] = image_embeds.to(hidden.dtype)
+        hidden = self.embed_with_images(input_ids, self.image_token_id, image_embeds, image_rows)
         if mrope_positions is None:
             rope: RopeBatch = RopeBatch(self.rotary, positions)
         else:
@@ -209,11 +203,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                 raise ValueError(f"mrope_positions must be [3, {input_ids.shape[0]}], got "
                                  f"{list(mrope_positions.shape)}")
             rope = MRopeBatch(self.rotary, mrope_positions, section=self.section)
-        residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, rope, ctx)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        return self.decode_layers(hidden, rope, ctx)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names (transformers 5's ``model.language_model.*`` / ``model.visual.*``, or the older

@@ -138,3 +138,24 @@ async def pd_generate(prefill: ServedEngine, decode: ServedEngine, rid: str, pro
             stats = chunk.disagg_stats
         got.add([chunk])
     return got, reservation, stats
+
+
+def corrupt_grpc_pages(monkeypatch, page_range: int, offset: int = 100) -> None:
+    """Make the grpc KV transport flip one byte (at ``offset``) of every ``KVPages`` message of range ``page_range``
+    on the wire, after its CRC was taken (``monkeypatch``: pytest's, undone with the test)."""
+    from xllm.engine.handoff import grpc as grpc_transport
+
+    real = grpc_transport.TransferChannels.transfer
+
+    async def corrupting_transfer(self, address, messages, timeout):
+        async def flipped():
+            async for message in messages:
+                if message.HasField("pages") and message.pages.range == page_range:
+                    data = bytearray(message.pages.data)
+                    data[offset] ^= 0xFF
+                    message.pages.data = bytes(data)
+                yield message
+
+        return await real(self, address, flipped(), timeout)
+
+    monkeypatch.setattr(grpc_transport.TransferChannels, "transfer", corrupting_transfer)
