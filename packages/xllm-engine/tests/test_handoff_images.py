@@ -2,7 +2,9 @@
 servers), over every transport. Oracle: HF transformers' greedy continuation with the same image (full forwards,
 its own M-RoPE). The decode side never encodes an image whose prompt KV arrives; the same text with another image
 matches none of the first request's KV on the decode side, the same image again matches it; a corrupted transfer
-is recomputed on the decode side, the image encoded there, and the answer is still HF's."""
+is recomputed on the decode side, the image encoded there, and the answer is still HF's. EPD: an encode
+instance's embeddings are used where the prompt is prefilled (the image not encoded there), and ones that fail
+their checks are recomputed."""
 
 from __future__ import annotations
 
@@ -12,20 +14,17 @@ import pytest
 import torch
 
 from xllm.core import EngineConfig, LLMEngine
-from xllm.engine.handoff.base import HandoffOptions
+from xllm.engine.handoff.base import HandoffOptions, crc32
+from xllm.engine_api.errors import InvalidRequestError
 from xllm.proto.engine.v1 import engine_pb2
-from xllm.testing.served import ServedEngine, corrupt_grpc_pages, pd_generate
+from xllm.testing.engine import Collected
+from xllm.testing.served import ServedEngine, corrupt_grpc_pages, pd_generate, pd_request
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
-from xllm.testing.models import (  # noqa: E402 (needs transformers)
-    VISION_TOKENS,
-    IdTokenizer,
-    hf_greedy_with_images,
-    save_random_vl,
-    tiny_qwen_vl_config,
-)
+from xllm.testing.models import IdTokenizer  # noqa: E402 (needs transformers)
+from xllm.testing.vl_case import vl_case  # noqa: E402
 
 NEW = 6
 GREEDY = dict(max_tokens=NEW, ignore_eos=True)
@@ -33,35 +32,9 @@ GREEDY = dict(max_tokens=NEW, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def case(smollm2_dir, tmp_path_factory):
-    """(our model, HF's, the prompt, image A, image B: B is other pixels on A's grid, so the prompts are equal)."""
-    from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from xllm.models.qwen_vl import load_qwen_vl
-
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    path = tmp_path_factory.mktemp("qwen2vl")
-    hf = save_random_vl(tiny_qwen_vl_config("qwen2_vl", len(tok), ids), path)
-    ours = load_qwen_vl(path, torch.float32)
-    g = torch.Generator().manual_seed(5)
-    pic = PIL.fromarray(torch.randint(0, 256, (84, 56, 3), generator=g, dtype=torch.uint8).numpy())
-    out = Qwen2VLImageProcessorPil()(images=[pic], return_tensors="pt")
-    pixels, grid = out["pixel_values"].float().contiguous(), out["image_grid_thw"]
-    run = [ids["<|vision_start|>"]] + [ours.image_token_id] * int(grid.prod() // 4) + [ids["<|vision_end|>"]]
-    prompt = tok("A long shared preamble, " * 8)["input_ids"] + run + tok(" What is it?")["input_ids"]
-
-    def image(values: torch.Tensor, tag: bytes) -> engine_pb2.ImageInput:
-        return engine_pb2.ImageInput(pixel_values=values.numpy().tobytes(), grid_thw=grid[0].tolist(),
-                                     content_hash=tag)
-
-    other = pixels.flip(0).contiguous()
-    with torch.inference_mode():
-        want = {tag: hf_greedy_with_images(hf, prompt, values, grid, ours.image_token_id, NEW)
-                for tag, values in ((b"A", pixels), (b"B", other))}
-    assert want[b"A"] != want[b"B"]  # (the image matters)
-    return ours, prompt, image(pixels, b"A"), image(other, b"B"), want
+    """(our model, the prompt, image A, image B: B is other pixels on A's grid, so the prompts are equal, HF's)."""
+    c = vl_case(smollm2_dir, tmp_path_factory.mktemp("qwen2vl"), NEW)
+    return c.model, c.prompt, c.a, c.b, c.want
 
 
 def new_engine(model, name: str, **tiers) -> LLMEngine:
@@ -127,3 +100,56 @@ def test_a_corrupted_image_prompt_transfer_is_recomputed_on_the_decode_side(case
     assert stats.recomputed and "corrupted" in stats.failure
     assert got.tokens["r"] == want[b"A"]
     assert d_engine.runner.encoder_cache.misses == 1  # the decode side computed the prompt: it encoded the image
+
+
+def _with_embedding(image: engine_pb2.ImageInput, embedding: engine_pb2.ImageEmbedding,
+                    **changes) -> engine_pb2.ImageInput:
+    out = engine_pb2.ImageInput()
+    out.CopyFrom(image)
+    out.embedding.CopyFrom(embedding)
+    for name, value in changes.items():
+        setattr(out.embedding, name, value)
+    return out
+
+
+def test_an_encode_instance_embeddings_answer_as_hf_and_bad_ones_are_recomputed(case):
+    """EPD: an encode instance's ``Encode`` over gRPC; the instance that prefills uses its embeddings (never encodes
+    the image) and answers as HF; an embedding corrupted on the way, cut short or made by other weights is not
+    used: the image is encoded there instead, and the answer is still HF's."""
+    model, prompt, a, _, want = case
+    e_engine, p_engine = new_engine(model, "e"), new_engine(model, "p")
+
+    async def main():
+        enc = await ServedEngine(e_engine, role="encode").start()
+        pre = await ServedEngine(p_engine).start()
+        try:
+            (good,) = (await enc.client.encode(engine_pb2.EncodeRequest(images=[a]), 30.0)).embeddings
+            bad_bytes = bytearray(good.values)
+            bad_bytes[40] ^= 0x10
+            cases = {"good": _with_embedding(a, good),
+                     "corrupt": _with_embedding(a, good, values=bytes(bad_bytes)),
+                     "short": _with_embedding(a, good, values=good.values[:-4], crc32=crc32(good.values[:-4])),
+                     "weights": _with_embedding(a, good, weights_identity="other@update1")}
+            seen = {}
+            for name, image in cases.items():
+                p_engine.runner.encoder_cache = type(p_engine.runner.encoder_cache)()  # (each case from cold)
+                got = Collected()
+                async for chunk in await pre.client.submit(pd_request(name, 0, prompt, images=[image], **GREEDY)):
+                    got.add([chunk])
+                cache = p_engine.runner.encoder_cache
+                seen[name] = (got.tokens[name], cache.misses, cache.received)
+            with pytest.raises(InvalidRequestError, match="images"):  # a malformed image is refused, naming it
+                await enc.client.encode(engine_pb2.EncodeRequest(images=[engine_pb2.ImageInput(grid_thw=[1, 2])]), 30)
+            return seen, good, enc.server.counters().images_encoded
+        finally:
+            await enc.stop()
+            await pre.stop()
+
+    seen, good, reported = asyncio.run(main())
+    hidden = model.image_embed_dim()
+    assert len(good.values) == model.image_tokens(tuple(a.grid_thw)) * hidden * 4 and good.crc32 == crc32(good.values)
+    assert seen["good"] == (want[b"A"], 0, 1)  # the embeddings were used: nothing encoded where it prefilled
+    for name in ("corrupt", "short", "weights"):
+        assert seen[name] == (want[b"A"], 1, 0), name  # not used: encoded there, the same answer
+    assert e_engine.runner.encoder_cache.misses == 1  # the encode instance encoded the image once
+    assert reported == 1  # and says so in its counters (heartbeats, /metrics) though it ran no step

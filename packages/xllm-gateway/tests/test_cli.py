@@ -73,6 +73,7 @@ ENGINE_FLAGS = [*ENGINE_FLAGS, "--nnodes", "--node-rank", "--master-addr", "--ma
 PD_ROLE_FLAGS = ["--pd-policy", "--pd-flip-window", "--pd-flip-cooldown", "--pd-cluster-cooldown", "--pd-min-per-role",
                  "--pd-max-flips", "--pd-prefill-overflow", "--no-pd-prefill-overflow"]
 SERVE_FLAGS = [*SERVE_FLAGS, *PD_ROLE_FLAGS]  # dynamic PD roles (xllm.gateway.roles)
+SERVE_FLAGS = [*SERVE_FLAGS, "--encode-instances", "--epd-strategy", "--encode-timeout"]  # EPD (xllm.gateway.encode)
 TRACING_FLAGS = ["--otlp-traces-endpoint", "--otlp-traces-protocol", "--otlp-traces-sample-ratio"]  # engine_api.tracing
 SERVE_FLAGS = [*SERVE_FLAGS, *TRACING_FLAGS, "--log-format"]  # --log-format: engine_api.logs
 ENGINE_FLAGS = [*ENGINE_FLAGS, *TRACING_FLAGS, "--log-format"]
@@ -183,6 +184,13 @@ def test_mooncake_transfer_needs_the_store_tier(command, capsys):
     assert main([*command, "--kv-transfer", "mooncake", "--no-progress"]) == 2
     assert "--kv-store" in capsys.readouterr().err
 
+
+@pytest.mark.parametrize("strategy", ["e+p+d", "ED+P"])
+def test_an_epd_strategy_needs_other_instances(strategy, smollm2_dir, capsys):
+    """One process has nowhere else to encode: refused, not ignored."""
+    assert main(["serve", "--model", str(smollm2_dir), "--epd-strategy", strategy, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--epd-strategy" in err and "--encode-instances" in err
 
 
 def test_top_level_help(capsys):

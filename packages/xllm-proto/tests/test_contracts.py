@@ -9,7 +9,7 @@ def test_engine_service_methods():
     service = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
     methods = {m.name: m for m in service.methods}
     assert set(methods) == {"Generate", "Abort", "Health", "GetLoad", "GetKVEvents", "TransferKV", "Migrate",
-                            "Prove", "Reattach", "LoadLora", "Embed", "Control"}
+                            "Prove", "Reattach", "LoadLora", "Embed", "Control", "Encode"}
     assert methods["Reattach"].server_streaming and not methods["Reattach"].client_streaming
     assert methods["Reattach"].output_type.full_name == "xllm.engine.v1.GenerateResponse"
     assert not methods["Prove"].client_streaming and not methods["Prove"].server_streaming
@@ -83,10 +83,10 @@ def test_finish_reason_names_cover_every_enum_value():
 def test_role_names_round_trip():
     from xllm.proto.enums import role_from_name, role_name
 
-    for name in ("mixed", "prefill", "decode"):
+    for name in ("mixed", "prefill", "decode", "encode"):
         assert role_name(role_from_name(name)) == name
     assert role_name(instance_pb2.INSTANCE_ROLE_UNSPECIFIED) == "mixed"
     import pytest
 
     with pytest.raises(ValueError, match="prefill"):
-        role_from_name("encode")
+        role_from_name("vision")

@@ -231,6 +231,11 @@ class AsyncEngine:
         """The pooled final hidden state of ``prompt`` (:meth:`LLMEngine.embed`), computed between steps."""
         return self._call(lambda e: e.embed(prompt, pooling, normalize))
 
+    def encode_images(self, images: list[engine_pb2.ImageInput]
+                      ) -> asyncio.Future[tuple[engine_pb2.ImageEmbedding, ...]]:
+        """The images' embeddings (:meth:`LLMEngine.encode_images`: an encode instance's work), between steps."""
+        return self._call(lambda e: e.encode_images(images))
+
     # ---- weight commands: run once the engine drained (running and queued requests finished; requests that
     # arrive meanwhile wait outside the engine and run afterwards, or are refused if it then sleeps) ----------
     def sleep(self, level: int) -> asyncio.Future[int]:

@@ -7,15 +7,31 @@ KV pages and never touches the prefix cache. The engine runs it on its thread be
 (tens of milliseconds for SmolLM2 at a few hundred tokens). Pooling: ``last`` (the last token's state: how
 decoder-only embedding models such as Qwen3-Embedding pool, and vLLM's default for them) or ``mean``;
 ``normalize`` scales to unit L2 norm.
+
+Images have embeddings too: an encode instance's ``EngineService.Encode`` (EPD disaggregation) runs them
+through the vision tower (:meth:`EngineEmbeddings.encode_images`, :func:`xllm.core.images.encode_images`).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
+from xllm.core.compute_thread import run_on
 from xllm.core.model_api import CausalLM
+from xllm.core.step_stats import image_stats
 from xllm.engine_api.errors import InvalidRequestError
+from xllm.proto.engine.v1 import engine_pb2
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from concurrent.futures import Executor
+
+    from xllm.core.config import EngineConfig
+    from xllm.core.model_runner import ModelRunner
+    from xllm.core.platform import Platform
 
 POOLINGS = ("last", "mean")
 
@@ -50,3 +66,33 @@ def embed(model: CausalLM, prompt: list[int], pooling: str, normalize: bool, dev
     if normalize:
         pooled = F.normalize(pooled, dim=0)
     return tuple(pooled.tolist())  # (a tuple: an engine command's list result reads as chunks to deliver)
+
+
+class EngineEmbeddings:
+    """The engine's answers that are embeddings, not tokens: a prompt's (``Embed``) and images' (``Encode``).
+    Mixed into :class:`~xllm.core.engine.LLMEngine` (its ``model``, ``config``, ``runner``, platform and forward
+    thread); both run on the engine thread between steps, and neither on a tensor-parallel instance (its other
+    ranks take part only in steps)."""
+
+    model: CausalLM
+    config: EngineConfig
+    runner: ModelRunner
+    platform: Platform
+    max_model_len: int
+    _worker: Executor | None
+    _notify_outside_step: Callable[..., None]
+
+    def embed(self, prompt: list[int], pooling: str = "last", normalize: bool = True) -> tuple[float, ...]:
+        """The pooled final hidden state of ``prompt`` (:func:`embed`: no KV, no tokens)."""
+        if self.config.tensor_parallel_size > 1:
+            raise InvalidRequestError("a tensor-parallel instance serves no embeddings", "model")
+        return embed(self.model, prompt, pooling, normalize, self.platform.device, self.max_model_len)
+
+    def encode_images(self, images: list[engine_pb2.ImageInput]) -> tuple[engine_pb2.ImageEmbedding, ...]:
+        """``EngineService.Encode`` (an encode instance's work): the images' embeddings, through the encoder cache,
+        on the thread that runs the forwards (:func:`xllm.core.images.encode_images`)."""
+        if self.config.tensor_parallel_size > 1:
+            raise InvalidRequestError("a tensor-parallel instance encodes no images alone", "images")
+        out = tuple(run_on(self._worker, self.runner.encode_images, images, self.config.kv_model_identity or ""))
+        self._notify_outside_step(**image_stats(self.runner))  # (its images in /metrics and the heartbeats)
+        return out

@@ -30,7 +30,7 @@ from xllm.core.compute_thread import run_on
 from xllm.core.config import EngineConfig
 from xllm.core.detokenizer import EngineTokenizer
 from xllm.core.disagg import DisaggListener, PromptFinishing
-from xllm.core.embedding import embed
+from xllm.core.embedding import EngineEmbeddings
 from xllm.core.engine_beams import EngineBeams, beam_stats
 from xllm.core.engine_build import (
     attach_tiers,
@@ -75,7 +75,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
+class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights, EngineEmbeddings):
     """Continuous-batching engine over one model instance (``model`` satisfies
     :class:`~xllm.core.model_api.CausalLM`)."""
 
@@ -201,7 +201,7 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
                        req.priority, seed=seed, num_resumed=req.resumed_output_tokens, phase=phase,
                        offline=req.offline)
         self._admit_lora(seq, req)
-        admit_images(self.model, seq, req, self.spec is not None)  # (xllm.core.images: hash root keyed by them)
+        admit_images(self.model, seq, req, self.spec is not None, self.config.kv_model_identity or "")
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = PromptLogprobs()
         if params.beam_width is not None:
@@ -242,19 +242,16 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights):
         self.outputs.abort(out)
         chunk = self.outputs.take_chunk(out)
         self.counters.finished_requests += 1
+        self._notify_outside_step(finished=[finished_request(seq, "abort", time.time())],
+                                  offline=OfflineStepStats(finished=int(seq.offline)))
+        return chunk
+
+    def _notify_outside_step(self, **fields) -> None:
+        """Report what happened between steps (an abort, an encode instance's ``Encode``): no forward."""
         self._notify(StepStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting), batch_size=0,
             num_decode_tokens=0, num_prefill_tokens=0, num_preempted=0, kv_usage=self.kv.usage, step_time=0.0,
-            finished=[finished_request(seq, "abort", time.time())],
-            offline=OfflineStepStats(finished=int(seq.offline))))
-        return chunk
-
-    def embed(self, prompt: list[int], pooling: str = "last", normalize: bool = True) -> tuple[float, ...]:
-        """The pooled final hidden state of ``prompt`` (:mod:`xllm.core.embedding`: no KV, no tokens); not on a
-        tensor-parallel instance (its other ranks take part only in steps)."""
-        if self.config.tensor_parallel_size > 1:
-            raise InvalidRequestError("a tensor-parallel instance serves no embeddings", "model")
-        return embed(self.model, prompt, pooling, normalize, self.platform.device, self.max_model_len)
+            **fields))
 
     def stepping_request_ids(self) -> set[str]:
         """Requests of the step being scheduled, prepared or computed (with async scheduling, also

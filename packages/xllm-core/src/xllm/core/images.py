@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -43,12 +44,12 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from xllm.engine_api.errors import InvalidRequestError
+from xllm.proto.engine.v1 import engine_pb2
 from xllm.sched.encode import DEFAULT_MAX_ENCODE_IMAGES, ENCODE_SLO_SHARE, largest_within
 
 if TYPE_CHECKING:
     from xllm.core.config import EngineConfig
     from xllm.core.sequence import Sequence
-    from xllm.proto.engine.v1 import engine_pb2
 
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class SupportsImages(Protocol):
     """A model that takes images (``xllm.models.qwen_vl``)."""
 
     image_token_id: int
+    dtype: torch.dtype  # the embeddings' dtype
 
     def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """Each image's embeddings ``[tokens_i, hidden]``."""
@@ -83,12 +85,17 @@ class SupportsImages(Protocol):
         encode-phase profile encodes."""
         ...
 
+    def image_embed_dim(self) -> int:
+        """The width of one image token's embedding (the language model's hidden size)."""
+        ...
+
 
 @dataclass
 class SequenceImages:
     """A sequence's images: ``pixels[i]`` float32 ``[rows, patch_dim]``, ``grid`` int64 ``[n, 3]``, ``hashes``
     their content hashes, ``spans[i]`` the (first prompt index, tokens) of image ``i``'s image tokens,
-    ``positions`` the prompt's M-RoPE positions ``[3, P]``, ``delta``: a later token ``j`` is at ``j + delta``."""
+    ``positions`` the prompt's M-RoPE positions ``[3, P]``, ``delta``: a later token ``j`` is at ``j + delta``;
+    ``given[i]``: image ``i``'s embeddings as an encode instance sent them (checked; None: encoded here)."""
 
     pixels: list[torch.Tensor]
     grid: torch.Tensor
@@ -96,6 +103,11 @@ class SequenceImages:
     spans: list[tuple[int, int]]
     positions: torch.Tensor
     delta: int
+    given: list[torch.Tensor | None] = field(default_factory=list)
+
+    def wanted(self, i: int) -> tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Image ``i`` as :meth:`EncoderCache.encode_all` takes it: (hash, patch rows, grid ``[1, 3]``, given)."""
+        return self.hashes[i], self.pixels[i], self.grid[i:i + 1], self.given[i] if self.given else None
 
     def rope_positions(self, start: int, end: int) -> torch.Tensor:
         """The M-RoPE positions ``[3, end - start]`` of tokens ``start .. end - 1``."""
@@ -116,11 +128,13 @@ def image_hash_root(root: int, hashes: list[bytes]) -> int:
     return int.from_bytes(h.digest(), "little") >> 1 or 1
 
 
-def admit_images(model: object, seq: Sequence, req: engine_pb2.GenerateRequest, speculative: bool = False) -> None:
+def admit_images(model: object, seq: Sequence, req: engine_pb2.GenerateRequest, speculative: bool = False,
+                 weights_identity: str = "") -> None:
     """Check ``req.images`` against the model and the prompt and give ``seq`` its :class:`SequenceImages` (and
     the hash root they key); a prompt of a multimodal model must not hold image tokens without their images.
-    ``speculative``: the engine speculates (images are refused there). :class:`InvalidRequestError` naming
-    ``images`` (or ``prompt_token_ids``)."""
+    ``speculative``: the engine speculates (images are refused there). An image's embedding from an encode
+    instance (:func:`given_embedding`) is used when it passes its checks (this engine's ``weights_identity``),
+    else the image is encoded here. :class:`InvalidRequestError` naming ``images`` (or ``prompt_token_ids``)."""
     takes = isinstance(model, SupportsImages)
     images = list(req.images)
     if not images:
@@ -132,22 +146,12 @@ def admit_images(model: object, seq: Sequence, req: engine_pb2.GenerateRequest, 
         raise InvalidRequestError("this model takes no images (a text model)", "images")
     if speculative:
         raise InvalidRequestError("images are not served with speculative decoding yet", "images")
-    pixels, grids, hashes = [], [], []
-    dim = model.patch_dim()
-    for i, image in enumerate(images):
-        grid = tuple(int(v) for v in image.grid_thw)
-        if len(grid) != 3 or min(grid) < 1:
-            raise InvalidRequestError(f"images[{i}].grid_thw must be three positive integers, got {list(grid)}",
-                                      "images")
-        rows = grid[0] * grid[1] * grid[2]
-        if len(image.pixel_values) != rows * dim * 4:
-            raise InvalidRequestError(f"images[{i}].pixel_values has {len(image.pixel_values)} bytes, the grid "
-                                      f"{list(grid)} needs {rows} rows of {dim} float32", "images")
-        if not image.content_hash:
-            raise InvalidRequestError(f"images[{i}].content_hash is required", "images")
-        pixels.append(torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32).view(rows, dim))
-        grids.append(grid)
-        hashes.append(bytes(image.content_hash))
+    parsed = [parse_image(model, i, image) for i, image in enumerate(images)]
+    pixels = [p for p, _, _ in parsed]
+    grids = [g for _, g, _ in parsed]
+    hashes = [h for _, _, h in parsed]
+    given = [given_embedding(model, image, grid, weights_identity, seq.request_id)
+             for image, grid in zip(images, grids, strict=True)]
     ids = torch.tensor(seq.prompt_ids, dtype=torch.int64)
     grid_t = torch.tensor(grids, dtype=torch.int64)
     try:  # (the model checks that the prompt holds each image's run of image tokens, in order, and no more)
@@ -159,9 +163,76 @@ def admit_images(model: object, seq: Sequence, req: engine_pb2.GenerateRequest, 
     for grid in grids:
         spans.append((at[k], model.image_tokens(grid)))
         k += spans[-1][1]
-    seq.images = SequenceImages(pixels, grid_t, hashes, spans, positions.to(torch.int64), int(delta))
+    seq.images = SequenceImages(pixels, grid_t, hashes, spans, positions.to(torch.int64), int(delta), given)
     seq.hash_root = image_hash_root(seq.hash_root, hashes)
-    seq.encode_pending = len(hashes)
+    seq.encode_pending = sum(g is None for g in given)  # (an image encoded elsewhere needs no encode phase here)
+
+
+def parse_image(model: SupportsImages, i: int, image: engine_pb2.ImageInput
+                ) -> tuple[torch.Tensor, tuple[int, int, int], bytes]:
+    """``images[i]``'s patch rows ``[rows, patch_dim]``, grid and content hash, checked against ``model``
+    (:class:`InvalidRequestError` naming ``images``)."""
+    grid = tuple(int(v) for v in image.grid_thw)
+    if len(grid) != 3 or min(grid) < 1:
+        raise InvalidRequestError(f"images[{i}].grid_thw must be three positive integers, got {list(grid)}",
+                                  "images")
+    rows, dim = grid[0] * grid[1] * grid[2], model.patch_dim()
+    if len(image.pixel_values) != rows * dim * 4:
+        raise InvalidRequestError(f"images[{i}].pixel_values has {len(image.pixel_values)} bytes, the grid "
+                                  f"{list(grid)} needs {rows} rows of {dim} float32", "images")
+    if not image.content_hash:
+        raise InvalidRequestError(f"images[{i}].content_hash is required", "images")
+    pixels = torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32).view(rows, dim)
+    return pixels, grid, bytes(image.content_hash)  # type: ignore[return-value]
+
+
+def given_embedding(model: SupportsImages, image: engine_pb2.ImageInput, grid: tuple[int, int, int],
+                    weights_identity: str, request_id: str = "") -> torch.Tensor | None:
+    """The embeddings ``[tokens, hidden]`` an encode instance attached to ``image``, when they are whole (the
+    grid's tokens in the model's width), intact (CRC-32) and made by the same weights; None when there are none
+    or they fail a check (logged: the image is then encoded here, never a wrong embedding used)."""
+    if not image.HasField("embedding"):
+        return None
+    got = image.embedding
+    tokens, hidden = model.image_tokens(grid), model.image_embed_dim()
+    problem = ""
+    if len(got.values) != tokens * hidden * 4:
+        problem = f"{len(got.values)} bytes where {tokens} x {hidden} float32 are due"
+    elif zlib.crc32(got.values) & 0xFFFFFFFF != got.crc32:
+        problem = "CRC mismatch (corrupted)"
+    elif got.weights_identity != weights_identity:
+        problem = f"made by weights {got.weights_identity!r}, these are {weights_identity!r}"
+    if problem:
+        log.warning("request %s: an image's embedding from the encode instance is not used (%s): encoding it here",
+                    request_id, problem)
+        return None
+    return torch.frombuffer(bytearray(got.values), dtype=torch.float32).view(tokens, hidden).to(model.dtype)
+
+
+def encode_images(model: object, cache: EncoderCache, images: list[engine_pb2.ImageInput],
+                  weights_identity: str = "") -> list[engine_pb2.ImageEmbedding]:
+    """``EngineService.Encode``: each image's embeddings (through ``cache``: an image it holds is not encoded
+    again; the others in one batch), as float32 with their CRC-32 and ``weights_identity``.
+    :class:`InvalidRequestError` naming ``images`` for a text model or a malformed image."""
+    if not isinstance(model, SupportsImages):
+        raise InvalidRequestError("this model takes no images (a text model)", "images")
+    if not images:
+        raise InvalidRequestError("images: at least one image to encode", "images")
+    wanted = []
+    for i, image in enumerate(images):
+        pixels, grid, key = parse_image(model, i, image)
+        wanted.append((key, pixels, torch.tensor([grid], dtype=torch.int64), None))
+    cache.encode_all(model, wanted, phase=False)
+    out = []
+    for key, *_ in wanted:
+        values = cache.embeddings_of(key).float().contiguous().numpy().tobytes()
+        out.append(_embedding_message(values, weights_identity))
+    return out
+
+
+def _embedding_message(values: bytes, weights_identity: str) -> engine_pb2.ImageEmbedding:
+    return engine_pb2.ImageEmbedding(values=values, crc32=zlib.crc32(values) & 0xFFFFFFFF,
+                                     weights_identity=weights_identity)
 
 
 @dataclass
@@ -171,11 +242,13 @@ class EncoderCache:
     image encoded). Of the misses, ``phase_images`` were encoded in the encode phase (:meth:`encode_all`), in
     ``phase_batches`` calls of the vision tower, the largest of ``largest_batch`` images; the others in a prefill
     chunk. ``encode_seconds``: the vision tower's time, both ways. :meth:`take_report`: the step stats since
-    the last report."""
+    the last report. ``received``: images whose embeddings came with the request from an encode instance (put in
+    the cache as they are, not encoded here; neither a hit nor a miss)."""
 
     max_bytes: int = 256 << 20
     hits: int = 0
     misses: int = 0
+    received: int = 0
     phase_images: int = 0
     phase_batches: int = 0
     largest_batch: int = 0
@@ -191,8 +264,11 @@ class EncoderCache:
             self.hits += 1
         return got
 
-    def _put(self, key: bytes, got: torch.Tensor) -> None:
-        self.misses += 1
+    def _put(self, key: bytes, got: torch.Tensor, encoded: bool = True) -> None:
+        if encoded:
+            self.misses += 1
+        else:
+            self.received += 1
         self._entries[key] = got
         self._bytes += got.numel() * got.element_size()
         while self._bytes > self.max_bytes and len(self._entries) > 1:
@@ -200,9 +276,12 @@ class EncoderCache:
             self._bytes -= old.numel() * old.element_size()
 
     def embeddings(self, model: SupportsImages, images: SequenceImages, i: int) -> torch.Tensor:
-        """Image ``i`` of ``images``: from the cache, else encoded now (alone)."""
+        """Image ``i`` of ``images``: from the cache, else as an encode instance sent it, else encoded now (alone)."""
         got = self._lookup(images.hashes[i])
-        if got is None:
+        given = images.given[i] if images.given else None
+        if got is None and given is not None:
+            self._put(images.hashes[i], got := given, encoded=False)
+        elif got is None:
             t0 = time.perf_counter()
             (got,) = model.encode_images(images.pixels[i], images.grid[i:i + 1])
             self.encode_seconds += time.perf_counter() - t0
@@ -219,26 +298,38 @@ class EncoderCache:
         return {"images_encoded": now[0] - before[0], "image_cache_hits": now[1] - before[1],
                 "image_encode_seconds": now[2] - before[2]}
 
-    def encode_all(self, model: SupportsImages, wanted: Iterable[tuple[SequenceImages, int]]) -> int:
-        """Put the embeddings of every image ``(images, i)`` of ``wanted`` in the cache: those it lacks (each
-        content hash once) in one call of the vision tower. Returns how many images were encoded."""
-        todo: dict[bytes, tuple[SequenceImages, int]] = {}
-        for images, i in wanted:
-            key = images.hashes[i]
-            if key not in todo and self._lookup(key) is None:
-                todo[key] = (images, i)
+    def embeddings_of(self, key: bytes) -> torch.Tensor:
+        """The cached embeddings of the image hashed ``key`` (``KeyError`` when not cached)."""
+        return self._entries[key]
+
+    def encode_all(self, model: SupportsImages,
+                   wanted: Iterable[tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+                   phase: bool = True) -> int:
+        """Put the embeddings of every image ``(hash, patch rows, grid [1, 3], given)`` of ``wanted`` in the cache:
+        those it lacks (each content hash once) as ``given`` (an encode instance's) or, without, encoded in one
+        call of the vision tower; ``phase``: that call is the engine's encode phase (counted as such; not for an
+        encode instance's ``Encode``). Returns how many images were encoded."""
+        todo: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, pixels, grid, given in wanted:
+            if key in todo or self._lookup(key) is not None:
+                continue
+            if given is not None:
+                self._put(key, given, encoded=False)
+            else:
+                todo[key] = (pixels, grid)
         if not todo:
             return 0
-        pixels = torch.cat([images.pixels[i] for images, i in todo.values()])
-        grid = torch.cat([images.grid[i:i + 1] for images, i in todo.values()])
+        pixels = torch.cat([p for p, _ in todo.values()])
+        grid = torch.cat([g for _, g in todo.values()])
         t0 = time.perf_counter()
         encoded = model.encode_images(pixels, grid)
         self.encode_seconds += time.perf_counter() - t0
         for key, got in zip(todo, encoded, strict=True):
             self._put(key, got)
-        self.phase_images += len(todo)
-        self.phase_batches += 1
-        self.largest_batch = max(self.largest_batch, len(todo))
+        if phase:
+            self.phase_images += len(todo)
+            self.phase_batches += 1
+            self.largest_batch = max(self.largest_batch, len(todo))
         return len(todo)
 
 
@@ -246,7 +337,7 @@ def encode_phase(seqs: Iterable[Sequence], model: object, cache: EncoderCache) -
     """The encode phase of ``seqs`` (a step's ``StepPlan.encodes``): their images into ``cache`` in one batch;
     each sequence is then ready for prefill (``encode_pending`` 0). Returns the images encoded."""
     seqs = list(seqs)
-    wanted = [(seq.images, i) for seq in seqs if seq.images is not None for i in range(len(seq.images.hashes))]
+    wanted = [seq.images.wanted(i) for seq in seqs if seq.images is not None for i in range(len(seq.images.hashes))]
     n = cache.encode_all(model, wanted) if wanted else 0  # type: ignore[arg-type]
     for seq in seqs:
         seq.encode_pending = 0
@@ -254,13 +345,14 @@ def encode_phase(seqs: Iterable[Sequence], model: object, cache: EncoderCache) -
 
 
 def image_token_bytes(model: object) -> int:
-    """The ``pixel_values`` bytes behind one image token of ``model`` (float32 patch rows; 0 for a text model):
+    """The ``pixel_values`` and ``embedding`` bytes behind one image token of ``model`` (float32 patch rows and
+    embedding; 0 for a text model):
     what bounds a request's images on the engine service (:func:`xllm.engine_api.bounds.generate_allowance`)."""
     if not isinstance(model, SupportsImages):
         return 0
     grid = model.reference_grid()
-    rows = grid[0] * grid[1] * grid[2]
-    return -(-rows * model.patch_dim() * 4 // model.image_tokens(grid))
+    rows = grid[0] * grid[1] * grid[2]  # (plus an encode instance's float32 embedding of each token)
+    return -(-rows * model.patch_dim() * 4 // model.image_tokens(grid)) + 4 * model.image_embed_dim()
 
 
 def max_encode_images(config: EngineConfig, model: object) -> int:

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from xllm.core.images import BatchImages, EncoderCache, batch_images, encode_phase
+from xllm.core.images import BatchImages, EncoderCache, batch_images, encode_images, encode_phase
 from xllm.core.kv.addressing import PageAddress, SlotAddress
 from xllm.core.kv.contracts import KVTensors
 from xllm.core.model_api import (
@@ -25,6 +25,7 @@ from xllm.core.model_api import (
 from xllm.core.overlap import MicroBatch, OverlapChooser, overlap_chooser, split_step
 from xllm.core.sequence import Sequence
 from xllm.kernels.sampling import argmax_rows
+from xllm.proto.engine.v1 import engine_pb2
 
 
 @dataclass
@@ -145,6 +146,12 @@ class ModelRunner:
         thread that runs the forwards; :func:`xllm.core.images.encode_phase`). Returns the images encoded."""
         with torch.inference_mode():
             return encode_phase(seqs, self.model, self.encoder_cache)
+
+    def encode_images(self, images: list[engine_pb2.ImageInput],
+                      weights_identity: str) -> list[engine_pb2.ImageEmbedding]:
+        """An encode instance's ``Encode``: :func:`xllm.core.images.encode_images` through :attr:`encoder_cache`."""
+        with torch.inference_mode():
+            return encode_images(self.model, self.encoder_cache, images, weights_identity)
 
     def set_overlap(self, mode: str) -> None:
         """``--tp-overlap`` ``mode`` (``auto``, ``on``, ``off``): whether eager steps may run overlapped

@@ -68,6 +68,12 @@ class EngineClient(Protocol):
         ``InstanceUnavailableError``)."""
         ...
 
+    async def encode(self, req: engine_pb2.EncodeRequest, timeout: float) -> engine_pb2.EncodeResponse:
+        """Images through the vision tower (an encode instance's ``EngineService.Encode``) within ``timeout``
+        seconds (raises ``InvalidRequestError`` naming the field, or ``InstanceUnavailableError``: unreachable,
+        died or late)."""
+        ...
+
     async def control(self, req: engine_pb2.ControlRequest) -> engine_pb2.ControlResponse:
         """Sleep, wake, update the weights or ask whether it sleeps (``EngineService.Control``); a refusal is
         ``ok`` false with its reason (raises ``InstanceUnavailableError``)."""
@@ -319,6 +325,18 @@ class GrpcEngineClient:
         except grpc.aio.AioRpcError as exc:
             raise error_from_status(exc.code(), exc.details(), exc.trailing_metadata(),
                                     self.info.instance_id) from None
+
+    async def encode(self, req: engine_pb2.EncodeRequest, timeout: float) -> engine_pb2.EncodeResponse:
+        try:
+            return await self._call("Encode", req, timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise InstanceUnavailableError(f"instance {self.info.instance_id}: no embeddings within {timeout:g} s",
+                                               self.info.instance_id) from None
+            raise error_from_status(exc.code(), exc.details(), exc.trailing_metadata(),
+                                    self.info.instance_id) from None
+        except ClusterAuthError as exc:
+            raise InstanceUnavailableError(str(exc), self.info.instance_id) from None
 
     async def kv_events(self, since_version: int, epoch: int, snapshot: bool = False) -> kv_events_pb2.KVCacheEvents:
         req = engine_pb2.GetKVEventsRequest(since_version=since_version, epoch=epoch, snapshot=snapshot)

@@ -405,8 +405,10 @@ def add_instance_flags(p: argparse.ArgumentParser) -> None:
                    help="shut down when the process that started this one exits (used by serve --instances)")
     p.add_argument("--role", default="mixed", choices=list(ROLE_NAMES.values()),
                    help="the part of requests this instance serves: mixed (whole requests), prefill (prompts "
-                        "and first tokens, handing the KV to a decode instance) or decode (continues from "
-                        "handed-off KV); a gateway routes in PD mode when it finds prefill and decode instances")
+                        "and first tokens, handing the KV to a decode instance), decode (continues from "
+                        "handed-off KV) or encode (a multimodal model's images only, for another instance's "
+                        "prefill: EPD, `xllm serve --epd-strategy e+p+d`); a gateway routes in PD mode when it "
+                        "finds prefill and decode instances")
     add_handoff_flags(p)
 
 

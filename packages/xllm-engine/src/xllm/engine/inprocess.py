@@ -57,6 +57,9 @@ class InProcessEngineClient:
     async def embed(self, req: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
         return await embed_answer(self.engine, req)
 
+    async def encode(self, req: engine_pb2.EncodeRequest, timeout: float) -> engine_pb2.EncodeResponse:
+        return await encode_answer(self.engine, req)
+
     async def control(self, req: engine_pb2.ControlRequest) -> engine_pb2.ControlResponse:
         return await control_answer(self.engine, req)
 
@@ -107,3 +110,9 @@ async def embed_answer(engine: AsyncEngine, req: engine_pb2.EmbedRequest) -> eng
     engine's ``InvalidRequestError`` naming the field)."""
     values = await engine.embed(list(req.prompt_token_ids), req.pooling or "last", req.normalize)
     return engine_pb2.EmbedResponse(embedding=values)
+
+
+async def encode_answer(engine: AsyncEngine, req: engine_pb2.EncodeRequest) -> engine_pb2.EncodeResponse:
+    """``EngineService.Encode`` on ``engine``: each image's embeddings, computed between steps (raises the engine's
+    ``InvalidRequestError`` naming ``images``)."""
+    return engine_pb2.EncodeResponse(embeddings=await engine.encode_images(list(req.images)))

@@ -10,6 +10,7 @@ Every ``EngineService`` call kind has a size bound derived from the engine's con
 - ``TransferKV``: one KV hand-off message (:func:`xllm.engine_api.bounds.kv_message_bytes`: a
   ``KVPages`` of at most :data:`~xllm.engine_api.bounds.KV_MESSAGE_BYTES`, or a commit naming every
   block of the context), by the engine's KV page sizes;
+- ``Encode``: the images of ``max_model_len`` image tokens (a text model: small messages only);
 - everything else (``Abort``, ``Migrate``, ``Health``, ``GetLoad``, ``GetKVEvents``, ``Prove`` ...):
   :data:`SMALL_MESSAGE_BYTES`.
 
@@ -79,11 +80,12 @@ class MessageBounds:
     transfer_kv: int
     other: int = SMALL_MESSAGE_BYTES
     generate_parts: GenerateAllowance | None = None
+    encode: int = SMALL_MESSAGE_BYTES
 
     def of(self, method: str) -> int:
         """The bound of ``method`` (a method name of ``EngineService``)."""
-        return {"Generate": self.generate, "Embed": self.generate, "TransferKV": self.transfer_kv}.get(method,
-                                                                                                     self.other)
+        return {"Generate": self.generate, "Embed": self.generate, "TransferKV": self.transfer_kv,
+                "Encode": self.encode}.get(method, self.other)
 
     @property
     def largest(self) -> int:
@@ -100,7 +102,8 @@ def message_bounds(limits: RequestLimits, page_bytes: tuple[int, ...] | list[int
     kv = kv_message_bytes(limits.max_model_len, limits.layout.block_size, page_bytes) if page_bytes \
         else SMALL_MESSAGE_BYTES
     parts = generate_allowance(limits.max_model_len, limits.bounds, limits.image_token_bytes)
-    return MessageBounds(generate=parts.total, transfer_kv=kv, generate_parts=parts)
+    return MessageBounds(generate=parts.total, transfer_kv=kv, generate_parts=parts,
+                         encode=parts.images or SMALL_MESSAGE_BYTES)
 
 
 # ---- the wire format's field headers (https://protobuf.dev/programming-guides/encoding/) -------------------

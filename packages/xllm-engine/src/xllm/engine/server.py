@@ -52,7 +52,7 @@ from xllm.engine.detached import DetachedRequests, ReattachRefused
 from xllm.engine.handoff import grpc as grpc_transport
 from xllm.engine.handoff.base import HandoffOptions
 from xllm.engine.handoff.manager import HandoffManager
-from xllm.engine.inprocess import control_answer, embed_answer, load_lora_answer
+from xllm.engine.inprocess import control_answer, embed_answer, encode_answer, load_lora_answer
 from xllm.engine.intake import Intake, message_bounds
 from xllm.engine.tracing import EngineTracer
 from xllm.engine_api.credential import prove_mac
@@ -381,6 +381,13 @@ class EngineServer(engine_pb2_grpc.EngineServiceServicer):
         """A prompt's pooled hidden state, computed between steps; a refused one ends with its status."""
         try:
             return await embed_answer(self.engine, request)
+        except EngineError as exc:
+            await _abort(context, status_for(exc))
+
+    async def Encode(self, request: engine_pb2.EncodeRequest, context) -> engine_pb2.EncodeResponse:
+        """Images through the vision tower between steps (the E of EPD); a refused one ends with its status."""
+        try:
+            return await encode_answer(self.engine, request)
         except EngineError as exc:
             await _abort(context, status_for(exc))
 

@@ -25,6 +25,7 @@ from xllm.engine_api.tracing import Tracing
 from xllm.gateway.access import AccessPolicy, Caller
 from xllm.gateway.dashboard import EventHub, add_dashboard_routes
 from xllm.gateway.dispatch import Dispatcher
+from xllm.gateway.encode import EncodeMetrics, EncodeStage, EPDOptions
 from xllm.gateway.fronts import ModelFront, ModelFronts
 from xllm.gateway.guard import REQUEST_ID_HEADER, ApiGuard, caller_of, request_id_of
 from xllm.gateway.media.intake import MediaIntake
@@ -109,6 +110,7 @@ class GatewayState:
     tool_parser: str = DEFAULT_TOOL_PARSER  # the tool-call format (--tool-call-parser)
     media: MediaIntake = field(default_factory=MediaIntake)  # image inputs (--allowed-media-domains, limits)
     stall: StallLimits = field(default_factory=StallLimits)  # streams of stopped instances (--stream-stall-timeout)
+    epd: EPDOptions = field(default_factory=EPDOptions)  # where images are encoded (--epd-strategy, --encode-timeout)
     stream_key: bytes | None = None  # resumable stream ids' key (the cluster's; None: random, this gateway only)
     # the other models this gateway serves, each with its own tokenizer and context (xllm.gateway.fronts)
     extra_models: tuple[ModelFront, ...] = ()
@@ -185,9 +187,10 @@ def create_app(state: GatewayState) -> FastAPI:
     for st in state.registry.states():  # registered before the app (the embedded engine)
         on_instance("added", st)
     hub = EventHub()  # flips and moves as they happen, for the cluster page (xllm.gateway.events)
+    encoder = EncodeStage(router, state.epd, EncodeMetrics(state.metrics.registry))  # (EPD: --epd-strategy)
     dispatcher = Dispatcher(state.registry, state.default_model, router, pd_metrics=PDMetrics(state.metrics.registry),
                             mover=Mover(router, state.moves, MoveMetrics(state.metrics.registry), events=hub),
-                            stall=state.stall)
+                            stall=state.stall, encoder=encoder)
     preprocessor = Preprocessor(state.limits)
     roles = RoleController(state.registry, router, state.pd_roles, PDRoleMetrics(state.metrics.registry),
                            on_role=lambda st: state.metrics.set_role(st.model, st.instance_id, st.role), events=hub)

@@ -23,7 +23,7 @@ from xllm.engine_api import flags
 from xllm.engine_api.tracing import add_tracing_flags, tracing_options
 from xllm.gateway.api_flags import access_policy, add_api_flags, api_limits, http_guard_options, media_intake
 from xllm.gateway.openai.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
-from xllm.sched import MOVE_MODES, PD_POLICIES, ROUTING_POLICIES
+from xllm.sched import EPD_STRATEGIES, MOVE_MODES, PD_POLICIES, ROUTING_POLICIES
 
 if TYPE_CHECKING:
     from xllm.kvstore.mooncake_local import LocalMooncake
@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "routes each request to a prefill and a decode instance and the KV is handed over")
     serve.add_argument("--decode-instances", type=positive_int, default=None, metavar="M",
                        help="the decode engine processes of --prefill-instances (both are needed)")
+    serve.add_argument("--encode-instances", type=positive_int, default=None, metavar="N",
+                       help="EPD on this machine: start N encode engine processes (a multimodal model's vision "
+                            "tower for the other instances' prompts; with --epd-strategy e+p+d)")
     flags.add_etcd_flags(serve, "cluster mode with an etcd registry: route to the engine instances registered in "
                                 "etcd (started with `xllm engine --etcd ...`; with --instances the local ones "
                                 "register there too)")
@@ -110,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cluster mode: the KV transfer bandwidth --drain-moves auto assumes until the gateway "
                             "has measured a transfer (PD hand-off or migration)")
     add_pd_role_flags(serve)
+    add_epd_flags(serve)
     flags.add_handoff_flags(serve)
     flags.add_security_flags(serve)  # cluster mode: the internal gRPC services (engines, registry)
     add_tracing_flags(serve)  # request traces of the gateway and of the engines it spawns
@@ -194,6 +198,26 @@ def add_pd_role_flags(p: argparse.ArgumentParser) -> None:
                         "tens at hundreds of instances, where one flip per decision cannot follow the load)")
 
 
+def add_epd_flags(p: argparse.ArgumentParser) -> None:
+    """Hybrid EPD disaggregation (``xllm.gateway.encode``): where requests' images are encoded."""
+    p.add_argument("--epd-strategy", default="ep+d", type=str.lower, choices=EPD_STRATEGIES.choices(),
+                   help="where a multimodal request's images are encoded: ep+d on the instance that prefills its "
+                        "prompt (in its encode phase), e+p+d on encode instances (--role encode, "
+                        "--encode-instances), ed+p on decode instances; the embeddings then go with the request "
+                        "to the prefill instance, which checks them (and encodes itself when a check fails or no "
+                        "encode instance answers). `xllm-sim epd` ranks them for a workload")
+    p.add_argument("--encode-timeout", type=positive_float, default=30.0, metavar="SECONDS",
+                   help="--epd-strategy e+p+d / ed+p: the longest one encode call may take before the next "
+                        "instance is tried (after two, the prefill instance encodes the images)")
+
+
+def epd_options(args: argparse.Namespace):
+    """The :class:`~xllm.gateway.encode.EPDOptions` of ``xllm serve``'s flags."""
+    from xllm.gateway.encode import EPDOptions
+
+    return EPDOptions(EPD_STRATEGIES.get(args.epd_strategy), timeout_s=args.encode_timeout)
+
+
 def pd_role_options(args: argparse.Namespace):
     """The :class:`~xllm.gateway.roles.PDRoleOptions` of ``xllm serve``'s flags (``ValueError`` when
     they do not fit together). With ``--profile``, TTFT is also predicted from the queued prefill work."""
@@ -262,13 +286,13 @@ def _serve(args: argparse.Namespace) -> int:
         flags.check_handoff_flags(args)  # checked here, not by each spawned engine
         api = {"limits": api_limits(args), "access": access_policy(args), "tool_parser": args.tool_call_parser,
                "media": media_intake(args)}
-        if args.instances or args.etcd or args.prefill_instances:
+        if args.instances or args.etcd or args.prefill_instances or args.encode_instances:
             from xllm.gateway.cluster import ClusterOptions, build_cluster
             from xllm.gateway.moves import MoveOptions
             from xllm.gateway.progress import StallLimits
 
             roles = {"mixed": args.instances or 0, "prefill": args.prefill_instances or 0,
-                     "decode": args.decode_instances or 0}
+                     "decode": args.decode_instances or 0, "encode": args.encode_instances or 0}
             models = flags.served_models(args)
             app = build_cluster(ClusterOptions(
                 model=models[0][0], served_model_name=models[0][1], more_models=models[1:], instances=roles,
@@ -280,8 +304,12 @@ def _serve(args: argparse.Namespace) -> int:
                 engine_args=flags.engine_args(args, max(sum(roles.values()), 1)), log_level=args.log_level,
                 progress=not args.no_progress, security=flags.cluster_security(args),
                 moves=MoveOptions(args.drain_moves, args.kv_bandwidth_prior * 1e6), pd_roles=pd_role_options(args),
+                epd=epd_options(args),
                 tracing=tracing_options(args, "xllm-gateway"), log_format=args.log_format, **api))
         else:
+            if EPD_STRATEGIES.get(args.epd_strategy).encode_role is not None:
+                raise ValueError(f"--epd-strategy {args.epd_strategy} needs other instances to encode on (cluster "
+                                 "mode: --encode-instances, --prefill-instances/--decode-instances, --etcd)")
             from xllm.gateway.embedded import build_embedded, serve_options  # loads the engine runtime
 
             app = build_embedded(serve_options(args, **api))

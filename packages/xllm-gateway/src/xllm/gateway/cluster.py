@@ -43,6 +43,7 @@ from xllm.engine_api.security import NO_SECURITY, ClusterSecurity
 from xllm.engine_api.tracing import TracingOptions
 from xllm.gateway.access import AccessPolicy
 from xllm.gateway.app import GatewayState, create_app
+from xllm.gateway.encode import EPDOptions
 from xllm.gateway.fronts import ModelFront
 from xllm.gateway.kv_tier_metrics import KVTierCollector, from_registry
 from xllm.gateway.media.intake import MediaIntake
@@ -89,6 +90,7 @@ class ClusterOptions:
     moves: MoveOptions = field(default_factory=MoveOptions)  # requests on draining instances: migrate or recompute
     stall: StallLimits = field(default_factory=StallLimits)  # streams of stopped instances: broken off, resumed
     pd_roles: PDRoleOptions = field(default_factory=PDRoleOptions)  # static or dynamic PD roles (role flips)
+    epd: EPDOptions = field(default_factory=EPDOptions)  # where images are encoded (EPD strategy)
     tracing: TracingOptions = field(default_factory=TracingOptions)  # request traces: the gateway's and its engines'
     log_format: str = "text"  # of the gateway and the engines it starts
 
@@ -188,6 +190,7 @@ def build_cluster(opts: ClusterOptions):
                          extra_models=tuple(fronts[1:]), routing=opts.routing, limits=opts.limits, access=opts.access,
                          routing_fallback_ratio=opts.routing_fallback_ratio, moves=opts.moves,
                          pd_roles=opts.pd_roles, tool_parser=opts.tool_parser, stall=opts.stall, media=opts.media,
+                         epd=opts.epd,
                          stream_key=security.keys.stream if security.keys else None,  # any gateway resumes any's
                          **gateway_tracing(opts.tracing))
     if any(opts.instances.values()):

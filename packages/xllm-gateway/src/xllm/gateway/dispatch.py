@@ -36,6 +36,7 @@ from xllm.engine_api.client import EngineClient
 from xllm.engine_api.errors import EngineOverloadedError
 from xllm.engine_api.wire import InstanceUnavailableError
 from xllm.gateway.disagg import PDStream, decodes, phase_request
+from xllm.gateway.encode import EncodeStage
 from xllm.gateway.failover import Failover, FailoverLimits
 from xllm.gateway.metrics import PDMetrics
 from xllm.gateway.moves import Migration, Mover, Recompute
@@ -66,14 +67,16 @@ class Dispatcher:
     def __init__(self, registry: Registry, default_model: str, router: Router | None = None,
                  max_attempts: int = 3, max_resumes: int = 2, max_crash_strikes: int = 2,
                  pd_metrics: PDMetrics | None = None, handoff_grace: float = 5.0, mover: Mover | None = None,
-                 stall: StallLimits | None = None) -> None:
+                 stall: StallLimits | None = None, encoder: EncodeStage | None = None) -> None:
         """``max_attempts``: instances tried to take a request; ``max_resumes``: continuations of a
         broken stream; ``max_crash_strikes``: instance failures a request may be a suspect in before it
         is failed rather than replayed (see :class:`RoutedStream`); ``handoff_grace``: how long a decode
         instance may take to show it has the KV after its prefill instance failed past the first
         token, before the request is resumed elsewhere; ``mover``: answers the move offers of
         draining instances (default: by predicted cost); ``stall``: when a stream whose instance
-        stopped stepping (SIGSTOP, gone from the registry) is broken off and resumed elsewhere."""
+        stopped stepping (SIGSTOP, gone from the registry) is broken off and resumed elsewhere; ``encoder``: where
+        requests' images are encoded before their prefill (EPD, :mod:`xllm.gateway.encode`; default: by the
+        instance that prefills)."""
         self.registry = registry
         self.default_model = default_model
         self.router = router or Router(registry)
@@ -82,6 +85,7 @@ class Dispatcher:
         self.pd_metrics = pd_metrics or PDMetrics()
         self.handoff_grace = handoff_grace
         self.mover = mover or Mover(self.router)
+        self.encoder = encoder or EncodeStage(self.router)
         self._parts = StreamParts(self.router, self.failover, self.mover, self.resume, stall or StallLimits())
         self._background: set[asyncio.Future] = set()  # keeps detached tasks alive until they ran
 
@@ -134,6 +138,7 @@ class Dispatcher:
                                                         r.sampling.temperature == 0):
                 r.sampling.seed = secrets.randbits(63)
             r.movable = self.mover.enabled and not r.sampling.HasField("beam_width")  # a search is not resumable
+        await self.encoder.attach(model, reqs, spans)  # (EPD: images encoded elsewhere, embeddings attached)
         ticket, streams = await self._place(model, prompt, reqs, session, spans=spans)
         return ticket.state.client, [RoutedStream(self._parts, model, ticket, r, st, spans)
                                      for r, st in zip(reqs, streams)]

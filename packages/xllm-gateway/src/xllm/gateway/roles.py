@@ -343,9 +343,9 @@ class RoleController:
         self.metrics.set_pools(model, counts)
 
     def status(self, state: InstanceState) -> dict:
-        """What ``/health`` shows of a PD instance's role (nothing for a mixed one)."""
+        """What ``/health`` shows of a PD or encode instance's role (nothing for a mixed one)."""
         if state.role not in PD_ROLES:
-            return {}
+            return {"role": state.role} if state.role == "encode" else {}
         out: dict = {"role": state.role}
         if state.registered_role != state.role:
             out["registered_role"] = state.registered_role

@@ -174,8 +174,9 @@ class Router:
         (:func:`xllm.sched.routing.load_as_seen_by`).
 
         With a single candidate (one machine, one engine) there is nothing to choose: no prefix
-        hashing, no index match, no policy."""
-        candidates = [s for s in self.registry.routable(model) if s.instance_id not in exclude and _serves(s, lora)]
+        hashing, no index match, no policy. Encode instances (EPD) take no requests."""
+        candidates = [s for s in self.registry.routable(model)
+                      if s.instance_id not in exclude and s.role != "encode" and _serves(s, lora)]
         if not candidates:
             raise NoInstanceError(f"no live instance serves {_what(model, lora)}")
         return self._route_among(candidates, prompt, session, offline, lora)
@@ -184,7 +185,8 @@ class Router:
         """An instance to continue a running request on (its tokens so far): one that decodes (a
         mixed or decode instance), not in ``exclude`` (raises :class:`NoInstanceError`)."""
         candidates = [s for s in self.registry.routable(model)
-                      if s.instance_id not in exclude and s.role != "prefill" and s.flip is None and _serves(s, lora)]
+                      if s.instance_id not in exclude and s.role in ("mixed", "decode") and s.flip is None
+                      and _serves(s, lora)]
         if not candidates:
             raise NoInstanceError(f"no other live instance decodes {_what(model, lora)}")
         return self._route_among(candidates, tokens, None, lora=lora)

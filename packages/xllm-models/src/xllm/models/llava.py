@@ -185,6 +185,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def patch_dim(self) -> int:
         return self.clip.channels * self.clip.patch * self.clip.patch
 
+    def image_embed_dim(self) -> int:
+        """An image token's embedding width: the language model's hidden size."""
+        return self.cfg.hidden_size
+
     def reference_grid(self) -> tuple[int, int, int]:
         return (1, self.clip.side, self.clip.side)
 

@@ -179,6 +179,10 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         c = self.vision_cfg
         return c.in_channels * c.temporal_patch_size * c.patch_size * c.patch_size
 
+    def image_embed_dim(self) -> int:
+        """An image token's embedding width: the language model's hidden size."""
+        return self.cfg.hidden_size
+
     def reference_grid(self) -> tuple[int, int, int]:
         """The patch grid of a 448 x 448 image (the encode-phase profile's reference; whole merge blocks)."""
         c = self.vision_cfg

@@ -20,6 +20,7 @@ ROLE_NAMES: dict[int, str] = {
     instance_pb2.INSTANCE_ROLE_MIXED: "mixed",
     instance_pb2.INSTANCE_ROLE_PREFILL: "prefill",
     instance_pb2.INSTANCE_ROLE_DECODE: "decode",
+    instance_pb2.INSTANCE_ROLE_ENCODE: "encode",  # EPD: images only (EngineService.Encode)
 }
 
 
@@ -33,7 +34,7 @@ def finish_reason_name(code: int) -> str | None:
 
 
 def role_name(role: int) -> str:
-    """``"mixed"``, ``"prefill"`` or ``"decode"``; an unset role is a mixed instance."""
+    """``"mixed"``, ``"prefill"``, ``"decode"`` or ``"encode"``; an unset role is a mixed instance."""
     return ROLE_NAMES.get(role, "mixed")
 
 

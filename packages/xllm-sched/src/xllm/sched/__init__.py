@@ -16,8 +16,10 @@
   chosen by predicted cost.
 - :mod:`xllm.sched.elastic`: dynamic PD roles: which prefill/decode instance flips role, by SLO
   headroom with hysteresis and cool-downs.
+- :mod:`xllm.sched.epd`: hybrid EPD disaggregation: where images are encoded (``ep+d``, ``e+p+d``,
+  ``ed+p``) and the profiler's model that ranks layouts of instances for a workload.
 - :mod:`xllm.sched.registry`: policies by name (:data:`BATCH_POLICIES`, :data:`ROUTING_POLICIES`,
-  :data:`PD_POLICIES`).
+  :data:`PD_POLICIES`, :data:`EPD_STRATEGIES`).
 """
 
 from xllm.sched.batch_policy import (
@@ -34,7 +36,7 @@ from xllm.sched.colocation import ColocationPolicy
 from xllm.sched.elastic import RoleFlip, RoleLoad, RolePolicy, SLORoleFlipPolicy, StaticRoles
 from xllm.sched.moves import MOVE_MODES, MoveCost, RateEstimate, move_cost
 from xllm.sched.pd import PDDecision, PDPlacement
-from xllm.sched.registry import BATCH_POLICIES, PD_POLICIES, ROUTING_POLICIES
+from xllm.sched.registry import BATCH_POLICIES, EPD_STRATEGIES, PD_POLICIES, ROUTING_POLICIES
 from xllm.sched.routing import (
     InstanceSnapshot,
     KVCacheAwarePolicy,
@@ -48,6 +50,7 @@ from xllm.sched.routing import (
 __all__ = [
     "BATCH_POLICIES",
     "DEFAULT_OFFLINE_SLO_FRACTION",
+    "EPD_STRATEGIES",
     "MOVE_MODES",
     "PD_POLICIES",
     "ROUTING_POLICIES",

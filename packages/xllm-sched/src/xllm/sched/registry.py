@@ -6,6 +6,7 @@ from __future__ import annotations
 from xllm.common import NameRegistry
 from xllm.sched.batch_policy import BatchPolicyClass
 from xllm.sched.elastic import RolePolicy
+from xllm.sched.epd import EPDStrategy
 from xllm.sched.routing import RoutingPolicy
 
 BATCH_POLICIES: NameRegistry[BatchPolicyClass] = NameRegistry("batch policy", {
@@ -24,3 +25,9 @@ PD_POLICIES: NameRegistry[type[RolePolicy]] = NameRegistry("PD role policy", {
     "static": "xllm.sched.elastic:StaticRoles",
     "dynamic": "xllm.sched.elastic:SLORoleFlipPolicy",
 })
+
+EPD_STRATEGIES: NameRegistry[EPDStrategy] = NameRegistry("EPD strategy", {
+    "ep+d": "xllm.sched.epd:EP_D",
+    "e+p+d": "xllm.sched.epd:E_P_D",
+    "ed+p": "xllm.sched.epd:ED_P",
+}, normalize=str.lower)

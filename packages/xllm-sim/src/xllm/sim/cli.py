@@ -6,6 +6,8 @@
     xllm-sim run --prefill-instances 100 --decode-instances 100 --pd-policy dynamic --trace phases \
         --phase-s 60,60 --rate 80 --slo-ttft-ms 3000 --slo-tpot-ms 150 --requests 100000
     xllm-sim run --instances 4 --trace azure_conv_2023.csv --rate 8 --requests 5000
+    xllm-sim epd --total-instances 4 --prompt-len 256 --output-len 64 --image-fraction 0.5 \
+        --encode-image-ms 300 --rate 2 --slo-ttft-ms 2000 --slo-tpot-ms 100   # EPD: the profiler's pick, simulated
     xllm-sim policies                     # the policy names each flag takes
 """
 
@@ -21,7 +23,7 @@ from pathlib import Path
 from xllm.common.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
 from xllm.sched import BATCH_POLICIES, DEFAULT_OFFLINE_SLO_FRACTION, ROUTING_POLICIES
 from xllm.sched.encode import DEFAULT_MAX_ENCODE_IMAGES
-from xllm.sched.registry import PD_POLICIES
+from xllm.sched.registry import EPD_STRATEGIES, PD_POLICIES
 from xllm.sim.cluster import Cluster
 from xllm.sim.config import DEFAULT_KV_BLOCKS, SMOLLM2_BLOCK_SIZE, SMOLLM2_KV_BYTES_PER_TOKEN, SimConfig
 from xllm.sim.profile import DEFAULT_PROFILE, is_provisional, load_model
@@ -114,6 +116,15 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="dynamic: instances one decision may flip together, as the pressure needs and the other "
                         "side can spare (at most --pd-max-in-progress under way; default: a tenth of the "
                         "instances, at least 1, the gateway's)")
+    g.add_argument("--epd-strategy", default="ep+d", type=str.lower, choices=EPD_STRATEGIES.choices(),
+                   help="PD mode, requests with images: encode them where the prompt is prefilled (ep+d), on "
+                        "--encode-instances encode-only instances (e+p+d) or on the decode instances (ed+p), as "
+                        "the gateway's flag of the same name (default ep+d)")
+    g.add_argument("--encode-instances", type=non_negative_int, default=0,
+                   help="e+p+d: instances that only encode images (default 0)")
+    g.add_argument("--embedding-transfer-ms", type=non_negative_float, default=0.0,
+                   help="e+p+d, ed+p: one request's embeddings from the encoding instance to the prefill "
+                        "placement, ms (default 0)")
     g.add_argument("--pd-prefill-overflow", action=argparse.BooleanOptionalAction, default=True,
                    help="PD mode with --slo-ttft-ms: a request every prefill instance is predicted to miss the "
                         "TTFT objective on runs whole on a decode instance that meets it (no hand-off; the "
@@ -215,7 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="simulate a cluster on a trace", description=__doc__,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_flags(run)
-    sub.add_parser("policies", help="list the policy names of --policy, --batch-policy and --pd-policy")
+    epd = sub.add_parser("epd", help="rank EPD layouts for a workload and check the pick by simulation",
+                         description=epd_doc(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_flags(epd)
+    epd.add_argument("--total-instances", type=positive_int, default=4,
+                     help="instances to split between encode, prefill and decode (default 4)")
+    epd.add_argument("--simulate", choices=["best", "all"], default="best",
+                     help="simulate the best-ranked layout of each strategy, or every layout (default best)")
+    sub.add_parser("policies", help="list the policy names of --policy, --batch-policy, --pd-policy and "
+                                    "--epd-strategy")
     return p
 
 
@@ -237,7 +256,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         slo_ttft_s=None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1e3,
         slo_tpot_s=None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1e3,
         offline_slo_fraction=args.offline_slo_fraction, max_encode_images=args.max_encode_images,
-        encode_image_s=args.encode_image_ms / 1e3)
+        encode_image_s=args.encode_image_ms / 1e3, epd_strategy=args.epd_strategy,
+        encode_instances=args.encode_instances, embedding_transfer_s=args.embedding_transfer_ms / 1e3)
 
 
 def workload_from_args(args: argparse.Namespace) -> list[RequestSpec] | Workload:
@@ -318,6 +338,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def epd_doc() -> str:
+    from xllm.sim import epd
+
+    return epd.__doc__ or ""
+
+
+def run_epd(args: argparse.Namespace) -> int:
+    """``xllm-sim epd`` (:mod:`xllm.sim.epd`)."""
+    from xllm.sim.epd import run_epd as rank_and_simulate
+
+    try:
+        cfg = config_from_args(args)
+        model, _ = load_model(args.profile)
+        work = workload_from_args(args)
+        specs = list(synthetic(work, args.requests, args.seed)) if isinstance(work, Workload) else work
+        rank_and_simulate(cfg, model, specs, args.total_instances, args.simulate == "all",
+                          args.embedding_transfer_ms / 1e3, args.json)
+    except (TraceError, ValueError, OSError) as exc:
+        print(f"xllm-sim: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def headline(r: dict) -> str:
     """A few lines a person reads."""
     lines = [f"{r['completed']}/{r['requests']} requests in {r['duration_s']:.1f} s simulated "
@@ -336,10 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "policies":
         for flag, table in (("--policy", ROUTING_POLICIES), ("--batch-policy", BATCH_POLICIES),
-                            ("--pd-policy", PD_POLICIES)):
+                            ("--pd-policy", PD_POLICIES), ("--epd-strategy", EPD_STRATEGIES)):
             print(f"{flag}: {', '.join(table.names())}")
         return 0
-    return run(args)
+    return run_epd(args) if args.command == "epd" else run(args)
 
 
 if __name__ == "__main__":

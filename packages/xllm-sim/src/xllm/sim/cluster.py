@@ -16,7 +16,11 @@ Every instance steps as the engine does: when idle and given work it plans a ste
 policy, the step lasts what the step-time model predicts (times a random factor of mean 1 with
 ``step_noise``: measured steps scatter around any model, and queueing tails grow with that
 scatter, while the policies still see the prediction), and at its end the next one is planned.
-Role flips (``pd_policy``) and the moves a flip causes live in :mod:`xllm.sim.roles`.
+Role flips (``pd_policy``) and the moves a flip causes live in :mod:`xllm.sim.roles`. EPD
+(``epd_strategy`` ``e+p+d`` / ``ed+p``): a request with images first goes to the encode or decode instance with
+the fewest encode jobs queued (the gateway's :class:`~xllm.gateway.encode.EncodeStage` picks the fewest in
+flight), which encodes them with its next step; ``embedding_transfer_s`` later it is placed as a PD request
+whose prefill encodes nothing.
 """
 
 from __future__ import annotations
@@ -26,12 +30,12 @@ import random
 from collections.abc import Callable, Iterable
 from functools import partial
 
-from xllm.sched import BATCH_POLICIES, ROUTING_POLICIES, BatchPolicy, BatchSettings, PDPlacement
+from xllm.sched import BATCH_POLICIES, EPD_STRATEGIES, ROUTING_POLICIES, BatchPolicy, BatchSettings, PDPlacement
 from xllm.sched.latency import StepShape, StepTimeModel
 from xllm.sim.config import SimConfig
 from xllm.sim.events import DISPATCH, HEARTBEAT, MOVE_DONE, PD_TICK, STEP_END, TIMELINE, TRANSFER_DONE, EventQueue
 from xllm.sim.gateway import Gateway, InstanceView
-from xllm.sim.instance import DECODE, MIXED, PREFILL, SimInstance, SimSeq
+from xllm.sim.instance import DECODE, ENCODE, MIXED, PREFILL, SimInstance, SimSeq
 from xllm.sim.kvcache import SimKV
 from xllm.sim.metrics import InstanceReport, Request, report
 from xllm.sim.timeline import Timeline
@@ -87,8 +91,9 @@ class Cluster:
         reported = model if speed == 1 else StepTimeModel(tuple(c / speed for c in model.coefficients))
         step = reported.step_seconds
         actual = step if cfg.step_noise <= 0 else noisy(step, cfg.step_noise)
-        roles = [PREFILL] * cfg.prefill_instances + [DECODE] * cfg.decode_instances if cfg.pd else \
-            [MIXED] * cfg.instances
+        roles = [PREFILL] * cfg.prefill_instances + [DECODE] * cfg.decode_instances \
+            + [ENCODE] * cfg.encode_instances if cfg.pd else [MIXED] * cfg.instances
+        self.epd = EPD_STRATEGIES.get(cfg.epd_strategy)
         self.instances: list[SimInstance] = []
         for i, role in enumerate(roles):
             kv = SimKV(cfg.kv_blocks, cfg.block_size, cfg.prefix_cache, listener=partial(self._kv_event, i))
@@ -198,17 +203,31 @@ class Cluster:
     def _dispatch(self, req: Request) -> None:
         gw = self.gateway
         gw.now = self.q.now
+        if req.spec.images and not req.encoded and self._encode_elsewhere(req):
+            return
         if self.cfg.pd:
             prefills, decodes = gw.pools()
             if prefills and decodes:
                 self._dispatch_pd(req, prefills, decodes)
                 return
-        view, matched = gw.route(req, gw.views)
+        view, matched = gw.route(req, [v for v in gw.views if v.inst.role != ENCODE])
         req.instance = view.inst.instance_id
         req.matched_tokens = matched
         gw.dispatched(view, req, matched)
         view.inst.add(SimSeq(req))
         self.kick(view.inst)
+
+    def _encode_elsewhere(self, req: Request) -> bool:
+        """EPD: queue ``req``'s images on the instance of the strategy's encode role with the fewest jobs; False
+        when the strategy has none, or none of the role is live (the prefill instance encodes them)."""
+        role = self.epd.encode_role
+        encoders = [v.inst for v in self.gateway.views if v.inst.role == role and v.inst.flipping is None]
+        if role is None or not encoders:
+            return False
+        inst = min(encoders, key=lambda i: (len(i.encode_jobs), i.index))
+        inst.add_encode_job(req)
+        self.kick(inst)
+        return True
 
     def _dispatch_pd(self, req: Request, prefills: list[InstanceView], decodes: list[InstanceView]) -> None:
         gw = self.gateway
@@ -263,6 +282,9 @@ class Cluster:
             # the engine measures TTFT from when it got the request: a PD prefill's from its hand-over to
             # this instance, not from the arrival (the decode side's reservation wait is not this engine's)
             inst.observe_ttft(now - (self.pd[req.spec.rid].sent if seq.phase == PREFILL else req.spec.arrival))
+        for req in res.encoded:  # EPD: its embeddings go with it to the prefill placement
+            req.encoded = True
+            self.q.at(now + self.cfg.embedding_transfer_s, DISPATCH, req)
         for seq in res.done:
             if seq.generated < seq.output_len:  # a PD prefill at its first token: hand the KV over
                 self._transfer(self.pd[seq.rid])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from xllm.sched.batch_policy import DEFAULT_OFFLINE_SLO_FRACTION, DEFAULT_TOKEN_BUDGET
 from xllm.sched.encode import DEFAULT_MAX_ENCODE_IMAGES
+from xllm.sched.registry import EPD_STRATEGIES
 
 SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
 SMOLLM2_BLOCK_SIZE = 128
@@ -53,6 +54,9 @@ class SimConfig:
       phase (the engine's ``--max-encode-images``; 0: encoded in the request's first prefill step), each
       taking ``encode_image_s`` (divided by ``speed``; the default is a guess for a 2B VLM's vision tower
       on an accelerator: take it from the engine's ``encode phase`` log line).
+    - EPD (``epd_strategy``, ``xllm.sched.EPD_STRATEGIES``; PD mode): ``ep+d`` encodes where the prompt is
+      prefilled; ``e+p+d`` on ``encode_instances`` encode-only instances; ``ed+p`` on the decode instances;
+      the embeddings then reach the prefill placement ``embedding_transfer_s`` later.
     """
 
     instances: int = 2
@@ -90,6 +94,9 @@ class SimConfig:
     offline_slo_fraction: float = DEFAULT_OFFLINE_SLO_FRACTION
     max_encode_images: int = DEFAULT_MAX_ENCODE_IMAGES
     encode_image_s: float = 0.02
+    epd_strategy: str = "ep+d"
+    encode_instances: int = 0
+    embedding_transfer_s: float = 0.0
 
     @property
     def pd(self) -> bool:
@@ -97,7 +104,7 @@ class SimConfig:
 
     @property
     def num_instances(self) -> int:
-        return self.prefill_instances + self.decode_instances if self.pd else self.instances
+        return self.prefill_instances + self.decode_instances + self.encode_instances if self.pd else self.instances
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first bad setting."""
@@ -119,6 +126,13 @@ class SimConfig:
                             ("max_encode_images", self.max_encode_images), ("encode_image_s", self.encode_image_s)):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        strategy = EPD_STRATEGIES.get(self.epd_strategy)  # (KeyError naming the known ones)
+        if strategy.encode_role is not None and not self.pd:
+            raise ValueError(f"epd_strategy {self.epd_strategy} needs PD mode (prefill and decode instances)")
+        if (strategy.encode_role == "encode") != (self.encode_instances > 0):
+            raise ValueError("encode_instances > 0 goes with epd_strategy e+p+d (and it needs them)")
+        if self.embedding_transfer_s < 0:
+            raise ValueError(f"embedding_transfer_s must be >= 0, got {self.embedding_transfer_s}")
         if self.drain_moves not in ("auto", "migrate", "recompute", "off"):
             raise ValueError(f"drain_moves must be auto, migrate, recompute or off, got {self.drain_moves!r}")
         for name, slo in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):

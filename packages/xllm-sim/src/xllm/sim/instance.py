@@ -12,7 +12,10 @@ advance, full blocks enter the prefix cache, every sequence that computed all it
 samples one, finished ones leave and release their KV, PD prefills stop at their first token and
 keep their KV for the hand-off. Images (``encode_pending``): a step encoding ``k`` images lasts ``k`` ×
 ``encode_image_s`` longer, in the policy's encode phase (``StepPlan.encodes``) or, with the phase off, in the
-step of the request's first prefill chunk (as the engine's eager path encodes them).
+step of the request's first prefill chunk (as the engine's eager path encodes them). EPD (``e+p+d``, ``ed+p``):
+an instance also encodes other instances' requests (:meth:`add_encode_job`, the engine's ``Encode`` calls); as
+the engine runs the calls queued between two steps, each step takes every queued job (its images' encode time
+added to the step, a step of its own when nothing else runs), and :meth:`finish_step` returns them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from xllm.sched.latency import StepShape, StepTimeModel
 from xllm.sim.kvcache import KVSeq, SimKV
 
 MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"  # a sequence's phase on an instance, and instance roles
+ENCODE = "encode"  # the role of an instance that only encodes other instances' images (EPD e+p+d)
 
 
 class SimSeq(KVSeq):
@@ -44,7 +48,8 @@ class SimSeq(KVSeq):
         self.prompt_len = spec.prompt_len
         self.output_len = spec.output_len
         self.offline = spec.offline
-        self.encode_pending = spec.images if phase != DECODE else 0  # (a decode side gets the prompt's KV)
+        # (a decode side gets the prompt's KV; EPD: the images were encoded on another instance)
+        self.encode_pending = spec.images if phase != DECODE and not req.encoded else 0
         self.priority = req.priority
         self.arrival_time = spec.arrival
         self.phase = phase
@@ -63,6 +68,7 @@ class StepResult:
     first: list[SimSeq] = field(default_factory=list)
     done: list[SimSeq] = field(default_factory=list)
     sampled: int = 0
+    encoded: list = field(default_factory=list)  # requests whose images it encoded for another instance (EPD)
 
 
 @dataclass
@@ -101,6 +107,8 @@ class SimInstance:
         self.reserving: deque[SimSeq] = deque()
         self.awaiting: dict[int, SimSeq] = {}
         self.handing_off: dict[int, SimSeq] = {}
+        self.encode_jobs: deque = deque()  # EPD: requests whose images it encodes for another instance
+        self._encoding: list = []          # the jobs of the step running
         self.busy = False
         self.step_end = 0.0
         self.step_start = 0.0
@@ -218,6 +226,10 @@ class SimInstance:
                 offline += n if n > 1 else 0
         return total, offline, off_running, off_waiting
 
+    def add_encode_job(self, req) -> None:
+        """Encode ``req``'s images for another instance's prefill (EPD), with its next step."""
+        self.encode_jobs.append(req)
+
     def observe_ttft(self, ttft: float) -> None:
         self.recent_ttft = ttft if self.recent_ttft == 0 else 0.9 * self.recent_ttft + 0.1 * ttft
 
@@ -228,10 +240,12 @@ class SimInstance:
     def start_step(self, now: float) -> float | None:
         """Plan a step at ``now`` with the batch policy; its end time, or None (nothing to run: idle)."""
         plan = self.policy.schedule(self)
-        if not plan.chunks and not plan.encodes:
+        jobs, self.encode_jobs = list(self.encode_jobs), deque()
+        if not plan.chunks and not plan.encodes and not jobs:
             self.busy = False
             return None
-        images = 0
+        self._encoding = jobs
+        images = sum(req.spec.images for req in jobs)
         for seq in [*plan.encodes, *(c.seq for c in plan.chunks if not self.encode_phase)]:
             images += seq.encode_pending
             seq.encode_pending = 0
@@ -286,6 +300,7 @@ class SimInstance:
                 else:
                     seq.num_tokens = computed + 1
         self.chunks = []
+        result.encoded, self._encoding = self._encoding, []
         seconds = self.step_end - self.step_start
         if self._step_prefill and seconds > 0:
             rate = self._step_prefill / seconds

@@ -22,8 +22,8 @@ PERCENTILES = (50, 90, 99)
 class Request:
     """One request's life in the simulation (times in simulated seconds)."""
 
-    __slots__ = ("block_size", "decode_instance", "finish", "first_token", "instance", "matched_tokens", "moves",
-                 "preemptions", "priority", "spec", "transfer_bytes")
+    __slots__ = ("block_size", "decode_instance", "encoded", "finish", "first_token", "instance", "matched_tokens",
+                 "moves", "preemptions", "priority", "spec", "transfer_bytes")
 
     def __init__(self, spec: RequestSpec, block_size: int, priority: int) -> None:
         self.spec = spec
@@ -37,6 +37,7 @@ class Request:
         self.moves = 0
         self.matched_tokens = 0     # prompt tokens the routed instance held (the gateway's match)
         self.transfer_bytes = 0
+        self.encoded = False        # EPD: its images were encoded on another instance (e+p+d, ed+p)
 
     @property
     def ttft(self) -> float | None:

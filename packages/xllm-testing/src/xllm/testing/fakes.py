@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from xllm.engine_api.errors import InvalidRequestError
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.proto.kvstore.v1 import kv_events_pb2
 from xllm.proto.registry.v1 import instance_pb2
@@ -100,6 +101,10 @@ class FakeEngineClient:
         """A scripted embedding: the prompt's length and token sum (and the pooling's name length)."""
         ids = list(req.prompt_token_ids)
         return engine_pb2.EmbedResponse(embedding=[float(len(ids)), float(sum(ids)), float(len(req.pooling))])
+
+    async def encode(self, req: engine_pb2.EncodeRequest, timeout: float) -> engine_pb2.EncodeResponse:
+        """A scripted engine takes no images."""
+        raise InvalidRequestError("this scripted engine takes no images", "images")
 
     async def health(self) -> engine_pb2.HealthResponse:
         return engine_pb2.HealthResponse(healthy=self.healthy, status="ok" if self.healthy else "broken")

@@ -181,14 +181,26 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., model: _Optional[str] = ..., arrival_time: _Optional[float] = ..., disagg_phase: _Optional[_Union[DisaggPhase, str]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., resumed_sent_chars: _Optional[int] = ..., movable: _Optional[bool] = ..., offline: _Optional[bool] = ..., lora_name: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
 
 class ImageInput(_message.Message):
-    __slots__ = ("pixel_values", "grid_thw", "content_hash")
+    __slots__ = ("pixel_values", "grid_thw", "content_hash", "embedding")
     PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     pixel_values: bytes
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     content_hash: bytes
-    def __init__(self, pixel_values: _Optional[bytes] = ..., grid_thw: _Optional[_Iterable[int]] = ..., content_hash: _Optional[bytes] = ...) -> None: ...
+    embedding: ImageEmbedding
+    def __init__(self, pixel_values: _Optional[bytes] = ..., grid_thw: _Optional[_Iterable[int]] = ..., content_hash: _Optional[bytes] = ..., embedding: _Optional[_Union[ImageEmbedding, _Mapping]] = ...) -> None: ...
+
+class ImageEmbedding(_message.Message):
+    __slots__ = ("values", "crc32", "weights_identity")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    values: bytes
+    crc32: int
+    weights_identity: str
+    def __init__(self, values: _Optional[bytes] = ..., crc32: _Optional[int] = ..., weights_identity: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -483,6 +495,20 @@ class EmbedResponse(_message.Message):
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     embedding: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, embedding: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("images", "request_id")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    request_id: str
+    def __init__(self, images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("embeddings",)
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[ImageEmbedding]
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[ImageEmbedding, _Mapping]]] = ...) -> None: ...
 
 class ControlRequest(_message.Message):
     __slots__ = ("action", "level", "model_path")

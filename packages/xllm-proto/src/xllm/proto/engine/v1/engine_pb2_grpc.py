@@ -91,6 +91,11 @@ class EngineServiceStub:
                 request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Encode = channel.unary_unary(
+                '/xllm.engine.v1.EngineService/Encode',
+                request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EncodeResponse.FromString,
+                _registered_method=True)
         self.Control = channel.unary_unary(
                 '/xllm.engine.v1.EngineService/Control',
                 request_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.ControlRequest.SerializeToString,
@@ -177,6 +182,13 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Encode(self, request, context):
+        """Images through the vision tower (an encode instance's call); INVALID_ARGUMENT names the field at fault.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Control(self, request, context):
         """Sleep, wake, update the weights in place, or ask whether it sleeps (see ControlAction); a refusal is an answer.
         """
@@ -241,6 +253,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
                     response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Encode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EncodeRequest.FromString,
+                    response_serializer=xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EncodeResponse.SerializeToString,
             ),
             'Control': grpc.unary_unary_rpc_method_handler(
                     servicer.Control,
@@ -545,6 +562,33 @@ class EngineService:
             '/xllm.engine.v1.EngineService/Embed',
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
             xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/xllm.engine.v1.EngineService/Encode',
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EncodeRequest.SerializeToString,
+            xllm_dot_proto_dot_engine_dot_v1_dot_engine__pb2.EncodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

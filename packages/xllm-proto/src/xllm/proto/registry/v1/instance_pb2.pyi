@@ -14,10 +14,12 @@ class InstanceRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INSTANCE_ROLE_MIXED: _ClassVar[InstanceRole]
     INSTANCE_ROLE_PREFILL: _ClassVar[InstanceRole]
     INSTANCE_ROLE_DECODE: _ClassVar[InstanceRole]
+    INSTANCE_ROLE_ENCODE: _ClassVar[InstanceRole]
 INSTANCE_ROLE_UNSPECIFIED: InstanceRole
 INSTANCE_ROLE_MIXED: InstanceRole
 INSTANCE_ROLE_PREFILL: InstanceRole
 INSTANCE_ROLE_DECODE: InstanceRole
+INSTANCE_ROLE_ENCODE: InstanceRole
 
 class ModelInfo(_message.Message):
     __slots__ = ("served_name", "max_model_len", "dtype", "block_size", "lora_names", "lora_hash_roots")
