@@ -45,6 +45,7 @@ REGISTRY: NameRegistry[Scenario] = NameRegistry("benchmark", {
     "parallel": "benchmarks.parallel:SCENARIO",
     "tracing": "benchmarks.tracing_cost:SCENARIO",
     "multimodal": "benchmarks.multimodal:SCENARIO",
+    "epd": "benchmarks.epd:SCENARIO",
     "lora": "benchmarks.lora:SCENARIO",
     "lora_kernel": "benchmarks.lora_kernel:SCENARIO",
     "moe": "benchmarks.moe:SCENARIO",

@@ -1,4 +1,4 @@
-"""Async streaming client for OpenAI-compatible ``/v1/completions`` endpoints.
+"""Async streaming client for OpenAI-compatible ``/v1/completions`` (and, given the bodies, chat) endpoints.
 
 Replays a list of :class:`RequestSpec` at their arrival offsets (optionally under a concurrency cap),
 streams every response and records per request: time to first token, the gaps between streamed chunks
@@ -61,8 +61,15 @@ def parse_sse_line(line: str) -> dict | None:
     return json.loads(payload)
 
 
+def chunk_text(choice: dict) -> str | None:
+    """A streamed choice's new text: a completion's ``text`` or a chat completion's ``delta.content``."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content")
+
+
 async def send_one(client, url: str, model: str, spec: RequestSpec, profile: EndpointProfile,
-                   t_run0: float) -> RequestRecord:
+                   t_run0: float, body: dict | None = None) -> RequestRecord:
+    """Stream one request (``body``: another endpoint's body, e.g. a chat completion's, instead of the
+    completion :func:`request_body` makes) and record what its client saw."""
     rec = RequestRecord(prompt_tokens=len(spec.prompt_ids))
     t0 = time.perf_counter()
     rec.start = t0 - t_run0
@@ -70,7 +77,7 @@ async def send_one(client, url: str, model: str, spec: RequestSpec, profile: End
     chunks = 0
     usage_tokens = None
     try:
-        async with client.stream("POST", url, json=request_body(model, spec, profile)) as resp:
+        async with client.stream("POST", url, json=body or request_body(model, spec, profile)) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 raise RuntimeError(f"HTTP {resp.status_code}: {body[:200]}")
@@ -85,7 +92,7 @@ async def send_one(client, url: str, model: str, spec: RequestSpec, profile: End
                 if "error" in event:
                     raise RuntimeError(str(event["error"])[:200])
                 choices = event.get("choices") or []
-                if not choices or not choices[0].get("text"):
+                if not choices or not chunk_text(choices[0]):
                     continue
                 now = time.perf_counter()
                 if last is None:
@@ -148,15 +155,19 @@ async def stream_routed(client, url: str, body: dict) -> RoutedStream:
 
 async def run_requests(base_url: str, model: str, specs: Sequence[RequestSpec], profile: EndpointProfile,
                        max_concurrency: int | None = None, desc: str | None = None,
-                       timeout: float = 1800.0) -> tuple[list[RequestRecord], float]:
-    """Send ``specs`` at their arrival offsets; return the records (in spec order) and the run's duration."""
+                       timeout: float = 1800.0, bodies: Sequence[dict] | None = None,
+                       path: str = "/v1/completions") -> tuple[list[RequestRecord], float]:
+    """Send ``specs`` at their arrival offsets (``bodies``: each one's own body for ``path``, e.g. chat
+    completions with images); return the records (in spec order) and the run's duration."""
     import httpx
 
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
-    url = base_url.rstrip("/") + "/v1/completions"
+    url = base_url.rstrip("/") + path
+    if bodies is not None and len(bodies) != len(specs):
+        raise ValueError(f"{len(bodies)} bodies for {len(specs)} requests")
     if profile.max_concurrency:
         max_concurrency = min(max_concurrency or profile.max_concurrency, profile.max_concurrency)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -165,20 +176,21 @@ async def run_requests(base_url: str, model: str, specs: Sequence[RequestSpec], 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
         t_run0 = time.perf_counter()
 
-        async def one(spec: RequestSpec) -> RequestRecord:
+        async def one(i: int, spec: RequestSpec) -> RequestRecord:
+            body = bodies[i] if bodies is not None else None
             delay = t_run0 + spec.arrival - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             if sem is None:
-                rec = await send_one(client, url, model, spec, profile, t_run0)
+                rec = await send_one(client, url, model, spec, profile, t_run0, body)
             else:
                 async with sem:
-                    rec = await send_one(client, url, model, spec, profile, t_run0)
+                    rec = await send_one(client, url, model, spec, profile, t_run0, body)
             if bar is not None:
                 bar.update(1)
             return rec
 
-        records = await asyncio.gather(*(one(s) for s in specs))
+        records = await asyncio.gather(*(one(i, s) for i, s in enumerate(specs)))
         duration = time.perf_counter() - t_run0
     if bar is not None:
         bar.close()

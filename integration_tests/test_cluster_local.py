@@ -98,3 +98,27 @@ def _check_beam_metrics(url: str, model_dir) -> None:
 
     expected = {name: float(getattr(want, field)) for name, field in BEAM_SERIES.items()}
     wait_for(lambda: reported() == expected, 10, f"the engines' beam counters in /metrics: {expected}")
+
+
+def test_a_gateway_whose_engines_all_fail_to_start_exits(tiny_model_dir, tmp_path):
+    """An engine that cannot start (here: its weights are missing) is not waited on forever: each exit is logged,
+    and once every engine process has exited the gateway stops with status 1, saying why."""
+    import shutil
+    import sys
+
+    from xllm.testing.processes import free_port, spawn, stop_process_group
+
+    broken = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, broken, ignore=shutil.ignore_patterns("*.safetensors"))
+    log = tmp_path / "serve.log"
+    proc = spawn([sys.executable, "-m", "xllm.gateway", "serve", "--model", str(broken), "--served-model-name", MODEL,
+                  "--instances", "2", "--port", str(free_port()), "--no-progress", "--dtype", "float32",
+                  "--kv-cache-memory", "0.05", "--threads", "1"], log)
+    try:
+        code = proc.wait(timeout=120)
+    finally:
+        stop_process_group(proc, 30)
+    text = log.read_text(errors="replace")
+    assert code == 1, text[-3000:]
+    assert "engine process engine-0 exited with status" in text and "engine process engine-1 exited" in text
+    assert "every engine process this gateway started has exited" in text

@@ -185,12 +185,18 @@ def test_mooncake_transfer_needs_the_store_tier(command, capsys):
     assert "--kv-store" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("strategy", ["e+p+d", "ED+P"])
+@pytest.mark.parametrize("strategy", ["e+p+d", "ED+P", "auto"])
 def test_an_epd_strategy_needs_other_instances(strategy, smollm2_dir, capsys):
     """One process has nowhere else to encode: refused, not ignored."""
     assert main(["serve", "--model", str(smollm2_dir), "--epd-strategy", strategy, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--epd-strategy" in err and "--encode-instances" in err
+
+
+def test_auto_epd_needs_both_slos(smollm2_dir, capsys):
+    argv = ["serve", "--model", str(smollm2_dir), "--instances", "1", "--epd-strategy", "auto", "--no-progress"]
+    assert main([*argv, "--slo-ttft-ms", "2000"]) == 2
+    assert "--slo-tpot-ms" in capsys.readouterr().err
 
 
 def test_top_level_help(capsys):

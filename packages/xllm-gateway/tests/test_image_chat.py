@@ -25,13 +25,11 @@ from xllm.testing.models import (
     save_random_vl,
     tiny_qwen_vl_config,
 )
+from xllm.testing.vl_case import QWEN_VL_CHAT_TEMPLATE
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
-            "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-            "{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = QWEN_VL_CHAT_TEMPLATE
 
 
 def _png(seed: int, size=(56, 84)) -> bytes:

@@ -187,7 +187,8 @@ def create_app(state: GatewayState) -> FastAPI:
     for st in state.registry.states():  # registered before the app (the embedded engine)
         on_instance("added", st)
     hub = EventHub()  # flips and moves as they happen, for the cluster page (xllm.gateway.events)
-    encoder = EncodeStage(router, state.epd, EncodeMetrics(state.metrics.registry))  # (EPD: --epd-strategy)
+    encoder = EncodeStage(router, state.epd, EncodeMetrics(state.metrics.registry),  # (EPD: --epd-strategy)
+                          state.metrics.registry)
     dispatcher = Dispatcher(state.registry, state.default_model, router, pd_metrics=PDMetrics(state.metrics.registry),
                             mover=Mover(router, state.moves, MoveMetrics(state.metrics.registry), events=hub),
                             stall=state.stall, encoder=encoder)

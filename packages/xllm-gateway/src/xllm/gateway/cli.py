@@ -200,22 +200,34 @@ def add_pd_role_flags(p: argparse.ArgumentParser) -> None:
 
 def add_epd_flags(p: argparse.ArgumentParser) -> None:
     """Hybrid EPD disaggregation (``xllm.gateway.encode``): where requests' images are encoded."""
-    p.add_argument("--epd-strategy", default="ep+d", type=str.lower, choices=EPD_STRATEGIES.choices(),
+    p.add_argument("--epd-strategy", default="ep+d", type=str.lower, choices=[*EPD_STRATEGIES.choices(), "auto"],
                    help="where a multimodal request's images are encoded: ep+d on the instance that prefills its "
                         "prompt (in its encode phase), e+p+d on encode instances (--role encode, "
                         "--encode-instances), ed+p on decode instances; the embeddings then go with the request "
                         "to the prefill instance, which checks them (and encodes itself when a check fails or no "
-                        "encode instance answers). `xllm-sim epd` ranks them for a workload")
+                        "encode instance answers). auto: the EPD profiler's pick among those the live instances "
+                        "allow, from their measured encode and step times and the last minute's requests, against "
+                        "--slo-ttft-ms and --slo-tpot-ms (both needed). `xllm-sim epd` ranks them for a workload "
+                        "and instance count")
     p.add_argument("--encode-timeout", type=positive_float, default=30.0, metavar="SECONDS",
                    help="--epd-strategy e+p+d / ed+p: the longest one encode call may take before the next "
                         "instance is tried (after two, the prefill instance encodes the images)")
+
+
+def slo_seconds(args: argparse.Namespace) -> dict[str, float | None]:
+    """``--slo-ttft-ms`` / ``--slo-tpot-ms`` in seconds (None: not given), as ``ttft`` / ``tpot``."""
+    given = (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms))
+    return {k: (v / 1e3 if v is not None else None) for k, v in given}
 
 
 def epd_options(args: argparse.Namespace):
     """The :class:`~xllm.gateway.encode.EPDOptions` of ``xllm serve``'s flags."""
     from xllm.gateway.encode import EPDOptions
 
-    return EPDOptions(EPD_STRATEGIES.get(args.epd_strategy), timeout_s=args.encode_timeout)
+    auto = args.epd_strategy == "auto"
+    ms = slo_seconds(args)
+    return EPDOptions(None if auto else EPD_STRATEGIES.get(args.epd_strategy), timeout_s=args.encode_timeout,
+                      slo_ttft_s=ms["ttft"], slo_tpot_s=ms["tpot"])
 
 
 def pd_role_options(args: argparse.Namespace):
@@ -230,7 +242,7 @@ def pd_role_options(args: argparse.Namespace):
             predictor = PerfProfile.load(args.profile).fit()
         except (OSError, KeyError, ValueError) as exc:
             raise ValueError(f"--profile {args.profile}: {exc}") from exc
-    ms = {k: (v / 1e3 if v is not None else None) for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms))}
+    ms = slo_seconds(args)
     return PDRoleOptions(args.pd_policy, ms["ttft"], ms["tpot"], window_s=args.pd_flip_window,
                          cooldown_s=args.pd_flip_cooldown, cluster_cooldown_s=args.pd_cluster_cooldown,
                          min_per_role=args.pd_min_per_role, max_flips=args.pd_max_flips, predictor=predictor,
@@ -307,7 +319,7 @@ def _serve(args: argparse.Namespace) -> int:
                 epd=epd_options(args),
                 tracing=tracing_options(args, "xllm-gateway"), log_format=args.log_format, **api))
         else:
-            if EPD_STRATEGIES.get(args.epd_strategy).encode_role is not None:
+            if args.epd_strategy == "auto" or EPD_STRATEGIES.get(args.epd_strategy).encode_role is not None:
                 raise ValueError(f"--epd-strategy {args.epd_strategy} needs other instances to encode on (cluster "
                                  "mode: --encode-instances, --prefill-instances/--decode-instances, --etcd)")
             from xllm.gateway.embedded import build_embedded, serve_options  # loads the engine runtime

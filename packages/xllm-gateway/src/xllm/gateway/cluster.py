@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +109,8 @@ class EngineProcesses:
         self.log_dir = log_dir
         self.stop_timeout = stop_timeout
         self.procs: list[subprocess.Popen] = []
+        self.names: list[str] = []
+        self._reported: set[int] = set()  # pids whose exit was reported
         self._logs: list = []
 
     def start(self, registry_args: list[str]) -> None:
@@ -125,6 +128,34 @@ class EngineProcesses:
                                         env={**os.environ, **self.env} if self.env else None)
                 log.info("started %s (pid %d)", name, proc.pid)
                 self.procs.append(proc)
+                self.names.append(name)
+
+    def newly_exited(self) -> list[tuple[str, int]]:
+        """(instance id, exit status) of the processes that exited since the last call."""
+        out = []
+        for name, proc in zip(self.names, self.procs, strict=True):
+            code = proc.poll()
+            if code is not None and proc.pid not in self._reported:
+                self._reported.add(proc.pid)
+                out.append((name, code))
+        return out
+
+    @property
+    def all_exited(self) -> bool:
+        return bool(self.procs) and all(p.poll() is not None for p in self.procs)
+
+    async def watch(self, fail: Callable[[str], None], interval: float = 1.0) -> None:
+        """Until cancelled (the gateway stops them): log each engine process that exits, and ``fail`` the gateway
+        once every one has (an engine that cannot start, say its weights are missing, is not waited on forever)."""
+        while True:
+            await asyncio.sleep(interval)
+            for name, code in self.newly_exited():
+                where = f"; its log: {self.log_dir / (name + '.log')}" if self.log_dir is not None else ""
+                log.error("engine process %s exited with status %d%s", name, code, where)
+            if self.all_exited:
+                codes = ", ".join(f"{n}: {p.returncode}" for n, p in zip(self.names, self.procs, strict=True))
+                fail(f"every engine process this gateway started has exited ({codes}); see their errors above")
+                return
 
     def stop(self) -> None:
         """SIGTERM every child (they drain), SIGKILL what is left after the stop timeout."""
@@ -197,7 +228,7 @@ def build_cluster(opts: ClusterOptions):
         procs = EngineProcesses(opts.instances, commands,
                                 Path(opts.log_dir) if opts.log_dir else None,
                                 stop_timeout=opts.drain_timeout + 10, env=security.environment())
-        grpc_server = {}
+        grpc_server, watcher = {}, {}
 
         async def start_engines() -> None:
             if opts.etcd:
@@ -207,8 +238,12 @@ def build_cluster(opts: ClusterOptions):
                 grpc_server["server"] = server
                 args = ["--registry", f"127.0.0.1:{port}"]
             procs.start(args)
+            watcher["task"] = asyncio.ensure_future(procs.watch(state.fail))
 
         async def stop_engines() -> None:
+            task = watcher.pop("task", None)
+            if task is not None:
+                task.cancel()  # (their exits from here on are the stop's)
             await asyncio.get_running_loop().run_in_executor(None, procs.stop)
             server = grpc_server.pop("server", None)
             if server is not None:

@@ -16,7 +16,8 @@ or fails the call, passed over for the next one, up to
 prefill instance encodes its images (``xllm:epd_encode_fallbacks``, by reason). An instance that refuses the
 images (malformed) makes the request a 400 naming ``images``, as its prefill instance would. ``ep+d`` (the
 default) passes requests through: the prefill instance encodes them in its encode phase
-(:mod:`xllm.sched.encode`).
+(:mod:`xllm.sched.encode`). ``auto`` picks one of the three per model from live measurements
+(:mod:`xllm.gateway.epd_auto`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from xllm.engine_api.errors import EngineError, InvalidRequestError
 from xllm.engine_api.wire import InstanceUnavailableError
+from xllm.gateway.epd_auto import EPDChooser
 from xllm.gateway.openai.errors import to_api_error
 from xllm.gateway.registry import InstanceState
 from xllm.gateway.router import Router
@@ -44,12 +46,19 @@ ENCODE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 @dataclass
 class EPDOptions:
-    """``--epd-strategy`` (an :class:`~xllm.sched.epd.EPDStrategy`), ``--encode-timeout`` (seconds one encode
-    call may take), ``attempts``: instances tried before the prefill instance encodes instead."""
+    """``--epd-strategy`` (an :class:`~xllm.sched.epd.EPDStrategy`; None: ``auto``, the profiler's choice from
+    live measurements against ``slo_ttft_s`` / ``slo_tpot_s``, :mod:`xllm.gateway.epd_auto`), ``--encode-timeout``
+    (seconds one encode call may take), ``attempts``: instances tried before the prefill instance encodes."""
 
-    strategy: EPDStrategy = field(default_factory=lambda: EP_D)
+    strategy: EPDStrategy | None = field(default_factory=lambda: EP_D)
     timeout_s: float = 30.0
     attempts: int = 2
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy is None and (self.slo_ttft_s is None or self.slo_tpot_s is None):
+            raise ValueError("--epd-strategy auto needs --slo-ttft-ms and --slo-tpot-ms (it picks by them)")
 
 
 class EncodeMetrics:
@@ -75,30 +84,40 @@ class EncodeMetrics:
 class EncodeStage:
     """Encodes requests' images on the instances the strategy names (see the module docstring)."""
 
-    def __init__(self, router: Router, options: EPDOptions | None = None, metrics: EncodeMetrics | None = None
-                 ) -> None:
+    def __init__(self, router: Router, options: EPDOptions | None = None, metrics: EncodeMetrics | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
+        """``registry``: where ``auto``'s gauge goes (the metrics' registry)."""
         self.router = router
-        self.options = options or EPDOptions()
+        self.options = opts = options or EPDOptions()
         self.metrics = metrics or EncodeMetrics()
+        self.chooser = None if opts.strategy is not None else EPDChooser(router, opts.slo_ttft_s, opts.slo_tpot_s,
+                                                                         registry)
         self._inflight: dict[str, int] = {}  # instance id -> encode calls in flight from this gateway
 
-    @property
-    def enabled(self) -> bool:
-        return self.options.strategy.encode_role is not None
+    def strategy_for(self, model: str, req: engine_pb2.GenerateRequest) -> EPDStrategy:
+        """The strategy for ``req`` (with ``auto``: the chooser's, ``req`` counted in its workload window)."""
+        if self.chooser is None:
+            assert self.options.strategy is not None
+            return self.options.strategy
+        self.chooser.observe(model, len(req.images), len(req.prompt_token_ids), req.sampling.max_tokens)
+        return self.chooser.strategy(model)
 
     async def attach(self, model: str, reqs: Sequence[engine_pb2.GenerateRequest],
                      spans: RequestSpans = NO_SPANS) -> bool:
         """Encode the images of ``reqs`` (the choices of one request: the same images) on an instance of the
         strategy's role and attach the embeddings to every choice; whether they were attached (False: the
         prefill instance encodes them). Raises an ``APIError`` when the images are refused."""
-        if not self.enabled or not reqs or not reqs[0].images:
+        if not reqs:
+            return False
+        role = self.strategy_for(model, reqs[0]).encode_role
+        if role is None or not reqs[0].images:
             return False
         images = list(reqs[0].images)
         request_id = reqs[0].request_id
         tried: set[str] = set()
         reason = "no_instance"
         for _ in range(self.options.attempts):
-            state = self._pick(model, tried)
+            state = self._pick(model, role, tried)
             if state is None:
                 break
             tried.add(state.instance_id)
@@ -116,9 +135,8 @@ class EncodeStage:
                  request_id, reason, sorted(tried) or "none")
         return False
 
-    def _pick(self, model: str, tried: set[str]) -> InstanceState | None:
-        """The live instance of the role with the fewest encodes in flight from here (ties: instance id)."""
-        role = self.options.strategy.encode_role
+    def _pick(self, model: str, role: str, tried: set[str]) -> InstanceState | None:
+        """The live instance of ``role`` with the fewest encodes in flight from here (ties: instance id)."""
         live = [s for s in self.router.registry.routable(model)
                 if s.role == role and s.flip is None and s.instance_id not in tried]
         if not live:

@@ -170,5 +170,9 @@ def choose(profile: EPDProfile, mix: WorkloadMix, instances: int, slo_ttft_s: fl
            strategies: tuple[EPDStrategy, ...] = STRATEGIES) -> list[Prediction]:
     """Every layout of ``instances`` ranked best first: those meeting the SLOs before the others, then by the
     headroom of their busiest role (the most load growth they absorb), then by predicted TTFT."""
-    preds = [predict(lay, profile, mix, slo_ttft_s, slo_tpot_s) for lay in layouts(instances, strategies)]
-    return sorted(preds, key=lambda p: (not p.meets, -p.headroom, p.ttft_s, p.layout.strategy.name))
+    return rank([predict(lay, profile, mix, slo_ttft_s, slo_tpot_s) for lay in layouts(instances, strategies)])
+
+
+def rank(predictions: list[Prediction]) -> list[Prediction]:
+    """``predictions`` best first (:func:`choose`'s order), e.g. of the layouts a machine can run."""
+    return sorted(predictions, key=lambda p: (not p.meets, -p.headroom, p.ttft_s, p.layout.strategy.name))

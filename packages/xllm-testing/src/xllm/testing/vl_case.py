@@ -12,6 +12,14 @@ import torch
 from xllm.proto.engine.v1 import engine_pb2
 from xllm.testing.models import VISION_TOKENS, hf_greedy_with_images, save_random_vl, tiny_qwen_vl_config
 
+# Qwen2-VL's chat layout in a few lines: one <|image_pad|> per image part, which the gateway expands to the image's
+# tokens (for SmolLM2's tokenizer with the vision tokens added, as these random models use)
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
 
 @dataclass(frozen=True)
 class VLCase:
