@@ -32,10 +32,10 @@ import statistics
 import sys
 import time
 
-from benchmarks.multimodal import SIZES, model_dir
 from benchmarks.report import add_output_args, fmt
 from benchmarks.scenario import Output, Scenario, attempt
 from benchmarks.stats import SLO, serving_summary
+from benchmarks.vl_models import SIZES, model_dir
 from xllm.common.argtypes import fraction, name_list, positive_float, positive_int
 
 CONFIGS = {

@@ -19,20 +19,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
 import time
 
 from benchmarks.report import add_output_args, fmt
 from benchmarks.scenario import Output, Scenario, attempt
 from benchmarks.stats import SLO, RequestRecord, serving_summary
+from benchmarks.vl_models import IMAGE_PAD, SIZES, VOCAB, model_dir
 from xllm.common.argtypes import fraction, int_list_at_least, positive_float, positive_int
-
-SIZES = {  # (vision depth, width, heads), (LM layers, width, heads, KV heads, MLP)
-    "small": ((12, 512, 8), (8, 576, 9, 3, 1536)),
-    "tiny": ((2, 32, 2), (2, 64, 4, 2, 96)),
-}
-VOCAB = 49152  # text ids; the vision tokens follow
-IMAGE_PAD = VOCAB + 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,37 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=2, help="torch threads (2)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     add_output_args(p, "multimodal")
-
-
-def model_dir(size: str):
-    """The random Qwen2-VL of ``size`` (made once, cached)."""
-    import torch
-    import transformers
-
-    from xllm.common.paths import cache_dir
-    from xllm.testing.models import flatten_vl_config, save_random_vl
-
-    path = cache_dir() / "bench-models" / f"qwen2-vl-{size}-random"
-    if (path / "config.json").is_file():
-        return path
-    (depth, dim, heads), (layers, hidden, qh, kvh, mlp) = SIZES[size]
-    text = dict(vocab_size=VOCAB + 4, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
-                num_attention_heads=qh, num_key_value_heads=kvh, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3] if hidden == 64 else [8, 12, 12],
-                                 "rope_theta": 10000.0})
-    vision = dict(depth=depth, embed_dim=dim, hidden_size=hidden, num_heads=heads, mlp_ratio=4, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2)
-    cfg = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, vision_start_token_id=VOCAB,
-                                     image_token_id=IMAGE_PAD, vision_end_token_id=VOCAB + 2,
-                                     video_token_id=VOCAB + 3)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    print(f"[multimodal] making the random {size} Qwen2-VL (once) ...", flush=True)
-    torch.manual_seed(0)
-    save_random_vl(cfg, tmp)
-    flatten_vl_config(tmp, tmp)
-    tmp.rename(path)
-    return path
 
 
 def workload(args: argparse.Namespace, patch_dim: int) -> list[tuple[float, list[int], object]]:
