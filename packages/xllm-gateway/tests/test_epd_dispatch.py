@@ -2,7 +2,8 @@
 Qwen2-VL): with ``e+p+d`` an encode instance encodes the request's image and the prefill instance uses its
 embeddings (never encoding it), with ``ed+p`` a decode instance does; the answer equals HF transformers' greedy
 continuation (and, seeded, an engine serving the request whole). An encode instance that dies mid-encode, or
-none being live, leaves the image to the prefill instance: the same answer, counted as a fallback."""
+none being live, leaves the image to the prefill instance: the same answer, counted as a fallback. A prefill
+instance that dies after the encode leaves the embeddings to the next one: encoded once, the same answer."""
 
 from __future__ import annotations
 
@@ -147,3 +148,38 @@ def test_an_encode_instance_dying_mid_encode_leaves_the_image_to_the_prefill_ins
     assert got.tokens["k"] == after.tokens["n"] == case.want[b"A"]
     assert got.final["k"].finish_reason == engine_pb2.FINISH_REASON_LENGTH
     assert (p_encoded, p_received, failed, none_live) == (1, 0, 1, 1)  # encoded once there, then cached
+
+
+def test_a_prefill_instance_dying_after_the_encode_leaves_the_embeddings_to_the_next_one(case):
+    """The image is encoded once on the encode instance; the prefill instance the request goes to dies while
+    taking it; the other one prefills it with the same embeddings (encoding nothing) and the answer is HF's."""
+    died: list[str] = []
+
+    def die_on_first_request(node) -> None:
+        submit = node.aeng.submit_async
+
+        async def submit_async(req, trace=None):
+            if died:
+                return await submit(req, trace)
+            died.append(node.instance_id)
+            stopping = asyncio.ensure_future(node.server.stop(0))  # it dies while accepting the call
+            await asyncio.Event().wait()  # (cancelled with the call, by the stop)
+            del stopping
+
+        node.aeng.submit_async = submit_async
+
+    async def main():
+        roles = {"e": "encode", "p1": "prefill", "p2": "prefill", "d": "decode"}
+        async with Cluster(case.model, roles, "e+p+d") as c:
+            for iid in ("p1", "p2"):
+                die_on_first_request(c.nodes[iid])
+            got = await c.generate("r", case, **GREEDY)
+            survivor = "p2" if died == ["p1"] else "p1"
+            return (got, c.cache("e").misses, c.cache(survivor).misses, c.cache(survivor).received,
+                    c.metric("xllm:epd_encodes_total", instance="e"),
+                    c.metric("xllm:pd_prefill_retries_total", instance=died[0]))
+
+    got, encoded, p_encoded, p_received, calls, retries = run(main())
+    assert len(died) == 1 and retries == 1
+    assert got.tokens["r"] == case.want[b"A"]
+    assert (encoded, calls, p_encoded, p_received) == (1, 1, 0, 1)
