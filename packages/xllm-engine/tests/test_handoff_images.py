@@ -153,3 +153,55 @@ def test_an_encode_instance_embeddings_answer_as_hf_and_bad_ones_are_recomputed(
         assert seen[name] == (want[b"A"], 1, 0), name  # not used: encoded there, the same answer
     assert e_engine.runner.encoder_cache.misses == 1  # the encode instance encoded the image once
     assert reported == 1  # and says so in its counters (heartbeats, /metrics) though it ran no step
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "decoding"])
+def test_encode_calls_between_steps_are_batched_and_bounded_while_requests_run(case, busy):
+    """Encode calls queued together run as one batch of the vision tower on an idle engine (an encode instance);
+    while a request decodes (ed+p on a decode instance) at most the encode phase's bound (1 image) runs between
+    two steps, so no decode step waits for more. Every call gets its own image's embeddings either way."""
+    from xllm.core import AsyncEngine
+
+    model, prompt, a, b, _ = case
+    engine = new_engine(model, "e")
+    batches: list[int] = []
+    running: list[bool] = []
+    real = model.encode_images
+
+    def counted(pixels, grid):
+        batches.append(len(grid))
+        running.append(engine.has_work())
+        return real(pixels, grid)
+
+    c = _with_embedding(a, engine_pb2.ImageEmbedding())
+    c.ClearField("embedding")
+    c.content_hash = b"C"
+    c.pixel_values = bytes(reversed(a.pixel_values))
+
+    async def main():
+        aeng = AsyncEngine(engine)
+        if not busy:
+            calls = [aeng.encode_images([image]) for image in (a, b, c)]  # queued before the loop runs: one drain
+            model.encode_images = counted
+            aeng.start()
+        try:
+            if not busy:
+                return await asyncio.gather(*calls)
+            aeng.start()
+            stream = aiter(aeng.submit(pd_request("long", 0, prompt, images=[b], max_tokens=64, ignore_eos=True)))
+            await anext(stream)  # decoding now (its image b encoded in its encode phase, cached)
+            model.encode_images = counted
+            got = await asyncio.gather(*(aeng.encode_images([image]) for image in (a, b, c)))
+            rest = [chunk async for chunk in stream]
+            assert rest[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH  # (it decoded throughout)
+            return got
+        finally:
+            model.encode_images = real
+            aeng.shutdown()
+            engine.close()
+
+    got = asyncio.run(main())
+    # idle: one tower call for the three; decoding: a and c each alone between two steps (b was cached)
+    assert batches == ([1, 1] if busy else [3]) and running == [busy] * len(batches)
+    assert [len(g) for g in got] == [1, 1, 1] and len({g[0].values for g in got}) == 3
+    assert all(g[0].crc32 == crc32(g[0].values) for g in got)

@@ -124,14 +124,14 @@ def test_an_encode_instance_dying_mid_encode_leaves_the_image_to_the_prefill_ins
         async with Cluster(case.model, {"e": "encode", "p": "prefill", "d": "decode"}, "e+p+d") as c:
             e = c.nodes["e"]
             runner = e.engine.runner
-            real = runner.encode_images
+            real = runner.encode_requests
 
             def stuck(*args):  # the encode instance hangs in its vision tower
                 started.set()
                 release.wait(TIMEOUT)
                 return real(*args)
 
-            runner.encode_images = stuck
+            runner.encode_requests = stuck
             task = asyncio.ensure_future(c.generate("k", case, **GREEDY))
             await asyncio.to_thread(started.wait, TIMEOUT)
             await e.server.stop(0)  # it dies mid-encode: its calls break

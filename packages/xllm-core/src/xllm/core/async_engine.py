@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from xllm.core.compute_thread import ComputeThread
 from xllm.core.disagg import DisaggListener, MoveSnapshot
+from xllm.core.embedding import EncodeQueue
 from xllm.core.engine import LLMEngine
 from xllm.core.engine_weights import ModelSleepingError
 from xllm.engine_api.errors import EngineCrashedError, EngineDeadError, EngineOverloadedError
@@ -128,6 +129,7 @@ class AsyncEngine:
         # requests that arrived meanwhile (held outside the engine; run once the commands ran)
         self._barriers: deque[tuple[Callable[[LLMEngine], object], asyncio.Future]] = deque()
         self._held: list[tuple[tuple, RequestStream]] = []
+        self._encodes = EncodeQueue()  # Encode calls waiting for their batch
 
     # ---- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -233,8 +235,12 @@ class AsyncEngine:
 
     def encode_images(self, images: list[engine_pb2.ImageInput]
                       ) -> asyncio.Future[tuple[engine_pb2.ImageEmbedding, ...]]:
-        """The images' embeddings (:meth:`LLMEngine.encode_images`: an encode instance's work), between steps."""
-        return self._call(lambda e: e.encode_images(images))
+        """The images' embeddings (``EngineService.Encode``), computed between steps with the other calls queued
+        by then, in one batch bounded while requests run (:class:`~xllm.core.embedding.EncodeQueue`)."""
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("encode", list(images), future))
+        self._wake.set()
+        return future
 
     # ---- weight commands: run once the engine drained (running and queued requests finished; requests that
     # arrive meanwhile wait outside the engine and run afterwards, or are refused if it then sleeps) ----------
@@ -422,6 +428,9 @@ class AsyncEngine:
             _fn, future = self._barriers.popleft()
             with contextlib.suppress(RuntimeError):
                 future.get_loop().call_soon_threadsafe(_settle, future, None, err)
+        for future in self._encodes.drain():
+            with contextlib.suppress(RuntimeError):
+                future.get_loop().call_soon_threadsafe(_settle, future, None, err)
         while True:
             try:
                 kind, _payload, stream = self._commands.get_nowait()
@@ -429,7 +438,7 @@ class AsyncEngine:
                 return
             if kind == "add":
                 _post(stream, err)
-            elif kind in ("call", "barrier"):
+            elif kind in ("call", "barrier", "encode"):
                 with contextlib.suppress(RuntimeError):
                     stream.get_loop().call_soon_threadsafe(_settle, stream, None, err)
 
@@ -453,15 +462,33 @@ class AsyncEngine:
                     _post(stream, exc)
             elif kind == "call":
                 _call_on_engine(self._engine, payload, stream, out)
+            elif kind == "encode":
+                self._encodes.put(payload, stream)
             else:
                 self._held = [(p, st) for p, st in self._held if p[0].request_id != payload]
                 final = self._engine.abort(payload)
                 if final is not None:
                     out.append(final)
+        if self._encodes:
+            self._run_encodes()
         if self._barriers and not self._engine.has_work():
             self._pass_barriers(out)
         if out:
             self._deliver(out)
+
+    def _run_encodes(self) -> None:
+        """One batch of the waiting ``Encode`` calls; each caller gets its embeddings or its refusal."""
+        batch = self._encodes.take(self._engine.has_work(), self._engine.max_encode_images)
+        try:
+            results = self._engine.encode_requests([images for images, _ in batch])
+        except Exception as exc:  # the vision tower failed: every call of the batch fails with it
+            results = [exc] * len(batch)
+        for (_, future), got in zip(batch, results, strict=True):
+            failed = got if isinstance(got, Exception) else None
+            with contextlib.suppress(RuntimeError):
+                future.get_loop().call_soon_threadsafe(_settle, future, None if failed else got, failed)
+        if self._encodes:
+            self._wake.set()  # more calls wait: the next loop turn runs them (after a step, if requests run)
 
     def _deliver(self, chunks: list[engine_pb2.GenerateResponse]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)

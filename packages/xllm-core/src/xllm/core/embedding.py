@@ -9,11 +9,13 @@ decoder-only embedding models such as Qwen3-Embedding pool, and vLLM's default f
 ``normalize`` scales to unit L2 norm.
 
 Images have embeddings too: an encode instance's ``EngineService.Encode`` (EPD disaggregation) runs them
-through the vision tower (:meth:`EngineEmbeddings.encode_images`, :func:`xllm.core.images.encode_images`).
+through the vision tower (:meth:`EngineEmbeddings.encode_requests`, :func:`xllm.core.images.encode_requests`),
+the calls queued between two steps in one batch (:class:`EncodeQueue`: bounded while requests run).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,6 +81,7 @@ class EngineEmbeddings:
     runner: ModelRunner
     platform: Platform
     max_model_len: int
+    max_encode_images: int
     _worker: Executor | None
     _notify_outside_step: Callable[..., None]
 
@@ -88,11 +91,49 @@ class EngineEmbeddings:
             raise InvalidRequestError("a tensor-parallel instance serves no embeddings", "model")
         return embed(self.model, prompt, pooling, normalize, self.platform.device, self.max_model_len)
 
-    def encode_images(self, images: list[engine_pb2.ImageInput]) -> tuple[engine_pb2.ImageEmbedding, ...]:
-        """``EngineService.Encode`` (an encode instance's work): the images' embeddings, through the encoder cache,
-        on the thread that runs the forwards (:func:`xllm.core.images.encode_images`)."""
+    def encode_requests(self, requests: list[list[engine_pb2.ImageInput]]) -> list:
+        """``Encode`` calls queued between two steps (an encode instance's work, or a decode instance's with
+        ``ed+p``): each call's embeddings as a tuple, or the exception that refuses it; the images in one batch
+        through the encoder cache, on the thread that runs the forwards (:func:`xllm.core.images.encode_requests`)."""
         if self.config.tensor_parallel_size > 1:
-            raise InvalidRequestError("a tensor-parallel instance encodes no images alone", "images")
-        out = tuple(run_on(self._worker, self.runner.encode_images, images, self.config.kv_model_identity or ""))
+            refused = InvalidRequestError("a tensor-parallel instance encodes no images alone", "images")
+            return [refused for _ in requests]
+        out = run_on(self._worker, self.runner.encode_requests, requests, self.config.kv_model_identity or "")
         self._notify_outside_step(**image_stats(self.runner))  # (its images in /metrics and the heartbeats)
+        return [got if isinstance(got, Exception) else tuple(got) for got in out]
+
+
+IDLE_ENCODE_IMAGES = 16
+"""Images one batch of ``Encode`` calls may hold while the engine runs no request (an encode instance's case)."""
+
+
+class EncodeQueue:
+    """``Encode`` calls waiting for the engine thread, and how many of them run between two steps: while the
+    engine has requests running, calls up to ``bound`` images (the encode phase's per-step bound; at least one
+    call), so a decode instance that encodes (``ed+p``) delays each decode step by at most that batch; while it
+    runs none, calls up to :data:`IDLE_ENCODE_IMAGES` images. Each batch is one call of the vision tower."""
+
+    def __init__(self) -> None:
+        self._calls: deque[tuple[list[engine_pb2.ImageInput], object]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def put(self, images: list[engine_pb2.ImageInput], future: object) -> None:
+        self._calls.append((images, future))
+
+    def take(self, busy: bool, bound: int) -> list[tuple[list[engine_pb2.ImageInput], object]]:
+        """The calls of the next batch, in arrival order (``busy``: requests are running)."""
+        limit = max(bound, 1) if busy else IDLE_ENCODE_IMAGES
+        out, images = [], 0
+        while self._calls and (not out or images + len(self._calls[0][0]) <= limit):
+            call = self._calls.popleft()
+            images += len(call[0])
+            out.append(call)
         return out
+
+    def drain(self) -> list[object]:
+        """Every waiting call's future (the engine stopped)."""
+        futures = [f for _, f in self._calls]
+        self._calls.clear()
+        return futures

@@ -117,7 +117,8 @@ class LLMEngine(EngineMoves, EngineBeams, EngineLora, EngineWeights, EngineEmbed
         self.sampler = Sampler(eos)
         self.outputs = OutputProcessor(tokenizer, eos, self.max_model_len)
         self.step_timing = build_step_timing(config)  # fed every step (shape in _prepare, time in _account)
-        self.scheduler = build_scheduler(config, self.kv, self.step_timing, max_encode_images(config, model))
+        self.max_encode_images = max_encode_images(config, model)  # (also bounds Encode calls between steps)
+        self.scheduler = build_scheduler(config, self.kv, self.step_timing, self.max_encode_images)
         self.spec: Speculator | None = build_spec(config, model, draft_model, self.runner, self.max_model_len,
                                                   self.platform.device)
         self.beams = build_beams(config, model, self.kv, tokenizer, eos, self.runner)

@@ -209,25 +209,27 @@ def given_embedding(model: SupportsImages, image: engine_pb2.ImageInput, grid: t
     return torch.frombuffer(bytearray(got.values), dtype=torch.float32).view(tokens, hidden).to(model.dtype)
 
 
-def encode_images(model: object, cache: EncoderCache, images: list[engine_pb2.ImageInput],
-                  weights_identity: str = "") -> list[engine_pb2.ImageEmbedding]:
-    """``EngineService.Encode``: each image's embeddings (through ``cache``: an image it holds is not encoded
-    again; the others in one batch), as float32 with their CRC-32 and ``weights_identity``.
-    :class:`InvalidRequestError` naming ``images`` for a text model or a malformed image."""
+def encode_requests(model: object, cache: EncoderCache, requests: list[list[engine_pb2.ImageInput]],
+                    weights_identity: str = "") -> list[list[engine_pb2.ImageEmbedding] | InvalidRequestError]:
+    """``EngineService.Encode`` for several calls at once: each call's images' embeddings (float32 with their
+    CRC-32 and ``weights_identity``), or the :class:`InvalidRequestError` naming ``images`` that refuses that
+    call alone (a text model, a malformed image). The images ``cache`` lacks, of every valid call, go through
+    the vision tower in one batch (each content hash once)."""
     if not isinstance(model, SupportsImages):
-        raise InvalidRequestError("this model takes no images (a text model)", "images")
-    if not images:
-        raise InvalidRequestError("images: at least one image to encode", "images")
-    wanted = []
-    for i, image in enumerate(images):
-        pixels, grid, key = parse_image(model, i, image)
-        wanted.append((key, pixels, torch.tensor([grid], dtype=torch.int64), None))
-    cache.encode_all(model, wanted, phase=False)
-    out = []
-    for key, *_ in wanted:
-        values = cache.embeddings_of(key).float().contiguous().numpy().tobytes()
-        out.append(_embedding_message(values, weights_identity))
-    return out
+        return [InvalidRequestError("this model takes no images (a text model)", "images") for _ in requests]
+    parsed: list[list | InvalidRequestError] = []
+    for images in requests:
+        try:
+            if not images:
+                raise InvalidRequestError("images: at least one image to encode", "images")
+            parsed.append([(key, pixels, torch.tensor([grid], dtype=torch.int64), None)
+                           for pixels, grid, key in (parse_image(model, i, im) for i, im in enumerate(images))])
+        except InvalidRequestError as exc:
+            parsed.append(exc)
+    cache.encode_all(model, [w for p in parsed if not isinstance(p, InvalidRequestError) for w in p], phase=False)
+    return [p if isinstance(p, InvalidRequestError) else
+            [_embedding_message(cache.embeddings_of(key).float().contiguous().numpy().tobytes(), weights_identity)
+             for key, *_ in p] for p in parsed]
 
 
 def _embedding_message(values: bytes, weights_identity: str) -> engine_pb2.ImageEmbedding:

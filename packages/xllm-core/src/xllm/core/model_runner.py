@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from xllm.core.images import BatchImages, EncoderCache, batch_images, encode_images, encode_phase
+from xllm.core.images import BatchImages, EncoderCache, batch_images, encode_phase, encode_requests
 from xllm.core.kv.addressing import PageAddress, SlotAddress
 from xllm.core.kv.contracts import KVTensors
 from xllm.core.model_api import (
@@ -147,11 +147,10 @@ class ModelRunner:
         with torch.inference_mode():
             return encode_phase(seqs, self.model, self.encoder_cache)
 
-    def encode_images(self, images: list[engine_pb2.ImageInput],
-                      weights_identity: str) -> list[engine_pb2.ImageEmbedding]:
-        """An encode instance's ``Encode``: :func:`xllm.core.images.encode_images` through :attr:`encoder_cache`."""
+    def encode_requests(self, requests: list[list[engine_pb2.ImageInput]], weights_identity: str) -> list:
+        """``Encode`` calls: :func:`xllm.core.images.encode_requests` through :attr:`encoder_cache`."""
         with torch.inference_mode():
-            return encode_images(self.model, self.encoder_cache, images, weights_identity)
+            return encode_requests(self.model, self.encoder_cache, requests, weights_identity)
 
     def set_overlap(self, mode: str) -> None:
         """``--tp-overlap`` ``mode`` (``auto``, ``on``, ``off``): whether eager steps may run overlapped
