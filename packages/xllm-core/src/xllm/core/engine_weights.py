@@ -208,7 +208,7 @@ class EngineWeights:
     def _refresh_derived(self) -> None:
         """Everything made from the weights goes and is rebuilt from the current ones: the model's packed
         copies and fused forward (``drop_packed``; ``post_load`` for a model without packed copies), the
-        runner's binding of that fused forward, a compiled decode graph."""
+        runner's binding of that fused forward and its cached image embeddings, a compiled decode graph."""
         model = self.model
         drop = getattr(model, "drop_packed", None)
         if drop is not None:
@@ -219,6 +219,7 @@ class EngineWeights:
                 post_load()
         runner = self.runner
         runner.refresh_fused()
+        runner.forget_encoded()  # (image embeddings are made from the weights too)
         if getattr(runner, "graph", None) is not None:
             from xllm.core.graph_runner import build_compiled_decode
             runner.graph = build_compiled_decode(model, self.kv, runner, self.config.max_num_seqs)

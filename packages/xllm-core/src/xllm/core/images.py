@@ -300,6 +300,11 @@ class EncoderCache:
         return {"images_encoded": now[0] - before[0], "image_cache_hits": now[1] - before[1],
                 "image_encode_seconds": now[2] - before[2]}
 
+    def clear(self) -> None:
+        """Forget every embedding (the weights that made them are gone); the counters stay."""
+        self._entries.clear()
+        self._bytes = 0
+
     def embeddings_of(self, key: bytes) -> torch.Tensor:
         """The cached embeddings of the image hashed ``key`` (``KeyError`` when not cached)."""
         return self._entries[key]

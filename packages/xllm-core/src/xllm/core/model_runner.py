@@ -147,6 +147,10 @@ class ModelRunner:
         with torch.inference_mode():
             return encode_phase(seqs, self.model, self.encoder_cache)
 
+    def forget_encoded(self) -> None:
+        """Drop the cached image embeddings (after the weights changed: they were made with the old ones)."""
+        self.encoder_cache.clear()
+
     def encode_requests(self, requests: list[list[engine_pb2.ImageInput]], weights_identity: str) -> list:
         """``Encode`` calls: :func:`xllm.core.images.encode_requests` through :attr:`encoder_cache`."""
         with torch.inference_mode():
