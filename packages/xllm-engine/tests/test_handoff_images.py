@@ -205,3 +205,51 @@ def test_encode_calls_between_steps_are_batched_and_bounded_while_requests_run(c
     assert batches == ([1, 1] if busy else [3]) and running == [busy] * len(batches)
     assert [len(g) for g in got] == [1, 1, 1] and len({g[0].values for g in got}) == 3
     assert all(g[0].crc32 == crc32(g[0].values) for g in got)
+
+
+def test_a_weight_update_forgets_the_cached_image_embeddings(smollm2_dir, tmp_path):
+    """An engine loaded from checkpoint A encodes an image (cached); after ``update_weights`` to checkpoint B the
+    same image's ``Encode`` is B's tower's output, not the cached A one."""
+    from transformers import AutoTokenizer
+
+    from xllm.core import AsyncEngine
+    from xllm.engine.loader import load_engine
+    from xllm.models.qwen_vl import load_qwen_vl
+    from xllm.testing.models import VISION_TOKENS, flatten_vl_config, save_random_vl, tiny_qwen_vl_config
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    config = tiny_qwen_vl_config("qwen2_vl", len(tok), {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS})
+    dirs = {name: tmp_path / name for name in ("a", "b")}
+    for seed, path in enumerate(dirs.values()):
+        save_random_vl(config, path, seed=seed)
+        flatten_vl_config(path, path)
+        tok.save_pretrained(path)
+    c = vl_case(smollm2_dir, tmp_path / "case", NEW)  # (its image only)
+    pixels = torch.frombuffer(bytearray(c.a.pixel_values), dtype=torch.float32).view(-1, len(c.a.pixel_values) // 4)
+    grid = torch.tensor([list(c.a.grid_thw)])
+    with torch.inference_mode():
+        want = {name: load_qwen_vl(path, torch.float32).encode_images(pixels.view(int(grid.prod()), -1), grid)[0]
+                for name, path in dirs.items()}
+    loaded = load_engine(str(dirs["a"]), "vl", EngineConfig(dtype=torch.float32, kv_cache_memory_gib=0.05,
+                                                            max_model_len=256, num_threads=1), "e", progress=False)
+
+    async def main():
+        aeng = AsyncEngine(loaded.engine, compute=loaded.compute)
+        aeng.start()
+        try:
+            before = (await aeng.encode_images([c.a]))[0]
+            await aeng.update_weights(str(dirs["b"]))
+            after = (await aeng.encode_images([c.a]))[0]
+            return before, after
+        finally:
+            aeng.shutdown()
+            loaded.engine.close()
+            loaded.compute.shutdown()
+
+    before, after = asyncio.run(main())
+    values = {k: torch.frombuffer(bytearray(v.values), dtype=torch.float32) for k, v in (("a", before), ("b", after))}
+    assert (want["a"] - want["b"]).abs().max() > 0.1  # (the checkpoints differ)
+    for name in ("a", "b"):  # (the engine's thread count may round the last bits differently)
+        torch.testing.assert_close(values[name], want[name].flatten(), rtol=1e-4, atol=1e-5)
+    assert after.weights_identity.endswith("@update1")  # (and it says which weights made it)
