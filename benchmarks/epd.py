@@ -35,7 +35,7 @@ import time
 from benchmarks.report import add_output_args, fmt
 from benchmarks.scenario import Output, Scenario, attempt
 from benchmarks.stats import SLO, serving_summary
-from benchmarks.vl_models import SIZES, model_dir
+from benchmarks.vl_models import SIZES, latency_bars_by_kind, model_dir
 from xllm.common.argtypes import fraction, name_list, positive_float, positive_int
 
 CONFIGS = {
@@ -311,13 +311,7 @@ def plot(results: dict, out_dir) -> list[str]:
 
     names = list(results["configs"])
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for ax, metric, title in ((axes[0], "ttft_ms", "TTFT p90 (ms)"), (axes[1], "tpot_ms", "TPOT p90 (ms)")):
-        for k, (kind, colour) in enumerate((("image", "#1f77b4"), ("text", "#ff7f0e"))):
-            ys = [results["configs"][n].get(kind, {}).get(metric, {}).get("p90") or 0 for n in names]
-            ax.bar([i + (k - 0.5) * 0.35 for i in range(len(names))], ys, 0.35, color=colour, label=kind)
-        ax.set_xticks(range(len(names)), names, fontsize=8)
-        ax.set_title(title)
-        ax.legend()
+    latency_bars_by_kind(axes[:2], results["configs"])
     goodput = [results["configs"][n]["all"]["goodput"] for n in names]
     colours = ["#2ca02c" if n == results.get("pick") else "#7f7f7f" for n in names]
     axes[2].bar(range(len(names)), goodput, color=colours)

@@ -24,7 +24,7 @@ import time
 from benchmarks.report import add_output_args, fmt
 from benchmarks.scenario import Output, Scenario, attempt
 from benchmarks.stats import SLO, RequestRecord, serving_summary
-from benchmarks.vl_models import IMAGE_PAD, SIZES, VOCAB, model_dir
+from benchmarks.vl_models import IMAGE_PAD, SIZES, VOCAB, latency_bars_by_kind, model_dir
 from xllm.common.argtypes import fraction, int_list_at_least, positive_float, positive_int
 
 
@@ -187,15 +187,8 @@ def plot(results: dict, out_dir) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(results["configs"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, metric, title in ((axes[0], "ttft_ms", "TTFT p90 (ms)"), (axes[1], "tpot_ms", "TPOT p90 (ms)")):
-        for k, (kind, colour) in enumerate((("image", "#1f77b4"), ("text", "#ff7f0e"))):
-            ys = [results["configs"][n].get(kind, {}).get(metric, {}).get("p90") or 0 for n in names]
-            ax.bar([i + (k - 0.5) * 0.35 for i in range(len(names))], ys, 0.35, color=colour, label=kind)
-        ax.set_xticks(range(len(names)), names, fontsize=8)
-        ax.set_title(title)
-        ax.legend()
+    latency_bars_by_kind(axes[:2], results["configs"])
     fig.suptitle("Image requests: encode phase off vs on")
     fig.tight_layout()
     path = out_dir / "multimodal.png"

@@ -1,5 +1,6 @@
-"""The random-weight Qwen2-VL models the image benchmarks serve (``multimodal``, ``epd``): made once, cached under
-``$XLLM_CACHE_DIR/bench-models``. Text ids are SmolLM2's; the vision tokens follow them."""
+"""What the image benchmarks (``multimodal``, ``epd``) share: the random-weight Qwen2-VL models they serve (made once,
+cached under ``$XLLM_CACHE_DIR/bench-models``; text ids are SmolLM2's, the vision tokens follow them) and their
+plot of TTFT / TPOT p90 per configuration and kind of request."""
 
 from __future__ import annotations
 
@@ -42,3 +43,16 @@ def model_dir(size: str):
     flatten_vl_config(tmp, tmp)
     tmp.rename(path)
     return path
+
+
+def latency_bars_by_kind(axes, configs: dict) -> None:
+    """On ``axes`` (two): TTFT p90 and TPOT p90 of each configuration in ``configs`` (name -> its row, with a
+    ``serving_summary`` per kind), image and text requests side by side."""
+    names = list(configs)
+    for ax, metric, title in ((axes[0], "ttft_ms", "TTFT p90 (ms)"), (axes[1], "tpot_ms", "TPOT p90 (ms)")):
+        for k, (kind, colour) in enumerate((("image", "#1f77b4"), ("text", "#ff7f0e"))):
+            ys = [configs[n].get(kind, {}).get(metric, {}).get("p90") or 0 for n in names]
+            ax.bar([i + (k - 0.5) * 0.35 for i in range(len(names))], ys, 0.35, color=colour, label=kind)
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_title(title)
+        ax.legend()
